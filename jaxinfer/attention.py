@@ -1,0 +1,57 @@
+"""The one attention dispatcher: paged attention by kernel or by plain-JAX reference.
+
+The model calls :func:`paged_attention` and never names an implementation. ``impl``
+chooses: ``"auto"`` picks the Pallas kernel for the platform being compiled for (GPU or
+TPU) and the reference elsewhere (CPU); tests force ``"reference"``, ``"pallas_gpu"``,
+``"pallas_tpu"``, or their ``_interpret`` variants to run a kernel on the CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.paged_attention.reference import ragged_paged_attention_reference
+
+IMPLEMENTATIONS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret")
+
+
+def resolve_impl(impl: str, platform: str | None = None) -> str:
+    """Turn ``"auto"`` into a concrete implementation for ``platform`` (default: JAX's backend)."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"attention impl {impl!r} is not one of {IMPLEMENTATIONS}")
+    if impl != "auto":
+        return impl
+    platform = platform or jax.default_backend()
+    if platform in ("gpu", "cuda", "rocm") and _has_kernel("ragged_paged_attention_gpu"):
+        return "pallas_gpu"
+    if platform == "tpu" and _has_kernel("ragged_paged_attention_tpu"):
+        return "pallas_tpu"
+    return "reference"
+
+
+def _has_kernel(name: str) -> bool:
+    import pallas_kernels.paged_attention as pa
+
+    return hasattr(pa, name)
+
+
+def paged_attention(q, k_new, v_new, k_pages, v_pages, batch, *, sm_scale, sliding_window=None, impl="auto"):
+    """Write ``k_new``/``v_new`` into the pages and attend; returns ``(out, k_pages, v_pages)``.
+
+    q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; pages: [Hkv, P, S, D]; ``batch`` is a StepBatch.
+    """
+    impl = resolve_impl(impl)
+    args = (q, k_new, v_new, k_pages, v_pages, batch.page_tables, batch.cu_q_lens, batch.kv_lens)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
+    if impl == "reference":
+        return ragged_paged_attention_reference(*args, **kwargs)
+    import pallas_kernels.paged_attention as pa
+
+    if impl.startswith("pallas_gpu"):
+        return pa.ragged_paged_attention_gpu(*args, **kwargs, interpret=impl.endswith("_interpret"))
+    if impl == "pallas_tpu_interpret":
+        from jax.experimental.pallas import tpu as pltpu
+
+        with pltpu.force_tpu_interpret_mode():
+            return pa.ragged_paged_attention_tpu(*args, **kwargs)
+    return pa.ragged_paged_attention_tpu(*args, **kwargs)

@@ -1,0 +1,89 @@
+"""The ``jaxinfer`` command line: generate, fetch, models."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="built-in name, Hugging Face directory or .gguf file")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from jaxinfer import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len)
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        max_tokens=args.max_tokens, stop=args.stop or None, seed=args.sample_seed,
+    )
+    prompts = args.prompt or [sys.stdin.read()]
+    if args.chat:
+        conversations = []
+        for prompt in prompts:
+            messages = [{"role": "system", "content": args.system}] if args.system else []
+            conversations.append(messages + [{"role": "user", "content": prompt}])
+        outputs = llm.chat(conversations, params, use_tqdm=False)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    for out in outputs:
+        print(out.outputs[0].text if args.chat else (out.prompt or "") + out.outputs[0].text)
+    return 0
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from jaxinfer.model_registry import resolve_model
+
+    print(resolve_model(args.model))
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from jaxinfer.model_registry import builtin_models
+
+    for name, description in builtin_models().items():
+        print(f"{name}\t{description}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxinfer", description="JAX inference engine for Llama-family models")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    _add_model_args(g)
+    g.add_argument("--prompt", action="append", help="a prompt (repeat for a batch); default: stdin")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--system", default=None, help="system message (with --chat)")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default here)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--stop", action="append")
+    g.add_argument("--sample-seed", type=int, default=None)
+    g.set_defaults(func=_generate)
+
+    f = sub.add_parser("fetch", help="download a built-in model into the cache and print its path")
+    f.add_argument("--model", default="smollm2-135m-instruct")
+    f.set_defaults(func=_fetch)
+
+    m = sub.add_parser("models", help="list the built-in model names")
+    m.set_defaults(func=_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"jaxinfer: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

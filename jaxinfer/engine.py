@@ -1,0 +1,414 @@
+"""Engine: continuous batching. One step reads like a sentence:
+
+    schedule -> launch on the device -> (while it runs) process the previous step's tokens
+
+1. ``add_request`` validates the prompt and queues one ``Sequence`` per sample.
+2. ``step`` asks the scheduler which tokens to compute (decodes first, then chunked
+   prefills, one token budget), has the runner pack and launch the jitted step, and
+   appends a placeholder for each token being sampled on the device.
+3. While the device runs, the host fetches the *previous* step's sampled tokens, fills in
+   their placeholders, detokenizes, checks stop conditions, and finishes sequences.
+4. Finished sequences free their pages; requests whose samples all finished are returned.
+
+Requests that use repetition/presence/frequency penalties need the previous token on the
+host to build the penalty history, so a step that holds one waits for the previous step's
+results before launching (exact, a little slower).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import logging
+import time
+
+import jax
+import numpy as np
+
+from jaxinfer.batch import StepBatch
+from jaxinfer.checkpoint import LoadedModel
+from jaxinfer.detokenizer import Detokenizer
+from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxinfer.page_allocator import SCRATCH_PAGE, PageAllocator
+from jaxinfer.runner import MAX_BANNED, ModelRunner, StepInputs
+from jaxinfer.sampling import SamplingTensors
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.scheduler import Schedule, Scheduler, SchedulerConfig
+from jaxinfer.sequence import PLACEHOLDER_TOKEN, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class PromptTooLongError(ValueError):
+    """A prompt does not fit in the context (``max_model_len``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    page_size: int = 16
+    num_pages: int = 1024
+    enable_prefix_caching: bool = True
+    max_wait_s: float = 0.002
+    attention_impl: str = "auto"
+    async_scheduling: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleSettings:
+    """What the engine attaches to each Sequence (opaque to the scheduler)."""
+
+    params: SamplingParams
+    seed: int  # this sample's own seed: the request's, or derived from it for n > 1
+    max_tokens: int  # max_tokens, capped by the context left after the prompt
+
+
+class _Request:
+    """Host state of one request: its samples and what they have produced."""
+
+    def __init__(self, request_id, prompt, prompt_ids, params, seqs, detokenizers, arrival_time):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.seqs: list[Sequence] = seqs
+        self.detokenizers: list[Detokenizer] = detokenizers
+        self.logprobs: list[list[dict[int, float]]] = [[] for _ in seqs]
+        self.cumulative_logprob = [0.0 for _ in seqs]
+        self.stop_reasons: list[int | str | None] = [None for _ in seqs]
+        self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_ids))
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+    def output(self) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=i,
+                text=self.detokenizers[i].text,
+                token_ids=[t for t in seq.generated_token_ids if t != PLACEHOLDER_TOKEN],
+                finish_reason=seq.finish_reason,
+                stop_reason=self.stop_reasons[i],
+                logprobs=self.logprobs[i] if self.params.logprobs is not None else None,
+                cumulative_logprob=self.cumulative_logprob[i] if self.params.logprobs is not None else None,
+            )
+            for i, seq in enumerate(self.seqs)
+        ]
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_ids,
+            outputs=outputs, finished=self.finished, num_cached_tokens=self.seqs[0].num_cached_tokens,
+            metrics=self.metrics,
+        )
+
+
+@dataclasses.dataclass
+class _InFlight:
+    schedule: Schedule
+    rows: list[int]  # row of each schedule item in the sampler output; -1: no token sampled
+    sampler_output: object
+    launch_time: float
+
+
+class Engine:
+    def __init__(self, model: LoadedModel, config: EngineConfig, *, warm_up: bool = True, use_tqdm: bool = True):
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.model_config = model.config
+        self.config = config
+        self.max_model_len = config.max_model_len
+        identity = f"{model.source}:{model.config}:{model.weights.embed.dtype}"
+        self.allocator = PageAllocator(config.num_pages, config.page_size, identity, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=config.max_model_len, page_size=config.page_size, max_wait_s=config.max_wait_s,
+            ),
+            self.allocator,
+        )
+        self.runner = ModelRunner(
+            model, num_pages=config.num_pages, page_size=config.page_size, max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            attention_impl=config.attention_impl,
+        )
+        self.eos_ids = frozenset(model.tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
+        self._requests: dict[str, _Request] = {}
+        self._seq_request: dict[int, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._in_flight: _InFlight | None = None
+        self._aborted: list[_Request] = []  # reported as finished by the next step()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_tokens_computed = 0
+        self.last_step_num_tokens = 0
+        self.warmup_seconds = self.runner.warm_up(use_tqdm) if warm_up else 0.0
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request; raises ValueError, naming the limit, if it cannot run."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        base_seed = params.seed if params.seed is not None else int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:4], "little")
+        seqs, detokenizers = [], []
+        for index in range(params.n):
+            settings = SampleSettings(
+                params=params,
+                seed=_derive_seed(base_seed, index, params.n),
+                max_tokens=min(params.max_tokens or self.max_model_len, self.max_model_len - len(prompt_token_ids)),
+            )
+            seq = Sequence(next(self._seq_ids), request_id, prompt_token_ids, sampling=settings, arrival_time=arrival)
+            seqs.append(seq)
+            detokenizers.append(Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output))
+        request = _Request(request_id, prompt, list(prompt_token_ids), params, seqs, detokenizers, arrival)
+        self._requests[request_id] = request
+        for seq in seqs:
+            self._seq_request[seq.seq_id] = request
+            self.scheduler.add(seq)
+        self.prompt_tokens_total += len(prompt_token_ids)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is {self.max_model_len}: "
+                f"it must leave room for at least one output token"
+            )
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+
+    def abort(self, request_id: str) -> bool:
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            self.scheduler.finish(seq, "abort")
+        self._aborted.append(request)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or self._in_flight is not None or bool(self._aborted)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the outputs of requests that changed."""
+        changed: dict[str, _Request] = {r.request_id: r for r in self._aborted}
+        self._aborted.clear()
+        schedule = self.scheduler.schedule()
+        if schedule.is_empty:
+            if self._in_flight is not None:
+                self._process(self._in_flight, changed)
+                self._in_flight = None
+            elif schedule.wait_until is not None:
+                time.sleep(max(0.0, schedule.wait_until - time.monotonic()))
+            return self._collect(changed)
+        if self._in_flight is not None and (not self.config.async_scheduling or self._needs_host_tokens(schedule)):
+            self._process(self._in_flight, changed)
+            self._in_flight = None
+        launched = self._launch(schedule)
+        self.scheduler.postprocess(schedule)
+        for item in schedule.items:
+            if item.samples_token and not item.seq.is_finished:
+                item.seq.append_token(PLACEHOLDER_TOKEN)
+        if self._in_flight is not None:
+            self._process(self._in_flight, changed)
+        self._in_flight = launched
+        if not self.config.async_scheduling:
+            self._process(self._in_flight, changed)
+            self._in_flight = None
+        return self._collect(changed)
+
+    def stats(self) -> dict:
+        return dict(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_pages_total=self.allocator.num_usable_pages,
+            num_pages_used=self.allocator.num_used_pages,
+            kv_cache_usage=self.allocator.usage,
+            prefix_cache_queries=self.allocator.prefix_cache_queries,
+            prefix_cache_hits=self.allocator.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            num_tokens_computed=self.num_tokens_computed,
+            num_compilations_after_warmup=self.runner.num_compilations_after_warmup,
+            last_step_num_tokens=self.last_step_num_tokens,
+        )
+
+    def _needs_host_tokens(self, schedule: Schedule) -> bool:
+        return any(
+            item.seq.has_placeholder and _uses_penalties(item.seq.sampling.params) for item in schedule.items
+        )
+
+    def _launch(self, schedule: Schedule) -> _InFlight:
+        inputs, rows = self._prepare(schedule)
+        now = time.monotonic()
+        for item in schedule.items:
+            request = self._seq_request[item.seq.seq_id]
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+        output = self.runner.execute(inputs)
+        self.num_tokens_computed += schedule.num_batched_tokens
+        self.last_step_num_tokens = schedule.num_batched_tokens
+        return _InFlight(schedule, rows, output, now)
+
+    def _prepare(self, schedule: Schedule) -> tuple[StepInputs, list[int]]:
+        items = schedule.items
+        num_tokens = sum(item.num_new_tokens for item in items)
+        max_pages = max(len(item.seq.page_table) for item in items)
+        t_bucket, b_bucket, p_bucket = self.runner.buckets.pick(num_tokens, len(items), max_pages)
+        needs_full = any(_needs_full_sampler(item.seq) for item in items)
+        history_len = 0
+        if needs_full:
+            history_len = self.runner.history_len(max(item.seq.num_tokens for item in items))
+        sampling = SamplingTensors.neutral(b_bucket, history_len, MAX_BANNED if needs_full else 0)
+        token_ids = np.zeros(t_bucket, np.int32)
+        positions = np.zeros(t_bucket, np.int32)
+        prev_rows = np.full(t_bucket, -1, np.int32)
+        cu_q_lens = np.zeros(b_bucket + 1, np.int32)
+        kv_lens = np.zeros(b_bucket, np.int32)
+        page_tables = np.full((b_bucket, p_bucket), SCRATCH_PAGE, np.int32)
+        logits_indices = np.zeros(b_bucket, np.int32)
+        previous_rows = self._previous_rows()
+        row = 0
+        rows = []
+        for b, item in enumerate(items):
+            seq, n = item.seq, item.num_new_tokens
+            tokens = seq.token_ids[item.start_position : item.start_position + n]
+            for j, token in enumerate(tokens):
+                if token == PLACEHOLDER_TOKEN:
+                    prev_rows[row + j] = previous_rows[seq.seq_id]
+                else:
+                    token_ids[row + j] = token
+            positions[row : row + n] = np.arange(item.start_position, item.start_position + n)
+            kv_lens[b] = item.start_position + n
+            page_tables[b, : len(seq.page_table)] = seq.page_table
+            row += n
+            logits_indices[b] = row - 1
+            cu_q_lens[b + 1] = row
+            rows.append(b if item.samples_token else -1)
+            if item.samples_token:
+                self._fill_sampling(sampling, b, seq, needs_full)
+        cu_q_lens[len(items) + 1 :] = row
+        batch = StepBatch(token_ids, positions, cu_q_lens, kv_lens, page_tables, logits_indices)
+        return StepInputs(batch, sampling, prev_rows, "full" if needs_full else "basic"), rows
+
+    def _previous_rows(self) -> dict[int, int]:
+        if self._in_flight is None:
+            return {}
+        return {
+            item.seq.seq_id: row for item, row in zip(self._in_flight.schedule.items, self._in_flight.rows) if row >= 0
+        }
+
+    def _fill_sampling(self, sampling: SamplingTensors, b: int, seq: Sequence, needs_full: bool) -> None:
+        params: SamplingParams = seq.sampling.params
+        num_generated = seq.num_generated_tokens
+        sampling.temperature[b] = params.temperature
+        sampling.seed[b] = seq.sampling.seed
+        sampling.step[b] = num_generated
+        if not needs_full:
+            return
+        sampling.top_k[b] = params.top_k if params.top_k > 0 else 0
+        sampling.top_p[b] = params.top_p
+        sampling.min_p[b] = params.min_p
+        sampling.repetition_penalty[b] = params.repetition_penalty
+        sampling.presence_penalty[b] = params.presence_penalty
+        sampling.frequency_penalty[b] = params.frequency_penalty
+        if _uses_penalties(params):
+            history = np.asarray(seq.token_ids, np.int32)
+            sampling.history_ids[b, : len(history)] = history
+            sampling.history_is_output[b, seq.num_prompt_tokens : len(history)] = True
+        if num_generated < params.min_tokens:
+            banned = ([] if params.ignore_eos else sorted(self.eos_ids)) + list(params.stop_token_ids)
+            banned = banned[:MAX_BANNED]
+            sampling.banned_ids[b, : len(banned)] = banned
+
+    def _process(self, in_flight: _InFlight, changed: dict[str, _Request]) -> None:
+        """Fetch a launched step's sampled tokens and apply them to their sequences."""
+        out = jax.device_get(in_flight.sampler_output)
+        now = time.monotonic()
+        for item, row in zip(in_flight.schedule.items, in_flight.rows):
+            if row < 0:
+                continue
+            seq = item.seq
+            request = self._seq_request.get(seq.seq_id)
+            if request is None or seq.is_finished:
+                continue  # aborted or already stopped: this sample is dropped
+            token = int(out.token_ids[row])
+            index = seq.token_ids.index(PLACEHOLDER_TOKEN, seq.num_prompt_tokens)
+            seq.set_token(index, token)
+            self.generation_tokens_total += 1
+            i = request.seqs.index(seq)
+            if request.params.logprobs is not None:
+                entry = {token: float(out.logprobs[row])}
+                for tid, value in zip(out.top_logprob_ids[row][: request.params.logprobs], out.top_logprob_values[row]):
+                    entry.setdefault(int(tid), float(value))
+                request.logprobs[i].append(entry)
+                request.cumulative_logprob[i] += float(out.logprobs[row])
+            metrics = request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            metrics.num_generation_tokens += 1
+            self._check_stop(request, i, seq, token)
+            changed[request.request_id] = request
+
+    def _check_stop(self, request: _Request, i: int, seq: Sequence, token: int) -> None:
+        params = request.params
+        num_generated = sum(1 for t in seq.generated_token_ids if t != PLACEHOLDER_TOKEN)
+        stop_string = request.detokenizers[i].add_token(token)
+        reason = None
+        if stop_string is not None:
+            reason, request.stop_reasons[i] = "stop", stop_string
+        elif token in params.stop_token_ids and num_generated > params.min_tokens - 1:
+            reason, request.stop_reasons[i] = "stop", token
+        elif token in self.eos_ids and not params.ignore_eos and num_generated >= params.min_tokens:
+            reason = "stop"
+        elif num_generated >= seq.sampling.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _collect(self, changed: dict[str, _Request]) -> list[RequestOutput]:
+        outputs = []
+        for request in changed.values():
+            if request.finished and request.metrics.finished_time is None:
+                request.metrics.finished_time = time.monotonic()
+            outputs.append(request.output())
+            if request.finished:
+                self._drop(request)
+        return outputs
+
+    def _drop(self, request: _Request) -> None:
+        self._requests.pop(request.request_id, None)
+        for seq in request.seqs:
+            self._seq_request.pop(seq.seq_id, None)
+
+
+def _uses_penalties(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
+def _needs_full_sampler(seq: Sequence) -> bool:
+    params: SamplingParams = seq.sampling.params
+    return (
+        _uses_penalties(params)
+        or params.logprobs is not None
+        or params.min_tokens > 0
+        or (params.temperature > 0 and (params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0))
+    )
+
+
+def _derive_seed(base_seed: int, index: int, n: int) -> int:
+    """Sample ``index``'s seed: the request's own for n == 1, a hash of (seed, index) otherwise."""
+    if n == 1:
+        return base_seed % 2**32
+    digest = hashlib.sha256(f"{base_seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")

@@ -1,0 +1,226 @@
+"""LLM: the offline, vLLM-shaped public API.
+
+    from jaxinfer import LLM, SamplingParams
+    llm = LLM(model="smollm2-135m-instruct")
+    outputs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
+    print(outputs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any, Iterator, Sequence
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxinfer.checkpoint import LoadedModel, load_model
+from jaxinfer.engine import Engine, EngineConfig, PromptTooLongError
+from jaxinfer.memory import num_pages_for_device, pages_for
+from jaxinfer.outputs import CompletionOutput, RequestOutput
+from jaxinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Load a model and generate from it through the continuous-batching engine.
+
+    Args:
+        model: a built-in name (``jaxinfer.model_registry.builtin_models()``), a Hugging Face
+            directory, or a GGUF file.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"auto"`` (bfloat16 on an accelerator, float32 on CPU).
+        seed: seeds requests that do not set their own ``seed``.
+        max_model_len: longest prompt + output in tokens (default: the model's context length).
+        max_num_seqs: most sequences in one step (the maximum batch size).
+        max_num_batched_tokens: the token budget of one step (prefill chunks + decodes).
+        page_size: tokens per KV page.
+        num_pages: size of the page pool; default: sized from free device memory.
+        memory_utilization: fraction of device memory jaxinfer may use (weights + cache).
+        enable_prefix_caching: share full pages of common prefixes between requests.
+        attention_impl: ``"auto"`` (kernel on GPU/TPU, reference on CPU) or a forced implementation.
+        warm_up: compile every step shape now (else: on first use).
+    """
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m-instruct",
+        *,
+        dtype: str | None = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = True,
+        max_wait_s: float = 0.002,
+        attention_impl: str = "auto",
+        warm_up: bool = True,
+        use_tqdm: bool = True,
+        loaded: LoadedModel | None = None,
+    ):
+        self.model = loaded or load_model(model, dtype)
+        config = self.model.config
+        self.tokenizer = self.model.tokenizer
+        max_model_len = max_model_len or config.max_position_embeddings
+        if max_model_len > config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's context of {config.max_position_embeddings} tokens"
+            )
+        on_cpu = jax.default_backend() == "cpu"
+        max_num_seqs = max_num_seqs or (16 if on_cpu else 256)
+        max_num_batched_tokens = max_num_batched_tokens or (256 if on_cpu else 8192)
+        if num_pages is None:
+            element_bytes = self.model.weights.embed.dtype.itemsize
+            num_pages = num_pages_for_device(
+                config, page_size=page_size, bytes_per_element=element_bytes, memory_utilization=memory_utilization
+            )
+        num_pages = max(num_pages, pages_for(max_model_len, page_size) + 1)
+        self.engine_config = EngineConfig(
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            page_size=page_size, num_pages=num_pages, enable_prefix_caching=enable_prefix_caching,
+            max_wait_s=max_wait_s, attention_impl=attention_impl,
+        )
+        self.engine = Engine(self.model, self.engine_config, warm_up=warm_up, use_tqdm=use_tqdm)
+        logger.info(
+            "engine ready: %d pages x %d tokens = %d tokens of KV cache (%d requests of %d tokens at once)",
+            num_pages - 1, page_size, (num_pages - 1) * page_size,
+            (num_pages - 1) // pages_for(max_model_len, page_size), max_model_len,
+        )
+        self._seed_rng = np.random.default_rng(seed)
+        self._request_counter = itertools.count()
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine_config.max_model_len
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One ``RequestOutput`` per prompt, in order. A prompt is a string or a list of token ids.
+
+        A prompt that cannot run (too long for the context, empty, bad token ids) gets an
+        output with ``error`` set and no text; the other prompts run normally.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompt_list))
+        return self._run([self._encode(p) for p in prompt_list], params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the chat template (generation prompt added) to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        params = _as_params_list(sampling_params, len(conversations))
+        encoded = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            encoded.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
+        return self._run(encoded, params, use_tqdm)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's growing output after every step that changed it (for notebooks)."""
+        text, ids = self._encode(prompt)
+        request_id = self._add(text, ids, sampling_params or SamplingParams())
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort(request_id)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        return None, [int(t) for t in prompt]
+
+    def _add(self, text: str | None, ids: list[int], params: SamplingParams) -> str:
+        request_id = str(next(self._request_counter))
+        if params.seed is None:
+            params = _with_seed(params, int(self._seed_rng.integers(0, 2**31)))
+        self.engine.add_request(request_id, ids, params, prompt=text)
+        return request_id
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        for (text, ids), sp in zip(encoded, params):
+            try:
+                order.append(self._add(text, ids, sp))
+            except ValueError as e:
+                request_id = f"invalid-{next(self._request_counter)}"
+                logger.warning("request rejected: %s", e)
+                results[request_id] = RequestOutput(
+                    request_id, text, ids, [CompletionOutput(0, "", [], finish_reason="error")], finished=True, error=str(e)
+                )
+                order.append(request_id)
+        bar = tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        start, num_output_tokens = time.perf_counter(), 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        num_output_tokens += sum(len(o.token_ids) for o in out.outputs)
+                        bar.set_postfix_str(f"{num_output_tokens / (time.perf_counter() - start):.1f} output tok/s")
+                        bar.update(1)
+        finally:
+            bar.close()
+            for request_id in order:
+                if request_id not in results:
+                    self.engine.abort(request_id)
+        return [results[r] for r in order]
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(params, seed=seed)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, (int, np.integer)) for p in prompts):
+        return [prompts]  # a flat list of ints is one token-id prompt
+    for i, p in enumerate(prompts):
+        if not isinstance(p, (str, list, tuple)):
+            raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
+    return [p if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts: give one, or one per prompt")
+    return params

@@ -1,0 +1,93 @@
+"""KV-cache memory: the design's formula, and sizing the page pool from free device memory.
+
+Per token the cache holds K and V for every layer and KV head::
+
+    bytes_per_token = 2 * layers * kv_heads * head_dim * bytes_per_element
+
+so ``tokens that fit = free memory / bytes_per_token``, and a request of ``S`` tokens
+needs ``ceil(S / page_size)`` pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import jax
+
+from jaxinfer.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 1 << 30  # no device memory to measure on CPU: a modest fixed pool
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    bytes_per_token: int
+    weight_bytes: int
+    available_bytes: int
+    num_tokens: int
+    num_requests: int  # requests of ``request_len`` tokens that fit at once
+    request_len: int
+
+    def __str__(self) -> str:
+        gib = 1 << 30
+        return (
+            f"KV cache: {self.bytes_per_token / 1024:.1f} KiB per token; "
+            f"{self.available_bytes / gib:.2f} GiB for the cache holds {self.num_tokens:,} tokens "
+            f"= {self.num_requests:,} requests of {self.request_len:,} tokens "
+            f"(weights: {self.weight_bytes / gib:.2f} GiB)"
+        )
+
+
+def weight_bytes(config: ModelConfig, bytes_per_element: int) -> int:
+    e, f, d, v = config.hidden_size, config.intermediate_size, config.head_dim, config.vocab_size
+    attention = e * d * (2 * config.num_q_heads + 2 * config.num_kv_heads)
+    per_layer = attention + 3 * e * f + 2 * e
+    embeddings = v * e * (1 if config.tie_word_embeddings else 2)
+    return (config.num_layers * per_layer + embeddings + e) * bytes_per_element
+
+
+def estimate(config: ModelConfig, *, bytes_per_element: int, memory_bytes: int, request_len: int,
+             memory_utilization: float = 0.9, activation_bytes: int = 0) -> MemoryEstimate:
+    """How many tokens, and requests of ``request_len`` tokens, fit on a device of ``memory_bytes``."""
+    per_token = config.kv_bytes_per_token(bytes_per_element)
+    weights = weight_bytes(config, bytes_per_element)
+    available = max(0, int(memory_bytes * memory_utilization) - weights - activation_bytes)
+    tokens = available // per_token
+    return MemoryEstimate(per_token, weights, available, tokens, tokens // max(1, request_len), request_len)
+
+
+def device_free_bytes(device: jax.Device | None = None) -> int | None:
+    """Bytes the device can still allocate (limit minus in use), or None where unknown (CPU)."""
+    device = device or jax.local_devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def num_pages_for_device(config: ModelConfig, *, page_size: int, bytes_per_element: int,
+                         memory_utilization: float, reserve_bytes: int = 0) -> int:
+    """Size the page pool from free device memory after the weights are loaded.
+
+    ``memory_utilization`` is the fraction of the device's memory limit jaxinfer may use in
+    all; what JAX has already allocated (the weights) is subtracted, and ``reserve_bytes`` is
+    kept back for activations and compiled programs.
+    """
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    page_bytes = config.kv_bytes_per_token(bytes_per_element) * page_size
+    if not stats or "bytes_limit" not in stats:
+        budget = CPU_KV_CACHE_BYTES
+    else:
+        budget = int(stats["bytes_limit"] * memory_utilization) - int(stats.get("bytes_in_use", 0)) - reserve_bytes
+    num_pages = max(2, budget // page_bytes)
+    logger.info("KV cache: %d pages of %d tokens (%.2f GiB)", num_pages, page_size, num_pages * page_bytes / 2**30)
+    return int(num_pages)
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return math.ceil(num_tokens / page_size)

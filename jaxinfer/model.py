@@ -1,0 +1,147 @@
+"""The Llama-family transformer as pure functions over pytrees.
+
+One forward serves prefill and decode alike: it takes a ragged batch of new tokens
+(:class:`~jaxinfer.batch.StepBatch`), writes their K/V into the paged cache through the
+attention dispatcher, and returns logits at each sequence's last new token. Llama 2/3,
+SmolLM2, Mistral and Qwen2/3 differ only by ``ModelConfig`` flags.
+
+Shapes: T tokens in the step, B sequence slots, E hidden size, Hq/Hkv query/KV heads,
+D head dim, F ffn size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.attention import paged_attention
+from jaxinfer.batch import StepBatch
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv_cache import KVCache
+from jaxinfer.params import LayerWeights, Weights
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, cast back before the weight multiply (as transformers does)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+@functools.cache
+def rope_inverse_frequencies(config: ModelConfig) -> np.ndarray:
+    """[D/2] float32 inverse frequencies, with Llama-3.1 scaling when the config asks for it."""
+    d = config.head_dim
+    inv_freq = (1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))).astype(
+        np.float32
+    )
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are stretched by `factor`, short ones kept, the band between blended.
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, blended, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE (the Hugging Face convention). x: [T, H, D]; positions: [T]."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
+    cos = jnp.cos(angles)[:, None, :]
+    sin = jnp.sin(angles)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def attention_block(
+    layer: LayerWeights,
+    x: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    batch: StepBatch,
+    config: ModelConfig,
+    attention_impl: str,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    h = rms_norm(x, layer.attn_norm, config.rms_norm_eps)  # [T, E]
+    q = jnp.einsum("te,ehd->thd", h, layer.q)  # [T, Hq, D]
+    k = jnp.einsum("te,ehd->thd", h, layer.k)  # [T, Hkv, D]
+    v = jnp.einsum("te,ehd->thd", h, layer.v)  # [T, Hkv, D]
+    if config.attention_bias:
+        q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
+    if config.qk_norm:
+        q = rms_norm(q, layer.q_norm, config.rms_norm_eps)
+        k = rms_norm(k, layer.k_norm, config.rms_norm_eps)
+    inv_freq = rope_inverse_frequencies(config)
+    q = apply_rope(q, batch.positions, inv_freq)
+    k = apply_rope(k, batch.positions, inv_freq)
+    out, k_pages, v_pages = paged_attention(
+        q, k, v, k_pages, v_pages, batch,
+        sm_scale=config.head_dim**-0.5, sliding_window=config.sliding_window, impl=attention_impl,
+    )  # out: [T, Hq, D]
+    return jnp.einsum("thd,hde->te", out, layer.o), k_pages, v_pages
+
+
+def mlp_block(layer: LayerWeights, x: jax.Array, config: ModelConfig) -> jax.Array:
+    h = rms_norm(x, layer.mlp_norm, config.rms_norm_eps)  # [T, E]
+    gate = jnp.einsum("te,ef->tf", h, layer.gate)
+    up = jnp.einsum("te,ef->tf", h, layer.up)
+    return jnp.einsum("tf,fe->te", jax.nn.silu(gate) * up, layer.down)
+
+
+def hidden_states(
+    weights: Weights, cache: KVCache, batch: StepBatch, config: ModelConfig, attention_impl: str = "auto"
+) -> tuple[jax.Array, KVCache]:
+    """Run every layer over the step's tokens; returns the final-normed hidden states [T, E]."""
+    x = weights.embed[batch.token_ids]  # [T, E]
+    new_k, new_v = [], []
+    for i, layer in enumerate(weights.layers):
+        with jax.named_scope(f"layer_{i}"):
+            with jax.named_scope("attention"):
+                attn, k_pages, v_pages = attention_block(
+                    layer, x, cache.k[i], cache.v[i], batch, config, attention_impl
+                )
+            x = x + attn
+            with jax.named_scope("mlp"):
+                x = x + mlp_block(layer, x, config)
+        new_k.append(k_pages)
+        new_v.append(v_pages)
+    return rms_norm(x, weights.final_norm, config.rms_norm_eps), KVCache(new_k, new_v)
+
+
+def compute_logits(weights: Weights, x: jax.Array) -> jax.Array:
+    """float32 logits [N, V] of hidden states x [N, E]; the lm_head is the embedding when tied."""
+    if weights.lm_head is None:
+        return jnp.einsum("ne,ve->nv", x, weights.embed, preferred_element_type=jnp.float32)
+    return jnp.einsum("ne,ev->nv", x, weights.lm_head, preferred_element_type=jnp.float32)
+
+
+def forward(
+    weights: Weights, cache: KVCache, batch: StepBatch, config: ModelConfig, attention_impl: str = "auto"
+) -> tuple[jax.Array, KVCache]:
+    """One step: logits [B, V] (float32) at each sequence's last new token, and the updated cache.
+
+    Jit it with ``config`` and ``attention_impl`` static and the cache donated::
+
+        step = jax.jit(forward, static_argnums=(3, 4), donate_argnums=(1,))
+    """
+    x, cache = hidden_states(weights, cache, batch, config, attention_impl)
+    return compute_logits(weights, x[batch.logits_indices]), cache
+
+
+def forward_all_logits(
+    weights: Weights, cache: KVCache, batch: StepBatch, config: ModelConfig, attention_impl: str = "auto"
+) -> tuple[jax.Array, KVCache]:
+    """Like :func:`forward` but logits at every token row [T, V] (tests, prompt logprobs)."""
+    x, cache = hidden_states(weights, cache, batch, config, attention_impl)
+    return compute_logits(weights, x), cache

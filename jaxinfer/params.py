@@ -1,0 +1,125 @@
+"""The model's weights: declared once, with shapes and logical axis names.
+
+Every weight is declared in :func:`param_specs` with its shape and the *logical* names
+of its axes (``vocab``, ``embed``, ``q_heads``, ``kv_heads``, ``head_dim``, ``ffn``).
+Random initialisation, loading, and the sharding rules in ``sharding/`` all derive from
+that one declaration, so laying weights on a mesh never touches model code.
+
+Matrices are stored input-axis first (``[embed, q_heads, head_dim]``) so the model's
+einsums read ``"te,ehd->thd"``; loaders transpose Hugging Face's ``[out, in]`` tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    logical_axes: tuple[str, ...]
+    init: str  # "normal" (scaled by fan-in), "ones" or "zeros"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerWeights:
+    attn_norm: Any  # [embed]
+    q: Any  # [embed, q_heads, head_dim]
+    k: Any  # [embed, kv_heads, head_dim]
+    v: Any  # [embed, kv_heads, head_dim]
+    o: Any  # [q_heads, head_dim, embed]
+    mlp_norm: Any  # [embed]
+    gate: Any  # [embed, ffn]
+    up: Any  # [embed, ffn]
+    down: Any  # [ffn, embed]
+    q_bias: Any = None  # [q_heads, head_dim]   (Qwen2)
+    k_bias: Any = None  # [kv_heads, head_dim]
+    v_bias: Any = None  # [kv_heads, head_dim]
+    q_norm: Any = None  # [head_dim]            (Qwen3)
+    k_norm: Any = None  # [head_dim]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Weights:
+    embed: Any  # [vocab, embed]
+    layers: list[LayerWeights]
+    final_norm: Any  # [embed]
+    lm_head: Any = None  # [embed, vocab]; None when tied to ``embed``
+
+
+def param_specs(config: ModelConfig) -> Weights:
+    """The declaration of every weight: a ``Weights`` pytree whose leaves are ``ParamSpec``s."""
+    e, f, d = config.hidden_size, config.intermediate_size, config.head_dim
+    hq, hkv, vocab = config.num_q_heads, config.num_kv_heads, config.vocab_size
+
+    def layer() -> LayerWeights:
+        bias = config.attention_bias
+        return LayerWeights(
+            attn_norm=ParamSpec((e,), ("embed",), "ones"),
+            q=ParamSpec((e, hq, d), ("embed", "q_heads", "head_dim"), "normal"),
+            k=ParamSpec((e, hkv, d), ("embed", "kv_heads", "head_dim"), "normal"),
+            v=ParamSpec((e, hkv, d), ("embed", "kv_heads", "head_dim"), "normal"),
+            o=ParamSpec((hq, d, e), ("q_heads", "head_dim", "embed"), "normal"),
+            mlp_norm=ParamSpec((e,), ("embed",), "ones"),
+            gate=ParamSpec((e, f), ("embed", "ffn"), "normal"),
+            up=ParamSpec((e, f), ("embed", "ffn"), "normal"),
+            down=ParamSpec((f, e), ("ffn", "embed"), "normal"),
+            q_bias=ParamSpec((hq, d), ("q_heads", "head_dim"), "zeros") if bias else None,
+            k_bias=ParamSpec((hkv, d), ("kv_heads", "head_dim"), "zeros") if bias else None,
+            v_bias=ParamSpec((hkv, d), ("kv_heads", "head_dim"), "zeros") if bias else None,
+            q_norm=ParamSpec((d,), ("head_dim",), "ones") if config.qk_norm else None,
+            k_norm=ParamSpec((d,), ("head_dim",), "ones") if config.qk_norm else None,
+        )
+
+    return Weights(
+        embed=ParamSpec((vocab, e), ("vocab", "embed"), "normal"),
+        layers=[layer() for _ in range(config.num_layers)],
+        final_norm=ParamSpec((e,), ("embed",), "ones"),
+        lm_head=None if config.tie_word_embeddings else ParamSpec((e, vocab), ("embed", "vocab"), "normal"),
+    )
+
+
+def is_spec(x: Any) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def logical_axes(config: ModelConfig) -> Weights:
+    """``Weights`` pytree of logical-axis tuples, for the sharding rules."""
+    return jax.tree.map(lambda s: s.logical_axes, param_specs(config), is_leaf=is_spec)
+
+
+def init_random(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, out_shardings=None) -> Weights:
+    """Random weights (for benchmarks and tests): normal scaled by 1/sqrt(fan-in), norms at one.
+
+    Generated inside one jit so large models are created directly on the device(s),
+    laid out by ``out_shardings`` when given.
+    """
+    specs = param_specs(config)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+
+    def make() -> Weights:
+        keys = jax.random.split(key, len(leaves))
+        arrays = []
+        for spec, k in zip(leaves, keys):
+            if spec.init == "ones":
+                arrays.append(jnp.ones(spec.shape, dtype))
+            elif spec.init == "zeros":
+                arrays.append(jnp.zeros(spec.shape, dtype))
+            else:
+                fan_in = spec.shape[0] if spec.logical_axes[0] != "vocab" else spec.shape[-1]
+                arrays.append((jax.random.normal(k, spec.shape, jnp.float32) / fan_in**0.5).astype(dtype))
+        return jax.tree.unflatten(treedef, arrays)
+
+    return jax.jit(make, out_shardings=out_shardings)()
+
+
+def num_params(weights: Weights) -> int:
+    return sum(x.size for x in jax.tree.leaves(weights))

@@ -1,0 +1,78 @@
+"""SamplingParams: how to sample one request's output, with vLLM's names and defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Per-request sampling settings; validated on construction with messages naming the field.
+
+    Defaults are vLLM's: ``temperature=1.0``, ``top_p=1.0``, top-k off, ``max_tokens=16``.
+    ``temperature=0`` is greedy.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus the top k
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def need(ok: bool, field: str, message: str) -> None:
+            if not ok:
+                raise ValueError(f"{field} {message}, got {getattr(self, field)!r}")
+
+        need(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
+        need(_is_number(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        need(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        need(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k", "must be -1, 0 (off) or >= 1")
+        need(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        need(_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
+        need(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
+        need(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
+        need(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63), "seed", "must be an integer in [0, 2**63)")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        need(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
+        need(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens", "must be >= 1")
+        need(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        if self.max_tokens is not None:
+            need(self.min_tokens <= self.max_tokens, "min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        need(
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+            "logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}",
+        )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN

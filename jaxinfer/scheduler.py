@@ -1,0 +1,282 @@
+"""Scheduler: which tokens of which sequences the next step computes, under one token budget.
+
+Each ``schedule()`` spends one ``max_num_batched_tokens`` budget over, in order:
+
+1. running sequences that decode (one uncomputed token: the last sampled one), 1 token each;
+2. running sequences part-way through a chunked prefill, as much of the rest as fits;
+3. waiting sequences, first come first served, starting after their cached prefix.
+
+A chunk may be cut to fit the budget (chunked prefill), so prefill and decode share every step.
+When a running sequence needs a page and none is free, the scheduler preempts by recompute: the
+most recently admitted running sequence not yet scheduled this step (possibly the one asking)
+loses its pages, goes back to the front of the queue, and later recomputes its prompt and
+generated tokens as a prefill. No new sequence is admitted in a step that preempted.
+
+The engine's step, with async scheduling (step n+1 prepared while the device runs step n):
+
+    schedule = scheduler.schedule(now)      # a plain value; empty + wait_until: sleep, retry
+    runner.launch(schedule)                 # item.seq.token_ids[start:start + n] are the inputs
+    scheduler.postprocess(schedule)         # advance num_computed_tokens, register full pages
+    for item in schedule.items:             # only these sample a token this step
+        if item.samples_token: item.seq.append_token(PLACEHOLDER_TOKEN)
+    ...fill step n-1's placeholders with set_token, detokenize, scheduler.finish(seq, reason)
+
+``postprocess`` may run before the device has finished the step: pages registered there are
+only read by later steps, which the device runs after this one.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+from jaxinfer.page_allocator import PageAllocator
+from jaxinfer.sequence import Sequence, SequenceStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    page_size: int
+    # Nothing running: wait up to this long after the oldest waiting arrival to batch more
+    # arrivals into the first step. 0 disables.
+    max_wait_s: float = 0.002
+    chunked_prefill: bool = True
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_wait_s < 0:
+            raise ValueError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len}), or a long prompt never fits a step"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens whose K/V this step computes
+    start_position: int  # position of the first of them (== seq.num_computed_tokens before the step)
+    # The chunk reaches the end of the sequence's known tokens, so the step samples its next
+    # token from the last row's logits. False for all but the last chunk of a prefill.
+    samples_token: bool
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The step's input tokens for this sequence; a placeholder means "the device's last sample"."""
+        return self.seq.token_ids[self.start_position : self.start_position + self.num_new_tokens]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    items: tuple[ScheduledSeq, ...] = ()  # decodes first, then prefill chunks
+    preempted: tuple[Sequence, ...] = ()
+    num_batched_tokens: int = 0
+    # Set on an empty schedule that holds back to gather arrivals: call again at this time
+    # (or sooner, when a request arrives).
+    wait_until: float | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.items
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.items)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator):
+        if allocator.page_size != config.page_size:
+            raise ValueError(f"allocator page_size {allocator.page_size} != config page_size {config.page_size}")
+        if allocator.num_pages_for(config.max_model_len) > allocator.num_usable_pages:
+            # Otherwise a long sequence alone could preempt itself forever.
+            raise ValueError(
+                f"max_model_len {config.max_model_len} needs {allocator.num_pages_for(config.max_model_len)} "
+                f"pages, more than the {allocator.num_usable_pages} usable pages"
+            )
+        self.config = config
+        self.allocator = allocator
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self.num_preemptions = 0
+        self._is_postprocess_due = False
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        if seq.status is not SequenceStatus.WAITING or seq.page_table:
+            raise ValueError(f"only a new waiting sequence can be added, got {seq}")
+        if seq.num_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"sequence {seq.seq_id} has {seq.num_tokens} tokens > max_model_len {self.config.max_model_len}"
+            )
+        self.waiting.append(seq)
+
+    def abort(self, key: int | str) -> list[Sequence]:
+        """Finish every sequence with this ``seq_id`` (int) or ``request_id`` (str); frees pages at once."""
+        attribute = "seq_id" if isinstance(key, int) else "request_id"
+        seqs = [seq for seq in (*self.running, *self.waiting) if getattr(seq, attribute) == key]
+        for seq in seqs:
+            self.finish(seq, "abort")
+        return seqs
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Free ``seq``'s pages and drop it, waiting or running; a no-op on a finished sequence.
+
+        Safe on a sequence in the schedule now executing (the engine learns of a stop a step
+        late): ``postprocess`` skips it and the engine drops its in-flight sample. Fill in the
+        final token before calling: trailing placeholders are removed here.
+        """
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.allocator.free(seq)
+        seq.drop_placeholders()
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def schedule(self, now: float | None = None) -> Schedule:
+        if self._is_postprocess_due:
+            raise RuntimeError("postprocess() the previous schedule before scheduling the next step")
+        now = time.monotonic() if now is None else now
+        wait_until = self._wait_until(now)
+        if wait_until is not None:
+            return Schedule(wait_until=wait_until)
+        budget = self.config.max_num_batched_tokens
+        items, preempted, budget = self._schedule_running(budget)
+        if not preempted:
+            admitted, budget = self._schedule_waiting(budget)
+            items += admitted
+        self._is_postprocess_due = bool(items)
+        return Schedule(tuple(items), tuple(preempted), self.config.max_num_batched_tokens - budget)
+
+    def postprocess(self, schedule: Schedule) -> None:
+        """Account for a launched step: its tokens' K/V are (or will be, in order) in the cache."""
+        for item in schedule.items:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # finished or aborted since it was scheduled
+            if seq.num_computed_tokens != item.start_position:
+                raise RuntimeError(f"schedule postprocessed twice or out of order for {seq}")
+            seq.num_computed_tokens += item.num_new_tokens
+            self.allocator.register_computed(seq)
+        self._is_postprocess_due = False
+
+    def _wait_until(self, now: float) -> float | None:
+        """When to schedule instead of now: only with nothing running and a step that is not yet full."""
+        if self.running or not self.waiting or self.config.max_wait_s <= 0:
+            return None
+        if len(self.waiting) >= self.config.max_num_seqs:
+            return None
+        if sum(seq.num_tokens for seq in self.waiting) >= self.config.max_num_batched_tokens:
+            return None
+        deadline = min(seq.arrival_time for seq in self.waiting) + self.config.max_wait_s
+        return deadline if now < deadline else None
+
+    def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], list[Sequence], int]:
+        decodes = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
+        prefills = [seq for seq in self.running if seq.num_uncomputed_tokens > 1]
+        items: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        scheduled_ids: set[int] = set()
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted for an earlier sequence of this loop
+            if seq.num_tokens > self.config.max_model_len:
+                raise RuntimeError(f"the engine must finish sequences at max_model_len: {seq}")
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new < seq.num_uncomputed_tokens and not self.config.chunked_prefill:
+                continue
+            while not self.allocator.allocate_slots(seq, num_new):
+                victim = next(s for s in reversed(self.running) if s is seq or s.seq_id not in scheduled_ids)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                items.append(self._item(seq, num_new))
+                scheduled_ids.add(seq.seq_id)
+                budget -= num_new
+        return items, preempted, budget
+
+    def _schedule_waiting(self, budget: int) -> tuple[list[ScheduledSeq], int]:
+        items: list[ScheduledSeq] = []
+        deferred: list[Sequence] = []
+        # Fewest computed tokens among each request's running samples: a sibling whose prompt
+        # pages are still being computed will register them for the others to share.
+        min_computed_by_request: dict[str, int] = {}
+        for seq in self.running:
+            previous = min_computed_by_request.get(seq.request_id, seq.num_computed_tokens)
+            min_computed_by_request[seq.request_id] = min(previous, seq.num_computed_tokens)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            # A placeholder here is a sample of a just-preempted sequence still in flight; the
+            # prefill needs its value on the host, which the next step has.
+            if seq.has_placeholder or self._is_sibling_pending(seq, min_computed_by_request):
+                deferred.append(self.waiting.popleft())
+                continue
+            num_cached = self.allocator.num_cached_prefix_tokens(seq)
+            num_remaining = seq.num_tokens - num_cached
+            num_new = min(num_remaining, budget)
+            if num_new < num_remaining and not self.config.chunked_prefill:
+                break
+            if not self.allocator.allocate_prompt(seq, num_new):
+                break  # out of pages: later arrivals do not overtake (FCFS)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            items.append(self._item(seq, num_new))
+            budget -= num_new
+            previous = min_computed_by_request.get(seq.request_id, seq.num_computed_tokens)
+            min_computed_by_request[seq.request_id] = min(previous, seq.num_computed_tokens)
+        self.waiting.extendleft(reversed(deferred))
+        return items, budget
+
+    def _is_sibling_pending(self, seq: Sequence, min_computed_by_request: dict[str, int]) -> bool:
+        """Whether a running sample of the same request will soon register prompt pages ``seq`` could share.
+
+        Siblings (same ``request_id``) share the prompt by the engine's contract. Waiting for
+        them costs ``seq`` a few steps and saves recomputing the shared prompt pages.
+        """
+        if not self.allocator.enable_prefix_caching or seq.request_id not in min_computed_by_request:
+            return False
+        page_size = self.config.page_size
+        num_shareable = min(seq.num_prompt_tokens, seq.num_tokens - 1) // page_size * page_size
+        if min_computed_by_request[seq.request_id] >= num_shareable:
+            return False  # the siblings have registered all they will
+        return self.allocator.num_cached_prefix_tokens(seq) < num_shareable
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq)  # also resets num_computed_tokens: recompute from scratch
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    @staticmethod
+    def _item(seq: Sequence, num_new: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        return ScheduledSeq(seq, num_new, start, samples_token=start + num_new == seq.num_tokens)

@@ -1,0 +1,135 @@
+"""Sequence: the host-side state of one sample of a request.
+
+A request with ``n`` samples becomes ``n`` sequences that share a ``request_id`` (and, through
+the prefix cache, the pages of their common prompt). A sequence's life:
+
+1. WAITING in the scheduler's queue, ``num_computed_tokens == 0``.
+2. RUNNING once the scheduler admits it: the allocator attaches the cached pages of its longest
+   known prefix (``num_cached_tokens``) and fresh pages for the first chunk. Each step computes
+   the K/V of ``num_new_tokens`` more tokens; the step whose chunk reaches the end of the known
+   tokens samples one new token, which the engine appends.
+3. Preempted (back to WAITING, pages freed, ``num_computed_tokens = 0``) when pages run out; it
+   later recomputes prompt + generated tokens as a prefill and carries on where it stopped.
+4. FINISHED (stop, length, abort): pages freed.
+
+Async scheduling: the host prepares step n+1 before step n's sampled tokens reach it, so the
+engine appends ``PLACEHOLDER_TOKEN`` for a token still on the device and fills it in with
+``set_token`` a step later. The runner feeds the device-side sampled token wherever the host
+copy is a placeholder; the allocator never hashes a page that holds one.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+PLACEHOLDER_TOKEN = -1  # a sampled token that is still on the device
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Sequence:
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: Any = None,
+        arrival_time: float | None = None,
+    ):
+        if not prompt_token_ids:
+            raise ValueError(f"sequence {seq_id} of request {request_id!r} has an empty prompt")
+        if PLACEHOLDER_TOKEN in prompt_token_ids:
+            raise ValueError(f"prompt token ids must be known; got {PLACEHOLDER_TOKEN}")
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt + generated
+        self.num_prompt_tokens = len(prompt_token_ids)
+        # Opaque to the scheduler and allocator: the engine's sampling parameters.
+        self.sampling = sampling
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.num_computed_tokens = 0  # tokens whose K/V are in this sequence's pages
+        self.num_cached_tokens = 0  # prefix-cache hit at the latest admission (metrics)
+        self.num_preemptions = 0
+        self.page_table: list[int] = []  # physical page of each logical page
+        # Owned by the allocator: chained hashes of leading full pages (a memo, a pure function
+        # of the tokens, so it survives preemption) and how many leading pages of page_table
+        # it has already offered to the prefix cache.
+        self.page_hashes: list[bytes] = []
+        self.num_registered_pages = 0
+        self._num_placeholders = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefill_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
+    def has_placeholder(self) -> bool:
+        return self._num_placeholders > 0
+
+    def num_pages_needed(self, page_size: int) -> int:
+        """Pages to hold the K/V of every token now in the sequence."""
+        return -(-len(self.token_ids) // page_size)
+
+    def append_token(self, token_id: int) -> None:
+        """Append a sampled token, or ``PLACEHOLDER_TOKEN`` for one still on the device."""
+        self.token_ids.append(token_id)
+        if token_id == PLACEHOLDER_TOKEN:
+            self._num_placeholders += 1
+
+    def set_token(self, index: int, token_id: int) -> None:
+        """Fill in the placeholder at ``index`` once the device's sampled token arrives."""
+        if self.token_ids[index] != PLACEHOLDER_TOKEN:
+            raise ValueError(f"token {index} of sequence {self.seq_id} is not a placeholder")
+        if token_id == PLACEHOLDER_TOKEN:
+            raise ValueError("cannot fill a placeholder with a placeholder")
+        self.token_ids[index] = token_id
+        self._num_placeholders -= 1
+
+    def drop_placeholders(self) -> int:
+        """Remove trailing placeholders (samples in flight for a finished sequence); return how many."""
+        num_dropped = 0
+        # The prompt holds no placeholders, so this never pops into it.
+        while self.token_ids[-1] == PLACEHOLDER_TOKEN:
+            self.token_ids.pop()
+            num_dropped += 1
+        self._num_placeholders -= num_dropped
+        return num_dropped
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(seq_id={self.seq_id}, request_id={self.request_id!r}, status={self.status.name}, "
+            f"num_tokens={self.num_tokens}, num_prompt_tokens={self.num_prompt_tokens}, "
+            f"num_computed_tokens={self.num_computed_tokens}, pages={len(self.page_table)})"
+        )

@@ -1,0 +1,298 @@
+"""EngineLoop: the one thread that owns the engine.
+
+The engine is not thread-safe, so HTTP handler threads never call it. A request travels:
+
+1. The handler validates the body and calls :meth:`EngineLoop.submit`, which applies admission
+   control (:mod:`jaxinfer.server.admission`), registers each engine request, and posts an
+   ``add`` command to the inbox. It gets back an :class:`OutputStream`.
+2. The loop thread drains the inbox (``add``/``abort``), calls ``engine.step()`` while there is
+   work and blocks on the inbox when there is none.
+3. Each ``RequestOutput`` (cumulative text and tokens per sample) goes to the stream of the
+   HTTP call that owns it; the handler reads the stream and writes JSON or SSE chunks.
+4. When a request finishes the loop records its timing (metrics and one log line) and forgets it.
+
+A fault in ``step()`` fails every request in flight with :class:`EngineFault` (500 / SSE error)
+and marks the loop dead (``/health`` 503); nothing waits forever on a dead engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+
+from jaxinfer.outputs import RequestOutput
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.server.admission import (Admission, AdmissionConfig, DrainingError, EngineDeadError,
+                                       NotReadyError)
+from jaxinfer.server.request_timing import RequestTiming
+
+logger = logging.getLogger("jaxinfer.server")
+
+
+class EngineFault(Exception):
+    """The engine failed while this request was in flight (HTTP 500)."""
+
+
+class RequestRejected(Exception):
+    """``engine.add_request`` refused the request (HTTP 400)."""
+
+
+@dataclasses.dataclass
+class EngineRequest:
+    request_id: str  # unique per engine request
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    log_id: str = ""  # the client-facing request id (X-Request-Id) for logs
+
+
+class OutputStream:
+    """The outputs of one HTTP call's engine requests, in arrival order, from one queue.
+
+    Items are ``RequestOutput`` or an exception (``EngineFault``, ``RequestRejected``).
+    """
+
+    def __init__(self, request_ids: list[str]):
+        self.request_ids = request_ids
+        self.timings: dict[str, RequestTiming] = {}  # filled as requests finish
+        self._queue: queue.Queue = queue.Queue()
+
+    def put(self, item) -> None:
+        self._queue.put(item)
+
+    def get(self, timeout: float):
+        """The next item, or None after ``timeout`` seconds."""
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+@dataclasses.dataclass
+class _InFlight:
+    request: EngineRequest
+    stream: OutputStream
+    timing: RequestTiming
+    is_waiting: bool = True
+    last_output: RequestOutput | None = None
+
+
+class EngineLoop:
+    """Owns the engine in one background thread; see the module docstring."""
+
+    def __init__(self, admission: AdmissionConfig | None = None, metrics=None):
+        self.engine = None
+        self.admission = Admission(admission or AdmissionConfig())
+        self.metrics = metrics
+        self.state = "loading"  # loading -> warming -> ready -> draining -> stopped; or dead
+        self.last_stats: dict = {}
+        self._inbox: queue.Queue = queue.Queue()
+        self._in_flight: dict[str, _InFlight] = {}
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state == "ready"
+
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._in_flight)
+
+    def start(self, engine, warmup: bool = True) -> None:
+        """Attach the engine (loaded elsewhere) and start the loop thread."""
+        self.engine = engine
+        if warmup and hasattr(engine, "warmup"):
+            self.state = "warming"
+            engine.warmup()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.state = "ready"
+        self._thread.start()
+
+    def submit(self, requests: list[EngineRequest]) -> OutputStream:
+        """Admit one HTTP call's engine requests (all or none) and queue them for the engine."""
+        stream = OutputStream([r.request_id for r in requests])
+        with self._lock:
+            if self.state == "dead":
+                raise EngineDeadError("the engine has failed; this server is restarting or needs a restart")
+            if self.state in ("draining", "stopped"):
+                raise DrainingError("the server is shutting down; retry on another replica")
+            if self.state != "ready":
+                raise NotReadyError(f"the server is {self.state}; retry shortly")
+            self.admission.admit([len(r.prompt_token_ids) for r in requests])
+            now = time.monotonic()
+            for r in requests:
+                timing = RequestTiming(arrival_time=now, num_prompt_tokens=len(r.prompt_token_ids),
+                                       max_tokens=r.params.max_tokens, n=r.params.n)
+                self._in_flight[r.request_id] = _InFlight(r, stream, timing)
+        self._inbox.put(("add", requests))
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (client gone); safe to call for finished ones."""
+        self._inbox.put(("abort", list(request_ids)))
+
+    def drain(self, timeout_s: float) -> None:
+        """Stop admitting, let in-flight requests finish for ``timeout_s``, abort the rest, stop."""
+        with self._lock:
+            if self.state == "ready":
+                self.state = "draining"
+            deadline = time.monotonic() + timeout_s
+            while self._in_flight and self.state == "draining" and time.monotonic() < deadline:
+                self._lock.wait(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
+            remaining = list(self._in_flight)
+        if remaining:
+            logger.warning("drain timeout: aborting %d requests", len(remaining))
+            self.abort(remaining)
+            with self._lock:
+                end = time.monotonic() + 5.0
+                while self._in_flight and self.state == "draining" and time.monotonic() < end:
+                    self._lock.wait(timeout=0.1)
+        self.stop()
+
+    def stop(self) -> None:
+        with self._lock:
+            if self.state != "dead":
+                self.state = "stopped"
+        self._stop = True
+        self._inbox.put(("wake", None))
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop:
+                busy = engine.has_unfinished_requests()
+                self._handle_commands(block=not busy)
+                if self._stop:
+                    break
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    now = time.monotonic()
+                    for out in outputs:
+                        self._deliver(out, now)
+                    self._update_stats(stepped=True)
+                elif not busy:
+                    self._update_stats(stepped=False)  # idle: gauges drop to zero
+            # Stopped with requests left (drain could not abort them in time): end their streams.
+            with self._lock:
+                left = list(self._in_flight.values())
+            for entry in left:
+                final = _aborted_output(entry)
+                self._finish(entry, final, time.monotonic())
+                entry.stream.put(final)
+        except Exception:
+            logger.exception("engine fault: failing all requests in flight")
+            self._fail_all()
+
+    def _handle_commands(self, block: bool) -> None:
+        try:
+            command = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = command
+            if kind == "add":
+                for r in payload:
+                    self._add(r)
+            elif kind == "abort":
+                for request_id in payload:
+                    self._abort(request_id)
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, r: EngineRequest) -> None:
+        with self._lock:
+            entry = self._in_flight.get(r.request_id)
+        if entry is None:
+            return
+        try:
+            self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, prompt=r.prompt,
+                                    arrival_time=entry.timing.arrival_time)
+        except ValueError as e:
+            self._forget(r.request_id, "rejected")
+            entry.stream.put(RequestRejected(str(e)))
+
+    def _abort(self, request_id: str) -> None:
+        with self._lock:
+            entry = self._in_flight.get(request_id)
+        if entry is None:
+            return  # already finished
+        self.engine.abort(request_id)
+        # The engine may or may not report the aborted request again; the server does not wait
+        # for it: the stream gets a final output built from the last one it saw.
+        final = _aborted_output(entry)
+        self._finish(entry, final, time.monotonic())
+        entry.stream.put(final)
+
+    def _deliver(self, out: RequestOutput, now: float) -> None:
+        with self._lock:
+            entry = self._in_flight.get(out.request_id)
+        if entry is None:
+            return  # aborted already
+        if entry.is_waiting:
+            entry.is_waiting = False
+            self.admission.release(entry.timing.num_prompt_tokens)
+        is_first, itl = entry.timing.on_output(out, now)
+        if self.metrics is not None:
+            self.metrics.observe_output(entry.timing, is_first, itl)
+        entry.last_output = out
+        if out.finished:
+            self._finish(entry, out, now)
+        entry.stream.put(out)
+
+    def _finish(self, entry: _InFlight, out: RequestOutput, now: float) -> None:
+        timing = entry.timing
+        timing.on_finish(out, now)
+        entry.stream.timings[entry.request.request_id] = timing
+        self._forget(entry.request.request_id, timing.finish_reason)
+        if self.metrics is not None:
+            self.metrics.observe_finished(timing)
+        logger.info("request finished", extra={"request_id": entry.request.log_id,
+                                               "engine_request_id": entry.request.request_id,
+                                               **timing.log_fields()})
+
+    def _forget(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            entry = self._in_flight.pop(request_id, None)
+            if entry is not None and entry.is_waiting:
+                entry.is_waiting = False
+                self.admission.release(entry.timing.num_prompt_tokens)
+            self._lock.notify_all()
+
+    def _update_stats(self, stepped: bool) -> None:
+        self.last_stats = self.engine.stats()
+        if self.metrics is not None:
+            self.metrics.update_engine_stats(self.last_stats, stepped=stepped)
+
+    def _fail_all(self) -> None:
+        with self._lock:
+            self.state = "dead"
+            entries = list(self._in_flight.values())
+        if self.metrics is not None:
+            self.metrics.set_state("dead")
+        for entry in entries:
+            self._forget(entry.request.request_id, "error")
+            entry.stream.put(EngineFault("the engine failed while running this request"))
+
+
+def _aborted_output(entry: _InFlight) -> RequestOutput:
+    last = entry.last_output
+    r = entry.request
+    if last is None:
+        from jaxinfer.outputs import CompletionOutput
+
+        samples = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort",
+                                    logprobs=[] if r.params.logprobs is not None else None)
+                   for i in range(r.params.n)]
+        return RequestOutput(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
+                             outputs=samples, finished=True)
+    samples = [dataclasses.replace(s, finish_reason=s.finish_reason or "abort") for s in last.outputs]
+    return dataclasses.replace(last, outputs=samples, finished=True)

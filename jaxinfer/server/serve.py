@@ -1,0 +1,141 @@
+"""Command line and process life: load the engine, serve with waitress, drain on SIGTERM.
+
+``python server.py ...`` and ``jaxinfer serve ...`` both call :func:`run_server`. waitress is
+the WSGI server: one process (the model is loaded once), a thread per in-flight HTTP request
+(enough for every running and waiting request, so the admission queue, not waitress's backlog,
+decides who waits), ``channel_request_lookahead`` so a closed socket is noticed while a handler
+waits on the engine, and waitress's default ``send_bytes=1`` so every SSE chunk is written
+to the socket as soon as the handler yields it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from jaxinfer.server.admission import (DEFAULT_MAX_WAITING_PROMPT_TOKENS, DEFAULT_MAX_WAITING_REQUESTS,
+                                       DEFAULT_RETRY_AFTER_S, AdmissionConfig)
+from jaxinfer.server.app import DEFAULT_MAX_BODY_BYTES, create_app
+from jaxinfer.server.engine_loop import EngineLoop
+from jaxinfer.server.json_logging import configure_logging
+from jaxinfer.server.metrics import ServerMetrics
+from jaxinfer.server.tracing import otlp_tracer_provider
+
+logger = logging.getLogger("jaxinfer.server")
+
+DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--model", default="smollm2-135m-instruct", help="built-in name, Hugging Face directory or .gguf file")
+    a("--served-model-name", default=None, help="the model id clients send (default: the model's short name)")
+    a("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: local only)")
+    a("--port", type=int, default=8000)
+    a("--api-key", default=os.environ.get("JAXINFER_API_KEY"),
+      help="require 'Authorization: Bearer KEY' on /v1/* and /tokenize (default: $JAXINFER_API_KEY, else none)")
+    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    a("--max-model-len", type=int, default=None)
+    a("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="requests the engine runs at once")
+    a("--seed", type=int, default=0)
+    a("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+      help="admitted requests not yet scheduled; past it new requests get 503 + Retry-After")
+    a("--max-waiting-prompt-tokens", type=int, default=DEFAULT_MAX_WAITING_PROMPT_TOKENS,
+      help="prompt tokens of the waiting requests; past it new requests get 503 + Retry-After")
+    a("--retry-after", type=float, default=DEFAULT_RETRY_AFTER_S, help="Retry-After seconds on 503")
+    a("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+      help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
+    a("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="request body size limit (413 past it)")
+    a("--server-threads", type=int, default=None,
+      help="waitress threads (default: max-num-seqs + max-waiting-requests + 16)")
+    a("--otlp-traces-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+      help="OTLP/HTTP endpoint for OpenTelemetry traces (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
+    a("--log-level", default="info")
+
+
+def default_served_name(model: str) -> str:
+    """``smollm2-135m-instruct`` stays; a path becomes its directory name or file stem."""
+    path = Path(model)
+    if path.suffix == ".gguf":
+        return path.stem
+    return path.name or str(model)
+
+
+def build_engine(args: argparse.Namespace):
+    """The real engine for ``args``. The one place that knows the Engine constructor."""
+    from jaxinfer.engine import Engine
+
+    return Engine(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                  max_num_seqs=args.max_num_seqs, seed=args.seed)
+
+
+def create_waitress_server(app, host: str, port: int, threads: int, max_body_bytes: int):
+    from waitress import create_server
+
+    return create_server(
+        app, host=host, port=port, threads=threads,
+        connection_limit=threads + 64,
+        channel_request_lookahead=1,  # keep reading the socket during a request: notices disconnects
+        # A backstop above Flask's MAX_CONTENT_LENGTH, so Flask answers 413 in OpenAI's shape.
+        max_request_body_size=2 * max_body_bytes + (1 << 20),
+        outbuf_overflow=1 << 20, clear_untrusted_proxy_headers=True, ident="jaxinfer",
+    )
+
+
+def serve_forever(server) -> None:
+    """waitress's loop, for a thread: closing the server from another thread ends it quietly."""
+    try:
+        server.run()
+    except (OSError, ValueError):  # select() on sockets closed under it by server.close()
+        if server.map:
+            raise
+
+
+def run_server(args: argparse.Namespace, engine_factory=build_engine) -> int:
+    """Serve until SIGTERM/SIGINT, then drain and return 0."""
+    configure_logging(args.log_level)
+    served = args.served_model_name or default_served_name(args.model)
+    threads = args.server_threads or args.max_num_seqs + args.max_waiting_requests + 16
+    admission = AdmissionConfig(args.max_waiting_requests, args.max_waiting_prompt_tokens, args.retry_after)
+    # max_model_len is unknown before the engine loads; the token histograms' top bucket uses the flag or 128k.
+    metrics = ServerMetrics(served, args.max_model_len or 131072)
+    loop = EngineLoop(admission, metrics)
+    tracer_provider = otlp_tracer_provider(args.otlp_traces_endpoint) if args.otlp_traces_endpoint else None
+    app = create_app(loop, served, metrics, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                     tracer_provider=tracer_provider)
+    server = create_waitress_server(app, args.host, args.port, threads, args.max_body_bytes)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    threading.Thread(target=serve_forever, args=(server,), name="waitress", daemon=True).start()
+    logger.info("listening (loading the model)", extra={"host": args.host, "port": server.effective_port,
+                                                       "model": args.model, "served_model_name": served})
+    try:
+        engine = engine_factory(args)
+    except Exception:
+        logger.exception("could not load the engine")
+        server.close()
+        return 1
+    if not stop.is_set():
+        loop.start(engine)
+        metrics.set_state(loop.state)
+        logger.info("ready", extra={"max_model_len": engine.max_model_len, "threads": threads})
+    while not stop.wait(0.5):
+        pass
+    logger.info("draining", extra={"in_flight": loop.num_in_flight(), "timeout_s": args.drain_timeout})
+    loop.drain(args.drain_timeout)
+    # Let the handlers write their last chunks before the sockets close.
+    deadline = time.monotonic() + 2.0
+    while server.task_dispatcher.active_count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server.close()
+    if tracer_provider is not None:
+        tracer_provider.shutdown()
+    logger.info("stopped")
+    return 0

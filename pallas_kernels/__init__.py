@@ -1,0 +1,1 @@
+"""Pallas kernels for jaxinfer; importing nothing from jaxinfer."""

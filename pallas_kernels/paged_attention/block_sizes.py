@@ -1,0 +1,78 @@
+"""Tuned tile sizes for the paged-attention kernels, looked up from static shapes.
+
+Kernels call ``gpu_block_sizes`` / ``tpu_block_sizes`` when the caller passes no explicit
+sizes; nothing is picked by hand at a call site. Numbers come from the H200 sweeps in
+docs/KERNELS.md (measurement notes); TPU sizes are untuned defaults sized for VMEM.
+
+A batch is *decode-like* when it has no more tokens than sequence slots (every sequence
+brings at most about one query): its tiles hold one token's query heads and long
+contexts are split across programs (flash-decoding). Otherwise it is *prefill-like*:
+large query tiles, no split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels.paged_attention.work_tiles import next_power_of_2, num_work_tiles
+
+# Hopper: 132 SMs. A decode launch wants a few programs per SM to keep enough loads in flight.
+_GPU_NUM_SMS = 132
+_GPU_PROGRAMS_PER_SM = 4
+# Each split walks at least this many KV tiles, or the combine step costs more than the split saves.
+_MIN_TILES_PER_SPLIT = 4
+_MAX_SPLITS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    block_q: int  # query tokens per tile (rows = block_q * padded group)
+    block_kv: int  # KV tokens per inner-loop step (any multiple or divisor of the page size)
+    num_splits: int  # KV splits per tile (flash-decoding); 1 = no combine step
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def is_decode_like(num_tokens: int, max_num_seqs: int) -> bool:
+    return num_tokens <= max_num_seqs
+
+
+def _num_splits(num_programs: int, max_kv_len: int, block_kv: int, target_programs: int) -> int:
+    max_useful = max(1, max_kv_len // (block_kv * _MIN_TILES_PER_SPLIT))
+    splits = next_power_of_2(max(1, -(-target_programs // max(num_programs, 1))))
+    return max(1, min(splits, max_useful, _MAX_SPLITS))
+
+
+def gpu_block_sizes(
+    *, num_tokens: int, max_num_seqs: int, max_kv_len: int, num_kv_heads: int, group: int,
+    head_dim: int, page_size: int, itemsize: int,
+) -> BlockSizes:
+    group_padded = next_power_of_2(group)
+    if is_decode_like(num_tokens, max_num_seqs):
+        # Triton's dot wants >= 16 rows; extra rows are masked queries, free in a read-bound loop.
+        block_q = max(1, 16 // group_padded)
+        block_kv = 128 if itemsize <= 2 else 64
+        num_tiles = num_work_tiles(num_tokens, max_num_seqs, block_q)
+        splits = _num_splits(num_tiles * num_kv_heads, max_kv_len, block_kv, _GPU_NUM_SMS * _GPU_PROGRAMS_PER_SM)
+        return BlockSizes(block_q=block_q, block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=3)
+    rows = 128 if head_dim <= 128 and itemsize <= 2 else 64
+    block_q = max(1, rows // group_padded)
+    block_kv = 64
+    return BlockSizes(block_q=block_q, block_kv=block_kv, num_splits=1, num_warps=8, num_stages=2)
+
+
+def tpu_block_sizes(
+    *, num_tokens: int, max_num_seqs: int, max_kv_len: int, num_kv_heads: int, group: int,
+    head_dim: int, page_size: int, itemsize: int,
+) -> BlockSizes:
+    group_padded = next_power_of_2(group)
+    # Sublane tiling wants >= 8 rows (16 for 16-bit types).
+    min_rows = 16 if itemsize <= 2 else 8
+    if is_decode_like(num_tokens, max_num_seqs):
+        block_q = max(1, min_rows // group_padded)
+    else:
+        block_q = max(1, 128 // group_padded)
+    # One DMA per page; a KV tile is a whole number of pages, about 512 tokens.
+    block_kv = max(page_size, min(512, max_kv_len))
+    block_kv = max(page_size, block_kv - block_kv % page_size)
+    return BlockSizes(block_q=block_q, block_kv=block_kv, num_splits=1)

@@ -1,0 +1,1 @@
+"""Device meshes and the rules mapping the model's logical axis names to mesh axes."""

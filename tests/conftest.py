@@ -1,0 +1,26 @@
+"""Test setup: CPU only, a persistent compilation cache, shared model fixtures."""
+
+import os
+import pathlib
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "tests" / "fixtures"
+GOLDEN = REPO / "tests" / "golden"
+
+# Recompiling the same programs in every test run costs minutes on 2 cores.
+jax.config.update("jax_compilation_cache_dir", str(REPO / ".cache" / "jax"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """SmolLM2-135M-Instruct (the default model) in float32, loaded once per session."""
+    from jaxinfer.checkpoint import load_model
+
+    return load_model("smollm2-135m-instruct", dtype="float32")
