@@ -1,4 +1,4 @@
-# make run   : create the virtualenv, install, fetch the default model, run the main job
+# make run   : create the virtualenv, install, fetch the default model, start the OpenAI-compatible server
 # make test  : the same setup, then the whole test suite (CPU only)
 # make demo  : one chat answer from the default model
 PYTHON ?= python3.12
@@ -22,7 +22,11 @@ install: $(BIN)/.installed
 model: install
 	$(BIN)/jaxinfer fetch --model $(MODEL)
 
-run: demo
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+run: model
+	$(BIN)/python server.py --model $(MODEL) --host $(HOST) --port $(PORT)
 
 demo: model
 	$(BIN)/jaxinfer generate --model $(MODEL) --chat --prompt "$(PROMPT)" --max-tokens 64

@@ -11,10 +11,10 @@ GOLDEN_REQUIREMENTS := tests/golden/requirements-golden.txt
 
 golden-env: $(GOLDEN_VENV)/.installed
 
+# The last step fails on a CUDA torch: it would run, but is gigabytes and not what the pins mean.
 $(GOLDEN_VENV)/.installed: $(GOLDEN_REQUIREMENTS)
 	test -x $(GOLDEN_VENV)/bin/python || $(GOLDEN_PYTHON_BASE) -m venv $(GOLDEN_VENV)
 	$(GOLDEN_VENV)/bin/pip install -r $(GOLDEN_REQUIREMENTS)
-	# A CUDA torch would still run on CPU, but is gigabytes and not what the pins mean.
 	$(GOLDEN_VENV)/bin/python -c "import torch, sys; sys.exit(torch.version.cuda is not None)" \
 		|| { echo "golden-env: expected a CPU-only torch build" >&2; exit 1; }
 	touch $@

@@ -41,7 +41,7 @@ from pallas_kernels.paged_attention.reference import (  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
 DTYPE = jnp.bfloat16
-TARGET_SECONDS = 0.05
+TARGET_SECONDS = 0.03
 CACHE_BUDGET_BYTES = 40e9  # K+V of one implementation at a time; the contiguous copy for cuDNN is extra
 LOG = []
 
@@ -155,8 +155,9 @@ def cudnn_step(q, k, v):  # q [B, 1, Hq, D], k/v [B, S, Hkv, D] contiguous
     return out.astype(q.dtype)
 
 
-def run_decode(ceil, batches, contexts, page_size, impls, results):
+def run_decode(ceil, batches, contexts, page_size, impls, results, save=lambda: None):
     for context in contexts:
+        save()
         for batch in batches:
             kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
             row = {"workload": "kernel-decode", "batch": batch, "context": context, "page_size": page_size,
@@ -177,7 +178,7 @@ def run_decode(ceil, batches, contexts, page_size, impls, results):
             if "bundled" in impls:
                 best = None
                 ppcb = max(1, 128 // page_size)
-                for k_splits in (1, 4, 16):
+                for k_splits in (1, 16):
                     if (context // page_size) % (k_splits * ppcb):
                         continue
                     t = time_loop(bundled_step(k_splits, ppcb), q, k_pages, v_pages, page_tables, kv_lens)
@@ -322,13 +323,18 @@ SWEEP_DECODE = {  # (batch, context): [(block_kv, num_warps, num_stages, num_spl
     (8, 16384): [(128, 4, 3, 2), (128, 4, 3, 4), (128, 4, 3, 8), (64, 4, 4, 4), (256, 8, 3, 4)],
     (256, 2048): [(128, 4, 3, 1), (64, 4, 4, 1), (64, 2, 4, 1), (128, 8, 3, 1)],
 }
+LEAN = [(16, 2, 3), (32, 2, 2), (32, 2, 3), (32, 4, 2), (32, 4, 3), (64, 2, 2), (64, 4, 2), (64, 2, 3), (64, 4, 4)]
+SWEEP_SHORT = {  # short contexts: smem-lean tiles let more programs share an SM
+    (shape): [(*lean, splits) for lean in LEAN for splits in ((2, 4) if shape[0] <= 8 else (1,))]
+    for shape in [(8, 1024), (64, 1024), (256, 1024), (64, 4096), (8, 16384)]
+}
 SWEEP_PREFILL = [(rows, bkv, warps, stages) for rows in (64, 128) for bkv in (32, 64, 128)
                  for warps in (4, 8) for stages in (2, 3)]
 
 
-def run_sweep(page_size, results):
+def run_sweep(page_size, results, decode_table=None, prefill=True):
     """Tile-size variants of our kernel at a few shapes: the data behind block_sizes.py."""
-    for (batch, context), variants in SWEEP_DECODE.items():
+    for (batch, context), variants in (decode_table or SWEEP_DECODE).items():
         args = decode_inputs(batch, context, page_size)
         kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
         for block_kv, warps, stages, splits in variants:
@@ -344,6 +350,8 @@ def run_sweep(page_size, results):
             results.append({"workload": "sweep-decode", "batch": batch, "context": context,
                             "sizes": sizes.__dict__, "s": t, "tbs": kv_bytes / t / 1e12})
         del args
+    if not prefill:
+        return
     args, flops = prefill_inputs(4096, 32, 2048, page_size, 2048)
     for rows, block_kv, warps, stages in SWEEP_PREFILL:
         sizes = BlockSizes(block_q=rows // 4, block_kv=block_kv, num_splits=1, num_warps=warps, num_stages=stages)
@@ -428,7 +436,7 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     parser.add_argument("--stages", default="check,ceilings,decode,pages,prefill,copies")
     parser.add_argument("--impls", default="ours,bundled,cudnn,reference")
-    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument("--contexts", default="1024,4096,16384,32768")
     args = parser.parse_args()
@@ -443,15 +451,19 @@ def main():
         if "check" in stages:
             report["max_rel_err"] = check_correctness()
         report["ceilings"] = measure_ceilings() if "ceilings" in stages else {"hbm_read_tbs": float("nan"), "matmul_tflops": float("nan")}
+        if "sweep-short" in stages:
+            run_sweep(args.page_size, report["results"], SWEEP_SHORT, prefill=False)
         if "sweep" in stages:
             run_sweep(args.page_size, report["results"])
         if "decode" in stages:
             run_decode(report["ceilings"], [int(b) for b in args.batches.split(",")],
-                       [int(c) for c in args.contexts.split(",")], args.page_size, impls, report["results"])
+                       [int(c) for c in args.contexts.split(",")], args.page_size, impls, report["results"],
+                       save=lambda: write_outputs(args.out, report))
         if "pages" in stages:
-            for page_size in (32, 64, 128):
+            for page_size in (16, 32, 64, 128):
                 if page_size != args.page_size:
                     run_decode(report["ceilings"], [1, 64], [4096, 32768], page_size, {"ours"}, report["results"])
+        write_outputs(args.out, report)
         if "prefill" in stages:
             run_prefill(report["ceilings"], args.page_size, report["results"], impls)
         if "copies" in stages:

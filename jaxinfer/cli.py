@@ -42,12 +42,43 @@ def _fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _estimate(args: argparse.Namespace) -> int:
+    """KV-cache arithmetic for a model, from its config alone (no weights loaded)."""
+    import json
+    from pathlib import Path
+
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.memory import estimate
+    from jaxinfer.model_registry import resolve_model
+
+    path = resolve_model(args.model)
+    if path.suffix == ".gguf":
+        from jaxinfer.gguf_loader import read_gguf
+
+        hf = read_gguf(path).config
+    else:
+        hf = json.loads((Path(path) / "config.json").read_text())
+    config = ModelConfig.from_hf(hf)
+    bytes_per_element = {"float32": 4, "bfloat16": 2, "float8": 1}[args.kv_dtype]
+    result = estimate(
+        config, bytes_per_element=bytes_per_element, memory_bytes=int(args.memory_gib * 2**30),
+        request_len=args.request_len, memory_utilization=args.memory_utilization,
+    )
+    print(result)
+    return 0
+
+
 def _models(args: argparse.Namespace) -> int:
     from jaxinfer.model_registry import builtin_models
 
     for name, description in builtin_models().items():
         print(f"{name}\t{description}")
     return 0
+
+
+def _missing_server_dependency(error: ImportError) -> int:
+    print(f"jaxinfer serve needs the server extra ({error}): pip install 'jaxinfer[server]'", file=sys.stderr)
+    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +101,23 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fetch", help="download a built-in model into the cache and print its path")
     f.add_argument("--model", default="smollm2-135m-instruct")
     f.set_defaults(func=_fetch)
+
+    s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (same as python server.py)")
+    try:  # flask and waitress are needed only here
+        from jaxinfer.server.serve import add_serve_arguments, run_server
+
+        add_serve_arguments(s)
+        s.set_defaults(func=run_server)
+    except ImportError as e:
+        s.set_defaults(func=lambda args, e=e: _missing_server_dependency(e))
+
+    e = sub.add_parser("estimate", help="how many tokens / requests fit in the KV cache of a device")
+    e.add_argument("--model", default="smollm2-135m-instruct", help="built-in name, HF directory (config.json) or .gguf")
+    e.add_argument("--memory-gib", type=float, default=141.0, help="device memory (H200: 141)")
+    e.add_argument("--memory-utilization", type=float, default=0.9)
+    e.add_argument("--request-len", type=int, default=2048, help="tokens per request (prompt + output)")
+    e.add_argument("--kv-dtype", default="bfloat16", choices=["float32", "bfloat16", "float8"])
+    e.set_defaults(func=_estimate)
 
     m = sub.add_parser("models", help="list the built-in model names")
     m.set_defaults(func=_models)

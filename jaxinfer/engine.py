@@ -146,6 +146,12 @@ class Engine:
         self.last_step_num_tokens = 0
         self.warmup_seconds = self.runner.warm_up(use_tqdm) if warm_up else 0.0
 
+    def warmup(self, use_tqdm: bool = True) -> float:
+        """Compile every step shape now (if not done at construction); returns seconds spent."""
+        if not self.runner.warmup_done:
+            self.warmup_seconds = self.runner.warm_up(use_tqdm)
+        return self.warmup_seconds
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None) -> None:
         """Queue a request; raises ValueError, naming the limit, if it cannot run."""

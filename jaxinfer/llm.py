@@ -66,6 +66,7 @@ class LLM:
         use_tqdm: bool = True,
         loaded: LoadedModel | None = None,
     ):
+        _enable_compilation_cache()
         self.model = loaded or load_model(model, dtype)
         config = self.model.config
         self.tokenizer = self.model.tokenizer
@@ -195,6 +196,15 @@ class LLM:
                 if request_id not in results:
                     self.engine.abort(request_id)
         return [results[r] for r in order]
+
+
+def _enable_compilation_cache() -> None:
+    """Cache compiled programs on disk (unless the user chose a place) so a restart does not recompile."""
+    if jax.config.jax_compilation_cache_dir is None:
+        from jaxinfer.model_registry import default_cache_dir
+
+        jax.config.update("jax_compilation_cache_dir", str(default_cache_dir() / "jax-compilation-cache"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

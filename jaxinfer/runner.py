@@ -38,7 +38,7 @@ SAMPLING_VARIANTS = {
     "basic": SamplingFlags(any_random=True),
     "full": SamplingFlags(any_penalties=True, any_banned=True, any_random=True, any_truncation=True, num_top_logprobs=20),
 }
-HISTORY_BUCKETS_MIN = 64
+HISTORY_BUCKETS_MIN = 64  # the history length is a multiple of this
 MAX_BANNED = 16
 
 
@@ -123,10 +123,11 @@ class ModelRunner:
         )
         self.attention_impl = attention_impl
         self.sampling_variants = sampling_variants
-        self.max_history = 0
+        self.max_history_len = -(-max_model_len // HISTORY_BUCKETS_MIN) * HISTORY_BUCKETS_MIN
         self.cache = create_kv_cache(self.config, num_pages, page_size, model.weights.embed.dtype)
         # Sampled tokens of the last step, padded to max_num_seqs so their shape never changes.
-        self.last_sampled = jnp.zeros((self.buckets.num_seqs[-1],), jnp.int32)
+        # Made by a jitted function, like every later value, so the step's signature never changes.
+        self.last_sampled = jax.jit(lambda: jnp.zeros((self.buckets.num_seqs[-1],), jnp.int32))()
         self._step = jax.jit(
             functools.partial(_device_step, config=self.config, attention_impl=attention_impl),
             static_argnames=("flags",),
@@ -136,11 +137,14 @@ class ModelRunner:
         self.warmup_done = False
 
     def history_len(self, needed: int) -> int:
-        """Penalty history length bucket: powers of two from 64 up to the context."""
-        length = HISTORY_BUCKETS_MIN
-        while length < needed:
-            length *= 2
-        return length
+        """Penalty history length: one fixed size (the context) so that no length ever compiles anew.
+
+        It costs a [B, max_model_len] transfer on steps that use the "full" sampler; a
+        device-resident token-count table would remove it.
+        """
+        if needed > self.max_history_len:
+            raise ValueError(f"penalty history of {needed} tokens exceeds max_model_len {self.max_history_len}")
+        return self.max_history_len
 
     def warm_up(self, use_tqdm: bool = True) -> float:
         """Compile every bucket and sampling variant now; returns seconds spent."""

@@ -12,8 +12,11 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
 GOLDEN = REPO / "tests" / "golden"
 
-# Recompiling the same programs in every test run costs minutes on 2 cores.
-jax.config.update("jax_compilation_cache_dir", str(REPO / ".cache" / "jax"))
+# Recompiling the same programs in every test run costs minutes on 2 cores; the cache lives
+# beside the downloaded models so that fresh clones (CI) on the same machine reuse it.
+from jaxinfer.model_registry import default_cache_dir  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", str(default_cache_dir() / "jax-compilation-cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

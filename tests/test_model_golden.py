@@ -95,13 +95,21 @@ def test_logits_at_every_position_match_transformers(name):
     golden, arrays = _golden(name)
     prompt = golden["prompts"][golden["all_positions_prompt_index"]]
     logits = _all_logits(_model(name), prompt["ids"])
-    np.testing.assert_allclose(logits, arrays["all_pos_logits"], atol=ATOL, rtol=RTOL)
+    if "all_pos_logits" in arrays:
+        np.testing.assert_allclose(logits, arrays["all_pos_logits"], atol=ATOL, rtol=RTOL)
+        return
+    # The default model's golden file keeps the top 64 logits per position and the logsumexp
+    # of each row (its full logits would be 10 MB): compare those.
+    ours_at_ids = np.take_along_axis(logits, arrays["all_pos_topk_ids"].astype(np.int64), axis=1)
+    np.testing.assert_allclose(ours_at_ids, arrays["all_pos_topk_logits"], atol=ATOL, rtol=RTOL)
+    logsumexp = np.log(np.sum(np.exp(logits - logits.max(1, keepdims=True)), axis=1)) + logits.max(1)
+    np.testing.assert_allclose(logsumexp, arrays["all_pos_logsumexp"], atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("name", _params(TINY + [DEFAULT]))
 def test_greedy_continuations_match_transformers(name):
     golden, _ = _golden(name)
-    llm = LLM(loaded=_model(name), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128, use_tqdm=False)
+    llm = LLM(loaded=_model(name), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128, num_pages=160, use_tqdm=False)
     # transformers ran with EOS disabled: an EOS picked by argmax is kept like any token.
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     prompts = [p["ids"] for p in golden["prompts"]] + [c["ids"] for c in golden["chats"]]

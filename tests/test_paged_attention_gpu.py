@@ -65,3 +65,18 @@ def test_work_tiles_cover_every_query_once():
     live = meta[meta[:, 2] > 0]
     # (seq, first_pos, tile_q_len, token_start): sequence 2's 10 queries in tiles of 4, 4, 2.
     assert live.tolist() == [[0, 4, 1, 0], [2, 20, 4, 1], [2, 24, 4, 5], [2, 28, 2, 9], [3, 0, 1, 11]]
+
+
+def test_gpu_kernel_lowers_through_triton_from_cpu():
+    # Lowers Pallas -> Triton IR for an abstract H200, on the split (decode) and the prefill paths:
+    # catches primitives the Triton lowering lacks, which interpret mode does not.
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
+    for seqs, options in (([(1, 300), (0, 0), (1, 16)], dict(num_splits=4)), ([(90, 90), (1, 20)], {})):
+        case = make_case(1, seqs, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=BF16)
+        with jax.sharding.use_abstract_mesh(mesh):
+            lowered = ragged_paged_attention_gpu.trace(*case.args(), sm_scale=case.sm_scale, **options).lower(
+                lowering_platforms=("cuda",))
+        assert "triton" in lowered.as_text()

@@ -141,7 +141,6 @@ SERVE_FAKE = """
 import sys
 sys.path.insert(0, {repo!r})
 from tests.fake_engine import FakeEngine
-from server import main
 import jaxinfer.server.serve as serve
 import argparse
 parser = argparse.ArgumentParser()
@@ -179,7 +178,10 @@ def test_sigterm_drains_then_exits_0():
         threads = [threading.Thread(target=run, args=("short", 20)), threading.Thread(target=run, args=("long", 1000))]
         for t in threads:
             t.start()
-        time.sleep(0.2)
+        running = 'jaxinfer:num_requests_running{model_name="tiny"} 2.0'
+        deadline = time.monotonic() + 10
+        while running not in requests.get(base + "/metrics").text and time.monotonic() < deadline:
+            time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
         refused = requests.post(base + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=5)

@@ -81,6 +81,8 @@ class ServerMetrics:
         rejected = Counter(PREFIX + "request_rejected", "Requests refused with 503 (queue full, draining, ...).",
                            labels + ["reason"], registry=r)
         self._rejected = rejected
+        for reason in ("queue_full", "draining", "not_ready", "engine_dead"):
+            rejected.labels(model_name, reason)  # exported as 0 before the first refusal
         self.healthy = gauge("server_healthy", "1 while the server is ready to serve, else 0.")
 
         token_buckets = build_1_2_5_buckets(max_model_len)

@@ -11,6 +11,7 @@ to the socket as soon as the handler yields it.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -43,6 +44,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     a("--max-model-len", type=int, default=None)
     a("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="requests the engine runs at once")
+    a("--max-num-batched-tokens", type=int, default=None, help="token budget of one engine step")
+    a("--num-pages", type=int, default=None, help="KV pages (default: sized from free device memory)")
     a("--seed", type=int, default=0)
     a("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
       help="admitted requests not yet scheduled; past it new requests get 503 + Retry-After")
@@ -68,11 +71,19 @@ def default_served_name(model: str) -> str:
 
 
 def build_engine(args: argparse.Namespace):
-    """The real engine for ``args``. The one place that knows the Engine constructor."""
-    from jaxinfer.engine import Engine
+    """The real engine for ``args``. The one place that knows how the engine is built.
 
-    return Engine(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                  max_num_seqs=args.max_num_seqs, seed=args.seed)
+    Compilation is left to the server's warm-up phase (``engine.warmup()``), so ``/health``
+    can say ``warming`` meanwhile.
+    """
+    from jaxinfer.llm import LLM
+
+    llm = LLM(
+        args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None), seed=args.seed,
+        num_pages=getattr(args, "num_pages", None), warm_up=False,
+    )
+    return llm.engine
 
 
 def create_waitress_server(app, host: str, port: int, threads: int, max_body_bytes: int):
@@ -92,8 +103,10 @@ def serve_forever(server) -> None:
     """waitress's loop, for a thread: closing the server from another thread ends it quietly."""
     try:
         server.run()
-    except (OSError, ValueError):  # select() on sockets closed under it by server.close()
-        if server.map:
+    except ValueError:  # select() on a socket whose fd server.close() already released
+        pass
+    except OSError as e:
+        if e.errno != errno.EBADF:
             raise
 
 

@@ -7,7 +7,6 @@ Attribute names follow the OpenTelemetry GenAI conventions where one exists.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 logger = logging.getLogger("jaxinfer.server")
@@ -89,11 +88,3 @@ def otlp_tracer_provider(endpoint: str, service_name: str = "jaxinfer"):
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
     return provider
 
-
-@contextlib.contextmanager
-def span_errors(span):
-    try:
-        yield
-    except Exception as e:
-        span.set_status_error(type(e).__name__)
-        raise

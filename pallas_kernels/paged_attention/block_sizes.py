@@ -16,9 +16,10 @@ import dataclasses
 
 from pallas_kernels.paged_attention.work_tiles import next_power_of_2, num_work_tiles
 
-# Hopper: 132 SMs. A decode launch wants a few programs per SM to keep enough loads in flight.
+# Hopper: 132 SMs. Sweep (docs/KERNELS.md, v2): about 2 programs per SM was best for B=1 ctx 32k
+# (32 splits) and B=8 ctx 16k (4 splits); more splits only added combine work.
 _GPU_NUM_SMS = 132
-_GPU_PROGRAMS_PER_SM = 4
+_GPU_PROGRAMS_PER_SM = 2
 # Each split walks at least this many KV tiles, or the combine step costs more than the split saves.
 _MIN_TILES_PER_SPLIT = 4
 _MAX_SPLITS = 64
@@ -51,14 +52,15 @@ def gpu_block_sizes(
     if is_decode_like(num_tokens, max_num_seqs):
         # Triton's dot wants >= 16 rows; extra rows are masked queries, free in a read-bound loop.
         block_q = max(1, 16 // group_padded)
-        block_kv = 128 if itemsize <= 2 else 64
+        # 64-token steps, 4 warps, 4 stages: the best or near it at B=1/8/64/256 on the H200 sweep.
+        block_kv = 64
         num_tiles = num_work_tiles(num_tokens, max_num_seqs, block_q)
         splits = _num_splits(num_tiles * num_kv_heads, max_kv_len, block_kv, _GPU_NUM_SMS * _GPU_PROGRAMS_PER_SM)
-        return BlockSizes(block_q=block_q, block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=3)
-    rows = 128 if head_dim <= 128 and itemsize <= 2 else 64
-    block_q = max(1, rows // group_padded)
-    block_kv = 64
-    return BlockSizes(block_q=block_q, block_kv=block_kv, num_splits=1, num_warps=8, num_stages=2)
+        return BlockSizes(block_q=block_q, block_kv=block_kv, num_splits=splits, num_warps=4,
+                          num_stages=4 if itemsize <= 2 else 2)
+    # 64 rows x 64 KV tokens, 4 warps, 2 stages: best of 24 variants on a 4k-token prefill.
+    block_q = max(1, 64 // group_padded)
+    return BlockSizes(block_q=block_q, block_kv=64, num_splits=1, num_warps=4, num_stages=2)
 
 
 def tpu_block_sizes(

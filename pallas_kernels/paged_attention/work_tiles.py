@@ -5,9 +5,10 @@ one sequence, for one KV head, with all the query heads of that KV head stacked 
 (``rows = block_q * group_padded``, token-major). Every page of the sequence is then read
 once per tile and KV head, whatever the GQA ratio.
 
-The wrapper gathers the queries into tiles before the kernel and gathers the outputs back
-after it (both are small, ``num_tokens * num_q_heads * head_dim`` elements, next to the
-cache reads). The kernels then index q and out with plain block specs, never across a
+The TPU wrapper gathers the queries into tiles before the kernel and the outputs back
+after it (both small, ``num_tokens * num_q_heads * head_dim`` elements, next to the cache
+reads), so its kernel uses plain block specs; the GPU kernel reads ``meta[:, TOKEN_START]``
+and addresses q and out rows itself, saving those two XLA steps. Tiles never cross a
 sequence boundary, so no two programs ever write the same output row.
 
 The number of tiles is static: ``sum_b cdiv(q_len_b, block_q) <= cdiv(num_tokens, block_q)

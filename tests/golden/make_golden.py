@@ -146,8 +146,9 @@ def run_model(name: str, model, tok, *, raw_tokenizer: Tokenizer | None, decode_
     for messages in CONVERSATIONS:
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tok(text, add_special_tokens=False).input_ids
-        via_template = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        via_template = via_template["input_ids"] if isinstance(via_template, dict) or hasattr(via_template, "keys") else via_template
+        via_template = tok.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=True
+        )["input_ids"]
         new_ids, step_margins, agrees = greedy(model, ids)
         entry = {
             "messages": messages, "text": text, "ids": ids,

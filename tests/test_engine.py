@@ -1,0 +1,178 @@
+"""The continuous-batching engine on CPU in float32, with a tiny Llama-3 fixture.
+
+Each property compares the engine against itself run another way (one at a time, with a
+roomy page pool, without prefix caching), so any scheduling, paging or sampling bug that
+changes a token shows up as a mismatch.
+"""
+
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.checkpoint import load_model
+
+from .conftest import FIXTURES
+
+MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model(FIXTURES / "tiny-llama3", dtype="float32")
+
+
+def make_llm(tiny, **overrides):
+    options = dict(
+        max_model_len=MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=64, num_pages=96,
+        use_tqdm=False, max_wait_s=0.0,
+    )
+    options.update(overrides)
+    return LLM(loaded=tiny, **options)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    return make_llm(tiny)
+
+
+def random_prompts(count, seed=0, low=1, high=60, vocab=500):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=int(rng.integers(low, high))).tolist() for _ in range(count)]
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def test_mixed_batch_equals_one_at_a_time(llm):
+    prompts = random_prompts(32)
+    batched = token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+    alone = [token_ids(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
+    assert batched == alone
+    assert all(len(t) == 12 for t in batched)
+    assert llm.engine.stats()["num_compilations_after_warmup"] == 0
+
+
+def test_preemption_gives_identical_outputs(tiny, llm):
+    prompts = random_prompts(12, seed=1, low=30, high=60)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    roomy = token_ids(llm.generate(prompts, params, use_tqdm=False))
+    # 12 pages of 16 tokens: two sequences of ~90 tokens already need all of them.
+    tight = make_llm(tiny, num_pages=MAX_MODEL_LEN // 16 + 4)
+    squeezed = token_ids(tight.generate(prompts, params, use_tqdm=False))
+    assert tight.engine.stats()["num_preemptions"] > 0
+    assert squeezed == roomy
+    assert tight.engine.stats()["num_pages_used"] == 0
+
+
+def test_seeded_sampling_is_reproducible_across_batches(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=1234, ignore_eos=True)
+    prompt = random_prompts(1, seed=2)[0]
+    alone = token_ids(llm.generate([prompt], params, use_tqdm=False))[0]
+    others = random_prompts(7, seed=3)
+    mixed = llm.generate(others[:3] + [prompt] + others[3:], [SamplingParams(temperature=0.7, seed=i) for i in range(3)] + [params] + [SamplingParams(temperature=0.7, seed=i) for i in range(4)], use_tqdm=False)
+    assert mixed[3].outputs[0].token_ids == alone
+    different_seed = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=4321, ignore_eos=True)
+    assert token_ids(llm.generate([prompt], different_seed, use_tqdm=False))[0] != alone
+
+
+def test_prefix_sharing_computes_fewer_tokens_with_same_outputs(tiny, llm):
+    system = random_prompts(1, seed=4, low=64, high=65)[0]  # four full pages shared by all
+    prompts = [system + tail for tail in random_prompts(6, seed=5, low=3, high=10)]
+    shared = make_llm(tiny)
+    before = shared.engine.stats()["num_tokens_computed"]
+    with_cache = token_ids(shared.generate(prompts, GREEDY, use_tqdm=False))
+    computed_with_cache = shared.engine.stats()["num_tokens_computed"] - before
+    plain = make_llm(tiny, enable_prefix_caching=False)
+    without_cache = token_ids(plain.generate(prompts, GREEDY, use_tqdm=False))
+    computed_without = plain.engine.stats()["num_tokens_computed"]
+    assert with_cache == without_cache
+    assert shared.engine.stats()["prefix_cache_hits"] > 0
+    assert computed_with_cache <= computed_without - 4 * 64
+
+
+def test_n_samples_share_the_prompt(llm):
+    prompt = random_prompts(1, seed=6, low=40, high=41)[0]
+    out = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=7, ignore_eos=True), use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1  # each sample has its own seed
+
+
+def test_stop_string_across_token_boundaries(llm):
+    prompt = random_prompts(1, seed=8)[0]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    text = free.text
+    # A stop string that starts inside one token and ends inside a later one.
+    pieces = [llm.tokenizer.decode(free.token_ids[: i + 1]) for i in range(len(free.token_ids))]
+    boundary = next(len(p) for p in pieces if len(p) >= 6)
+    stop = text[boundary - 3 : boundary + 3]
+    assert len(stop) == 6
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, stop=[stop], ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    kept = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, stop=[stop], include_stop_str_in_output=True, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def test_abort_frees_pages_at_once(llm):
+    engine = llm.engine
+    engine.add_request("a", random_prompts(1, seed=9, low=50, high=51)[0], SamplingParams(temperature=0, max_tokens=50))
+    engine.add_request("b", random_prompts(1, seed=10)[0], SamplingParams(temperature=0, max_tokens=5))
+    engine.step()
+    engine.step()
+    assert engine.stats()["num_pages_used"] > 0
+    assert engine.abort("a") and engine.abort("b")
+    assert engine.stats()["num_pages_used"] == 0
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert {o.request_id: o.outputs[0].finish_reason for o in outputs} == {"a": "abort", "b": "abort"}
+
+
+def test_stop_tokens_max_tokens_and_min_tokens(llm):
+    prompt = random_prompts(1, seed=11)[0]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    stop_id = free.token_ids[4]
+    first = free.token_ids.index(stop_id)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id and out.token_ids == free.token_ids[: first + 1]
+    banned = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id], min_tokens=first + 2), use_tqdm=False)[0].outputs[0]
+    assert stop_id not in banned.token_ids[: first + 2]
+    assert free.finish_reason == "length" and len(free.token_ids) == 10
+
+
+def test_logprobs_are_of_the_raw_distribution(llm):
+    prompt = random_prompts(1, seed=12)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and len(entry) >= 3
+        assert max(entry.values()) == pytest.approx(entry[token])  # greedy picks the most likely
+        assert all(v <= 0 for v in entry.values())
+
+
+def test_bad_prompt_fails_alone(llm):
+    outputs = llm.generate([[1, 2, 3], list(range(MAX_MODEL_LEN + 5)), []], GREEDY, use_tqdm=False)
+    assert outputs[0].error is None and len(outputs[0].outputs[0].token_ids) == 12
+    assert "max_model_len" in outputs[1].error and outputs[1].outputs[0].finish_reason == "error"
+    assert "empty" in outputs[2].error
+
+
+def test_penalties_run_exactly_and_change_the_output(llm):
+    prompt = random_prompts(1, seed=13)[0]
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    penalized = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=5.0), use_tqdm=False)[0].outputs[0]
+    # With a strong repetition penalty, greedy decoding repeats no token of its own output as often.
+    assert len(set(penalized.token_ids)) >= len(set(plain.token_ids))
+    batched = llm.generate([prompt, prompt], [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=5.0)] * 2, use_tqdm=False)
+    assert token_ids(batched) == [penalized.token_ids] * 2
+
+
+def test_zero_compilations_after_warmup_across_the_workload(llm):
+    # Runs last in this module: every test above used the same engine with varied shapes,
+    # sampling features (penalties, logprobs, top-p, min_tokens bans) and batch compositions.
+    assert llm.engine.runner.warmup_done
+    assert llm.engine.stats()["num_compilations_after_warmup"] == 0
