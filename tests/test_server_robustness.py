@@ -164,10 +164,12 @@ def test_sigterm_drains_then_exits_0():
                 logs.append({"message": line})
     threading.Thread(target=read_logs, daemon=True).start()
     try:
-        deadline = time.monotonic() + 60
+        # Importing jax in a fresh process can take a minute on a loaded 2-core machine.
+        deadline = time.monotonic() + 180
         while not any(e.get("message") == "ready" for e in logs) and time.monotonic() < deadline:
             assert proc.poll() is None, logs
             time.sleep(0.05)
+        assert any(e.get("message") == "ready" for e in logs), f"server not ready after 180 s: {logs}"
         port = next(e["port"] for e in logs if e.get("message", "").startswith("listening"))
         base = f"http://127.0.0.1:{port}"
         results = {}
