@@ -15,24 +15,22 @@ from pallas_kernels.paged_attention.reference import ragged_paged_attention_refe
 IMPLEMENTATIONS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret")
 
 
-def resolve_impl(impl: str, platform: str | None = None) -> str:
-    """Turn ``"auto"`` into a concrete implementation for ``platform`` (default: JAX's backend)."""
+def resolve_impl(impl: str, platform: str | None = None, head_dim: int | None = None) -> str:
+    """Turn ``"auto"`` into a concrete implementation for ``platform`` (default: JAX's backend).
+
+    The GPU kernel tiles head_dim in powers of two; other head sizes take the reference.
+    """
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention impl {impl!r} is not one of {IMPLEMENTATIONS}")
     if impl != "auto":
         return impl
     platform = platform or jax.default_backend()
-    if platform in ("gpu", "cuda", "rocm") and _has_kernel("ragged_paged_attention_gpu"):
+    gpu_head_dim_ok = head_dim is None or (head_dim & (head_dim - 1)) == 0
+    if platform in ("gpu", "cuda", "rocm") and gpu_head_dim_ok:
         return "pallas_gpu"
-    if platform == "tpu" and _has_kernel("ragged_paged_attention_tpu"):
+    if platform == "tpu":
         return "pallas_tpu"
     return "reference"
-
-
-def _has_kernel(name: str) -> bool:
-    import pallas_kernels.paged_attention as pa
-
-    return hasattr(pa, name)
 
 
 def paged_attention(q, k_new, v_new, k_pages, v_pages, batch, *, sm_scale, sliding_window=None, impl="auto"):
@@ -40,7 +38,7 @@ def paged_attention(q, k_new, v_new, k_pages, v_pages, batch, *, sm_scale, slidi
 
     q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; pages: [Hkv, P, S, D]; ``batch`` is a StepBatch.
     """
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, head_dim=q.shape[-1])
     args = (q, k_new, v_new, k_pages, v_pages, batch.page_tables, batch.cu_q_lens, batch.kv_lens)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
     if impl == "reference":

@@ -20,13 +20,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
-import logging
 import time
 
 import jax
 import numpy as np
 
-from jaxinfer.batch import StepBatch
+from jaxinfer.batch import build_step_batch
 from jaxinfer.checkpoint import LoadedModel
 from jaxinfer.detokenizer import Detokenizer
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -36,8 +35,6 @@ from jaxinfer.sampling import SamplingTensors
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.scheduler import Schedule, Scheduler, SchedulerConfig
 from jaxinfer.sequence import PLACEHOLDER_TOKEN, Sequence
-
-logger = logging.getLogger(__name__)
 
 
 class PromptTooLongError(ValueError):
@@ -271,39 +268,25 @@ class Engine:
         max_pages = max(len(item.seq.page_table) for item in items)
         t_bucket, b_bucket, p_bucket = self.runner.buckets.pick(num_tokens, len(items), max_pages)
         needs_full = any(_needs_full_sampler(item.seq) for item in items)
-        history_len = 0
-        if needs_full:
-            history_len = self.runner.history_len(max(item.seq.num_tokens for item in items))
+        history_len = self.runner.history_len(max(item.seq.num_tokens for item in items)) if needs_full else 0
         sampling = SamplingTensors.neutral(b_bucket, history_len, MAX_BANNED if needs_full else 0)
-        token_ids = np.zeros(t_bucket, np.int32)
-        positions = np.zeros(t_bucket, np.int32)
+        # A placeholder input is read on the device from the previous step's sample (prev_rows).
         prev_rows = np.full(t_bucket, -1, np.int32)
-        cu_q_lens = np.zeros(b_bucket + 1, np.int32)
-        kv_lens = np.zeros(b_bucket, np.int32)
-        page_tables = np.full((b_bucket, p_bucket), SCRATCH_PAGE, np.int32)
-        logits_indices = np.zeros(b_bucket, np.int32)
         previous_rows = self._previous_rows()
-        row = 0
-        rows = []
+        chunks, rows, row = [], [], 0
         for b, item in enumerate(items):
-            seq, n = item.seq, item.num_new_tokens
-            tokens = seq.token_ids[item.start_position : item.start_position + n]
+            seq, tokens = item.seq, item.token_ids
             for j, token in enumerate(tokens):
                 if token == PLACEHOLDER_TOKEN:
                     prev_rows[row + j] = previous_rows[seq.seq_id]
-                else:
-                    token_ids[row + j] = token
-            positions[row : row + n] = np.arange(item.start_position, item.start_position + n)
-            kv_lens[b] = item.start_position + n
-            page_tables[b, : len(seq.page_table)] = seq.page_table
-            row += n
-            logits_indices[b] = row - 1
-            cu_q_lens[b + 1] = row
+            chunks.append(([max(t, 0) for t in tokens], item.start_position, seq.page_table))
+            row += len(tokens)
             rows.append(b if item.samples_token else -1)
             if item.samples_token:
                 self._fill_sampling(sampling, b, seq, needs_full)
-        cu_q_lens[len(items) + 1 :] = row
-        batch = StepBatch(token_ids, positions, cu_q_lens, kv_lens, page_tables, logits_indices)
+        batch = build_step_batch(
+            chunks, num_tokens=t_bucket, num_seqs=b_bucket, pages_per_seq=p_bucket, padding_page=SCRATCH_PAGE
+        )
         return StepInputs(batch, sampling, prev_rows, "full" if needs_full else "basic"), rows
 
     def _previous_rows(self) -> dict[int, int]:
@@ -348,7 +331,8 @@ class Engine:
             if request is None or seq.is_finished:
                 continue  # aborted or already stopped: this sample is dropped
             token = int(out.token_ids[row])
-            index = seq.token_ids.index(PLACEHOLDER_TOKEN, seq.num_prompt_tokens)
+            # The earliest placeholder is this step's; a later one (the step now running) may follow.
+            index = seq.num_tokens - 1 if seq.token_ids[-2] != PLACEHOLDER_TOKEN else seq.num_tokens - 2
             seq.set_token(index, token)
             self.generation_tokens_total += 1
             i = request.seqs.index(seq)
@@ -368,12 +352,12 @@ class Engine:
 
     def _check_stop(self, request: _Request, i: int, seq: Sequence, token: int) -> None:
         params = request.params
-        num_generated = sum(1 for t in seq.generated_token_ids if t != PLACEHOLDER_TOKEN)
+        num_generated = seq.num_generated_tokens - int(seq.has_placeholder)  # this token included
         stop_string = request.detokenizers[i].add_token(token)
         reason = None
         if stop_string is not None:
             reason, request.stop_reasons[i] = "stop", stop_string
-        elif token in params.stop_token_ids and num_generated > params.min_tokens - 1:
+        elif token in params.stop_token_ids and num_generated >= params.min_tokens:
             reason, request.stop_reasons[i] = "stop", token
         elif token in self.eos_ids and not params.ignore_eos and num_generated >= params.min_tokens:
             reason = "stop"

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -18,7 +19,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxinfer.checkpoint import LoadedModel, load_model
-from jaxinfer.engine import Engine, EngineConfig, PromptTooLongError
+from jaxinfer.engine import Engine, EngineConfig
 from jaxinfer.memory import num_pages_for_device, pages_for
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
@@ -39,7 +40,7 @@ class LLM:
         max_model_len: longest prompt + output in tokens (default: the model's context length).
         max_num_seqs: most sequences in one step (the maximum batch size).
         max_num_batched_tokens: the token budget of one step (prefill chunks + decodes).
-        page_size: tokens per KV page.
+        page_size: tokens per KV page (32: the best or near it in the H200 kernel sweep, docs/KERNELS.md).
         num_pages: size of the page pool; default: sized from free device memory.
         memory_utilization: fraction of device memory jaxinfer may use (weights + cache).
         enable_prefix_caching: share full pages of common prefixes between requests.
@@ -56,7 +57,7 @@ class LLM:
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
-        page_size: int = 16,
+        page_size: int = 32,
         num_pages: int | None = None,
         memory_utilization: float = 0.9,
         enable_prefix_caching: bool = True,
@@ -208,8 +209,6 @@ def _enable_compilation_cache() -> None:
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    import dataclasses
-
     return dataclasses.replace(params, seed=seed)
 
 

@@ -60,15 +60,6 @@ def estimate(config: ModelConfig, *, bytes_per_element: int, memory_bytes: int, 
     return MemoryEstimate(per_token, weights, available, tokens, tokens // max(1, request_len), request_len)
 
 
-def device_free_bytes(device: jax.Device | None = None) -> int | None:
-    """Bytes the device can still allocate (limit minus in use), or None where unknown (CPU)."""
-    device = device or jax.local_devices()[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-
-
 def num_pages_for_device(config: ModelConfig, *, page_size: int, bytes_per_element: int,
                          memory_utilization: float, reserve_bytes: int = 0) -> int:
     """Size the page pool from free device memory after the weights are loaded.

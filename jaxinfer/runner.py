@@ -28,7 +28,6 @@ from jaxinfer.kv_cache import create_kv_cache
 from jaxinfer.model import forward
 from jaxinfer.page_allocator import SCRATCH_PAGE
 from jaxinfer.sampling import SamplerOutput, SamplingFlags, SamplingTensors, sample
-from jaxinfer.sequence import PLACEHOLDER_TOKEN
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +156,9 @@ class ModelRunner:
             jax.block_until_ready(out.token_ids)
         self.warmup_done = True
         self._cache_size_after_warmup = self._step._cache_size()
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        logger.info("compiled %d step programs in %.1f s", len(shapes), seconds)
+        return seconds
 
     @property
     def num_compilations_after_warmup(self) -> int:
@@ -204,7 +205,3 @@ def _device_step(weights, cache, batch, sampling, prev_rows, last_sampled, *, co
     out = sample(logits, sampling, flags)
     padded = jnp.zeros_like(last_sampled).at[: out.token_ids.shape[0]].set(out.token_ids)
     return _StepOutput(out, padded), cache
-
-
-def is_placeholder(token: int) -> bool:
-    return token == PLACEHOLDER_TOKEN

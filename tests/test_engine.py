@@ -23,7 +23,7 @@ def tiny():
 
 def make_llm(tiny, **overrides):
     options = dict(
-        max_model_len=MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=64, num_pages=96,
+        max_model_len=MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=64, num_pages=96, page_size=16,
         use_tqdm=False, max_wait_s=0.0,
     )
     options.update(overrides)

@@ -139,7 +139,6 @@ def attend_gpu(
     group = num_q_heads // num_kv_heads
     group_padded = wt.next_power_of_2(group)
     block_q, splits = sizes.block_q, sizes.num_splits
-    rows = block_q * group_padded
     tiles = wt.plan_work_tiles(cu_q_lens, kv_lens, num_tokens, block_q)
     num_tiles = tiles.meta.shape[0]
     # Flattening pages is a bitcast: row page * page_size + r is token r of that page.
