@@ -55,12 +55,11 @@ def test_every_dashboard_query_names_an_exported_metric(metrics_text):
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     queried = {m for e in exprs for m in re.findall(r"jaxinfer:[a-z0-9_:]+", e)}
     assert len(queried) > 20
-    try:
-        import pynvml  # noqa: F401
-        have_nvml = True
-    except ImportError:
-        have_nvml = False
-    # NVML gauges exist only where nvidia-ml-py finds a GPU; everything else must be exported here.
+    from jaxinfer.server.device_metrics import DeviceCollector
+
+    # NVML gauges exist only where nvidia-ml-py is installed AND finds a driver and GPU (the
+    # collector's own test); everything else must be exported here.
+    have_nvml = DeviceCollector()._nvml is not None
     expected = {m for m in queried if have_nvml or not m.startswith("jaxinfer:gpu_")}
     assert expected - names_in(metrics_text) == set()
 
