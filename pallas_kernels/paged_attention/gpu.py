@@ -20,16 +20,28 @@ The new tokens' K/V are written first by an XLA scatter into the donated cache (
 place: no cache-sized copy, which the benchmark checks in the compiled program), then
 the kernel reads the cache.
 
-Lowering choice: Pallas-Triton (``pl.pallas_call`` on GPU), NOT chosen against a Mosaic
-GPU prototype: the issue asks for one of each at three decode shapes, and in this short
-session only the Triton version was built. Why Triton first: its pointer gathers express
-"one row per page-table entry" in a single load and its software pipeliner keeps several
-KV tiles in flight; Mosaic GPU (``plgpu.kernel``) needs a TMA/cp.async copy per page and
-hand-written pipelining. Measured on the H200 (docs/KERNELS.md, bf16, GQA 32/8, d 128):
-B=64 ctx 32k 4.02 TB/s (90% of the 4.46 TB/s read ceiling, 1.70x the bundled kernel,
-0.95x cuDNN dense); B=8 ctx 16k 2.06 TB/s; B=1 ctx 32k 2.07 TB/s (46%). Short contexts
-and prefill (26% of the matmul rate at 8k tokens) are well short of the issue's goals.
-The Mosaic GPU prototype, which may reach them through TMA and wgmma, is open work.
+Lowering choice: Pallas-Triton, chosen by measurement against a Mosaic GPU prototype
+(``mosaic_gpu_prototype.py``: one warpgroup per sequence x KV head x split, one TMA copy
+per page at the coordinate read from the page table, Q K^T and P V as wgmma, pages
+pipelined 2/4/8 deep by ``plgpu.emit_pipeline``). ``benchmarks/kernel_lowering_choice.py``
+timed both in one run on the H200 (bf16, 32 q / 8 KV heads, d 128, page 32, 32 chained
+calls per timed program; ``benchmarks/results/kernel_lowering_choice.md``), best Mosaic
+variant vs this kernel at its tuned sizes, two runs:
+
+    shape          Triton TB/s (of 4.53 ceiling)   best Mosaic / Triton time
+    B=64 ctx 4k    3.87-3.91 (85-86%)              1.06, 1.07
+    B=8  ctx 16k   3.31-3.52 (73-78%)              0.95, 1.04
+    B=1  ctx 32k   2.39-2.61 (53-58%)              1.07, 1.03
+    B=32 ctx 4k    3.54 (78%)                      1.07 (second run only)
+
+Mosaic GPU can express paged decode (page-table indirection for TMA works: the
+coordinate is a scalar loaded from GMEM inside the BlockSpec's ``index_map``), but the
+prototype is no faster: 3-8% slower at three of four shapes, and within the 6-9%
+run-to-run spread at the fourth. This kernel also already serves prefill, mixed and
+chunked batches, sliding windows and soft caps, and never reads unowned cache rows (masked
+loads), so it stays. Where Mosaic GPU might still win: prefill (wgmma at M=64 rows of real
+queries, not 4 of 64 as in decode) and decode with two warpgroups overlapping softmax and
+the next page's matmuls; neither was built.
 """
 
 from __future__ import annotations
