@@ -8,9 +8,12 @@ TPU) and the reference elsewhere (CPU); tests force ``"reference"``, ``"pallas_g
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 from pallas_kernels.paged_attention.reference import ragged_paged_attention_reference
+from sharding.rules import shard_over_heads
 
 IMPLEMENTATIONS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret")
 
@@ -39,7 +42,14 @@ def paged_attention(q, k_new, v_new, k_pages, v_pages, batch, *, sm_scale, slidi
     q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; pages: [Hkv, P, S, D]; ``batch`` is a StepBatch.
     """
     impl = resolve_impl(impl, head_dim=q.shape[-1])
-    args = (q, k_new, v_new, k_pages, v_pages, batch.page_tables, batch.cu_q_lens, batch.kv_lens)
+    attend = functools.partial(_attend, impl=impl, sm_scale=sm_scale, sliding_window=sliding_window)
+    # Under a tensor-parallel mesh each shard runs the kernel on its own heads (sharding.rules).
+    return shard_over_heads(attend)(
+        q, k_new, v_new, k_pages, v_pages, batch.page_tables, batch.cu_q_lens, batch.kv_lens
+    )
+
+
+def _attend(*args, impl, sm_scale, sliding_window):
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
     if impl == "reference":
         return ragged_paged_attention_reference(*args, **kwargs)

@@ -1,8 +1,9 @@
-"""Loading checkpoints: Hugging Face directories (safetensors) and GGUF files.
+"""Loading checkpoints: Hugging Face directories (safetensors), GGUF files and Orbax checkpoints.
 
 Both formats end as Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight``,
 ``[out, in]`` shapes), which :func:`weights_from_hf` lays out as the model's ``Weights``.
-GGUF files are read and dequantized by ``jaxinfer.gguf_loader``.
+GGUF files are read and dequantized by ``jaxinfer.gguf_loader``; Orbax checkpoints (converted
+once from either) are written and restored, shard by shard, by ``jaxinfer.orbax_checkpoint``.
 """
 
 from __future__ import annotations
@@ -139,12 +140,27 @@ def load_gguf(path: Path, dtype) -> LoadedModel:
     return LoadedModel(config, weights, tokenizer, path)
 
 
-def load_model(model: str | Path, dtype: str | None = None) -> LoadedModel:
-    """Load a built-in model name, a Hugging Face directory, or a GGUF file."""
+def load_model(model: str | Path, dtype: str | None = None, shardings=None) -> LoadedModel:
+    """Load a built-in model name, a Hugging Face directory, a GGUF file, or an Orbax checkpoint.
+
+    ``shardings``: a ``Weights`` pytree of ``NamedSharding``s, or a function of the ``ModelConfig``
+    that returns one (``lambda c: weight_shardings(c, mesh)``). An Orbax checkpoint (written by
+    ``jaxinfer convert``) restores each shard straight onto its devices; the other formats load
+    onto the default device and are then laid out with ``jax.device_put``.
+    """
     from jaxinfer.model_registry import resolve_model
+    from jaxinfer.orbax_checkpoint import is_orbax_checkpoint, restore
 
     path = resolve_model(model)
     jdtype = resolve_dtype(dtype)
+    if is_orbax_checkpoint(path):
+        return restore(path, shardings=shardings, dtype=jdtype)
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, jdtype)
-    return load_hf_dir(path, jdtype)
+        loaded = load_gguf(path, jdtype)
+    else:
+        loaded = load_hf_dir(path, jdtype)
+    if callable(shardings):
+        shardings = shardings(loaded.config)
+    if shardings is not None:
+        loaded.weights = jax.device_put(loaded.weights, shardings)
+    return loaded

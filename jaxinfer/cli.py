@@ -1,4 +1,4 @@
-"""The ``jaxinfer`` command line: generate, fetch, models."""
+"""The ``jaxinfer`` command line: generate, fetch, serve, estimate, convert, models."""
 
 from __future__ import annotations
 
@@ -11,12 +11,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the model is split over")
+    p.add_argument("--data-parallel-size", type=int, default=1, help="model replicas, each with its own scheduler")
 
 
 def _generate(args: argparse.Namespace) -> int:
     from jaxinfer import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len)
+    llm = LLM(args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
+              tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         max_tokens=args.max_tokens, stop=args.stop or None, seed=args.sample_seed,
@@ -65,6 +68,16 @@ def _estimate(args: argparse.Namespace) -> int:
         request_len=args.request_len, memory_utilization=args.memory_utilization,
     )
     print(result)
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from jaxinfer.checkpoint import load_model
+    from jaxinfer.orbax_checkpoint import check_output_dir, save
+
+    check_output_dir(args.output)  # before the load, which may take minutes
+    dtype = {"bf16": "bfloat16", "f32": "float32"}.get(args.dtype, args.dtype)
+    print(save(load_model(args.model, dtype), args.output))
     return 0
 
 
@@ -118,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--request-len", type=int, default=2048, help="tokens per request (prompt + output)")
     e.add_argument("--kv-dtype", default="bfloat16", choices=["float32", "bfloat16", "float8"])
     e.set_defaults(func=_estimate)
+
+    c = sub.add_parser("convert", help="convert a model once into an Orbax checkpoint (fast, sharded loading)")
+    c.add_argument("--model", default="smollm2-135m-instruct", help="built-in name, Hugging Face directory or .gguf file")
+    c.add_argument("--output", required=True, help="the checkpoint directory to write (must not exist or be empty)")
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "f32", "bf16"],
+                   help="dtype of the stored weights (float32, the default, keeps dequantized GGUF values exactly)")
+    c.set_defaults(func=_convert)
 
     m = sub.add_parser("models", help="list the built-in model names")
     m.set_defaults(func=_models)

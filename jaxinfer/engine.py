@@ -30,7 +30,7 @@ from jaxinfer.checkpoint import LoadedModel
 from jaxinfer.detokenizer import Detokenizer
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.page_allocator import SCRATCH_PAGE, PageAllocator
-from jaxinfer.runner import MAX_BANNED, ModelRunner, StepInputs
+from jaxinfer.runner import MAX_BANNED, ModelRunner, StepInputs, enable_persistent_compilation_cache
 from jaxinfer.sampling import SamplingTensors
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.scheduler import Schedule, Scheduler, SchedulerConfig
@@ -52,6 +52,9 @@ class EngineConfig:
     max_wait_s: float = 0.002
     attention_impl: str = "auto"
     async_scheduling: bool = True
+    # Sampler programs compiled at start-up: "basic" (greedy, temperature) and "full" (everything).
+    sampling_variants: tuple[str, ...] = ("basic", "full")
+    overlap: object = None  # sharding.overlap.OverlapConfig: tp communication overlap per phase
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +64,7 @@ class SampleSettings:
     params: SamplingParams
     seed: int  # this sample's own seed: the request's, or derived from it for n > 1
     max_tokens: int  # max_tokens, capped by the context left after the prompt
+    index: int = 0  # which of the request's n samples
 
 
 class _Request:
@@ -73,21 +77,24 @@ class _Request:
         self.params = params
         self.seqs: list[Sequence] = seqs
         self.detokenizers: list[Detokenizer] = detokenizers
+        # Tokens each sample has produced, filled as they arrive from the device (no placeholders).
+        self.output_token_ids: list[list[int]] = [[] for _ in seqs]
         self.logprobs: list[list[dict[int, float]]] = [[] for _ in seqs]
         self.cumulative_logprob = [0.0 for _ in seqs]
         self.stop_reasons: list[int | str | None] = [None for _ in seqs]
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_ids))
 
     @property
-    def finished(self) -> bool:
+    def is_finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
 
-    def output(self) -> RequestOutput:
+    def output(self, is_finished: bool) -> RequestOutput:
+        """The request's outputs so far. Token lists are live: they keep growing until it finishes."""
         outputs = [
             CompletionOutput(
                 index=i,
                 text=self.detokenizers[i].text,
-                token_ids=[t for t in seq.generated_token_ids if t != PLACEHOLDER_TOKEN],
+                token_ids=self.output_token_ids[i],
                 finish_reason=seq.finish_reason,
                 stop_reason=self.stop_reasons[i],
                 logprobs=self.logprobs[i] if self.params.logprobs is not None else None,
@@ -97,7 +104,7 @@ class _Request:
         ]
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_ids,
-            outputs=outputs, finished=self.finished, num_cached_tokens=self.seqs[0].num_cached_tokens,
+            outputs=outputs, finished=is_finished, num_cached_tokens=self.seqs[0].num_cached_tokens,
             metrics=self.metrics,
         )
 
@@ -111,7 +118,9 @@ class _InFlight:
 
 
 class Engine:
-    def __init__(self, model: LoadedModel, config: EngineConfig, *, warm_up: bool = True, use_tqdm: bool = True):
+    def __init__(self, model: LoadedModel, config: EngineConfig, *, warm_up: bool = True, use_tqdm: bool = True,
+                 mesh=None):
+        enable_persistent_compilation_cache()
         self.model = model
         self.tokenizer = model.tokenizer
         self.model_config = model.config
@@ -129,7 +138,7 @@ class Engine:
         self.runner = ModelRunner(
             model, num_pages=config.num_pages, page_size=config.page_size, max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            attention_impl=config.attention_impl,
+            attention_impl=config.attention_impl, mesh=mesh, overlap=config.overlap,
         )
         self.eos_ids = frozenset(model.tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
         self._requests: dict[str, _Request] = {}
@@ -141,6 +150,7 @@ class Engine:
         self.generation_tokens_total = 0
         self.num_tokens_computed = 0
         self.last_step_num_tokens = 0
+        self.device_wait_seconds = 0.0  # host time spent blocked on the device's results
         self.warmup_seconds = self.runner.warm_up(use_tqdm) if warm_up else 0.0
 
     def warmup(self, use_tqdm: bool = True) -> float:
@@ -163,6 +173,7 @@ class Engine:
                 params=params,
                 seed=_derive_seed(base_seed, index, params.n),
                 max_tokens=min(params.max_tokens or self.max_model_len, self.max_model_len - len(prompt_token_ids)),
+                index=index,
             )
             seq = Sequence(next(self._seq_ids), request_id, prompt_token_ids, sampling=settings, arrival_time=arrival)
             seqs.append(seq)
@@ -321,8 +332,16 @@ class Engine:
 
     def _process(self, in_flight: _InFlight, changed: dict[str, _Request]) -> None:
         """Fetch a launched step's sampled tokens and apply them to their sequences."""
-        out = jax.device_get(in_flight.sampler_output)
+        wait_start = time.monotonic()
+        sampler = in_flight.sampler_output
+        wants_logprobs = any(
+            item.seq.sampling.params.logprobs is not None for item in in_flight.schedule.items
+        )
+        # One device-to-host copy per array needed: the logprob arrays only when asked for.
+        token_ids = np.asarray(sampler.token_ids).tolist()
+        out = jax.device_get(sampler) if wants_logprobs else None
         now = time.monotonic()
+        self.device_wait_seconds += now - wait_start
         for item, row in zip(in_flight.schedule.items, in_flight.rows):
             if row < 0:
                 continue
@@ -330,12 +349,13 @@ class Engine:
             request = self._seq_request.get(seq.seq_id)
             if request is None or seq.is_finished:
                 continue  # aborted or already stopped: this sample is dropped
-            token = int(out.token_ids[row])
+            token = token_ids[row]
             # The earliest placeholder is this step's; a later one (the step now running) may follow.
             index = seq.num_tokens - 1 if seq.token_ids[-2] != PLACEHOLDER_TOKEN else seq.num_tokens - 2
             seq.set_token(index, token)
             self.generation_tokens_total += 1
-            i = request.seqs.index(seq)
+            i = seq.sampling.index
+            request.output_token_ids[i].append(token)
             if request.params.logprobs is not None:
                 entry = {token: float(out.logprobs[row])}
                 for tid, value in zip(out.top_logprob_ids[row][: request.params.logprobs], out.top_logprob_values[row]):
@@ -369,10 +389,11 @@ class Engine:
     def _collect(self, changed: dict[str, _Request]) -> list[RequestOutput]:
         outputs = []
         for request in changed.values():
-            if request.finished and request.metrics.finished_time is None:
+            is_finished = request.is_finished
+            if is_finished and request.metrics.finished_time is None:
                 request.metrics.finished_time = time.monotonic()
-            outputs.append(request.output())
-            if request.finished:
+            outputs.append(request.output(is_finished))
+            if is_finished:
                 self._drop(request)
         return outputs
 

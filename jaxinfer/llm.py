@@ -19,7 +19,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxinfer.checkpoint import LoadedModel, load_model
+from jaxinfer.data_parallel import DataParallelEngine
 from jaxinfer.engine import Engine, EngineConfig
+from jaxinfer.runner import enable_persistent_compilation_cache
 from jaxinfer.memory import num_pages_for_device, pages_for
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
@@ -45,6 +47,10 @@ class LLM:
         memory_utilization: fraction of device memory jaxinfer may use (weights + cache).
         enable_prefix_caching: share full pages of common prefixes between requests.
         attention_impl: ``"auto"`` (kernel on GPU/TPU, reference on CPU) or a forced implementation.
+        tensor_parallel_size: devices each replica's layers are split over (heads, ffn, vocabulary).
+        data_parallel_size: model replicas, each with its own scheduler, behind a router
+            (``jaxinfer.data_parallel``); ``tp * dp`` devices in all. See docs/SHARDING.md.
+        overlap: ``sharding.overlap.OverlapConfig``: tp communication overlap for prefill / decode.
         warm_up: compile every step shape now (else: on first use).
     """
 
@@ -66,10 +72,22 @@ class LLM:
         warm_up: bool = True,
         use_tqdm: bool = True,
         loaded: LoadedModel | None = None,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        overlap=None,
     ):
-        _enable_compilation_cache()
+        enable_persistent_compilation_cache()
         self.model = loaded or load_model(model, dtype)
         config = self.model.config
+        self._config = config
+        meshes, models = [None], [self.model]
+        if tensor_parallel_size * data_parallel_size > 1:
+            from sharding.mesh import make_mesh, replica_meshes
+            from sharding.placement import shard_model
+
+            meshes = replica_meshes(make_mesh(tensor_parallel_size, data_parallel_size))
+            models = [shard_model(self.model, mesh) for mesh in meshes]
+            self.model = models[0]  # heads padded for tp (self.config keeps the original)
         self.tokenizer = self.model.tokenizer
         max_model_len = max_model_len or config.max_position_embeddings
         if max_model_len > config.max_position_embeddings:
@@ -81,16 +99,24 @@ class LLM:
         max_num_batched_tokens = max_num_batched_tokens or (256 if on_cpu else 8192)
         if num_pages is None:
             element_bytes = self.model.weights.embed.dtype.itemsize
+            # One device holds its tp shard's (padded) KV heads.
+            per_device = dataclasses.replace(
+                config, num_kv_heads=self.model.config.num_kv_heads // tensor_parallel_size
+            )
             num_pages = num_pages_for_device(
-                config, page_size=page_size, bytes_per_element=element_bytes, memory_utilization=memory_utilization
+                per_device, page_size=page_size, bytes_per_element=element_bytes, memory_utilization=memory_utilization
             )
         num_pages = max(num_pages, pages_for(max_model_len, page_size) + 1)
         self.engine_config = EngineConfig(
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             page_size=page_size, num_pages=num_pages, enable_prefix_caching=enable_prefix_caching,
-            max_wait_s=max_wait_s, attention_impl=attention_impl,
+            max_wait_s=max_wait_s, attention_impl=attention_impl, overlap=overlap,
         )
-        self.engine = Engine(self.model, self.engine_config, warm_up=warm_up, use_tqdm=use_tqdm)
+        engines = [
+            Engine(m, self.engine_config, warm_up=warm_up, use_tqdm=use_tqdm, mesh=mesh)
+            for m, mesh in zip(models, meshes)
+        ]
+        self.engine = engines[0] if len(engines) == 1 else DataParallelEngine(engines)
         logger.info(
             "engine ready: %d pages x %d tokens = %d tokens of KV cache (%d requests of %d tokens at once)",
             num_pages - 1, page_size, (num_pages - 1) * page_size,
@@ -101,7 +127,8 @@ class LLM:
 
     @property
     def config(self):
-        return self.model.config
+        """The model's config (before any head padding for tensor parallelism)."""
+        return self._config
 
     @property
     def max_model_len(self) -> int:
@@ -197,15 +224,6 @@ class LLM:
                 if request_id not in results:
                     self.engine.abort(request_id)
         return [results[r] for r in order]
-
-
-def _enable_compilation_cache() -> None:
-    """Cache compiled programs on disk (unless the user chose a place) so a restart does not recompile."""
-    if jax.config.jax_compilation_cache_dir is None:
-        from jaxinfer.model_registry import default_cache_dir
-
-        jax.config.update("jax_compilation_cache_dir", str(default_cache_dir() / "jax-compilation-cache"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

@@ -10,11 +10,13 @@ prepare step n+1 while the device runs step n.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
 import logging
 import math
+import os
 import time
 
 import jax
@@ -28,6 +30,8 @@ from jaxinfer.kv_cache import create_kv_cache
 from jaxinfer.model import forward
 from jaxinfer.page_allocator import SCRATCH_PAGE
 from jaxinfer.sampling import SamplerOutput, SamplingFlags, SamplingTensors, sample
+from sharding.overlap import PhasedJit
+from sharding.placement import StepPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +45,15 @@ HISTORY_BUCKETS_MIN = 64  # the history length is a multiple of this
 MAX_BANNED = 16
 
 
+def enable_persistent_compilation_cache() -> None:
+    """Cache compiled programs on disk (unless the user chose a place) so a restart does not recompile."""
+    if jax.config.jax_compilation_cache_dir is None:
+        from jaxinfer.model_registry import default_cache_dir
+
+        jax.config.update("jax_compilation_cache_dir", str(default_cache_dir() / "jax-compilation-cache"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def powers_of_two(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
     out, n = [], low
     while n < high:
@@ -51,11 +64,18 @@ def powers_of_two(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    """Padded step shapes compiled at start-up; a step takes the smallest that fits."""
+    """Padded step shapes compiled at start-up; a step takes the smallest that fits.
+
+    A program is a (tokens, sequences, pages per sequence) triple. With ``tied_seqs`` the
+    sequence bucket follows the token bucket (``min(tokens, largest sequence bucket)``), so
+    there is one program per token bucket instead of one per pair: the extra sequence rows
+    are empty slots, which cost the attention kernels nothing and the lm_head a few rows.
+    """
 
     num_tokens: tuple[int, ...]
     num_seqs: tuple[int, ...]
     pages_per_seq: tuple[int, ...]
+    tied_seqs: bool = False
 
     def pick(self, num_tokens: int, num_seqs: int, pages: int) -> tuple[int, int, int]:
         def smallest(options, n, what):
@@ -64,28 +84,33 @@ class Buckets:
                     return o
             raise ValueError(f"{what}={n} exceeds the largest bucket {options[-1]}")
 
-        return (
-            smallest(self.num_tokens, num_tokens, "num_tokens"),
-            smallest(self.num_seqs, num_seqs, "num_seqs"),
-            smallest(self.pages_per_seq, pages, "pages_per_seq"),
-        )
+        t = smallest(self.num_tokens, max(num_tokens, num_seqs), "num_tokens")
+        wanted_seqs = max(num_seqs, min(t, self.num_seqs[-1])) if self.tied_seqs else num_seqs
+        b = smallest(self.num_seqs, wanted_seqs, "num_seqs")
+        return t, b, smallest(self.pages_per_seq, pages, "pages_per_seq")
 
     def all(self) -> list[tuple[int, int, int]]:
-        return [(t, b, p) for t, b, p in itertools.product(self.num_tokens, self.num_seqs, self.pages_per_seq) if b <= t]
+        if self.tied_seqs:
+            pairs = [self.pick(t, 1, 1)[:2] for t in self.num_tokens]
+        else:
+            pairs = [(t, b) for t, b in itertools.product(self.num_tokens, self.num_seqs) if b <= t]
+        return [(t, b, p) for (t, b), p in itertools.product(pairs, self.pages_per_seq)]
 
 
 def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int, platform: str) -> Buckets:
-    """GPU/TPU: powers of two. CPU: fewer, coarser buckets, since compiling costs more than padding there."""
+    """GPU/TPU: powers of two, sequences tied to tokens (one program per token bucket).
+
+    CPU: fewer, coarser buckets, since compiling costs more than padding there.
+    """
     if platform == "cpu":
         seqs = (max_num_seqs,)
         tokens = powers_of_two(min(max_num_seqs, max_num_batched_tokens), max_num_batched_tokens, factor=4)
         pages = tuple(sorted({max(1, max_pages_per_seq // 8), max_pages_per_seq}))
-    else:
-        seqs = powers_of_two(min(8, max_num_seqs), max_num_seqs)
-        tokens = powers_of_two(min(16, max_num_batched_tokens), max_num_batched_tokens)
-        tokens = tuple(sorted(set(tokens) | set(seqs)))
-        pages = (max_pages_per_seq,)  # the kernels read only each sequence's pages
-    return Buckets(tokens, seqs, pages)
+        return Buckets(tokens, seqs, pages)
+    seqs = powers_of_two(min(8, max_num_seqs), max_num_seqs)
+    tokens = powers_of_two(min(8, max_num_batched_tokens), max(max_num_batched_tokens, max_num_seqs))
+    pages = (max_pages_per_seq,)  # the kernels read only each sequence's pages
+    return Buckets(tokens, seqs, pages, tied_seqs=True)
 
 
 @dataclasses.dataclass
@@ -111,7 +136,11 @@ class ModelRunner:
         buckets: Buckets | None = None,
         attention_impl: str = "auto",
         sampling_variants: tuple[str, ...] = ("basic", "full"),
+        mesh=None,
+        overlap=None,
     ):
+        """``mesh``: a ``sharding.make_mesh`` mesh the model was laid out on (``sharding.shard_model``);
+        ``overlap``: a ``sharding.overlap.OverlapConfig`` (communication overlap per phase)."""
         self.model = model
         self.config = model.config
         self.page_size = page_size
@@ -123,14 +152,23 @@ class ModelRunner:
         self.attention_impl = attention_impl
         self.sampling_variants = sampling_variants
         self.max_history_len = -(-max_model_len // HISTORY_BUCKETS_MIN) * HISTORY_BUCKETS_MIN
-        self.cache = create_kv_cache(self.config, num_pages, page_size, model.weights.embed.dtype)
+        self.placement = StepPlacement(self.config, mesh)
+        self.step_channel = None  # multi-host: sends each step's inputs to the other processes
+        self.cache = create_kv_cache(
+            self.config, num_pages, page_size, model.weights.embed.dtype, sharding=self.placement.cache
+        )
         # Sampled tokens of the last step, padded to max_num_seqs so their shape never changes.
         # Made by a jitted function, like every later value, so the step's signature never changes.
-        self.last_sampled = jax.jit(lambda: jnp.zeros((self.buckets.num_seqs[-1],), jnp.int32))()
-        self._step = jax.jit(
+        self.last_sampled = jax.jit(
+            lambda: jnp.zeros((self.buckets.num_seqs[-1],), jnp.int32), **self.placement.jit_kwargs()
+        )()
+        # Prefill and decode programs may compile with different overlap options (sharding.overlap).
+        self._step = PhasedJit(
             functools.partial(_device_step, config=self.config, attention_impl=attention_impl),
-            static_argnames=("flags",),
+            overlap, self.buckets.num_seqs[-1],
+            static_argnames=("flags", "layout"),
             donate_argnames=("cache",),
+            **self.placement.jit_kwargs(with_cache=True),
         )
         self.num_compilations = 0
         self.warmup_done = False
@@ -145,20 +183,35 @@ class ModelRunner:
             raise ValueError(f"penalty history of {needed} tokens exceeds max_model_len {self.max_history_len}")
         return self.max_history_len
 
-    def warm_up(self, use_tqdm: bool = True) -> float:
-        """Compile every bucket and sampling variant now; returns seconds spent."""
+    def warm_up(self, use_tqdm: bool = True, num_threads: int | None = None) -> float:
+        """Compile every bucket and sampling variant now; returns seconds spent.
+
+        Programs are compiled ahead of time on ``num_threads`` threads (XLA releases the GIL
+        while it compiles, and the programs are independent), then each is run once.
+        """
         start = time.perf_counter()
         shapes = [(shape, variant) for shape in self.buckets.all() for variant in self.sampling_variants]
-        for (num_tokens, num_seqs, pages), variant in tqdm(shapes, desc="Compiling", unit="program", disable=not use_tqdm):
-            history = self.history_len(1) if variant == "full" else 0
-            inputs = self._empty_inputs(num_tokens, num_seqs, pages, history, variant)
-            out = self.execute(inputs)
-            jax.block_until_ready(out.token_ids)
+        all_inputs = [
+            self._empty_inputs(t, b, p, self.history_len(1) if variant == "full" else 0, variant)
+            for (t, b, p), variant in shapes
+        ]
+        num_threads = num_threads or min(len(all_inputs), max(1, (os.cpu_count() or 1) // 2))
+        with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
+            compiled = pool.map(self._compile, all_inputs)
+            for _ in tqdm(compiled, total=len(all_inputs), desc="Compiling", unit="program", disable=not use_tqdm):
+                pass
+        for inputs in all_inputs:
+            jax.block_until_ready(self.execute(inputs).token_ids)
         self.warmup_done = True
         self._cache_size_after_warmup = self._step._cache_size()
         seconds = time.perf_counter() - start
-        logger.info("compiled %d step programs in %.1f s", len(shapes), seconds)
+        logger.info("compiled %d step programs in %.1f s on %d threads", len(shapes), seconds, num_threads)
         return seconds
+
+    def _compile(self, inputs: StepInputs) -> None:
+        fn, args, kwargs = self._step_call(inputs)
+        with self.placement.context():
+            fn.lower(*args, **kwargs).compile()
 
     @property
     def num_compilations_after_warmup(self) -> int:
@@ -180,13 +233,56 @@ class ModelRunner:
 
     def execute(self, inputs: StepInputs) -> SamplerOutput:
         """Dispatch one step (asynchronously); returns the device-side sampler output."""
-        flags = SAMPLING_VARIANTS[inputs.variant]
-        batch, sampling, prev_rows = jax.device_put((inputs.batch, inputs.sampling, inputs.prev_rows))
-        out, self.cache = self._step(
-            self.model.weights, self.cache, batch, sampling, prev_rows, self.last_sampled, flags=flags
-        )
+        if self.step_channel is not None:
+            self.step_channel.send(inputs)
+        fn, args, kwargs = self._step_call(inputs)
+        with self.placement.context():
+            out, self.cache = fn(*args, **kwargs)
         self.last_sampled = out.token_ids_padded
         return out.sampler
+
+    def _step_call(self, inputs: StepInputs):
+        """The jitted step for ``inputs`` and its arguments (one packed host-to-device transfer)."""
+        packed, layout = pack_host_arrays((inputs.batch, inputs.sampling, inputs.prev_rows))
+        args = (self.model.weights, self.cache, jax.device_put(packed, self.placement.replicated), self.last_sampled)
+        kwargs = {"flags": SAMPLING_VARIANTS[inputs.variant], "layout": layout}
+        return self._step.for_tokens(inputs.batch.num_tokens), args, kwargs
+
+
+def pack_host_arrays(tree) -> tuple[np.ndarray, tuple]:
+    """One int32 buffer holding every array of ``tree`` (all 4-byte or bool), and its static layout.
+
+    A step's inputs are a dozen small arrays; sending them as one buffer makes one
+    host-to-device transfer instead of a dozen. :func:`unpack_device_arrays` undoes it.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    parts, layout = [], []
+    for leaf in leaves:
+        array = np.asarray(leaf)
+        if array.dtype == np.bool_:
+            array = array.astype(np.int32)
+        elif array.dtype.itemsize != 4:
+            raise TypeError(f"step inputs must be 4-byte or bool arrays, not {array.dtype}")
+        layout.append((array.shape, np.asarray(leaf).dtype.str))
+        parts.append(np.ascontiguousarray(array).view(np.int32).ravel())
+    return np.concatenate(parts), (treedef, tuple(layout))
+
+
+def unpack_device_arrays(packed: jax.Array, layout: tuple):
+    """Inside the jitted step: slice, bitcast and reshape the packed buffer back into the tree."""
+    treedef, shapes = layout
+    leaves, offset = [], 0
+    for shape, dtype_str in shapes:
+        dtype = np.dtype(dtype_str)
+        size = math.prod(shape)
+        piece = packed[offset : offset + size].reshape(shape)
+        offset += size
+        if dtype == np.bool_:
+            piece = piece != 0
+        elif dtype != np.int32:
+            piece = jax.lax.bitcast_convert_type(piece, dtype)
+        leaves.append(piece)
+    return jax.tree.unflatten(treedef, leaves)
 
 
 @jax.tree_util.register_dataclass
@@ -196,7 +292,8 @@ class _StepOutput:
     token_ids_padded: jax.Array  # [max_num_seqs]
 
 
-def _device_step(weights, cache, batch, sampling, prev_rows, last_sampled, *, config, attention_impl, flags):
+def _device_step(weights, cache, packed, last_sampled, *, config, attention_impl, flags, layout):
+    batch, sampling, prev_rows = unpack_device_arrays(packed, layout)
     # A placeholder input is the token this sequence sampled in the previous step.
     from_previous = jnp.take(last_sampled, jnp.maximum(prev_rows, 0))
     token_ids = jnp.where(prev_rows >= 0, from_previous, batch.token_ids)

@@ -60,6 +60,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--otlp-traces-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
       help="OTLP/HTTP endpoint for OpenTelemetry traces (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
     a("--log-level", default="info")
+    a("--tensor-parallel-size", type=int, default=1, help="devices each model replica is split over")
+    a("--data-parallel-size", type=int, default=1, help="model replicas, each with its own scheduler")
+    a("--coordinator-address", default=None,
+      help="multi-host: host:port of process 0 (jax.distributed); every process gets the same flags")
+    a("--num-processes", type=int, default=1, help="multi-host: number of processes")
+    a("--process-id", type=int, default=0, help="multi-host: this process's index; 0 serves HTTP")
 
 
 def default_served_name(model: str) -> str:
@@ -82,7 +88,14 @@ def build_engine(args: argparse.Namespace):
         args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None), seed=args.seed,
         num_pages=getattr(args, "num_pages", None), warm_up=False,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        data_parallel_size=getattr(args, "data_parallel_size", 1),
     )
+    if getattr(args, "num_processes", 1) > 1:
+        from jaxinfer import distributed
+
+        if distributed.is_leader():
+            distributed.lead(llm.engine)  # process 0: every step's inputs go to the other processes
     return llm.engine
 
 
@@ -113,6 +126,13 @@ def serve_forever(server) -> None:
 def run_server(args: argparse.Namespace, engine_factory=build_engine) -> int:
     """Serve until SIGTERM/SIGINT, then drain and return 0."""
     configure_logging(args.log_level)
+    if getattr(args, "num_processes", 1) > 1:
+        from jaxinfer import distributed
+
+        distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        if not distributed.is_leader():
+            distributed.follow(engine_factory(args))  # no HTTP here: run process 0's steps until it stops
+            return 0
     served = args.served_model_name or default_served_name(args.model)
     threads = args.server_threads or args.max_num_seqs + args.max_waiting_requests + 16
     admission = AdmissionConfig(args.max_waiting_requests, args.max_waiting_prompt_tokens, args.retry_after)
@@ -143,6 +163,10 @@ def run_server(args: argparse.Namespace, engine_factory=build_engine) -> int:
         pass
     logger.info("draining", extra={"in_flight": loop.num_in_flight(), "timeout_s": args.drain_timeout})
     loop.drain(args.drain_timeout)
+    if getattr(args, "num_processes", 1) > 1 and loop.engine is not None:  # the loop thread has stopped
+        from jaxinfer import distributed
+
+        distributed.stop_followers(loop.engine)
     # Let the handlers write their last chunks before the sockets close.
     deadline = time.monotonic() + 2.0
     while server.task_dispatcher.active_count and time.monotonic() < deadline:
