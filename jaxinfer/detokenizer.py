@@ -1,14 +1,19 @@
 """Incremental detokenization and stop strings, one per generated sample.
 
-Text grows token by token. A stop string may span token boundaries, so every new piece
-of text is searched together with the tail of what came before; the stop string itself
-is cut from the output unless the request asks to keep it. For streaming, the last
-``longest stop - 1`` characters are held back until they cannot start a stop string.
+Text grows token by token through ``tokenizers``' ``DecodeStream``, which decodes only a
+short window around the new token (O(1) per token, not a decode of the whole output)
+and holds back a token until its bytes form complete characters. A stop string may
+span token boundaries, so every new piece of text is searched together with the tail of
+what came before; the stop string itself is cut from the output unless the request asks
+to keep it. For streaming, the last ``longest stop - 1`` characters are held back until
+they cannot start a stop string.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
+
+from tokenizers.decoders import DecodeStream
 
 from jaxinfer.tokenizer import Tokenizer
 
@@ -23,11 +28,11 @@ class Detokenizer:
     ):
         self.tokenizer = tokenizer
         self.stop = list(stop)
-        self.skip_special_tokens = skip_special_tokens
         self.include_stop_str_in_output = include_stop_str_in_output
-        self.token_ids: list[int] = []
+        self.num_tokens = 0
         self.text = ""  # the output text so far (stop string cut once found)
         self.stopped_by: str | None = None
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._num_streamed = 0
         self._hold_back = max((len(s) for s in self.stop), default=1) - 1
 
@@ -35,23 +40,24 @@ class Detokenizer:
         """Append a token; returns the stop string if one now appears in the text."""
         if self.stopped_by is not None:
             return self.stopped_by
-        self.token_ids.append(token_id)
+        self.num_tokens += 1
+        piece = self._stream.step(self.tokenizer.tokenizer, token_id)
+        if not piece:  # an incomplete character (or a skipped special token): nothing new yet
+            return None
         previous_len = len(self.text)
-        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
-        # A partial UTF-8 sequence decodes to U+FFFD; wait for the rest before exposing it.
-        self.text = full
+        self.text += piece
         if not self.stop:
             return None
         search_from = max(0, previous_len - self._hold_back)
         best = None
         for s in self.stop:
-            i = full.find(s, search_from)
+            i = self.text.find(s, search_from)
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:
             return None
         i, s = best
-        self.text = full[: i + len(s)] if self.include_stop_str_in_output else full[:i]
+        self.text = self.text[: i + len(s)] if self.include_stop_str_in_output else self.text[:i]
         self.stopped_by = s
         return s
 
@@ -60,8 +66,6 @@ class Detokenizer:
         end = len(self.text)
         if not finished and self.stopped_by is None:
             end = max(self._num_streamed, end - self._hold_back)
-            if self.text[end - 1 : end] == "\ufffd":  # an incomplete multi-byte character
-                end -= 1
         delta = self.text[self._num_streamed : end]
         self._num_streamed = max(self._num_streamed, end)
         return delta

@@ -123,7 +123,10 @@ class PageAllocator:
 
         Returns False, changing nothing, when the pool is short.
         """
-        num_fresh = self.num_pages_for(seq.num_computed_tokens + num_new_tokens) - len(seq.page_table)
+        num_needed = seq.num_computed_tokens + num_new_tokens
+        if num_needed <= len(seq.page_table) * self.page_size:
+            return True  # the common decode step: the last page has room
+        num_fresh = self.num_pages_for(num_needed) - len(seq.page_table)
         if num_fresh > self.num_free_pages:
             return False
         seq.page_table.extend(self._take_fresh_page() for _ in range(num_fresh))

@@ -194,8 +194,9 @@ class Scheduler:
         return deadline if now < deadline else None
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], list[Sequence], int]:
-        decodes = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
-        prefills = [seq for seq in self.running if seq.num_uncomputed_tokens > 1]
+        decodes, prefills = [], []
+        for seq in self.running:
+            (decodes if seq.num_uncomputed_tokens == 1 else prefills).append(seq)
         items: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         scheduled_ids: set[int] = set()

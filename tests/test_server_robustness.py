@@ -158,8 +158,10 @@ def test_sigterm_drains_then_exits_0():
 
     def read_logs():
         for line in proc.stderr:
+            # A warning written without a newline can share a line with the next JSON record.
+            start = line.find("{")
             try:
-                logs.append(json.loads(line))
+                logs.append(json.loads(line[start:]) if start >= 0 else {"message": line})
             except ValueError:
                 logs.append({"message": line})
     threading.Thread(target=read_logs, daemon=True).start()

@@ -1,0 +1,134 @@
+"""Shared pieces of the GPU benchmarks: the run's header, the ceilings, model shapes, results files.
+
+Every benchmark prints the command, the hardware and the jax version, measures the
+ceilings it reports ratios against in the same run, and writes JSON + markdown.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_shapes import SHAPES  # noqa: E402,F401  (re-exported)
+
+
+class Log:
+    """Prints each line at once and keeps them for the results file."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def __call__(self, *parts) -> None:
+        line = " ".join(str(p) for p in parts)
+        print(line, flush=True)
+        self.lines.append(line)
+
+
+def header(log: Log) -> dict:
+    """Command, hardware and software of this run (printed and returned)."""
+    device = jax.devices()[0]
+    info = {
+        "command": "python3 " + shlex.join(sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "device": getattr(device, "device_kind", str(device)),
+        "num_devices": jax.device_count(),
+        "platform": jax.default_backend(),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
+    for key, value in info.items():
+        log(f"{key}: {value}")
+    return info
+
+
+def time_in_loop(body, carry, *args, min_seconds: float = 0.05) -> float:
+    """Seconds per iteration of ``carry = body(carry, *args)`` run many times inside one jit."""
+
+    @jax.jit
+    def run(n, carry, *args):
+        return jax.lax.fori_loop(0, n, lambda i, c: body(c, *args), carry)
+
+    jax.block_until_ready(run(1, carry, *args))
+    n = 1
+    while True:
+        start = time.perf_counter()
+        jax.block_until_ready(run(n, carry, *args))
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds:
+            return elapsed / n
+        n *= 4
+
+
+def measure_ceilings(log: Log, read_gib: float | None = None) -> dict:
+    """HBM read ceiling (a jitted read-only reduction) and the bf16 matmul rate (8192^3)."""
+    if read_gib is None:
+        read_gib = 8.0 if jax.default_backend() != "cpu" else 0.25
+    n_elems = int(read_gib * 2**30 / 2)
+    x = jax.jit(lambda: jnp.ones((n_elems,), jnp.bfloat16))()
+    t = time_in_loop(lambda c, x: c + jnp.sum(x + c.astype(x.dtype), dtype=jnp.float32) * 1e-30, jnp.float32(0), x)
+    read_tbs = x.size * 2 / t / 1e12
+    del x
+    n = 8192 if jax.default_backend() != "cpu" else 512
+    a = jax.jit(lambda: jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16))()
+    b = jax.jit(lambda: jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16) / math.sqrt(n))()
+    t = time_in_loop(lambda a, b: (a @ b).astype(jnp.bfloat16), a, b)
+    matmul_tflops = 2 * n**3 / t / 1e12
+    log(f"ceiling: HBM read {read_tbs:.2f} TB/s ({read_gib:.0f} GiB bf16 sum); bf16 matmul {matmul_tflops:.0f} TFLOP/s ({n}^3)")
+    return {"hbm_read_tbs": read_tbs, "matmul_tflops": matmul_tflops}
+
+
+def synthetic_tokenizer(vocab_size: int):
+    """A word-level tokenizer over the whole vocabulary (random weights come with none).
+
+    Token ``i`` is the word ``t{i}``; prompts are sent as token ids, so only decoding uses it.
+    """
+    import tokenizers
+
+    from jaxinfer.tokenizer import Tokenizer
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    raw = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(tokenizer=raw)
+
+
+def random_model(shape: str, dtype=jnp.bfloat16, seed: int = 0):
+    """A ``LoadedModel`` of random weights with the named architecture, made on the device."""
+    from jaxinfer.checkpoint import LoadedModel
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.params import init_random
+
+    config = ModelConfig.from_hf(SHAPES[shape])
+    weights = init_random(config, jax.random.key(seed), dtype)
+    return LoadedModel(config=config, weights=weights, tokenizer=synthetic_tokenizer(config.vocab_size),
+                       source=Path(f"random:{shape}"))
+
+
+def random_prompts(rng: np.random.Generator, lengths, vocab_size: int) -> list[list[int]]:
+    return [rng.integers(0, vocab_size, size=int(n)).tolist() for n in lengths]
+
+
+def write_results(out_dir: Path, name: str, results: dict, markdown: str, log: Log) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(results, indent=2, default=float))
+    (out_dir / f"{name}.md").write_text(markdown)
+    (out_dir / f"{name}.log").write_text("\n".join(log.lines) + "\n")
+    log(f"wrote {out_dir / name}.{{json,md,log}}")
+
+
+def env_flag(name: str, default: str = "") -> str:
+    return os.environ.get(name, default)

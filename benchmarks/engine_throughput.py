@@ -1,0 +1,324 @@
+"""Engine benchmarks on one GPU: `latency`, `throughput-1k`, `throughput-nano` (`../shared/BENCHMARKS.md`).
+
+    python3 benchmarks/engine_throughput.py --out DIR \
+        [--workloads startup,latency,batch128,decode256,throughput-1k,throughput-nano] [--hf DIR/hf_peer.json]
+
+Random bf16 weights with real architectures (Llama-3.1-8B; Qwen3-0.6B for `throughput-nano`),
+a synthetic word-level tokenizer, prompts sent as token ids, EOS ignored so every request
+makes its full output. The engine is driven the way the server drives it (``add_request``
+then ``step`` until done), timed on the host's wall clock.
+
+- ``startup``: seconds to compile every step program (cold, or warm when the persistent
+  compilation cache already holds them: run the script twice to see both).
+- ``latency``: one request, 128 prompt tokens, 256 output tokens: time per output token
+  against the roofline (bytes of weights read per token, without the input embedding
+  table, / the HBM read ceiling measured in this run).
+- ``batch128``: 128 requests x 256 in / 256 out, the workload HF ``generate_batch`` runs
+  in ``hf_peer.py`` (pass its JSON with ``--hf`` for the ratio).
+- ``decode256``: 256 requests in steady decode: the host time on the critical path, as the
+  step's wall time against the device time of the same step replayed back to back.
+- ``throughput-1k``: 1000 requests x 1000 in / 1000 out, all submitted at once.
+- ``throughput-nano``: Qwen3-0.6B, 256 requests, lengths uniform in [100, 1024], seed 0.
+
+Writes DIR/engine_throughput.{json,md,log}, after each workload (a run cut short keeps
+what it measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from common import Log, header, measure_ceilings, random_model, random_prompts, write_results  # noqa: E402
+
+from jaxinfer.engine import Engine, EngineConfig  # noqa: E402
+from jaxinfer.memory import num_pages_for_device, pages_for, weight_bytes  # noqa: E402
+from jaxinfer.sampling_params import SamplingParams  # noqa: E402
+
+NAME = "engine_throughput"
+
+
+def build_engine(model, *, max_model_len, max_num_seqs, max_num_batched_tokens, page_size, memory_utilization, log,
+                 num_pages=None):
+    num_pages = num_pages or num_pages_for_device(
+        model.config, page_size=page_size, bytes_per_element=model.weights.embed.dtype.itemsize,
+        memory_utilization=memory_utilization, reserve_bytes=4 << 30,
+    )
+    if jax.default_backend() == "cpu":
+        num_pages = max(num_pages, 4 * pages_for(max_model_len, page_size) + 1)
+    config = EngineConfig(
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        page_size=page_size, num_pages=num_pages, sampling_variants=("basic",),
+    )
+    start = time.perf_counter()
+    engine = Engine(model, config, warm_up=True, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    programs = len(engine.runner.buckets.all()) * len(config.sampling_variants)
+    log(f"engine: {num_pages} pages x {page_size} tokens, max_num_seqs {max_num_seqs}, "
+        f"token budget {max_num_batched_tokens}; compiled {programs} programs in {seconds:.1f} s")
+    return engine, {"num_pages": num_pages, "page_size": page_size, "max_num_seqs": max_num_seqs,
+                    "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
+                    "num_programs": programs, "compile_seconds": seconds}
+
+
+def run_requests(engine, prompts, output_lens, tag, capture=None):
+    """Submit everything at once and step until done; per-request metrics and a per-step log."""
+    for i, (prompt, n) in enumerate(zip(prompts, output_lens)):
+        engine.add_request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=int(n), ignore_eos=True, temperature=0.0))
+    steps, finished = [], {}
+    wait_before = engine.device_wait_seconds
+    tokens_before = engine.generation_tokens_total
+    start = next_report = time.perf_counter()
+    while engine.has_unfinished_requests():
+        if time.perf_counter() >= next_report:  # progress, so a run cut short still says how far it got
+            elapsed = time.perf_counter() - start
+            done = engine.generation_tokens_total - tokens_before
+            print(f"  {tag}: {elapsed:.0f} s, {len(finished)} requests done, {done} output tokens "
+                  f"({done / max(elapsed, 1e-9):.0f} tok/s), running {engine.scheduler.num_running}, "
+                  f"waiting {engine.scheduler.num_waiting}", flush=True)
+            next_report += 15.0
+        t0 = time.perf_counter()
+        wait0 = engine.device_wait_seconds
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        steps.append({
+            "wall": time.perf_counter() - t0, "wait": engine.device_wait_seconds - wait0,
+            "num_tokens": engine.last_step_num_tokens, "num_running": engine.scheduler.num_running,
+        })
+        if capture is not None:
+            capture(engine)
+    elapsed = time.perf_counter() - start
+    outputs = [finished[f"{tag}-{i}"] for i in range(len(prompts))]
+    for out, n in zip(outputs, output_lens):
+        got = len(out.outputs[0].token_ids)
+        if got != n:
+            raise AssertionError(f"{out.request_id}: {got} output tokens, expected {n}")
+    num_out = sum(int(n) for n in output_lens)
+    num_in = sum(len(p) for p in prompts)
+    return {
+        "num_requests": len(prompts), "seconds": elapsed, "input_tokens": num_in, "output_tokens": num_out,
+        "output_tokens_per_s": num_out / elapsed, "total_tokens_per_s": (num_in + num_out) / elapsed,
+        "requests_per_s": len(prompts) / elapsed, "num_steps": len(steps),
+        "device_wait_seconds": engine.device_wait_seconds - wait_before,
+        "preemptions": engine.scheduler.num_preemptions,
+        "compilations_after_warmup": engine.runner.num_compilations_after_warmup,
+    }, outputs, steps
+
+
+def latency(engine, weights_bytes_per_token, ceiling_tbs, log, repeats=3):
+    rng = np.random.default_rng(1)
+    vocab = engine.model_config.vocab_size
+    tpots, ttfts = [], []
+    for r in range(repeats + 1):  # the first run also touches every decode program once more
+        summary, outputs, _ = run_requests(engine, random_prompts(rng, [128], vocab), [256], f"lat{r}")
+        m = outputs[0].metrics
+        tpots.append((m.last_token_time - m.first_token_time) / 255)
+        ttfts.append(m.first_token_time - m.arrival_time)
+    tpot = statistics.median(tpots[1:])
+    roofline = weights_bytes_per_token / (ceiling_tbs * 1e12)
+    log(f"latency: TPOT {tpot * 1e3:.2f} ms (runs {[round(t * 1e3, 2) for t in tpots[1:]]}), roofline "
+        f"{roofline * 1e3:.2f} ms ({weights_bytes_per_token / 1e9:.2f} GB / {ceiling_tbs:.2f} TB/s): "
+        f"{tpot / roofline:.2f}x; TTFT {statistics.median(ttfts[1:]) * 1e3:.1f} ms")
+    return {"tpot_ms": tpot * 1e3, "all_tpot_ms": [t * 1e3 for t in tpots[1:]], "roofline_ms": roofline * 1e3,
+            "ratio_to_roofline": tpot / roofline, "ttft_ms": statistics.median(ttfts[1:]) * 1e3,
+            "weight_bytes_per_token": weights_bytes_per_token}
+
+
+def decode_host_time(engine, num_requests, prompt_len, output_len, log):
+    """Steady decode at ``num_requests``: wall time per step vs the same step replayed on the device."""
+    rng = np.random.default_rng(2)
+    captured = {}
+    runner = engine.runner
+    original_execute = runner.execute
+
+    def execute(inputs):  # keep one full-batch pure-decode step's inputs for the replay
+        n = int(np.count_nonzero(np.diff(inputs.batch.cu_q_lens)))
+        if n == num_requests and int(inputs.batch.cu_q_lens[-1]) == num_requests:
+            captured["inputs"] = inputs
+        return original_execute(inputs)
+
+    runner.execute = execute
+    try:
+        summary, _, steps = run_requests(
+            engine, random_prompts(rng, [prompt_len] * num_requests, engine.model_config.vocab_size),
+            [output_len] * num_requests, "dec",
+        )
+    finally:
+        runner.execute = original_execute
+    steady = [s for s in steps if s["num_tokens"] == num_requests and s["num_running"] == num_requests]
+    steady = steady[len(steady) // 4 :]  # past the ramp
+    wall = statistics.median(s["wall"] for s in steady)
+    host_busy = statistics.median(s["wall"] - s["wait"] for s in steady)
+    inputs = captured["inputs"]
+    jax.block_until_ready(runner.execute(inputs).token_ids)
+    n = 50
+    start = time.perf_counter()
+    for _ in range(n):
+        out = runner.execute(inputs)
+    jax.block_until_ready(out.token_ids)
+    device = (time.perf_counter() - start) / n
+    idle = max(0.0, 1 - device / wall)
+    log(f"decode{num_requests}: step wall {wall * 1e3:.2f} ms, device-only replay {device * 1e3:.2f} ms -> "
+        f"device idle {idle:.1%} of each step; host work per step {host_busy * 1e3:.2f} ms "
+        f"({len(steady)} steady steps); {summary['output_tokens_per_s']:.0f} output tok/s overall")
+    return {**summary, "steady_step_wall_ms": wall * 1e3, "device_replay_step_ms": device * 1e3,
+            "device_idle_fraction": idle, "host_work_per_step_ms": host_busy * 1e3, "num_steady_steps": len(steady)}
+
+
+def throughput(engine, prompt_lens, output_lens, tag, log):
+    rng = np.random.default_rng(0)
+    summary, _, steps = run_requests(engine, random_prompts(rng, prompt_lens, engine.model_config.vocab_size),
+                                     output_lens, tag)
+    decode_steps = [s for s in steps if s["num_tokens"] == s["num_running"] and s["num_running"] > 0]
+    if decode_steps:
+        wall = sum(s["wall"] for s in decode_steps)
+        summary["decode_steps_host_work_fraction"] = sum(s["wall"] - s["wait"] for s in decode_steps) / wall
+    summary["mean_batch"] = statistics.mean(s["num_running"] for s in steps)
+    log(f"{tag}: {summary['output_tokens_per_s']:.0f} output tok/s, {summary['total_tokens_per_s']:.0f} total tok/s, "
+        f"{summary['requests_per_s']:.2f} req/s in {summary['seconds']:.1f} s; {summary['num_steps']} steps, mean batch "
+        f"{summary['mean_batch']:.0f}, preemptions {summary['preemptions']}, compilations after warm-up "
+        f"{summary['compilations_after_warmup']}")
+    return summary
+
+
+def markdown(results: dict) -> str:
+    info = results["info"]
+    lines = [
+        "# Engine benchmarks", "",
+        f"Command: `{info['command']}`  ",
+        f"Hardware: {info['device']} x{info['num_devices']}, jax {info['jax']}, {info['date']}", "",
+    ]
+    if "ceilings" in results:
+        c = results["ceilings"]
+        lines += [f"Ceilings in this run: HBM read {c['hbm_read_tbs']:.2f} TB/s, bf16 matmul {c['matmul_tflops']:.0f} TFLOP/s.", ""]
+    lines += ["| workload | model | result | vs bound / peer |", "| --- | --- | --- | --- |"]
+    w = results.get("workloads", {})
+    if "startup" in w:
+        s = w["startup"]
+        lines.append(f"| startup | {s['shape']} | {s['num_programs']} programs compiled in {s['compile_seconds']:.1f} s | goal ≤ 60 s cold, ≤ 15 s warm cache |")
+    if "latency" in w:
+        s = w["latency"]
+        lines.append(f"| latency (128 in / 256 out, batch 1) | {s['shape']} | TPOT {s['tpot_ms']:.2f} ms, TTFT {s['ttft_ms']:.1f} ms | {s['ratio_to_roofline']:.2f}x roofline ({s['roofline_ms']:.2f} ms); HF: {s.get('hf_tpot_ms', float('nan')):.2f} ms |")
+    if "batch128" in w:
+        s = w["batch128"]
+        lines.append(f"| 128 x 256/256 | {s['shape']} | {s['output_tokens_per_s']:.0f} output tok/s | {s.get('ratio_to_hf', float('nan')):.1f}x HF generate_batch ({s.get('hf_output_tokens_per_s', float('nan')):.0f} tok/s) |")
+    if "decode256" in w:
+        s = w["decode256"]
+        lines.append(f"| decode at batch 256 | {s['shape']} | step {s['steady_step_wall_ms']:.2f} ms wall vs {s['device_replay_step_ms']:.2f} ms device | device idle {s['device_idle_fraction']:.1%} of a step (goal ≤ 10%) |")
+    for key in ("throughput-1k", "throughput-nano"):
+        if key in w:
+            s = w[key]
+            lines.append(f"| {key} | {s['shape']} | {s['output_tokens_per_s']:.0f} output tok/s, {s['total_tokens_per_s']:.0f} total tok/s, {s['requests_per_s']:.2f} req/s | mean batch {s['mean_batch']:.0f}, {s['preemptions']} preemptions |")
+    lines += ["", "Engine settings per model:", ""]
+    for shape, e in results.get("engines", {}).items():
+        lines.append(f"- {shape}: " + ", ".join(f"{k} {v if not isinstance(v, float) else round(v, 1)}" for k, v in e.items()))
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--workloads", default="startup,latency,batch128,decode256,throughput-1k,throughput-nano")
+    parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--nano-shape", default="qwen3-0.6b")
+    parser.add_argument("--hf", type=Path, help="hf_peer.json from benchmarks/hf_peer.py, for the ratios")
+    parser.add_argument("--max-num-seqs", type=int, default=512)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--page-size", type=int, default=32)
+    parser.add_argument("--memory-utilization", type=float, default=0.95)
+    parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized from free memory)")
+    parser.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (CPU smoke runs)")
+    parser.add_argument("--resume", action="store_true", help="add to an existing results JSON in --out")
+    args = parser.parse_args()
+
+    log = Log()
+    results_path = args.out / f"{NAME}.json"
+    results = json.loads(results_path.read_text()) if args.resume and results_path.exists() else {}
+    results["info"] = header(log)
+    results.setdefault("workloads", {})
+    results.setdefault("engines", {})
+    workloads = args.workloads.split(",")
+    hf = json.loads(args.hf.read_text()) if args.hf and args.hf.exists() else {}
+
+    def save():
+        write_results(args.out, NAME, results, markdown(results), log)
+
+    def scaled(n):
+        return max(1, int(round(n * args.scale)))
+
+    results["ceilings"] = measure_ceilings(log)
+    main_loads = [w for w in workloads if w != "throughput-nano"]
+    if main_loads:
+        model = random_model(args.shape)
+        engine, engine_info = build_engine(
+            model, max_model_len=2048, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            page_size=args.page_size, memory_utilization=args.memory_utilization, log=log, num_pages=args.num_pages,
+        )
+        results["engines"][args.shape] = engine_info
+        if "startup" in workloads:
+            results["workloads"]["startup"] = {"shape": args.shape, **engine_info}
+        save()
+        if "latency" in workloads:
+            per_token = weight_bytes(model.config, 2) - model.config.vocab_size * model.config.hidden_size * 2
+            w = latency(engine, per_token, results["ceilings"]["hbm_read_tbs"], log)
+            if "latency" in hf:
+                w["hf_tpot_ms"] = hf["latency"]["tpot_ms"]
+            results["workloads"]["latency"] = {"shape": args.shape, **w}
+            save()
+        if "batch128" in workloads:
+            n, length = scaled(128), scaled(256)
+            rng = np.random.default_rng(0)
+            w, _, _ = run_requests(engine, random_prompts(rng, [length] * n, model.config.vocab_size), [length] * n, "b128")
+            hf_batch = hf.get("generate_batch", {})
+            if hf_batch.get("output_tokens_per_s"):
+                w["hf_output_tokens_per_s"] = hf_batch["output_tokens_per_s"]
+                w["ratio_to_hf"] = w["output_tokens_per_s"] / hf_batch["output_tokens_per_s"]
+            log(f"batch128: {w['output_tokens_per_s']:.0f} output tok/s; HF generate_batch "
+                f"{w.get('hf_output_tokens_per_s', float('nan')):.0f} -> {w.get('ratio_to_hf', float('nan')):.1f}x")
+            results["workloads"]["batch128"] = {"shape": args.shape, **w}
+            save()
+        if "decode256" in workloads:
+            n = min(256, args.max_num_seqs, scaled(256))
+            w = decode_host_time(engine, n, scaled(256), scaled(256), log)
+            results["workloads"]["decode256"] = {"shape": args.shape, **w}
+            save()
+        if "throughput-1k" in workloads:
+            n, length = scaled(1000), scaled(1000)
+            w = throughput(engine, [length] * n, [length] * n, "throughput-1k", log)
+            results["workloads"]["throughput-1k"] = {"shape": args.shape, **w}
+            save()
+        del engine, model
+        gc.collect()
+    if "throughput-nano" in workloads:
+        model = random_model(args.nano_shape)
+        engine, engine_info = build_engine(
+            model, max_model_len=2048, max_num_seqs=min(256, args.max_num_seqs),
+            max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
+            memory_utilization=args.memory_utilization, log=log,
+        )
+        results["engines"][args.nano_shape] = engine_info
+        rng = np.random.default_rng(0)
+        n = scaled(256)
+        prompt_lens = rng.integers(scaled(100), scaled(1024) + 1, size=n)
+        output_lens = rng.integers(scaled(100), scaled(1024) + 1, size=n)
+        w = throughput(engine, prompt_lens.tolist(), output_lens.tolist(), "throughput-nano", log)
+        results["workloads"]["throughput-nano"] = {"shape": args.nano_shape, **w}
+        save()
+    save()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    main()
