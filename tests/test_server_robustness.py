@@ -204,3 +204,32 @@ def test_sigterm_drains_then_exits_0():
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def real_server():
+    """The real engine on the tiny Llama-3 fixture: the fuzzing's real-model share."""
+    from jaxinfer.llm import LLM
+
+    llm = LLM(str(REPO / "tests" / "fixtures" / "tiny-llama3"), max_model_len=64, max_num_seqs=4,
+              max_num_batched_tokens=64, num_pages=64, use_tqdm=False)
+    with RunningServer(llm.engine, max_body_bytes=64 * 1024) as s:
+        yield s
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(endpoint=st.sampled_from(ENDPOINTS), body=bodies)
+def test_fuzzed_bodies_on_the_real_engine_never_give_5xx(real_server, endpoint, body):
+    test_fuzzed_bodies_never_give_5xx.hypothesis.inner_test(real_server, endpoint, body)
+
+
+def test_real_engine_is_live_and_holds_no_pages_after_fuzzing(real_server):
+    r = requests.post(real_server.base_url + "/v1/completions", timeout=60,
+                      json={"model": "tiny-llama3", "prompt": "the cat sat", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+    deadline = time.monotonic() + 30
+    while real_server.engine.allocator.num_used_pages and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert real_server.engine.allocator.num_used_pages == 0
+    assert requests.get(real_server.base_url + "/health", timeout=10).status_code == 200
