@@ -106,14 +106,27 @@ def synthetic_tokenizer(vocab_size: int):
     return Tokenizer(tokenizer=raw)
 
 
-def random_model(shape: str, dtype=jnp.bfloat16, seed: int = 0):
-    """A ``LoadedModel`` of random weights with the named architecture, made on the device."""
+def random_model(shape: str, dtype=jnp.bfloat16, seed: int = 0, mesh=None):
+    """A ``LoadedModel`` of random weights with the named architecture, made on the device.
+
+    With a ``mesh`` whose tp size divides the head counts, each device makes only its own
+    shards (a 70B model fits no single GPU); otherwise the weights are made on one device
+    and ``sharding.placement.shard_model`` pads and places them.
+    """
     from jaxinfer.checkpoint import LoadedModel
     from jaxinfer.config import ModelConfig
     from jaxinfer.params import init_random
 
     config = ModelConfig.from_hf(SHAPES[shape])
-    weights = init_random(config, jax.random.key(seed), dtype)
+    shardings = None
+    if mesh is not None:
+        from sharding.heads import head_layout
+        from sharding.mesh import TP
+        from sharding.rules import weight_shardings
+
+        if head_layout(config.num_q_heads, config.num_kv_heads, mesh.shape[TP]).is_identity:
+            shardings = weight_shardings(config, mesh)
+    weights = init_random(config, jax.random.key(seed), dtype, out_shardings=shardings)
     return LoadedModel(config=config, weights=weights, tokenizer=synthetic_tokenizer(config.vocab_size),
                        source=Path(f"random:{shape}"))
 

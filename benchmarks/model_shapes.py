@@ -10,6 +10,10 @@ LLAMA_3_1_8B = {
     "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
     "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16",
 }
+LLAMA_3_1_70B = {
+    **LLAMA_3_1_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+    "num_attention_heads": 64, "num_key_value_heads": 8,
+}
 QWEN3_0_6B = {
     "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 1024,
     "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
@@ -22,4 +26,4 @@ TINY_LLAMA = {  # CPU smoke runs of the benchmark code
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 8192,
     "bos_token_id": 1, "eos_token_id": 2,
 }
-SHAPES = {"llama-3.1-8b": LLAMA_3_1_8B, "qwen3-0.6b": QWEN3_0_6B, "tiny": TINY_LLAMA}
+SHAPES = {"llama-3.1-8b": LLAMA_3_1_8B, "llama-3.1-70b": LLAMA_3_1_70B, "qwen3-0.6b": QWEN3_0_6B, "tiny": TINY_LLAMA}

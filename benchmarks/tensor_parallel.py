@@ -108,9 +108,9 @@ def collective_matmul(mesh, tokens, hidden, ffn, log) -> dict:
     return {"ms": out, "tokens": tokens, "hidden": hidden, "ffn": ffn}
 
 
-def build_engine(model, tp, args, overlap=None, warm_up=True):
+def build_engine(model, tp, args, overlap=None, warm_up=True, mesh=None):
     """An engine for ``model`` over the first ``tp`` devices (tp=1: no mesh)."""
-    mesh = make_mesh(tp) if tp > 1 else None
+    mesh = mesh or (make_mesh(tp) if tp > 1 else None)
     if mesh is not None:
         model = shard_model(model, mesh)
     per_device = dataclasses.replace(model.config, num_kv_heads=model.config.num_kv_heads // tp)
@@ -197,10 +197,11 @@ def engine_workloads(shape, tp, args, workloads, ceilings, log) -> dict:
     import engine_throughput
 
     out = {}
-    for tp_size in (1, tp):
-        model = random_model(shape)
+    for tp_size in args.tp_sizes:
+        mesh = make_mesh(tp_size) if tp_size > 1 else None
+        model = random_model(shape, mesh=mesh)
         config = model.config
-        engine, compile_s = build_engine(model, tp_size, args)
+        engine, compile_s = build_engine(model, tp_size, args, mesh=mesh)
         del model
         log(f"engine tp={tp_size}: compiled in {compile_s:.0f} s")
         entry = {"compile_s": compile_s}
@@ -216,6 +217,8 @@ def engine_workloads(shape, tp, args, workloads, ceilings, log) -> dict:
         out[f"tp={tp_size}"] = entry
         del engine
         gc.collect()
+    if 1 not in args.tp_sizes or tp not in args.tp_sizes:
+        return out  # no tp=1 baseline (e.g. 70B, which fits no single GPU): the roofline ratios say it
     if "latency" in workloads:
         ratio = out[f"tp={tp}"]["latency"]["tpot_ms"] / out["tp=1"]["latency"]["tpot_ms"]
         out["latency_tpot_ratio"] = ratio
@@ -264,6 +267,8 @@ def main():
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shape", default="llama-3.1-8b")
     parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--tp-sizes", default=None,
+                        help="engine tp sizes for latency/throughput-1k (default '1,TP'; 70B on 8 GPUs: '4,8')")
     parser.add_argument("--workloads", default="allreduce,collective-matmul,prefill-overlap,latency,throughput-1k")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the code, measures nothing")
     parser.add_argument("--profile", action="store_true", help="write jax.profiler traces of the prefill steps")
@@ -275,6 +280,7 @@ def main():
     parser.add_argument("--prefill-len", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
+    args.tp_sizes = [int(n) for n in (args.tp_sizes or f"1,{args.tp}").split(",")]
     if args.smoke:
         args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens = 512, 8, 64
         args.prefill_seqs, args.prefill_len, args.repeats = 2, 32, 2
