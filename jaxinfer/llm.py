@@ -183,6 +183,30 @@ class LLM:
             while self.engine.has_unfinished_requests():
                 self.engine.step()
 
+    def close(self) -> None:
+        """Free the weights and the KV cache now, without waiting for garbage collection.
+
+        The LLM cannot generate afterwards. ``with LLM(...) as llm:`` closes it on exit.
+        """
+        engine = self.__dict__.pop("engine", None)
+        if engine is None:
+            return
+        for e in getattr(engine, "engines", [engine]):
+            for array in jax.tree.leaves((e.model.weights, e.runner.cache, e.runner.last_sampled)):
+                if isinstance(array, jax.Array) and not array.is_deleted():
+                    array.delete()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __getattr__(self, name: str):
+        if name == "engine":  # only reached once close() removed it
+            raise RuntimeError("this LLM was closed: create a new one to generate")
+        raise AttributeError(name)
+
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)

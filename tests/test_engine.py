@@ -176,3 +176,15 @@ def test_zero_compilations_after_warmup_across_the_workload(llm):
     # sampling features (penalties, logprobs, top-p, min_tokens bans) and batch compositions.
     assert llm.engine.runner.warmup_done
     assert llm.engine.stats()["num_compilations_after_warmup"] == 0
+
+
+def test_llm_close_frees_weights_and_cache_and_refuses_to_generate():
+    from jaxinfer.llm import LLM
+
+    with LLM(str(FIXTURES / "tiny-llama3"), max_model_len=64, max_num_seqs=2, num_pages=16, use_tqdm=False) as llm:
+        engine = llm.engine
+        assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    assert engine.runner.cache.k[0].is_deleted() and engine.model.weights.embed.is_deleted()
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.close()  # twice is fine
