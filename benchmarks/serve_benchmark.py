@@ -116,20 +116,29 @@ async def run_rate(url, model, rate, num_requests, vocab, seed):
 
 
 def wait_for_health(url, process, timeout_s):
+    import urllib.error
     import urllib.request
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    start = time.monotonic()
+    last = None
+    while time.monotonic() < start + timeout_s:
         if process is not None and process.poll() is not None:
             raise RuntimeError(f"the server exited with {process.returncode}")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                 if r.status == 200:
                     return
-        except Exception:
-            pass
+        except urllib.error.HTTPError as e:  # 503 while loading or warming up: say when that changes
+            state = f"{e.code} {e.read()[:200]!r}"
+        except Exception as e:
+            state = f"no answer ({type(e).__name__})"
+        else:
+            state = "answered"
+        if state != last:
+            print(f"  /health after {time.monotonic() - start:.0f} s: {state}", flush=True)
+            last = state
         time.sleep(1.0)
-    raise TimeoutError(f"no healthy server at {url} after {timeout_s} s")
+    raise TimeoutError(f"no healthy server at {url} after {timeout_s} s (last: {last})")
 
 
 def markdown(result) -> str:
@@ -202,6 +211,11 @@ def main():
                 f"{summary['tpot_ms']['median']:.1f} ms; {summary['output_token_throughput']:.0f} out tok/s")
             (args.out / f"{NAME}.json").write_text(json.dumps(result, indent=2))
             (args.out / f"{NAME}.md").write_text(markdown(result))
+    except Exception:
+        if server is not None:  # the server's own account of what it was doing
+            lines = (args.out / "server.log").read_text(errors="replace").splitlines()
+            print("server.log (last 30 lines):\n" + "\n".join(lines[-30:]), flush=True)
+        raise
     finally:
         if server is not None:
             server.send_signal(signal.SIGTERM)
