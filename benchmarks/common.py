@@ -55,8 +55,28 @@ def header(log: Log) -> dict:
     return info
 
 
-def time_in_loop(body, carry, *args, min_seconds: float = 0.05) -> float:
-    """Seconds per iteration of ``carry = body(carry, *args)`` run many times inside one jit."""
+def time_in_loop(body, carry, *args, min_seconds: float = 0.05, unroll: int | None = None) -> float:
+    """Seconds per iteration of ``carry = body(carry, *args)``, run many times inside one jit.
+
+    A ``fori_loop`` on the GPU syncs its predicate with the host every iteration (~10-20 µs):
+    fine for a multi-millisecond body; for short ones pass ``unroll`` to chain that many
+    calls in one straight-line program instead.
+    """
+    if unroll:
+
+        @jax.jit
+        def chain(carry, *args):
+            for _ in range(unroll):
+                carry = body(carry, *args)
+            return carry
+
+        jax.block_until_ready(chain(carry, *args))
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            jax.block_until_ready(chain(carry, *args))
+            times.append(time.perf_counter() - start)
+        return float(np.median(times)) / unroll
 
     @jax.jit
     def run(n, carry, *args):
@@ -79,13 +99,14 @@ def measure_ceilings(log: Log, read_gib: float | None = None) -> dict:
         read_gib = 8.0 if jax.default_backend() != "cpu" else 0.25
     n_elems = int(read_gib * 2**30 / 2)
     x = jax.jit(lambda: jnp.ones((n_elems,), jnp.bfloat16))()
-    t = time_in_loop(lambda c, x: c + jnp.sum(x + c.astype(x.dtype), dtype=jnp.float32) * 1e-30, jnp.float32(0), x)
+    t = time_in_loop(lambda c, x: c + jnp.sum(x + c.astype(x.dtype), dtype=jnp.float32) * 1e-30, jnp.float32(0), x,
+                     unroll=16)
     read_tbs = x.size * 2 / t / 1e12
     del x
     n = 8192 if jax.default_backend() != "cpu" else 512
     a = jax.jit(lambda: jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16))()
     b = jax.jit(lambda: jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16) / math.sqrt(n))()
-    t = time_in_loop(lambda a, b: (a @ b).astype(jnp.bfloat16), a, b)
+    t = time_in_loop(lambda a, b: (a @ b).astype(jnp.bfloat16), a, b, unroll=16)
     matmul_tflops = 2 * n**3 / t / 1e12
     log(f"ceiling: HBM read {read_tbs:.2f} TB/s ({read_gib:.0f} GiB bf16 sum); bf16 matmul {matmul_tflops:.0f} TFLOP/s ({n}^3)")
     return {"hbm_read_tbs": read_tbs, "matmul_tflops": matmul_tflops}

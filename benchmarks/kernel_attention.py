@@ -4,7 +4,7 @@ Side by side in one run: our Pallas kernel (``ragged_paged_attention_gpu``), jax
 Pallas-Triton ``paged_attention`` (decode only), cuDNN dense attention on a contiguous cache
 of the same shape, and the plain-XLA reference; plus the ceilings measured in the same run
 (HBM read: a jitted read-only reduction; bf16 matmul rate). Each implementation is timed as
-many iterations inside one jitted ``fori_loop`` whose next query is this step's output, so
+32 chained calls unrolled in one jitted program (each output is the next query), so
 nothing is hoisted and no Python dispatch is timed. Implementations run one at a time and
 free their arrays; shapes whose cache does not fit are skipped and reported.
 
@@ -41,7 +41,6 @@ from pallas_kernels.paged_attention.reference import (  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
 DTYPE = jnp.bfloat16
-TARGET_SECONDS = 0.03
 CACHE_BUDGET_BYTES = 40e9  # K+V of one implementation at a time; the contiguous copy for cuDNN is extra
 LOG = []
 
@@ -72,24 +71,28 @@ def pseudo_random(shape, seed, dtype=DTYPE, scale=1.0):
     return fill()
 
 
-def time_loop(step, x0, *consts):
-    """Seconds per call of ``step(x, *consts) -> x``, many calls inside one jitted loop."""
+def time_loop(step, x0, *consts, repeats: int = 32, samples: int = 3):
+    """Seconds per call of ``step(x, *consts) -> x``: ``repeats`` chained calls in one unrolled jit.
+
+    Unrolled rather than a ``fori_loop``: on the GPU a while loop syncs its predicate with
+    the host every iteration, which inflated calls under ~150 µs in the first H200 runs
+    (``kernel_lowering_choice.py`` found it). Each call's output feeds the next, so nothing
+    is hoisted; the median of ``samples`` runs is divided by ``repeats``.
+    """
 
     @jax.jit
-    def loop(n, x, *c):
-        return lax.fori_loop(0, n, lambda i, y: step(y, *c), x)
+    def chain(x, *c):
+        for _ in range(repeats):
+            x = step(x, *c)
+        return x
 
-    jax.block_until_ready(loop(1, x0, *consts))  # compile and warm up
-    t0 = time.perf_counter()
-    jax.block_until_ready(loop(2, x0, *consts))
-    estimate = max((time.perf_counter() - t0) / 2, 1e-6)
-    n = int(min(5000, max(3, TARGET_SECONDS / estimate)))
-    samples = []
-    for _ in range(3):
+    jax.block_until_ready(chain(x0, *consts))  # compile and warm up
+    times = []
+    for _ in range(samples):
         t0 = time.perf_counter()
-        jax.block_until_ready(loop(n, x0, *consts))
-        samples.append((time.perf_counter() - t0) / n)
-    return float(np.median(samples))
+        jax.block_until_ready(chain(x0, *consts))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) / repeats
 
 
 def measure_ceilings():
