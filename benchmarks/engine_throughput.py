@@ -75,7 +75,8 @@ def build_engine(model, *, max_model_len, max_num_seqs, max_num_batched_tokens, 
 def run_requests(engine, prompts, output_lens, tag, capture=None):
     """Submit everything at once and step until done; per-request metrics and a per-step log."""
     for i, (prompt, n) in enumerate(zip(prompts, output_lens)):
-        engine.add_request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=int(n), ignore_eos=True, temperature=0.0))
+        engine.add_request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=int(n), ignore_eos=True, temperature=0.0),
+                           final_only=True)  # offline generation, as LLM.generate does
     steps, finished = [], {}
     wait_before = engine.device_wait_seconds
     tokens_before = engine.generation_tokens_total

@@ -29,7 +29,6 @@ def main() -> int:
     add_serve_arguments(parser)
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     parser.add_argument("--page-size", type=int, default=32)
-    parser.add_argument("--memory-utilization", type=float, default=0.9)
     parser.add_argument("--sampling-variants", default="basic,full",
                         help="sampler programs compiled at start-up (others compile on first use)")
     args = parser.parse_args()

@@ -36,11 +36,12 @@ class DataParallelEngine:
         self.engines[0].validate(prompt_token_ids, params)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, arrival_time: float | None = None) -> None:
+                    prompt: str | None = None, arrival_time: float | None = None, final_only: bool = False) -> None:
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
         engine = min(self.engines, key=_load)
-        engine.add_request(request_id, prompt_token_ids, params, prompt=prompt, arrival_time=arrival_time)
+        engine.add_request(request_id, prompt_token_ids, params, prompt=prompt, arrival_time=arrival_time,
+                           final_only=final_only)
         self._owner[request_id] = engine
 
     def abort(self, request_id: str) -> bool:

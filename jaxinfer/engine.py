@@ -82,6 +82,7 @@ class _Request:
         self.logprobs: list[list[dict[int, float]]] = [[] for _ in seqs]
         self.cumulative_logprob = [0.0 for _ in seqs]
         self.stop_reasons: list[int | str | None] = [None for _ in seqs]
+        self.final_only = False  # output only once finished (set by Engine.add_request)
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_ids))
 
     @property
@@ -160,8 +161,12 @@ class Engine:
         return self.warmup_seconds
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, arrival_time: float | None = None) -> None:
-        """Queue a request; raises ValueError, naming the limit, if it cannot run."""
+                    prompt: str | None = None, arrival_time: float | None = None, final_only: bool = False) -> None:
+        """Queue a request; raises ValueError, naming the limit, if it cannot run.
+
+        ``final_only``: ``step`` returns this request's output once, when it finishes (offline
+        generation), instead of after every step that changed it (streaming).
+        """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
@@ -179,6 +184,7 @@ class Engine:
             seqs.append(seq)
             detokenizers.append(Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output))
         request = _Request(request_id, prompt, list(prompt_token_ids), params, seqs, detokenizers, arrival)
+        request.final_only = final_only
         self._requests[request_id] = request
         for seq in seqs:
             self._seq_request[seq.seq_id] = request
@@ -392,7 +398,8 @@ class Engine:
             is_finished = request.is_finished
             if is_finished and request.metrics.finished_time is None:
                 request.metrics.finished_time = time.monotonic()
-            outputs.append(request.output(is_finished))
+            if is_finished or not request.final_only:
+                outputs.append(request.output(is_finished))
             if is_finished:
                 self._drop(request)
         return outputs

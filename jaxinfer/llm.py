@@ -212,11 +212,11 @@ class LLM:
             return prompt, self.tokenizer.encode(prompt)
         return None, [int(t) for t in prompt]
 
-    def _add(self, text: str | None, ids: list[int], params: SamplingParams) -> str:
+    def _add(self, text: str | None, ids: list[int], params: SamplingParams, final_only: bool = False) -> str:
         request_id = str(next(self._request_counter))
         if params.seed is None:
             params = _with_seed(params, int(self._seed_rng.integers(0, 2**31)))
-        self.engine.add_request(request_id, ids, params, prompt=text)
+        self.engine.add_request(request_id, ids, params, prompt=text, final_only=final_only)
         return request_id
 
     def _run(self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
@@ -224,7 +224,7 @@ class LLM:
         order: list[str] = []
         for (text, ids), sp in zip(encoded, params):
             try:
-                order.append(self._add(text, ids, sp))
+                order.append(self._add(text, ids, sp, final_only=True))
             except ValueError as e:
                 request_id = f"invalid-{next(self._request_counter)}"
                 logger.warning("request rejected: %s", e)

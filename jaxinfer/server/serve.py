@@ -46,6 +46,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="requests the engine runs at once")
     a("--max-num-batched-tokens", type=int, default=None, help="token budget of one engine step")
     a("--num-pages", type=int, default=None, help="KV pages (default: sized from free device memory)")
+    a("--memory-utilization", type=float, default=0.9,
+      help="fraction of device memory for weights + KV cache when sizing the page pool (default 0.9)")
     a("--seed", type=int, default=0)
     a("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
       help="admitted requests not yet scheduled; past it new requests get 503 + Retry-After")
@@ -87,7 +89,8 @@ def build_engine(args: argparse.Namespace):
     llm = LLM(
         args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None), seed=args.seed,
-        num_pages=getattr(args, "num_pages", None), warm_up=False,
+        num_pages=getattr(args, "num_pages", None), memory_utilization=getattr(args, "memory_utilization", 0.9),
+        warm_up=False,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         data_parallel_size=getattr(args, "data_parallel_size", 1),
     )
