@@ -74,12 +74,15 @@ def write_kv_reference(
     safe_position = jnp.maximum(position, 0)
     page = page_tables[safe_seq, safe_position // page_size]
     slot = page * page_size + safe_position % page_size
-    # An out-of-range slot makes the scatter drop padding tokens instead of writing them.
-    slot = jnp.where(position >= 0, slot, num_pages * page_size)
+    # An out-of-range slot makes the scatter drop padding tokens instead of writing them; each
+    # gets its own, so every index is distinct and the scatter may promise unique indices
+    # (no write conflicts to resolve: on the GPU, no atomics or serialisation).
+    out_of_range = num_pages * page_size + jnp.arange(num_tokens, dtype=slot.dtype)
+    slot = jnp.where(position >= 0, slot, out_of_range)
 
     def scatter(pages, new):
         flat = pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
-        flat = flat.at[:, slot].set(new.swapaxes(0, 1).astype(pages.dtype), mode="drop")
+        flat = flat.at[:, slot].set(new.swapaxes(0, 1).astype(pages.dtype), mode="drop", unique_indices=True)
         return flat.reshape(pages.shape)
 
     return scatter(k_pages, k_new), scatter(v_pages, v_new)
