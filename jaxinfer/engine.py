@@ -10,9 +10,8 @@
    their placeholders, detokenizes, checks stop conditions, and finishes sequences.
 4. Finished sequences free their pages; requests whose samples all finished are returned.
 
-Requests that use repetition/presence/frequency penalties need the previous token on the
-host to build the penalty history, so a step that holds one waits for the previous step's
-results before launching (exact, a little slower).
+Repetition/presence/frequency penalties read each sequence's history from token pages on
+the device (``jaxinfer.token_history``), so they run under async scheduling too.
 """
 
 from __future__ import annotations
@@ -229,7 +228,7 @@ class Engine:
             elif schedule.wait_until is not None:
                 time.sleep(max(0.0, schedule.wait_until - time.monotonic()))
             return self._collect(changed)
-        if self._in_flight is not None and (not self.config.async_scheduling or self._needs_host_tokens(schedule)):
+        if self._in_flight is not None and not self.config.async_scheduling:
             self._process(self._in_flight, changed)
             self._in_flight = None
         launched = self._launch(schedule)
@@ -262,11 +261,6 @@ class Engine:
             last_step_num_tokens=self.last_step_num_tokens,
         )
 
-    def _needs_host_tokens(self, schedule: Schedule) -> bool:
-        return any(
-            item.seq.has_placeholder and _uses_penalties(item.seq.sampling.params) for item in schedule.items
-        )
-
     def _launch(self, schedule: Schedule) -> _InFlight:
         inputs, rows = self._prepare(schedule)
         now = time.monotonic()
@@ -285,8 +279,7 @@ class Engine:
         max_pages = max(len(item.seq.page_table) for item in items)
         t_bucket, b_bucket, p_bucket = self.runner.buckets.pick(num_tokens, len(items), max_pages)
         needs_full = any(_needs_full_sampler(item.seq) for item in items)
-        history_len = self.runner.history_len(max(item.seq.num_tokens for item in items)) if needs_full else 0
-        sampling = SamplingTensors.neutral(b_bucket, history_len, MAX_BANNED if needs_full else 0)
+        sampling = SamplingTensors.neutral(b_bucket, 0, MAX_BANNED if needs_full else 0)
         # A placeholder input is read on the device from the previous step's sample (prev_rows).
         prev_rows = np.full(t_bucket, -1, np.int32)
         previous_rows = self._previous_rows()
@@ -327,10 +320,7 @@ class Engine:
         sampling.repetition_penalty[b] = params.repetition_penalty
         sampling.presence_penalty[b] = params.presence_penalty
         sampling.frequency_penalty[b] = params.frequency_penalty
-        if _uses_penalties(params):
-            history = np.asarray(seq.token_ids, np.int32)
-            sampling.history_ids[b, : len(history)] = history
-            sampling.history_is_output[b, seq.num_prompt_tokens : len(history)] = True
+        sampling.num_prompt_tokens[b] = seq.num_prompt_tokens
         if num_generated < params.min_tokens:
             banned = ([] if params.ignore_eos else sorted(self.eos_ids)) + list(params.stop_token_ids)
             banned = banned[:MAX_BANNED]

@@ -30,6 +30,7 @@ from jaxinfer.kv_cache import create_kv_cache
 from jaxinfer.model import forward
 from jaxinfer.page_allocator import SCRATCH_PAGE
 from jaxinfer.sampling import SamplerOutput, SamplingFlags, SamplingTensors, sample
+from jaxinfer.token_history import gather_history, write_tokens
 from sharding.overlap import PhasedJit
 from sharding.placement import StepPlacement
 
@@ -41,7 +42,6 @@ SAMPLING_VARIANTS = {
     "basic": SamplingFlags(any_random=True),
     "full": SamplingFlags(any_penalties=True, any_banned=True, any_random=True, any_truncation=True, num_top_logprobs=20),
 }
-HISTORY_BUCKETS_MIN = 64  # the history length is a multiple of this
 MAX_BANNED = 16
 
 
@@ -151,7 +151,6 @@ class ModelRunner:
         )
         self.attention_impl = attention_impl
         self.sampling_variants = sampling_variants
-        self.max_history_len = -(-max_model_len // HISTORY_BUCKETS_MIN) * HISTORY_BUCKETS_MIN
         self.placement = StepPlacement(self.config, mesh)
         self.step_channel = None  # multi-host: sends each step's inputs to the other processes
         self.cache = create_kv_cache(
@@ -162,26 +161,20 @@ class ModelRunner:
         self.last_sampled = jax.jit(
             lambda: jnp.zeros((self.buckets.num_seqs[-1],), jnp.int32), **self.placement.jit_kwargs()
         )()
+        # The token id at every KV slot, for the penalties (jaxinfer.token_history).
+        self.token_pages = jax.jit(
+            lambda: jnp.full((num_pages, page_size), -1, jnp.int32), **self.placement.jit_kwargs()
+        )()
         # Prefill and decode programs may compile with different overlap options (sharding.overlap).
         self._step = PhasedJit(
             functools.partial(_device_step, config=self.config, attention_impl=attention_impl),
             overlap, self.buckets.num_seqs[-1],
             static_argnames=("flags", "layout"),
-            donate_argnames=("cache",),
+            donate_argnames=("cache", "token_pages"),
             **self.placement.jit_kwargs(with_cache=True),
         )
         self.num_compilations = 0
         self.warmup_done = False
-
-    def history_len(self, needed: int) -> int:
-        """Penalty history length: one fixed size (the context) so that no length ever compiles anew.
-
-        It costs a [B, max_model_len] transfer on steps that use the "full" sampler; a
-        device-resident token-count table would remove it.
-        """
-        if needed > self.max_history_len:
-            raise ValueError(f"penalty history of {needed} tokens exceeds max_model_len {self.max_history_len}")
-        return self.max_history_len
 
     def warm_up(self, use_tqdm: bool = True, num_threads: int | None = None) -> float:
         """Compile every bucket and sampling variant now; returns seconds spent.
@@ -192,7 +185,7 @@ class ModelRunner:
         start = time.perf_counter()
         shapes = [(shape, variant) for shape in self.buckets.all() for variant in self.sampling_variants]
         all_inputs = [
-            self._empty_inputs(t, b, p, self.history_len(1) if variant == "full" else 0, variant)
+            self._empty_inputs(t, b, p, 0, variant)
             for (t, b, p), variant in shapes
         ]
         num_threads = num_threads or min(len(all_inputs), max(1, (os.cpu_count() or 1) // 2))
@@ -239,12 +232,14 @@ class ModelRunner:
         with self.placement.context():
             out, self.cache = fn(*args, **kwargs)
         self.last_sampled = out.token_ids_padded
+        self.token_pages = out.token_pages
         return out.sampler
 
     def _step_call(self, inputs: StepInputs):
         """The jitted step for ``inputs`` and its arguments (one packed host-to-device transfer)."""
         packed, layout = pack_host_arrays((inputs.batch, inputs.sampling, inputs.prev_rows))
-        args = (self.model.weights, self.cache, jax.device_put(packed, self.placement.replicated), self.last_sampled)
+        args = (self.model.weights, self.cache, self.token_pages, jax.device_put(packed, self.placement.replicated),
+                self.last_sampled)
         kwargs = {"flags": SAMPLING_VARIANTS[inputs.variant], "layout": layout}
         return self._step.for_tokens(inputs.batch.num_tokens), args, kwargs
 
@@ -290,15 +285,20 @@ def unpack_device_arrays(packed: jax.Array, layout: tuple):
 class _StepOutput:
     sampler: SamplerOutput
     token_ids_padded: jax.Array  # [max_num_seqs]
+    token_pages: jax.Array  # [num_pages, page_size]: see jaxinfer.token_history
 
 
-def _device_step(weights, cache, packed, last_sampled, *, config, attention_impl, flags, layout):
+def _device_step(weights, cache, token_pages, packed, last_sampled, *, config, attention_impl, flags, layout):
     batch, sampling, prev_rows = unpack_device_arrays(packed, layout)
     # A placeholder input is the token this sequence sampled in the previous step.
     from_previous = jnp.take(last_sampled, jnp.maximum(prev_rows, 0))
     token_ids = jnp.where(prev_rows >= 0, from_previous, batch.token_ids)
     batch = dataclasses.replace(batch, token_ids=token_ids)
+    token_pages = write_tokens(token_pages, token_ids, batch)
+    if flags.any_penalties:  # the history comes from the device's token pages, not the host
+        history_ids, history_is_output = gather_history(token_pages, batch, sampling.num_prompt_tokens)
+        sampling = dataclasses.replace(sampling, history_ids=history_ids, history_is_output=history_is_output)
     logits, cache = forward(weights, cache, batch, config, attention_impl)
     out = sample(logits, sampling, flags)
     padded = jnp.zeros_like(last_sampled).at[: out.token_ids.shape[0]].set(out.token_ids)
-    return _StepOutput(out, padded), cache
+    return _StepOutput(out, padded, token_pages), cache

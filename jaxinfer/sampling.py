@@ -61,6 +61,9 @@ class SamplingTensors:
     history_ids: jax.Array  # [B, L] i32, prompt + output ids, padded with -1
     history_is_output: jax.Array  # [B, L] bool, True where history_ids is an output token
     banned_ids: jax.Array  # [B, M] i32, ids forbidden this step (e.g. EOS before min_tokens), padded with -1
+    # [B] i32: the engine's runner builds history_ids/history_is_output on the device from its
+    # token pages (jaxinfer.token_history) and needs where each row's output starts.
+    num_prompt_tokens: jax.Array = None
 
     @classmethod
     def neutral(cls, num_seqs: int, history_len: int = 0, num_banned: int = 0) -> SamplingTensors:
@@ -78,6 +81,7 @@ class SamplingTensors:
             history_ids=np.full((num_seqs, history_len), -1, np.int32),
             history_is_output=np.zeros((num_seqs, history_len), bool),
             banned_ids=np.full((num_seqs, num_banned), -1, np.int32),
+            num_prompt_tokens=np.zeros(num_seqs, np.int32),
         )
 
 

@@ -125,7 +125,6 @@ def _multi_device_checks() -> dict:
     from jaxinfer.batch import build_step_batch
     from jaxinfer.kv_cache import create_kv_cache
     from jaxinfer.model import forward_all_logits
-    from jaxinfer.runner import SAMPLING_VARIANTS, pack_host_arrays
     from sharding.mesh import make_mesh
     from sharding.placement import StepPlacement, shard_model
 
@@ -158,12 +157,9 @@ def _multi_device_checks() -> dict:
     llm = LLM(loaded=model, tensor_parallel_size=8, **LLM_OPTIONS)
     runner = llm.engine.runner
     inputs = runner._empty_inputs(32, 4, 8, 0, "basic")
-    packed, layout = pack_host_arrays((inputs.batch, inputs.sampling, inputs.prev_rows))
+    step, args, kwargs = runner._step_call(inputs)  # the jitted step and its arguments, as execute() calls it
     with runner.placement.context():
-        compiled = runner._step.for_tokens(32).lower(
-            runner.model.weights, runner.cache, jax.device_put(packed, runner.placement.replicated),
-            runner.last_sampled, flags=SAMPLING_VARIANTS["basic"], layout=layout,
-        ).compile()
+        compiled = step.lower(*args, **kwargs).compile()
     hlo = compiled.as_text()
     cache_shape = runner.cache.k[0].shape  # global [Hkv', P, S, D]
     gathered = r"= f32\[{}\][^\n]* all-gather".format(",".join(map(str, cache_shape)))
