@@ -171,6 +171,44 @@ def test_penalties_run_exactly_and_change_the_output(llm):
     assert token_ids(batched) == [penalized.token_ids] * 2
 
 
+def test_penalties_match_a_plain_loop_over_the_whole_sequence(tiny, llm):
+    """Penalties read the history from the device's token pages; check them against the definition.
+
+    The reference recomputes every position from scratch each step (no cache, no pages) and
+    applies vLLM's penalties in numpy to the last position's logits.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.batch import build_step_batch
+    from jaxinfer.kv_cache import create_kv_cache
+    from jaxinfer.model import forward_all_logits
+
+    prompt = random_prompts(1, seed=21, low=20, high=21)[0]
+    rep, presence, frequency = 1.8, 0.7, 0.4
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=rep,
+                            presence_penalty=presence, frequency_penalty=frequency)
+    # Prefix caching would reuse the prompt's pages from earlier tests: that is part of what is tested.
+    got = token_ids(llm.generate([prompt, random_prompts(1, seed=5)[0]], [params, GREEDY], use_tqdm=False))[0]
+
+    step = jax.jit(forward_all_logits, static_argnums=(3, 4))
+    tokens = list(prompt)
+    for _ in range(10):
+        pages = list(range(1, -(-len(tokens) // 16) + 1))
+        batch = jax.tree.map(jnp.asarray, build_step_batch([(tokens, 0, pages)], num_tokens=len(tokens), num_seqs=1,
+                                                           pages_per_seq=len(pages)))
+        logits, _ = step(tiny.weights, create_kv_cache(tiny.config, len(pages) + 1, 16, jnp.float32), batch,
+                         tiny.config, "reference")
+        row = np.asarray(logits[-1], np.float64)
+        seen = set(tokens)
+        counts = np.bincount(tokens[len(prompt):], minlength=row.size)
+        for t in seen:
+            row[t] = row[t] / rep if row[t] > 0 else row[t] * rep
+        row -= frequency * counts + presence * (counts > 0)
+        tokens.append(int(np.argmax(row)))
+    assert got == tokens[len(prompt):]
+
+
 def test_zero_compilations_after_warmup_across_the_workload(llm):
     # Runs last in this module: every test above used the same engine with varied shapes,
     # sampling features (penalties, logprobs, top-p, min_tokens bans) and batch compositions.
