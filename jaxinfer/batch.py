@@ -9,6 +9,7 @@ have zero query and KV length, padded token rows lie past ``cu_q_lens[-1]``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import numpy as np
@@ -54,19 +55,29 @@ def build_step_batch(
     kv_lens = np.zeros(num_seqs, np.int32)
     page_tables = np.full((num_seqs, pages_per_seq), padding_page, np.int32)
     logits_indices = np.zeros(num_seqs, np.int32)
-    row = 0
-    for b, (new_tokens, start, pages) in enumerate(chunks):
-        n = len(new_tokens)
-        if row + n > num_tokens:
-            raise ValueError(f"{row + n} tokens exceed the token bucket of {num_tokens}")
-        if len(pages) > pages_per_seq:
-            raise ValueError(f"sequence {b} needs {len(pages)} pages; the page table holds {pages_per_seq}")
-        token_ids[row : row + n] = new_tokens
-        positions[row : row + n] = np.arange(start, start + n)
-        kv_lens[b] = start + n
-        page_tables[b, : len(pages)] = pages
-        logits_indices[b] = row + n - 1
-        row += n
-        cu_q_lens[b + 1] = row
-    cu_q_lens[len(chunks) + 1 :] = row
+    n = len(chunks)
+    if n == 0:
+        return StepBatch(token_ids, positions, cu_q_lens, kv_lens, page_tables, logits_indices)
+    # Whole-batch array operations rather than a loop of small ones: this runs every step.
+    q_lens = np.fromiter((len(c[0]) for c in chunks), np.int32, n)
+    starts = np.fromiter((c[1] for c in chunks), np.int32, n)
+    num_pages = np.fromiter((len(c[2]) for c in chunks), np.int32, n)
+    ends = np.cumsum(q_lens, dtype=np.int32)
+    total = int(ends[-1])
+    if total > num_tokens:
+        raise ValueError(f"{total} tokens exceed the token bucket of {num_tokens}")
+    if int(num_pages.max()) > pages_per_seq:
+        b = int(num_pages.argmax())
+        raise ValueError(f"sequence {b} needs {int(num_pages[b])} pages; the page table holds {pages_per_seq}")
+    token_ids[:total] = np.fromiter(itertools.chain.from_iterable(c[0] for c in chunks), np.int32, total)
+    first_row = ends - q_lens
+    positions[:total] = np.arange(total, dtype=np.int32) + np.repeat(starts - first_row, q_lens)
+    kv_lens[:n] = starts + q_lens
+    logits_indices[:n] = ends - 1
+    cu_q_lens[1 : n + 1] = ends
+    cu_q_lens[n + 1 :] = total
+    total_pages = int(num_pages.sum())
+    rows = np.repeat(np.arange(n), num_pages)
+    columns = np.arange(total_pages) - np.repeat(np.cumsum(num_pages) - num_pages, num_pages)
+    page_tables[rows, columns] = np.fromiter(itertools.chain.from_iterable(c[2] for c in chunks), np.int32, total_pages)
     return StepBatch(token_ids, positions, cu_q_lens, kv_lens, page_tables, logits_indices)

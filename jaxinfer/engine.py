@@ -284,16 +284,37 @@ class Engine:
         prev_rows = np.full(t_bucket, -1, np.int32)
         previous_rows = self._previous_rows()
         chunks, rows, row = [], [], 0
+        sample_rows, temperatures, seeds, steps = [], [], [], []
         for b, item in enumerate(items):
-            seq, tokens = item.seq, item.token_ids
-            for j, token in enumerate(tokens):
+            seq, start, n = item.seq, item.start_position, item.num_new_tokens
+            if n == 1:  # a decode: its input is usually the placeholder of the step in flight
+                token = seq.token_ids[start]
                 if token == PLACEHOLDER_TOKEN:
-                    prev_rows[row + j] = previous_rows[seq.seq_id]
-            chunks.append(([max(t, 0) for t in tokens], item.start_position, seq.page_table))
-            row += len(tokens)
-            rows.append(b if item.samples_token else -1)
+                    prev_rows[row] = previous_rows[seq.seq_id]
+                    token = 0
+                tokens = (token,)
+            else:
+                tokens = seq.token_ids[start : start + n]
+                if seq.has_placeholder:
+                    for j, token in enumerate(tokens):
+                        if token == PLACEHOLDER_TOKEN:
+                            prev_rows[row + j] = previous_rows[seq.seq_id]
+                    tokens = [max(t, 0) for t in tokens]
+            chunks.append((tokens, start, seq.page_table))
+            row += n
             if item.samples_token:
-                self._fill_sampling(sampling, b, seq, needs_full)
+                rows.append(b)
+                sample_rows.append(b)
+                temperatures.append(seq.sampling.params.temperature)
+                seeds.append(seq.sampling.seed)
+                steps.append(seq.num_generated_tokens)
+                if needs_full:
+                    self._fill_full_sampling(sampling, b, seq)
+            else:
+                rows.append(-1)
+        sampling.temperature[sample_rows] = temperatures
+        sampling.seed[sample_rows] = seeds
+        sampling.step[sample_rows] = steps
         batch = build_step_batch(
             chunks, num_tokens=t_bucket, num_seqs=b_bucket, pages_per_seq=p_bucket, padding_page=SCRATCH_PAGE
         )
@@ -306,14 +327,9 @@ class Engine:
             item.seq.seq_id: row for item, row in zip(self._in_flight.schedule.items, self._in_flight.rows) if row >= 0
         }
 
-    def _fill_sampling(self, sampling: SamplingTensors, b: int, seq: Sequence, needs_full: bool) -> None:
+    def _fill_full_sampling(self, sampling: SamplingTensors, b: int, seq: Sequence) -> None:
+        """Row ``b``'s fields of the "full" sampler (the basic ones are filled for all rows at once)."""
         params: SamplingParams = seq.sampling.params
-        num_generated = seq.num_generated_tokens
-        sampling.temperature[b] = params.temperature
-        sampling.seed[b] = seq.sampling.seed
-        sampling.step[b] = num_generated
-        if not needs_full:
-            return
         sampling.top_k[b] = params.top_k if params.top_k > 0 else 0
         sampling.top_p[b] = params.top_p
         sampling.min_p[b] = params.min_p
@@ -321,7 +337,7 @@ class Engine:
         sampling.presence_penalty[b] = params.presence_penalty
         sampling.frequency_penalty[b] = params.frequency_penalty
         sampling.num_prompt_tokens[b] = seq.num_prompt_tokens
-        if num_generated < params.min_tokens:
+        if seq.num_generated_tokens < params.min_tokens:
             banned = ([] if params.ignore_eos else sorted(self.eos_ids)) + list(params.stop_token_ids)
             banned = banned[:MAX_BANNED]
             sampling.banned_ids[b, : len(banned)] = banned
