@@ -235,7 +235,9 @@ def main():
     parser.add_argument("--shape", default="llama-3.1-8b")
     parser.add_argument("--nano-shape", default="qwen3-0.6b")
     parser.add_argument("--hf", type=Path, help="hf_peer.json from benchmarks/hf_peer.py, for the ratios")
-    parser.add_argument("--max-num-seqs", type=int, default=512)
+    # 384: about as many 2,000-token requests as the H200's page pool holds (~848k tokens), so
+    # throughput-1k runs without preempting and recomputing requests it admitted too eagerly.
+    parser.add_argument("--max-num-seqs", type=int, default=384)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--memory-utilization", type=float, default=0.95)
