@@ -173,7 +173,6 @@ class ModelRunner:
             donate_argnames=("cache", "token_pages"),
             **self.placement.jit_kwargs(with_cache=True),
         )
-        self.num_compilations = 0
         self.warmup_done = False
 
     def warm_up(self, use_tqdm: bool = True, num_threads: int | None = None) -> float:
@@ -184,10 +183,7 @@ class ModelRunner:
         """
         start = time.perf_counter()
         shapes = [(shape, variant) for shape in self.buckets.all() for variant in self.sampling_variants]
-        all_inputs = [
-            self._empty_inputs(t, b, p, 0, variant)
-            for (t, b, p), variant in shapes
-        ]
+        all_inputs = [self._empty_inputs(t, b, p, 0, variant) for (t, b, p), variant in shapes]
         num_threads = num_threads or min(len(all_inputs), max(1, (os.cpu_count() or 1) // 2))
         with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
             compiled = pool.map(self._compile, all_inputs)
