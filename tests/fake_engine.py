@@ -24,6 +24,7 @@ from pathlib import Path
 from jaxinfer.config import ModelConfig
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.server.background import BackgroundServer
 from jaxinfer.tokenizer import Tokenizer
 
 TINY_LLAMA3 = Path(__file__).resolve().parent / "fixtures" / "tiny-llama3"
@@ -213,34 +214,10 @@ class FakeEngine:
                     kv_cache_usage=used / self.num_pages_total, num_compilations_after_warmup=0)
 
 
-class RunningServer:
+class RunningServer(BackgroundServer):
     """A real waitress server on a free loopback port, serving ``engine`` in this process."""
 
     def __init__(self, engine, api_key: str | None = None, admission=None, threads: int = 96,
                  max_body_bytes: int = 1 << 20, tracer_provider=None, served_model_name: str = "tiny-llama3"):
-        from jaxinfer.server.app import create_app
-        from jaxinfer.server.engine_loop import EngineLoop
-        from jaxinfer.server.metrics import ServerMetrics
-        from jaxinfer.server.serve import create_waitress_server, serve_forever
-
-        self.engine = engine
-        self.model = served_model_name
-        self.metrics = ServerMetrics(served_model_name, engine.max_model_len)
-        self.loop = EngineLoop(admission, self.metrics)
-        self.loop.start(engine)
-        self.app = create_app(self.loop, served_model_name, self.metrics, api_key=api_key,
-                              max_body_bytes=max_body_bytes, tracer_provider=tracer_provider)
-        self.server = create_waitress_server(self.app, "127.0.0.1", 0, threads, max_body_bytes)
-        self.base_url = f"http://127.0.0.1:{self.server.effective_port}"
-        self._thread = threading.Thread(target=serve_forever, args=(self.server,), daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self.loop.stop()
-        self.server.close()
-
-    def __enter__(self) -> "RunningServer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        super().__init__(engine, served_model_name=served_model_name, api_key=api_key, admission=admission,
+                         threads=threads, max_body_bytes=max_body_bytes, tracer_provider=tracer_provider)

@@ -20,9 +20,11 @@ NOTEBOOKS = REPO / "notebooks"
 KERNEL_NAME = "jaxinfer-test-python"
 CELL_TIMEOUT_S = 900
 
-OVERRIDES = {
-    "quickstart.ipynb": {"INSTALL": False},
-    "research.ipynb": {"BATCH_SIZES": [1, 4], "TIMED_STEPS": 3},
+RUNS = {  # test id: (notebook, parameter overrides)
+    "quickstart": ("quickstart.ipynb", {"INSTALL": False}),
+    # The server in the notebook's own process (BackgroundServer), as on a TPU VM.
+    "quickstart-in-process-server": ("quickstart.ipynb", {"INSTALL": False, "SERVER_IN_PROCESS": True}),
+    "research": ("research.ipynb", {"BATCH_SIZES": [1, 4], "TIMED_STEPS": 3}),
 }
 
 
@@ -67,9 +69,10 @@ def test_notebooks_are_committed_without_outputs():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(OVERRIDES))
-def test_notebook_runs_top_to_bottom(name, kernel_of_this_python):
-    nb = with_parameters(nbformat.read(NOTEBOOKS / name, as_version=4), OVERRIDES[name])
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_notebook_runs_top_to_bottom(run, kernel_of_this_python):
+    name, overrides = RUNS[run]
+    nb = with_parameters(nbformat.read(NOTEBOOKS / name, as_version=4), overrides)
     client = nbclient.NotebookClient(
         nb, kernel_name=kernel_of_this_python, timeout=CELL_TIMEOUT_S,
         resources={"metadata": {"path": str(NOTEBOOKS)}},

@@ -1,0 +1,70 @@
+"""Serve an engine from the current process, in background threads.
+
+``python server.py`` and ``jaxinfer serve`` own their process: they load the model, install
+signal handlers and drain on SIGTERM. In a notebook, or on a TPU VM where only one process
+may open the chips, the model is already loaded; ``BackgroundServer(llm.engine)`` serves it
+(the same Flask app, engine loop and waitress server) until ``stop()``::
+
+    server = BackgroundServer(llm.engine, served_model_name="smollm2-135m-instruct")
+    ...  # http://127.0.0.1:<port>/v1/... at server.base_url
+    server.stop()
+
+While it runs, the engine belongs to the server's engine thread: do not call
+``llm.generate`` until it is stopped.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from jaxinfer.server.admission import AdmissionConfig
+from jaxinfer.server.app import DEFAULT_MAX_BODY_BYTES, create_app
+from jaxinfer.server.engine_loop import EngineLoop
+from jaxinfer.server.metrics import ServerMetrics
+from jaxinfer.server.serve import create_waitress_server, serve_forever
+
+
+class BackgroundServer:
+    def __init__(
+        self,
+        engine,
+        *,
+        served_model_name: str = "model",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        admission: AdmissionConfig | None = None,
+        threads: int = 96,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        tracer_provider=None,
+        warmup: bool = True,
+    ):
+        """Start serving ``engine`` on ``host:port`` (port 0: a free one); returns once it is ready."""
+        self.engine = engine
+        self.model = served_model_name
+        self.metrics = ServerMetrics(served_model_name, engine.max_model_len)
+        self.loop = EngineLoop(admission, self.metrics)
+        self.app = create_app(self.loop, served_model_name, self.metrics, api_key=api_key,
+                              max_body_bytes=max_body_bytes, tracer_provider=tracer_provider)
+        self.server = create_waitress_server(self.app, host, port, threads, max_body_bytes)
+        self.base_url = f"http://{host}:{self.server.effective_port}"
+        self._thread = threading.Thread(target=serve_forever, args=(self.server,), name="waitress", daemon=True)
+        self._thread.start()
+        self.loop.start(engine, warmup=warmup)  # /health says "warming" until this returns
+        self.metrics.set_state(self.loop.state)
+
+    def stop(self, drain_timeout_s: float = 0.0) -> None:
+        """Stop: let requests in flight finish for up to ``drain_timeout_s``, abort the rest, close."""
+        if drain_timeout_s > 0:
+            self.loop.drain(drain_timeout_s)
+        self.loop.stop()
+        self.server.close()
+
+    def close(self) -> None:
+        self.stop()
+
+    def __enter__(self) -> BackgroundServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
