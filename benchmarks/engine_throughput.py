@@ -59,12 +59,12 @@ def build_engine(model, *, max_model_len, max_num_seqs, max_num_batched_tokens, 
         num_pages = max(num_pages, 4 * pages_for(max_model_len, page_size) + 1)
     config = EngineConfig(
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        page_size=page_size, num_pages=num_pages, sampling_variants=("basic",),
+        page_size=page_size, num_pages=num_pages,
     )
     start = time.perf_counter()
     engine = Engine(model, config, warm_up=True, use_tqdm=False)
     seconds = time.perf_counter() - start
-    programs = len(engine.runner.buckets.all()) * len(config.sampling_variants)
+    programs = len(engine.runner.buckets.all())
     log(f"engine: {num_pages} pages x {page_size} tokens, max_num_seqs {max_num_seqs}, "
         f"token budget {max_num_batched_tokens}; compiled {programs} programs in {seconds:.1f} s")
     return engine, {"num_pages": num_pages, "page_size": page_size, "max_num_seqs": max_num_seqs,

@@ -170,7 +170,7 @@ def main():
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--server-args", default="",
-                        help="more serve_random.py flags, e.g. '--num-pages 27000 --sampling-variants basic'")
+                        help="more serve_random.py flags, e.g. '--num-pages 26500 --max-model-len 2048'")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-timeout", type=float, default=600)
     parser.add_argument("--python", default=sys.executable)

@@ -29,8 +29,6 @@ def main() -> int:
     add_serve_arguments(parser)
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     parser.add_argument("--page-size", type=int, default=32)
-    parser.add_argument("--sampling-variants", default="basic,full",
-                        help="sampler programs compiled at start-up (others compile on first use)")
     args = parser.parse_args()
     args.model = f"random-{args.shape}"
 
@@ -48,7 +46,7 @@ def main() -> int:
         config = EngineConfig(
             max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens or 2048, page_size=args.page_size,
-            num_pages=num_pages, sampling_variants=tuple(args.sampling_variants.split(",")),
+            num_pages=num_pages,
         )
         return Engine(model, config, warm_up=False, use_tqdm=False)
 

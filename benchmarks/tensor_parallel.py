@@ -121,7 +121,7 @@ def build_engine(model, tp, args, overlap=None, warm_up=True, mesh=None):
         num_pages = max(num_pages, 4 * pages_for(args.max_model_len, args.page_size) + 1)
     config = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
-                          num_pages=num_pages, sampling_variants=("basic",), overlap=overlap)
+                          num_pages=num_pages, overlap=overlap)
     start = time.perf_counter()
     engine = Engine(model, config, warm_up=warm_up, use_tqdm=False, mesh=mesh)
     return engine, time.perf_counter() - start

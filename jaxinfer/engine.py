@@ -51,8 +51,6 @@ class EngineConfig:
     max_wait_s: float = 0.002
     attention_impl: str = "auto"
     async_scheduling: bool = True
-    # Sampler programs compiled at start-up: "basic" (greedy, temperature) and "full" (everything).
-    sampling_variants: tuple[str, ...] = ("basic", "full")
     overlap: object = None  # sharding.overlap.OverlapConfig: tp communication overlap per phase
 
 
@@ -279,7 +277,7 @@ class Engine:
         max_pages = max(len(item.seq.page_table) for item in items)
         t_bucket, b_bucket, p_bucket = self.runner.buckets.pick(num_tokens, len(items), max_pages)
         needs_full = any(_needs_full_sampler(item.seq) for item in items)
-        sampling = SamplingTensors.neutral(b_bucket, 0, MAX_BANNED if needs_full else 0)
+        sampling = SamplingTensors.neutral(b_bucket, 0, MAX_BANNED)
         # A placeholder input is read on the device from the previous step's sample (prev_rows).
         prev_rows = np.full(t_bucket, -1, np.int32)
         previous_rows = self._previous_rows()

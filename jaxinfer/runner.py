@@ -36,7 +36,8 @@ from sharding.placement import StepPlacement
 
 logger = logging.getLogger(__name__)
 
-# Two compiled sampling variants: "basic" serves greedy and plain temperature sampling;
+# Two sampler paths, chosen per step at run time inside one program (a lax.cond, so the
+# model is compiled once per bucket): "basic" serves greedy and plain temperature sampling;
 # "full" adds penalties, bans (min_tokens), top-k/top-p/min-p and 20 top logprobs.
 SAMPLING_VARIANTS = {
     "basic": SamplingFlags(any_random=True),
@@ -135,7 +136,6 @@ class ModelRunner:
         max_num_batched_tokens: int,
         buckets: Buckets | None = None,
         attention_impl: str = "auto",
-        sampling_variants: tuple[str, ...] = ("basic", "full"),
         mesh=None,
         overlap=None,
     ):
@@ -150,7 +150,6 @@ class ModelRunner:
             max_num_seqs, max_num_batched_tokens, self.max_pages_per_seq, jax.default_backend()
         )
         self.attention_impl = attention_impl
-        self.sampling_variants = sampling_variants
         self.placement = StepPlacement(self.config, mesh)
         self.step_channel = None  # multi-host: sends each step's inputs to the other processes
         self.cache = create_kv_cache(
@@ -169,21 +168,21 @@ class ModelRunner:
         self._step = PhasedJit(
             functools.partial(_device_step, config=self.config, attention_impl=attention_impl),
             overlap, self.buckets.num_seqs[-1],
-            static_argnames=("flags", "layout"),
+            static_argnames=("layout",),
             donate_argnames=("cache", "token_pages"),
             **self.placement.jit_kwargs(with_cache=True),
         )
         self.warmup_done = False
 
     def warm_up(self, use_tqdm: bool = True, num_threads: int | None = None) -> float:
-        """Compile every bucket and sampling variant now; returns seconds spent.
+        """Compile every bucket now (one program each, both sampler paths inside); returns seconds spent.
 
         Programs are compiled ahead of time on ``num_threads`` threads (XLA releases the GIL
         while it compiles, and the programs are independent), then each is run once.
         """
         start = time.perf_counter()
-        shapes = [(shape, variant) for shape in self.buckets.all() for variant in self.sampling_variants]
-        all_inputs = [self._empty_inputs(t, b, p, 0, variant) for (t, b, p), variant in shapes]
+        shapes = self.buckets.all()
+        all_inputs = [self._empty_inputs(t, b, p, 0, "basic") for t, b, p in shapes]
         num_threads = num_threads or min(len(all_inputs), max(1, (os.cpu_count() or 1) // 2))
         with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
             compiled = pool.map(self._compile, all_inputs)
@@ -217,7 +216,7 @@ class ModelRunner:
             page_tables=np.full((num_seqs, pages), SCRATCH_PAGE, np.int32),
             logits_indices=np.zeros(num_seqs, np.int32),
         )
-        sampling = SamplingTensors.neutral(num_seqs, history, MAX_BANNED if variant == "full" else 0)
+        sampling = SamplingTensors.neutral(num_seqs, history, MAX_BANNED)
         return StepInputs(batch, sampling, np.full(num_tokens, -1, np.int32), variant)
 
     def execute(self, inputs: StepInputs) -> SamplerOutput:
@@ -233,10 +232,13 @@ class ModelRunner:
 
     def _step_call(self, inputs: StepInputs):
         """The jitted step for ``inputs`` and its arguments (one packed host-to-device transfer)."""
-        packed, layout = pack_host_arrays((inputs.batch, inputs.sampling, inputs.prev_rows))
+        if inputs.variant not in SAMPLING_VARIANTS:
+            raise ValueError(f"unknown sampler path {inputs.variant!r}; one of {sorted(SAMPLING_VARIANTS)}")
+        use_full = np.asarray([inputs.variant == "full"], np.int32)
+        packed, layout = pack_host_arrays((inputs.batch, inputs.sampling, inputs.prev_rows, use_full))
         args = (self.model.weights, self.cache, self.token_pages, jax.device_put(packed, self.placement.replicated),
                 self.last_sampled)
-        kwargs = {"flags": SAMPLING_VARIANTS[inputs.variant], "layout": layout}
+        kwargs = {"layout": layout}
         return self._step.for_tokens(inputs.batch.num_tokens), args, kwargs
 
 
@@ -284,17 +286,28 @@ class _StepOutput:
     token_pages: jax.Array  # [num_pages, page_size]: see jaxinfer.token_history
 
 
-def _device_step(weights, cache, token_pages, packed, last_sampled, *, config, attention_impl, flags, layout):
-    batch, sampling, prev_rows = unpack_device_arrays(packed, layout)
+def _device_step(weights, cache, token_pages, packed, last_sampled, *, config, attention_impl, layout):
+    batch, sampling, prev_rows, use_full = unpack_device_arrays(packed, layout)
     # A placeholder input is the token this sequence sampled in the previous step.
     from_previous = jnp.take(last_sampled, jnp.maximum(prev_rows, 0))
     token_ids = jnp.where(prev_rows >= 0, from_previous, batch.token_ids)
     batch = dataclasses.replace(batch, token_ids=token_ids)
     token_pages = write_tokens(token_pages, token_ids, batch)
-    if flags.any_penalties:  # the history comes from the device's token pages, not the host
-        history_ids, history_is_output = gather_history(token_pages, batch, sampling.num_prompt_tokens)
-        sampling = dataclasses.replace(sampling, history_ids=history_ids, history_is_output=history_is_output)
     logits, cache = forward(weights, cache, batch, config, attention_impl)
-    out = sample(logits, sampling, flags)
+
+    def full_sampler():
+        # The penalties' history comes from the device's token pages, not the host.
+        history_ids, history_is_output = gather_history(token_pages, batch, sampling.num_prompt_tokens)
+        tensors = dataclasses.replace(sampling, history_ids=history_ids, history_is_output=history_is_output)
+        return sample(logits, tensors, SAMPLING_VARIANTS["full"])
+
+    def basic_sampler():
+        out = sample(logits, sampling, SAMPLING_VARIANTS["basic"])
+        k = SAMPLING_VARIANTS["full"].num_top_logprobs  # both paths return the same shapes
+        rows = logits.shape[0]
+        return dataclasses.replace(out, top_logprob_ids=jnp.zeros((rows, k), jnp.int32),
+                                   top_logprob_values=jnp.zeros((rows, k), jnp.float32))
+
+    out = jax.lax.cond(use_full[0] > 0, full_sampler, basic_sampler)
     padded = jnp.zeros_like(last_sampled).at[: out.token_ids.shape[0]].set(out.token_ids)
     return _StepOutput(out, padded, token_pages), cache
