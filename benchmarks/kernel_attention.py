@@ -21,7 +21,6 @@ import math
 import os
 import platform
 import sys
-import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,6 +29,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
+
+from common import time_in_loop  # noqa: E402
 
 from pallas_kernels.paged_attention import gpu as gpu_kernel  # noqa: E402
 from pallas_kernels.paged_attention.block_sizes import BlockSizes, gpu_block_sizes  # noqa: E402
@@ -71,28 +72,13 @@ def pseudo_random(shape, seed, dtype=DTYPE, scale=1.0):
     return fill()
 
 
-def time_loop(step, x0, *consts, repeats: int = 32, samples: int = 3):
-    """Seconds per call of ``step(x, *consts) -> x``: ``repeats`` chained calls in one unrolled jit.
+def time_loop(step, x0, *consts, repeats: int = 32):
+    """Seconds per call of ``step(x, *consts) -> x``: ``repeats`` chained calls unrolled in one jit.
 
     Unrolled rather than a ``fori_loop``: on the GPU a while loop syncs its predicate with
-    the host every iteration, which inflated calls under ~150 µs in the first H200 runs
-    (``kernel_lowering_choice.py`` found it). Each call's output feeds the next, so nothing
-    is hoisted; the median of ``samples`` runs is divided by ``repeats``.
+    the host every iteration, which inflated calls under ~150 µs in the first H200 runs.
     """
-
-    @jax.jit
-    def chain(x, *c):
-        for _ in range(repeats):
-            x = step(x, *c)
-        return x
-
-    jax.block_until_ready(chain(x0, *consts))  # compile and warm up
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        jax.block_until_ready(chain(x0, *consts))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) / repeats
+    return time_in_loop(step, x0, *consts, unroll=repeats)
 
 
 def measure_ceilings():

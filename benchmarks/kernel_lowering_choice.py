@@ -7,11 +7,11 @@ ceiling, the Triton kernel at its tuned sizes, the Mosaic GPU prototype
 check of the prototype on the GPU, and (``--sweep``) Triton tile variants at small-batch
 and ctx-4k shapes, the data behind ``block_sizes.py``.
 
-Timing: each implementation runs ``REPEATS`` times back to back inside one jitted,
-unrolled program (each call's output is the next call's query, so nothing is hoisted),
-and the median over several such programs is divided by ``REPEATS``. Unlike the
-``fori_loop`` of ``kernel_attention.py`` there is no per-call loop predicate synced with
-the host, which inflated calls under ~150 µs there.
+Timing: each implementation runs 32 times back to back inside one jitted, unrolled
+program (each call's output is the next call's query, so nothing is hoisted), and the
+median over several such programs is divided by 32 (``REPEATS``, ``kernel_attention.time_loop``). A
+``fori_loop`` would sync its predicate with the host every call, which inflated calls under
+~150 µs in the first runs.
 
     python3 benchmarks/kernel_lowering_choice.py --out DIR [--sweep]
 
@@ -26,7 +26,6 @@ import os
 import platform
 import subprocess
 import sys
-import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -41,6 +40,7 @@ from kernel_attention import (
     NUM_Q_HEADS,
     decode_inputs,
     pseudo_random,
+    time_loop,
 )
 
 from pallas_kernels.paged_attention import block_sizes as bs
@@ -54,7 +54,7 @@ from pallas_kernels.paged_attention.reference import attend_reference
 
 PAGE_SIZE = 32
 SHAPES = [(64, 4096), (8, 16384), (1, 32768)]
-REPEATS = 32
+REPEATS = 32  # chained calls per timed program
 SM_SCALE = HEAD_DIM**-0.5
 LOG = []
 
@@ -65,28 +65,10 @@ def say(*parts):
     LOG.append(line)
 
 
-def time_chain(step, q, *consts, samples=3):
-    """Seconds per ``step(q, *consts) -> q'`` call: REPEATS chained calls in one unrolled jitted program."""
-
-    @jax.jit
-    def chain(q, *c):
-        for _ in range(REPEATS):
-            q = step(q, *c)
-        return q
-
-    jax.block_until_ready(chain(q, *consts))  # compile, warm up
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        jax.block_until_ready(chain(q, *consts))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) / REPEATS
-
-
 def read_ceiling():
     x = pseudo_random((4 * 1024**3,), 1)  # 8 GiB of bf16
     step = lambda c, x: c + jnp.sum(x + c.astype(x.dtype), dtype=jnp.float32) * 1e-30
-    t = time_chain(step, jnp.float32(0), x)
+    t = time_loop(step, jnp.float32(0), x, repeats=REPEATS)
     del x
     return 8 * 1024**3 / t / 1e12
 
@@ -146,7 +128,7 @@ def compare_shape(batch, context, ceiling, results):
     row = {"workload": "lowering-choice", "batch": batch, "context": context, "page_size": PAGE_SIZE,
            "kv_bytes": kv_bytes, "variants": []}
     sizes = triton_sizes(batch, context)
-    t = time_chain(triton_step(sizes), *args)
+    t = time_loop(triton_step(sizes), *args, repeats=REPEATS)
     row["triton"] = {"s": t, "tbs": kv_bytes / t / 1e12, "sizes": sizes.__dict__}
     say(f"B={batch:3d} ctx={context:6d} triton (table {sizes.__dict__}): {t * 1e6:8.1f}us "
         f"{kv_bytes / t / 1e12:.2f}TB/s ({kv_bytes / t / 1e12 / ceiling:.0%})")
@@ -158,7 +140,7 @@ def compare_shape(batch, context, ceiling, results):
             try:
                 out = mosaic_step(splits, steps)(*args)
                 variant["rel_err_vs_triton"] = rel_err(out, triton_out)
-                t = time_chain(mosaic_step(splits, steps), *args)
+                t = time_loop(mosaic_step(splits, steps), *args, repeats=REPEATS)
                 variant.update(s=t, tbs=kv_bytes / t / 1e12)
                 say(f"B={batch:3d} ctx={context:6d} mosaic splits={splits:3d} steps={steps}: {t * 1e6:8.1f}us "
                     f"{kv_bytes / t / 1e12:.2f}TB/s ({kv_bytes / t / 1e12 / ceiling:.0%}) "
@@ -195,7 +177,7 @@ def run_sweep(ceiling, results, save=lambda: None):
             sizes = triton_sizes(batch, context, block_kv=block_kv, num_warps=warps, num_stages=stages,
                                  num_splits=splits)
             try:
-                t = time_chain(triton_step(sizes), *args)
+                t = time_loop(triton_step(sizes), *args, repeats=REPEATS)
             except Exception as e:
                 say(f"sweep B={batch} ctx={context} {sizes}: {type(e).__name__} {str(e)[:200]}")
                 continue

@@ -59,19 +59,19 @@ class StepChannel:
     def send(self, inputs: StepInputs) -> None:
         sampling = inputs.sampling
         header = [_STEP, _VARIANTS.index(inputs.variant), inputs.batch.num_tokens, inputs.batch.num_seqs,
-                  inputs.batch.page_tables.shape[1], sampling.history_ids.shape[1], sampling.banned_ids.shape[1]]
+                  inputs.batch.page_tables.shape[1], sampling.banned_ids.shape[1]]
         self._broadcast_header(header)
         multihost_utils.broadcast_one_to_all((inputs.batch, inputs.sampling, inputs.prev_rows))
 
     def stop(self) -> None:
-        self._broadcast_header([_STOP] + [0] * 6)
+        self._broadcast_header([_STOP] + [0] * 5)
 
     def receive(self) -> StepInputs | None:
         """The leader's next step, or ``None`` when it has stopped."""
-        kind, variant, num_tokens, num_seqs, pages, history, num_banned = self._broadcast_header([0] * 7)
+        kind, variant, num_tokens, num_seqs, pages, num_banned = self._broadcast_header([0] * 6)
         if kind == _STOP:
             return None
-        template = self.runner._empty_inputs(num_tokens, num_seqs, pages, history, _VARIANTS[variant])
+        template = self.runner._empty_inputs(num_tokens, num_seqs, pages, _VARIANTS[variant])
         if template.sampling.banned_ids.shape[1] != num_banned:
             raise RuntimeError(f"leader sent {num_banned} banned ids per row; this process expects {MAX_BANNED}")
         batch, sampling, prev_rows = multihost_utils.broadcast_one_to_all(

@@ -67,7 +67,7 @@ class SampleSettings:
 class _Request:
     """Host state of one request: its samples and what they have produced."""
 
-    def __init__(self, request_id, prompt, prompt_ids, params, seqs, detokenizers, arrival_time):
+    def __init__(self, request_id, prompt, prompt_ids, params, seqs, detokenizers, arrival_time, final_only=False):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_ids = prompt_ids
@@ -79,7 +79,7 @@ class _Request:
         self.logprobs: list[list[dict[int, float]]] = [[] for _ in seqs]
         self.cumulative_logprob = [0.0 for _ in seqs]
         self.stop_reasons: list[int | str | None] = [None for _ in seqs]
-        self.final_only = False  # output only once finished (set by Engine.add_request)
+        self.final_only = final_only  # output only once finished, not after every step
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_ids))
 
     @property
@@ -180,8 +180,7 @@ class Engine:
             seq = Sequence(next(self._seq_ids), request_id, prompt_token_ids, sampling=settings, arrival_time=arrival)
             seqs.append(seq)
             detokenizers.append(Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output))
-        request = _Request(request_id, prompt, list(prompt_token_ids), params, seqs, detokenizers, arrival)
-        request.final_only = final_only
+        request = _Request(request_id, prompt, list(prompt_token_ids), params, seqs, detokenizers, arrival, final_only)
         self._requests[request_id] = request
         for seq in seqs:
             self._seq_request[seq.seq_id] = request

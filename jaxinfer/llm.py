@@ -21,7 +21,6 @@ from tqdm.auto import tqdm
 from jaxinfer.checkpoint import LoadedModel, load_model
 from jaxinfer.data_parallel import DataParallelEngine
 from jaxinfer.engine import Engine, EngineConfig
-from jaxinfer.runner import enable_persistent_compilation_cache
 from jaxinfer.memory import num_pages_for_device, pages_for
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
@@ -76,7 +75,6 @@ class LLM:
         data_parallel_size: int = 1,
         overlap=None,
     ):
-        enable_persistent_compilation_cache()
         self.model = loaded or load_model(model, dtype)
         config = self.model.config
         self._config = config

@@ -182,7 +182,7 @@ class ModelRunner:
         """
         start = time.perf_counter()
         shapes = self.buckets.all()
-        all_inputs = [self._empty_inputs(t, b, p, 0, "basic") for t, b, p in shapes]
+        all_inputs = [self._empty_inputs(t, b, p) for t, b, p in shapes]
         num_threads = num_threads or min(len(all_inputs), max(1, (os.cpu_count() or 1) // 2))
         with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
             compiled = pool.map(self._compile, all_inputs)
@@ -207,7 +207,7 @@ class ModelRunner:
             return 0
         return self._step._cache_size() - self._cache_size_after_warmup
 
-    def _empty_inputs(self, num_tokens, num_seqs, pages, history, variant) -> StepInputs:
+    def _empty_inputs(self, num_tokens, num_seqs, pages, variant="basic") -> StepInputs:
         batch = StepBatch(
             token_ids=np.zeros(num_tokens, np.int32),
             positions=np.zeros(num_tokens, np.int32),
@@ -216,7 +216,7 @@ class ModelRunner:
             page_tables=np.full((num_seqs, pages), SCRATCH_PAGE, np.int32),
             logits_indices=np.zeros(num_seqs, np.int32),
         )
-        sampling = SamplingTensors.neutral(num_seqs, history, MAX_BANNED)
+        sampling = SamplingTensors.neutral(num_seqs, 0, MAX_BANNED)  # no history: see token_history
         return StepInputs(batch, sampling, np.full(num_tokens, -1, np.int32), variant)
 
     def execute(self, inputs: StepInputs) -> SamplerOutput:

@@ -15,19 +15,19 @@ While it runs, the engine belongs to the server's engine thread: do not call
 
 from __future__ import annotations
 
+import errno
 import threading
 
 from jaxinfer.server.admission import AdmissionConfig
 from jaxinfer.server.app import DEFAULT_MAX_BODY_BYTES, create_app
 from jaxinfer.server.engine_loop import EngineLoop
 from jaxinfer.server.metrics import ServerMetrics
-from jaxinfer.server.serve import create_waitress_server, serve_forever
 
 
 class BackgroundServer:
     def __init__(
         self,
-        engine,
+        engine=None,
         *,
         served_model_name: str = "model",
         host: str = "127.0.0.1",
@@ -38,11 +38,16 @@ class BackgroundServer:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         tracer_provider=None,
         warmup: bool = True,
+        max_model_len: int | None = None,
     ):
-        """Start serving ``engine`` on ``host:port`` (port 0: a free one); returns once it is ready."""
+        """Listen on ``host:port`` (port 0: a free one) and, given an ``engine``, serve it; returns once ready.
+
+        Without an engine, ``/health`` says "loading" until :meth:`start` (``run_server`` loads
+        the model meanwhile); ``max_model_len`` then sizes the token histograms.
+        """
         self.engine = engine
         self.model = served_model_name
-        self.metrics = ServerMetrics(served_model_name, engine.max_model_len)
+        self.metrics = ServerMetrics(served_model_name, max_model_len or engine.max_model_len)
         self.loop = EngineLoop(admission, self.metrics)
         self.app = create_app(self.loop, served_model_name, self.metrics, api_key=api_key,
                               max_body_bytes=max_body_bytes, tracer_provider=tracer_provider)
@@ -50,7 +55,13 @@ class BackgroundServer:
         self.base_url = f"http://{host}:{self.server.effective_port}"
         self._thread = threading.Thread(target=serve_forever, args=(self.server,), name="waitress", daemon=True)
         self._thread.start()
-        self.loop.start(engine, warmup=warmup)  # /health says "warming" until this returns
+        if engine is not None:
+            self.start(engine, warmup)
+
+    def start(self, engine, warmup: bool = True) -> None:
+        """Serve ``engine`` (compiling it first unless ``warmup`` is False); /health says "warming" meanwhile."""
+        self.engine = engine
+        self.loop.start(engine, warmup=warmup)
         self.metrics.set_state(self.loop.state)
 
     def stop(self, drain_timeout_s: float = 0.0) -> None:
@@ -68,3 +79,27 @@ class BackgroundServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def create_waitress_server(app, host: str, port: int, threads: int, max_body_bytes: int):
+    from waitress import create_server
+
+    return create_server(
+        app, host=host, port=port, threads=threads,
+        connection_limit=threads + 64,
+        channel_request_lookahead=1,  # keep reading the socket during a request: notices disconnects
+        # A backstop above Flask's MAX_CONTENT_LENGTH, so Flask answers 413 in OpenAI's shape.
+        max_request_body_size=2 * max_body_bytes + (1 << 20),
+        outbuf_overflow=1 << 20, clear_untrusted_proxy_headers=True, ident="jaxinfer",
+    )
+
+
+def serve_forever(server) -> None:
+    """waitress's loop, for a thread: closing the server from another thread ends it quietly."""
+    try:
+        server.run()
+    except ValueError:  # select() on a socket whose fd server.close() already released
+        pass
+    except OSError as e:
+        if e.errno != errno.EBADF:
+            raise

@@ -1,6 +1,8 @@
 """Command line and process life: load the engine, serve with waitress, drain on SIGTERM.
 
-``python server.py ...`` and ``jaxinfer serve ...`` both call :func:`run_server`. waitress is
+``python server.py ...`` and ``jaxinfer serve ...`` both call :func:`run_server`, which owns the
+process (signals, drain) and serves through :class:`~jaxinfer.server.background.BackgroundServer`,
+started before the model loads so ``/health`` can say so. waitress is
 the WSGI server: one process (the model is loaded once), a thread per in-flight HTTP request
 (enough for every running and waiting request, so the admission queue, not waitress's backlog,
 decides who waits), ``channel_request_lookahead`` so a closed socket is noticed while a handler
@@ -11,7 +13,6 @@ to the socket as soon as the handler yields it.
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
 import os
 import signal
@@ -21,10 +22,9 @@ from pathlib import Path
 
 from jaxinfer.server.admission import (DEFAULT_MAX_WAITING_PROMPT_TOKENS, DEFAULT_MAX_WAITING_REQUESTS,
                                        DEFAULT_RETRY_AFTER_S, AdmissionConfig)
-from jaxinfer.server.app import DEFAULT_MAX_BODY_BYTES, create_app
-from jaxinfer.server.engine_loop import EngineLoop
+from jaxinfer.server.app import DEFAULT_MAX_BODY_BYTES
+from jaxinfer.server.background import BackgroundServer
 from jaxinfer.server.json_logging import configure_logging
-from jaxinfer.server.metrics import ServerMetrics
 from jaxinfer.server.tracing import otlp_tracer_provider
 
 logger = logging.getLogger("jaxinfer.server")
@@ -102,30 +102,6 @@ def build_engine(args: argparse.Namespace):
     return llm.engine
 
 
-def create_waitress_server(app, host: str, port: int, threads: int, max_body_bytes: int):
-    from waitress import create_server
-
-    return create_server(
-        app, host=host, port=port, threads=threads,
-        connection_limit=threads + 64,
-        channel_request_lookahead=1,  # keep reading the socket during a request: notices disconnects
-        # A backstop above Flask's MAX_CONTENT_LENGTH, so Flask answers 413 in OpenAI's shape.
-        max_request_body_size=2 * max_body_bytes + (1 << 20),
-        outbuf_overflow=1 << 20, clear_untrusted_proxy_headers=True, ident="jaxinfer",
-    )
-
-
-def serve_forever(server) -> None:
-    """waitress's loop, for a thread: closing the server from another thread ends it quietly."""
-    try:
-        server.run()
-    except ValueError:  # select() on a socket whose fd server.close() already released
-        pass
-    except OSError as e:
-        if e.errno != errno.EBADF:
-            raise
-
-
 def run_server(args: argparse.Namespace, engine_factory=build_engine) -> int:
     """Serve until SIGTERM/SIGINT, then drain and return 0."""
     configure_logging(args.log_level)
@@ -139,17 +115,18 @@ def run_server(args: argparse.Namespace, engine_factory=build_engine) -> int:
     served = args.served_model_name or default_served_name(args.model)
     threads = args.server_threads or args.max_num_seqs + args.max_waiting_requests + 16
     admission = AdmissionConfig(args.max_waiting_requests, args.max_waiting_prompt_tokens, args.retry_after)
-    # max_model_len is unknown before the engine loads; the token histograms' top bucket uses the flag or 128k.
-    metrics = ServerMetrics(served, args.max_model_len or 131072)
-    loop = EngineLoop(admission, metrics)
     tracer_provider = otlp_tracer_provider(args.otlp_traces_endpoint) if args.otlp_traces_endpoint else None
-    app = create_app(loop, served, metrics, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                     tracer_provider=tracer_provider)
-    server = create_waitress_server(app, args.host, args.port, threads, args.max_body_bytes)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    threading.Thread(target=serve_forever, args=(server,), name="waitress", daemon=True).start()
+    # HTTP first, the engine after: /health answers "loading" while the model loads.
+    # max_model_len is unknown before the engine loads; the token histograms' top bucket uses the flag or 128k.
+    http = BackgroundServer(
+        served_model_name=served, host=args.host, port=args.port, api_key=args.api_key, admission=admission,
+        threads=threads, max_body_bytes=args.max_body_bytes, tracer_provider=tracer_provider,
+        max_model_len=args.max_model_len or 131072,
+    )
+    loop, server = http.loop, http.server
     logger.info("listening (loading the model)", extra={"host": args.host, "port": server.effective_port,
                                                        "model": args.model, "served_model_name": served})
     try:
@@ -159,8 +136,7 @@ def run_server(args: argparse.Namespace, engine_factory=build_engine) -> int:
         server.close()
         return 1
     if not stop.is_set():
-        loop.start(engine)
-        metrics.set_state(loop.state)
+        http.start(engine)
         logger.info("ready", extra={"max_model_len": engine.max_model_len, "threads": threads})
     while not stop.wait(0.5):
         pass
