@@ -130,9 +130,11 @@ def synthetic_tokenizer(vocab_size: int):
 def random_model(shape: str, dtype=jnp.bfloat16, seed: int = 0, mesh=None):
     """A ``LoadedModel`` of random weights with the named architecture, made on the device.
 
-    With a ``mesh`` whose tp size divides the head counts, each device makes only its own
-    shards (a 70B model fits no single GPU); otherwise the weights are made on one device
-    and ``sharding.placement.shard_model`` pads and places them.
+    Weights that fit on one device are made there, and ``sharding.placement.shard_model``
+    pads and places them later. Only when they do not (a 70B model on 80-141 GB GPUs), or
+    when the device does not report its memory (CPU), and ``mesh``'s tp size divides the head
+    counts, each device makes just its own shards: on the H200s XLA took minutes to compile
+    that sharded random init even for 8B, so it is the path of last resort.
     """
     from jaxinfer.checkpoint import LoadedModel
     from jaxinfer.config import ModelConfig
@@ -145,11 +147,21 @@ def random_model(shape: str, dtype=jnp.bfloat16, seed: int = 0, mesh=None):
         from sharding.mesh import TP
         from sharding.rules import weight_shardings
 
-        if head_layout(config.num_q_heads, config.num_kv_heads, mesh.shape[TP]).is_identity:
+        identity = head_layout(config.num_q_heads, config.num_kv_heads, mesh.shape[TP]).is_identity
+        if identity and not fits_one_device(config, jnp.dtype(dtype).itemsize):
             shardings = weight_shardings(config, mesh)
     weights = init_random(config, jax.random.key(seed), dtype, out_shardings=shardings)
     return LoadedModel(config=config, weights=weights, tokenizer=synthetic_tokenizer(config.vocab_size),
                        source=Path(f"random:{shape}"))
+
+
+def fits_one_device(config, itemsize: int, fraction: float = 0.6) -> bool:
+    """Whether the weights fit in ``fraction`` of device 0's memory (False when it is not reported)."""
+    from jaxinfer.memory import weight_bytes
+
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return bool(limit) and weight_bytes(config, itemsize) <= fraction * limit
 
 
 def random_prompts(rng: np.random.Generator, lengths, vocab_size: int) -> list[list[int]]:
