@@ -178,6 +178,14 @@ def decode_host_time(engine, num_requests, prompt_len, output_len, log):
             "device_idle_fraction": idle, "host_work_per_step_ms": host_busy * 1e3, "num_steady_steps": len(steady)}
 
 
+def compilation_cache_files() -> int:
+    """Entries in JAX's persistent compilation cache now (0: the next start-up compiles cold)."""
+    from jaxinfer.model_registry import default_cache_dir
+
+    path = Path(jax.config.jax_compilation_cache_dir or default_cache_dir() / "jax-compilation-cache")
+    return sum(1 for _ in path.iterdir()) if path.is_dir() else 0
+
+
 def throughput(engine, prompt_lens, output_lens, tag, log):
     rng = np.random.default_rng(0)
     summary, _, steps = run_requests(engine, random_prompts(rng, prompt_lens, engine.model_config.vocab_size),
@@ -206,9 +214,10 @@ def markdown(results: dict) -> str:
         lines += [f"Ceilings in this run: HBM read {c['hbm_read_tbs']:.2f} TB/s, bf16 matmul {c['matmul_tflops']:.0f} TFLOP/s.", ""]
     lines += ["| workload | model | result | vs bound / peer |", "| --- | --- | --- | --- |"]
     w = results.get("workloads", {})
-    if "startup" in w:
-        s = w["startup"]
-        lines.append(f"| startup | {s['shape']} | {s['num_programs']} programs compiled in {s['compile_seconds']:.1f} s | goal ≤ 60 s cold, ≤ 15 s warm cache |")
+    for key, cache, goal in (("startup", "cold cache", "≤ 60 s"), ("startup-warm", "warm cache", "≤ 15 s")):
+        if key in w:
+            s = w[key]
+            lines.append(f"| startup, {cache} | {s['shape']} | {s['num_programs']} programs compiled in {s['compile_seconds']:.1f} s | goal {goal} |")
     if "latency" in w:
         s = w["latency"]
         lines.append(f"| latency (128 in / 256 out, batch 1) | {s['shape']} | TPOT {s['tpot_ms']:.2f} ms, TTFT {s['ttft_ms']:.1f} ms | {s['ratio_to_roofline']:.2f}x roofline ({s['roofline_ms']:.2f} ms); HF: {s.get('hf_tpot_ms', float('nan')):.2f} ms |")
@@ -261,6 +270,7 @@ def main():
     def scaled(n):
         return max(1, int(round(n * args.scale)))
 
+    cached_before = compilation_cache_files()  # before this run adds anything
     results["ceilings"] = measure_ceilings(log)
     main_loads = [w for w in workloads if w != "throughput-nano"]
     if main_loads:
@@ -271,7 +281,9 @@ def main():
         )
         results["engines"][args.shape] = engine_info
         if "startup" in workloads:
-            results["workloads"]["startup"] = {"shape": args.shape, **engine_info}
+            # Cold when the persistent compilation cache was empty, warm when an earlier run filled it.
+            key = "startup-warm" if cached_before else "startup"
+            results["workloads"][key] = {"shape": args.shape, "cache_files_before": cached_before, **engine_info}
         save()
         if "latency" in workloads:
             per_token = weight_bytes(model.config, 2) - model.config.vocab_size * model.config.hidden_size * 2

@@ -14,11 +14,13 @@ Workloads (``../shared/BENCHMARKS.md`` defines ``latency`` and ``throughput-1k``
 - ``prefill-overlap``: one prefill step of the tp engine (``prefill_seqs x prefill_len`` tokens),
   compiled without and with XLA's latency-hiding scheduler / windowed einsums
   (``sharding.overlap.XLA_OVERLAP_OPTIONS``), replayed back to back; with ``--profile`` a
-  ``jax.profiler`` trace of each (open in Perfetto/TensorBoard to read exposed collective time).
+  ``jax.profiler`` trace of each (``profile_collectives.py`` reads the exposed collective time
+  from them; Perfetto/TensorBoard show them).
   Also the same step at tp=1 and the all-reduce time of its activations summed over the
   layers: ``exposed ~= t(tp) - t(1)/tp`` against that sum.
 - ``latency`` and ``throughput-1k``: the engine at tp=1 and at tp=N in the same run
-  (``engine_throughput.py``'s workloads), time per output token and tokens/s.
+  (``engine_throughput.py``'s workloads), time per output token and tokens/s; with ``--profile``
+  also a trace of one latency request's decode steps per tp size (``profile_decode_tp*``).
 
 ``--smoke`` shrinks everything (use ``--shape tiny`` on CPU with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu``).
@@ -193,6 +195,9 @@ def random_model_config(shape):
     return ModelConfig.from_hf(SHAPES[shape])
 
 
+DECODE_PROFILE_STEPS = 32  # output tokens of the profiled latency request (one prefill step, then decode)
+
+
 def engine_workloads(shape, tp, args, workloads, ceilings, log) -> dict:
     import engine_throughput
 
@@ -210,6 +215,11 @@ def engine_workloads(shape, tp, args, workloads, ceilings, log) -> dict:
             per_device = (weight_bytes(config, 2) - embed_bytes) / tp_size
             entry["latency"] = engine_throughput.latency(engine, per_device, ceilings["hbm_read_tbs"], log,
                                                          repeats=1 if args.smoke else 3)
+        if "latency" in workloads and args.profile:
+            # A decode trace: is the step's time the GPU's (kernels back to back) or the host's
+            # (gaps between steps), and how long do its 2 x layers all-reduces take in place?
+            with jax.profiler.trace(str(args.out / f"profile_decode_tp{tp_size}")):
+                engine_throughput.run_requests(engine, [[1] * 128], [DECODE_PROFILE_STEPS], f"profile tp={tp_size}")
         if "throughput-1k" in workloads:
             n, length = (8, 32) if args.smoke else (1000, 1000)
             entry["throughput-1k"] = engine_throughput.throughput(engine, [length] * n, [length] * n,
@@ -271,7 +281,7 @@ def main():
                         help="engine tp sizes for latency/throughput-1k (default '1,TP'; 70B on 8 GPUs: '4,8')")
     parser.add_argument("--workloads", default="allreduce,collective-matmul,prefill-overlap,latency,throughput-1k")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the code, measures nothing")
-    parser.add_argument("--profile", action="store_true", help="write jax.profiler traces of the prefill steps")
+    parser.add_argument("--profile", action="store_true", help="write jax.profiler traces of the prefill steps and of a latency request's decode steps")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)

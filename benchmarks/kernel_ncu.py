@@ -1,0 +1,102 @@
+"""DRAM bytes our decode kernel really reads, against the bytes we count (run under Nsight Compute).
+
+    ncu --clock-control none --csv --kernel-name regex:ragged_paged_attention \
+        --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
+        python3 benchmarks/kernel_ncu.py --batch 32 --context 4096 > DIR/ncu.csv
+    python3 benchmarks/kernel_ncu.py --batch 32 --context 4096 --report DIR/ncu.csv
+
+The first command launches the kernel ``--launches`` times at one ``kernel-decode`` shape
+(Llama-3.1-8B heads, bf16, page size 32) while ``ncu`` reads the DRAM counters of each launch;
+the second prints the counted K/V bytes, the bytes ``ncu`` saw and their ratio. A ratio near
+1.0 says the kernel reads each K/V page once and nothing else of note (queries, page tables
+and outputs are < 1% at these shapes); well above 1.0 would mean re-reads (e.g. one read per
+query head instead of per KV head), below 1.0 an L2 hit rate the timing would overstate.
+The kernel time under ``ncu`` is serialised and cache-flushed: read the bandwidth from
+``kernel_attention.py``, not from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def counted_bytes(batch: int, context: int) -> dict:
+    from kernel_attention import HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS
+
+    kv = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
+    q_and_out = 2 * batch * NUM_Q_HEADS * HEAD_DIM * 2
+    return {"kv_bytes": kv, "q_and_out_bytes": q_and_out}
+
+
+def launch(batch: int, context: int, page_size: int, launches: int) -> None:
+    import jax
+
+    from kernel_attention import decode_inputs, ours_sizes, ours_step
+
+    args = decode_inputs(batch, context, page_size)
+    step = jax.jit(ours_step(ours_sizes(batch, batch, context, page_size)))
+    for _ in range(launches):
+        out = step(*args)
+    out.block_until_ready()
+    print(f"launched {launches} times: B={batch} ctx={context} page {page_size}", file=sys.stderr)
+
+
+def report(csv_path: Path, batch: int, context: int) -> dict:
+    """Parse ``ncu --csv`` (one row per kernel launch and metric) into per-launch byte counts."""
+    text = csv_path.read_text()
+    start = text.find('"ID"')
+    if start < 0:
+        raise SystemExit(f"no ncu table in {csv_path}: did ncu run, and could it read the counters?\n{text[-2000:]}")
+    per_launch: dict[str, dict[str, float]] = {}
+    for row in csv.DictReader(io.StringIO(text[start:])):
+        value = float(row["Metric Value"].replace(",", ""))
+        unit = row.get("Metric Unit", "")
+        scale = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9,
+                 "nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "ns": 1e-9, "us": 1e-6, "ms": 1e-3}.get(unit, 1)
+        per_launch.setdefault(row["ID"], {"kernel": row["Kernel Name"]})[row["Metric Name"]] = value * scale
+    launches = list(per_launch.values())
+    if not launches:
+        raise SystemExit("ncu printed no launches of the kernel")
+    counted = counted_bytes(batch, context)
+    read = sorted(launch["dram__bytes_read.sum"] for launch in launches)
+    median_read = read[len(read) // 2]
+    result = {
+        "workload": "kernel-decode", "batch": batch, "context": context,
+        "launches": len(launches), "kernel": launches[0]["kernel"], **counted,
+        "dram_read_bytes_median": median_read,
+        "dram_write_bytes_median": sorted(x.get("dram__bytes_write.sum", 0) for x in launches)[len(launches) // 2],
+        "read_over_counted_kv": median_read / counted["kv_bytes"],
+    }
+    print(json.dumps(result, indent=1))
+    print(f"B={batch} ctx={context}: counted K/V {counted['kv_bytes'] / 1e6:.1f} MB, DRAM read "
+          f"{median_read / 1e6:.1f} MB (median of {len(launches)} launches): ratio {result['read_over_counted_kv']:.3f}")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--page-size", type=int, default=32)
+    parser.add_argument("--launches", type=int, default=3)
+    parser.add_argument("--report", type=Path, help="ncu --csv output to summarise (instead of launching)")
+    parser.add_argument("--json", type=Path, help="with --report: also write the summary here")
+    args = parser.parse_args()
+    if args.report:
+        result = report(args.report, args.batch, args.context)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1) + "\n")
+    else:
+        launch(args.batch, args.context, args.page_size, args.launches)
+
+
+if __name__ == "__main__":
+    main()

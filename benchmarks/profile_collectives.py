@@ -1,0 +1,87 @@
+"""How much collective time a step leaves exposed, read from `jax.profiler` traces.
+
+    python3 benchmarks/profile_collectives.py DIR [--steps N] [--json OUT.json]
+
+DIR holds the traces ``tensor_parallel.py --profile`` writes (``profile_*/plugins/profile/*/
+*.trace.json.gz``, one per run). For each run and GPU, from the kernels' intervals on the
+device's streams: the time NCCL kernels run (collective busy), the time any other kernel runs
+(compute busy), and the part of the collective time during which no compute kernel runs
+(exposed). Overlap that works shows up as collective busy > exposed. Divided by ``--steps``
+(the replays the trace holds) for per-step numbers. Runs on any machine: it only reads JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+from pathlib import Path
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, current = 0.0, None
+    for start, end in sorted(intervals):
+        if current is None or start > current[1]:
+            if current is not None:
+                total += current[1] - current[0]
+            current = [start, end]
+        else:
+            current[1] = max(current[1], end)
+    if current is not None:
+        total += current[1] - current[0]
+    return total
+
+
+def is_collective(kernel_name: str) -> bool:
+    return kernel_name.lower().startswith("nccl")
+
+
+def summarise(trace_path: Path, steps: int) -> dict[str, dict]:
+    events = json.load(gzip.open(trace_path))["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    out = {}
+    for pid, name in sorted(processes.items()):
+        if "GPU" not in name:
+            continue
+        kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") == pid and "memcpy" not in e["name"].lower()]
+        if not kernels:
+            continue
+        collective = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if is_collective(e["name"])]
+        compute = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if not is_collective(e["name"])]
+        span = max(end for _, end in collective + compute) - min(start for start, _ in collective + compute)
+        busy_compute, busy_collective = busy_time(compute), busy_time(collective)
+        exposed = busy_time(collective + compute) - busy_compute
+        names = collections.Counter(e["name"].split("(")[0] for e in kernels if is_collective(e["name"]))
+        ms = 1e-3 / steps  # trace times are microseconds
+        out[name] = {
+            "step_span_ms": span * ms, "compute_busy_ms": busy_compute * ms,
+            "collective_busy_ms": busy_collective * ms, "collective_exposed_ms": exposed * ms,
+            "collective_hidden_ms": (busy_collective - exposed) * ms,
+            "idle_ms": (span - busy_time(collective + compute)) * ms,
+            "collective_kernels_per_step": {k: v / steps for k, v in names.items()},
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trace_dir", type=Path)
+    parser.add_argument("--steps", type=int, default=10, help="step replays in each trace (tensor_parallel --repeats)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    results = {}
+    for trace in sorted(args.trace_dir.glob("profile_*/plugins/profile/*/*.trace.json.gz")):
+        run = trace.relative_to(args.trace_dir).parts[0].removeprefix("profile_")
+        for device, summary in summarise(trace, args.steps).items():
+            results[f"{run} {device}"] = summary
+            print(f"{run:20s} {device:14s} step {summary['step_span_ms']:7.2f} ms: compute {summary['compute_busy_ms']:7.2f}, "
+                  f"collectives {summary['collective_busy_ms']:6.2f} (exposed {summary['collective_exposed_ms']:6.2f}, "
+                  f"hidden {summary['collective_hidden_ms']:5.2f}), idle {summary['idle_ms']:5.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The GPU benchmark scripts run end to end on CPU with tiny shapes, and their parsers add up.
+
+Device time is scarce: a benchmark that breaks is found here, not in a GPU call. The numbers
+these runs print mean nothing; the tests check that each workload completes, writes its
+results and (for the engine) compiles nothing after warm-up. The two parsers of GPU-only
+output (Nsight Compute's CSV, jax.profiler traces) are checked on synthetic files whose
+answers are known.
+"""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+BENCHMARKS = REPO / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+
+def run_script(args, tmp_path, devices=1, timeout=900):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    done = subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_engine_throughput_workloads_complete(tmp_path):
+    out = tmp_path / "engine"
+    args = [BENCHMARKS / "engine_throughput.py", "--out", out, "--shape", "tiny", "--nano-shape", "tiny",
+            "--scale", "0.01", "--workloads", "startup,throughput-1k,throughput-nano"]
+    run_script(args, tmp_path)
+    run_script([*args[:-1], "startup", "--resume"], tmp_path)  # the cache the first run filled: warm
+    results = json.loads((out / "engine_throughput.json").read_text())
+    workloads = results["workloads"]
+    assert workloads["startup"]["cache_files_before"] == 0
+    assert workloads["startup-warm"]["cache_files_before"] > 0
+    for name in ("throughput-1k", "throughput-nano"):
+        assert workloads[name]["compilations_after_warmup"] == 0
+        assert workloads[name]["output_tokens"] > 0
+    markdown = (out / "engine_throughput.md").read_text()
+    assert "startup, warm cache" in markdown and "throughput-nano" in markdown
+
+
+def test_tensor_parallel_smoke_with_profiles(tmp_path):
+    out = tmp_path / "tp"
+    run_script([BENCHMARKS / "tensor_parallel.py", "--out", out, "--shape", "tiny", "--smoke", "--tp", "2",
+                "--profile", "--workloads", "allreduce,prefill-overlap,latency"], tmp_path, devices=2)
+    results = json.loads((out / "tensor_parallel.json").read_text())
+    assert set(results["workloads"]) == {"allreduce", "prefill-overlap", "engine"}
+    assert results["workloads"]["engine"]["latency_tpot_ratio"] > 0
+    traces = sorted(p.parts[-5] for p in out.glob("profile_*/plugins/profile/*/*.trace.json.gz"))
+    assert traces == ["profile_decode_tp1", "profile_decode_tp2", "profile_tp1", "profile_tp2_overlap_off",
+                      "profile_tp2_overlap_on"]
+
+
+def test_profile_collectives_splits_exposed_from_hidden(tmp_path):
+    from profile_collectives import summarise
+
+    # One GPU, two steps: compute 0-100 and 150-250 us; a collective 80-120 (20 us hidden
+    # under compute, 20 exposed) and one 250-260 (exposed); a memcpy that counts as neither.
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 9, "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "tid": 1, "name": "gemm_fusion", "ts": 0, "dur": 100},
+        {"ph": "X", "pid": 1, "tid": 1, "name": "loop_fusion", "ts": 150, "dur": 100},
+        {"ph": "X", "pid": 1, "tid": 2, "name": "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(args)", "ts": 80, "dur": 40},
+        {"ph": "X", "pid": 1, "tid": 2, "name": "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(args)", "ts": 250, "dur": 10},
+        {"ph": "X", "pid": 1, "tid": 3, "name": "MemcpyH2D", "ts": 300, "dur": 50},
+        {"ph": "X", "pid": 9, "tid": 1, "name": "host work", "ts": 0, "dur": 1000},
+    ]
+    path = tmp_path / "vm.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    summary = summarise(path, steps=2)
+    assert list(summary) == ["/device:GPU:0"]
+    gpu = summary["/device:GPU:0"]
+    per_step = {k: round(v * 2e3, 6) for k, v in gpu.items() if k.endswith("_ms")}  # back to us over both steps
+    assert per_step == {"step_span_ms": 260, "compute_busy_ms": 200, "collective_busy_ms": 50,
+                        "collective_exposed_ms": 30, "collective_hidden_ms": 20, "idle_ms": 30}
+    assert gpu["collective_kernels_per_step"] == {"ncclDevKernel_AllReduce_Sum_bf16_RING_LL": 1.0}
+
+
+def test_kernel_ncu_report_reads_bytes_per_launch(tmp_path):
+    from kernel_ncu import report
+
+    header = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+              '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+
+    def row(launch, metric, unit, value):
+        return (f'"{launch}","1","python3","vm","ragged_paged_attention","1","7","(128, 1, 1)","(8, 32, 1)",'
+                f'"0","9.0","Command line profiler metrics","{metric}","{unit}","{value}"')
+
+    counted = 2 * 32 * 4096 * 8 * 128 * 2  # K and V of B=32 ctx=4096, Llama-3.1-8B heads, bf16
+    lines = ["==PROF== Connected to process 1", header]
+    for launch, read_mb in enumerate((counted / 1e6 * 1.01, counted / 1e6 * 1.02, counted / 1e6 * 1.5)):
+        lines += [row(launch, "dram__bytes_read.sum", "Mbyte", f"{read_mb:,.3f}"),
+                  row(launch, "dram__bytes_write.sum", "Kbyte", "140.5"),
+                  row(launch, "gpu__time_duration.sum", "usecond", "150")]
+    csv_path = tmp_path / "ncu.csv"
+    csv_path.write_text("\n".join(lines) + "\n")
+    result = report(csv_path, batch=32, context=4096)
+    assert result["launches"] == 3 and result["kv_bytes"] == counted
+    assert abs(result["read_over_counted_kv"] - 1.02) < 1e-3  # the median launch
+    assert result["dram_write_bytes_median"] == 140.5e3
