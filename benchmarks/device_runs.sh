@@ -1,0 +1,55 @@
+#!/bin/bash
+# The GPU runs still owed, as named plans for one device call each (a call is limited to
+# 10 minutes and returns at most 8 files, so each plan packs its results into one archive).
+#
+#   bash benchmarks/device_runs.sh PLAN        # on the GPU machine; OUT defaults to ./device-out
+#
+# Plans (nvidia-h200-x2; the single-GPU plans run two jobs side by side, one per GPU, each
+# with its own compilation cache so cold start-up stays cold):
+#   engine  GPU0: HF peer batch, then the engine's startup/latency/batch128/decode256 with the
+#           ratio to it, then throughput-nano. GPU1: the kernel-decode/prefill grid.
+#   tp      TP=1 vs TP=2 in one run: collective-matmul, latency with decode traces, then the
+#           exposed collective time of those traces.
+#   tp1k    TP=1 vs TP=2 in one run: throughput-1k.
+#   lab     GPU0: latency_lab (where batch-1 decode time goes). GPU1: serve benchmark.
+set -u
+PLAN=${1:?plan: engine, tp, tp1k or lab}
+OUT=${OUT:-$PWD/device-out}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+mkdir -p "$OUT/$PLAN"
+R=$OUT/$PLAN
+cd "$(dirname "$0")/.."
+
+on_gpu() {  # on_gpu GPU LOG TIMEOUT CMD...: one job on one GPU with its own compile cache
+    local gpu=$1 log=$2 limit=$3; shift 3
+    CUDA_VISIBLE_DEVICES=$gpu JAX_COMPILATION_CACHE_DIR=/tmp/jcc$gpu timeout "$limit" "$@" >"$R/$log" 2>&1
+    echo "exit $? after ${SECONDS}s" >>"$R/$log"
+}
+
+case $PLAN in
+engine)
+    (on_gpu 0 hf.log 150 python3 benchmarks/hf_peer.py --shape llama-3.1-8b --workloads batch --out "$R/hf"
+     on_gpu 0 engine.log 300 python3 benchmarks/engine_throughput.py --out "$R/engine" \
+        --workloads startup,latency,batch128,decode256 --hf "$R/hf/hf_peer.json"
+     on_gpu 0 nano.log 120 python3 benchmarks/engine_throughput.py --out "$R/engine" --resume --workloads throughput-nano) &
+    on_gpu 1 kernels.log 560 python3 benchmarks/kernel_attention.py --out "$R/kernels" &
+    wait ;;
+tp)
+    timeout 560 python3 benchmarks/tensor_parallel.py --out "$R/tp" --tp 2 --max-num-seqs 384 --max-model-len 2048 \
+        --profile --workloads collective-matmul,latency >"$R/tp.log" 2>&1
+    python3 benchmarks/profile_collectives.py "$R/tp" --steps 32 --json "$R/decode_profile.json" >>"$R/tp.log" 2>&1 ;;
+tp1k)
+    timeout 560 python3 benchmarks/tensor_parallel.py --out "$R/tp" --tp 2 --max-num-seqs 384 --max-model-len 2048 \
+        --workloads throughput-1k >"$R/tp.log" 2>&1 ;;
+lab)
+    on_gpu 0 lab.log 300 python3 benchmarks/latency_lab.py --out "$R/lab" &
+    on_gpu 1 serve.log 540 python3 benchmarks/serve_benchmark.py --out "$R/serve" --rates 1,4,16 --num-requests 100 &
+    wait ;;
+*)
+    echo "unknown plan $PLAN" >&2; exit 2 ;;
+esac
+# Traces are large and many files: keep them in their own archive.
+(cd "$OUT" && find "$PLAN" -type d -name 'profile_*' -prune -print0 | tar czf "$PLAN-traces.tgz" --null -T -)
+find "$R" -type d -name 'profile_*' -prune -exec rm -rf {} +
+tar czf "$OUT/$PLAN.tgz" -C "$OUT" "$PLAN" && rm -rf "${R:?}"
+ls -la "$OUT"
