@@ -9,7 +9,8 @@
 #   engine  GPU0: HF peer batch, then the engine's startup/latency/batch128/decode256 with the
 #           ratio to it, then throughput-nano. GPU1: the kernel-decode/prefill grid.
 #   tp      TP=1 vs TP=2 in one run: collective-matmul, latency with decode traces, then the
-#           exposed collective time of those traces.
+#           exposed collective time of those traces; TP=2 latency again with CUDA graphs
+#           over collectives and conditionals.
 #   tp1k    TP=1 vs TP=2 in one run: throughput-1k.
 #   lab     GPU0: latency_lab (where batch-1 decode time goes). GPU1: serve benchmark.
 set -u
@@ -35,9 +36,15 @@ engine)
     on_gpu 1 kernels.log 560 python3 benchmarks/kernel_attention.py --out "$R/kernels" &
     wait ;;
 tp)
-    timeout 560 python3 benchmarks/tensor_parallel.py --out "$R/tp" --tp 2 --max-num-seqs 384 --max-model-len 2048 \
+    timeout 330 python3 benchmarks/tensor_parallel.py --out "$R/tp" --tp 2 --max-num-seqs 384 --max-model-len 2048 \
         --profile --workloads collective-matmul,latency >"$R/tp.log" 2>&1
-    python3 benchmarks/profile_collectives.py "$R/tp" --steps 32 --json "$R/decode_profile.json" >>"$R/tp.log" 2>&1 ;;
+    python3 benchmarks/profile_collectives.py "$R/tp" --steps 32 --json "$R/decode_profile.json" >>"$R/tp.log" 2>&1
+    # The same TP=2 decode with every op kind XLA can put in a CUDA graph, collectives and the
+    # sampler's conditional included: does launching ~900 kernels a step one by one cost the gap?
+    XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES,CONDITIONAL,WHILE" \
+    timeout 200 python3 benchmarks/tensor_parallel.py --out "$R/tp_graphs" --tp 2 --tp-sizes 2 --max-num-seqs 384 \
+        --max-model-len 2048 --profile --workloads latency >"$R/tp_graphs.log" 2>&1
+    python3 benchmarks/profile_collectives.py "$R/tp_graphs" --steps 32 --json "$R/decode_profile_graphs.json" >>"$R/tp_graphs.log" 2>&1 ;;
 tp1k)
     timeout 560 python3 benchmarks/tensor_parallel.py --out "$R/tp" --tp 2 --max-num-seqs 384 --max-model-len 2048 \
         --workloads throughput-1k >"$R/tp.log" 2>&1 ;;
