@@ -36,8 +36,12 @@ class Detokenizer:
         self._num_streamed = 0
         self._hold_back = max((len(s) for s in self.stop), default=1) - 1
 
-    def add_token(self, token_id: int) -> str | None:
-        """Append a token; returns the stop string if one now appears in the text."""
+    def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Append a token; returns the stop string if one now appears in the text.
+
+        ``check_stop=False`` (before ``min_tokens`` outputs, as in vLLM) only extends the text:
+        a stop string wholly inside that text never stops the sample later either.
+        """
         if self.stopped_by is not None:
             return self.stopped_by
         self.num_tokens += 1
@@ -46,7 +50,7 @@ class Detokenizer:
             return None
         previous_len = len(self.text)
         self.text += piece
-        if not self.stop:
+        if not self.stop or not check_stop:
             return None
         search_from = max(0, previous_len - self._hold_back)
         best = None

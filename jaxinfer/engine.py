@@ -200,6 +200,18 @@ class Engine:
             )
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        # Before min_tokens the device bans EOS and the stop ids through a fixed-width list:
+        # past its width the rest were silently left unbanned and could be sampled early.
+        num_banned = len(self._banned_before_min_tokens(params))
+        if params.min_tokens > 0 and num_banned > MAX_BANNED:
+            raise ValueError(
+                f"min_tokens needs {num_banned} token ids banned (stop_token_ids and EOS), "
+                f"more than the {MAX_BANNED} supported"
+            )
+
+    def _banned_before_min_tokens(self, params: SamplingParams) -> list[int]:
+        """Token ids a sample may not produce before ``min_tokens``: EOS (unless ignored) and the stop ids."""
+        return sorted((set() if params.ignore_eos else set(self.eos_ids)) | set(params.stop_token_ids))
 
     def abort(self, request_id: str) -> bool:
         request = self._requests.get(request_id)
@@ -327,7 +339,9 @@ class Engine:
     def _fill_full_sampling(self, sampling: SamplingTensors, b: int, seq: Sequence) -> None:
         """Row ``b``'s fields of the "full" sampler (the basic ones are filled for all rows at once)."""
         params: SamplingParams = seq.sampling.params
-        sampling.top_k[b] = params.top_k if params.top_k > 0 else 0
+        # top_k at or past the vocabulary keeps every token, as off (0) does; it is also how a
+        # huge top_k (>= 2**31) never reaches the int32 array.
+        sampling.top_k[b] = params.top_k if 0 < params.top_k < self.model_config.vocab_size else 0
         sampling.top_p[b] = params.top_p
         sampling.min_p[b] = params.min_p
         sampling.repetition_penalty[b] = params.repetition_penalty
@@ -335,8 +349,7 @@ class Engine:
         sampling.frequency_penalty[b] = params.frequency_penalty
         sampling.num_prompt_tokens[b] = seq.num_prompt_tokens
         if seq.num_generated_tokens < params.min_tokens:
-            banned = ([] if params.ignore_eos else sorted(self.eos_ids)) + list(params.stop_token_ids)
-            banned = banned[:MAX_BANNED]
+            banned = self._banned_before_min_tokens(params)  # validate() checked it fits MAX_BANNED
             sampling.banned_ids[b, : len(banned)] = banned
 
     def _process(self, in_flight: _InFlight, changed: dict[str, _Request]) -> None:
@@ -382,7 +395,9 @@ class Engine:
     def _check_stop(self, request: _Request, i: int, seq: Sequence, token: int) -> None:
         params = request.params
         num_generated = seq.num_generated_tokens - int(seq.has_placeholder)  # this token included
-        stop_string = request.detokenizers[i].add_token(token)
+        # min_tokens holds back every stop condition, stop strings included (vLLM's semantics):
+        # before this, a stop string in the first min_tokens tokens ended the sample early.
+        stop_string = request.detokenizers[i].add_token(token, check_stop=num_generated >= params.min_tokens)
         reason = None
         if stop_string is not None:
             reason, request.stop_reasons[i] = "stop", stop_string

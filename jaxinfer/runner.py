@@ -104,7 +104,11 @@ def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, max_pages_pe
     CPU: fewer, coarser buckets, since compiling costs more than padding there.
     """
     if platform == "cpu":
-        seqs = (max_num_seqs,)
+        # A step gives each of its sequences at least one token, so it never holds more than
+        # max_num_batched_tokens of them. Capping the bucket there keeps it <= every token
+        # bucket: with max_num_seqs > max_num_batched_tokens, (tokens, max_num_seqs) pairs were
+        # all dropped by ``b <= t``, leaving nothing to compile (warm-up raised ValueError).
+        seqs = (min(max_num_seqs, max_num_batched_tokens),)
         tokens = powers_of_two(min(max_num_seqs, max_num_batched_tokens), max_num_batched_tokens, factor=4)
         pages = tuple(sorted({max(1, max_pages_per_seq // 8), max_pages_per_seq}))
         return Buckets(tokens, seqs, pages)

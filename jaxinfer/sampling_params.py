@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 MAX_TOP_LOGPROBS = 20
+FLOAT32_MAX = 3.4028234663852886e38  # the sampler's arrays are float32
 
 
 @dataclasses.dataclass
@@ -46,13 +47,16 @@ class SamplingParams:
                 raise ValueError(f"{field} {message}, got {getattr(self, field)!r}")
 
         need(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
-        need(_is_number(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        # The device holds these in float32: a larger value would arrive as inf there.
+        need(_is_number(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX, "temperature",
+             f"must be in [0, {FLOAT32_MAX:.4g}]")
         need(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         need(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k", "must be -1, 0 (off) or >= 1")
         need(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
         need(_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
         need(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
-        need(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
+        need(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= FLOAT32_MAX, "repetition_penalty",
+             f"must be in (0, {FLOAT32_MAX:.4g}]")
         need(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63), "seed", "must be an integer in [0, 2**63)")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         need(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
