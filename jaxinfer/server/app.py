@@ -33,10 +33,31 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 POLL_S = 0.2  # how often a waiting handler checks for a disconnected client
 OPEN_PATHS = {"/health", "/live", "/metrics"}  # probes and scrapers need no API key
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# Request fields the engine validates itself (against the model), named first in its messages.
+ENGINE_CHECKED_FIELDS = {"stop_token_ids", "min_tokens", "max_tokens", "n", "logprobs", "top_k", "seed"}
 
 
 class _ClientGone(Exception):
     pass
+
+
+def _has_lone_surrogate(value) -> bool:
+    """Whether a string anywhere in ``value`` (keys included) is not encodable as UTF-8."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode()
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+    return False
 
 
 def create_app(engine_loop: EngineLoop, served_model_name: str, metrics: ServerMetrics | None = None,
@@ -58,7 +79,8 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, metrics: ServerM
         g.request_id = rid if _REQUEST_ID.match(rid) else uuid.uuid4().hex
         if api_key and request.path not in OPEN_PATHS:
             auth = request.headers.get("Authorization", "")
-            given = auth[7:] if auth.startswith("Bearer ") else ""
+            # The scheme is case-insensitive (RFC 9110), so "bearer KEY" is accepted too.
+            given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(given.encode(), api_key.encode()):
                 raise APIError(401, "Incorrect or missing API key (Authorization: Bearer <key>).", code="invalid_api_key")
 
@@ -77,7 +99,13 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, metrics: ServerM
 
     @app.errorhandler(HTTPException)
     def _http_error(e: HTTPException):
-        return _api_error(APIError(e.code or 500, e.description or e.name, code=e.name.lower().replace(" ", "_")))
+        response = _api_error(APIError(e.code or 500, e.description or e.name, code=e.name.lower().replace(" ", "_")))
+        # Keep what the exception says beyond its body: Allow on a 405 (HTTP requires it), Location
+        # on a redirect.
+        for name, value in e.get_headers():
+            if name.lower() != "content-type":
+                response.headers[name] = value
+        return response
 
     @app.errorhandler(Exception)
     def _unexpected(e: Exception):
@@ -85,12 +113,18 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, metrics: ServerM
         return _api_error(APIError(500, "internal server error; see the server log", code="internal_error"))
 
     def _json_body() -> dict:
+        data = request.get_data(cache=False)
         try:
-            body = json.loads(request.get_data(cache=False) or b"null")
+            body = json.loads(data or b"null")
         except (ValueError, RecursionError):
             raise bad_request("the request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
+        # JSON may escape a lone UTF-16 surrogate ("\ud800"); Python keeps it in the str, where the
+        # tokenizer and the UTF-8 response writer fail on it (a 500). Only bodies with such an
+        # escape are walked.
+        if _SURROGATE_ESCAPE.search(data) and _has_lone_surrogate(body):
+            raise bad_request("the request body is not valid JSON: a string holds a lone UTF-16 surrogate")
         return body
 
     def _engine():
@@ -120,7 +154,11 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, metrics: ServerM
     def _raise_for(item, request_ids):
         if isinstance(item, RequestRejected):
             loop.abort(request_ids)
-            raise bad_request(str(item), param="prompt")
+            # The engine's messages start with the field they are about ("stop_token_ids must ...",
+            # "min_tokens needs ..."); anything else is about the prompt (its length).
+            message = str(item)
+            field_name = message.split(" ", 1)[0]
+            raise bad_request(message, param=field_name if field_name in ENGINE_CHECKED_FIELDS else "prompt")
         if isinstance(item, EngineFault):
             raise engine_error()
 
@@ -186,6 +224,8 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, metrics: ServerM
                 return Response(status=499)
             raise
 
+        log_id = g.request_id  # the generator runs after the request context is gone
+
         def events():
             done: set[str] = set()
             item, error = first, None
@@ -210,6 +250,11 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, metrics: ServerM
             except GeneratorExit:
                 error = "client disconnected"
                 raise
+            except Exception:  # a server bug mid-stream: the client still gets an error event and [DONE]
+                logger.exception("unexpected error while streaming", extra={"request_id": log_id})
+                error = APIError(500, "internal server error; see the server log", code="internal_error")
+                yield error.sse_event()
+                yield sse("[DONE]")
             finally:
                 if len(done) < len(ids):
                     loop.abort([rid for rid in ids if rid not in done])

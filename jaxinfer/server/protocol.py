@@ -49,8 +49,7 @@ def field(body: dict, name: str, kind: str, default: Any = None, *, nullable: bo
         return default
     ok = {
         "int": isinstance(value, int) and not isinstance(value, bool),
-        "number": isinstance(value, (int, float)) and not isinstance(value, bool)
-        and math.isfinite(value),
+        "number": isinstance(value, (int, float)) and not isinstance(value, bool) and _is_finite(value),
         "bool": isinstance(value, bool),
         "str": isinstance(value, str),
     }[kind]
@@ -58,6 +57,15 @@ def field(body: dict, name: str, kind: str, default: Any = None, *, nullable: bo
         names = {"int": "an integer", "number": "a finite number", "bool": "a boolean", "str": "a string"}
         raise bad_request(f"'{name}' must be {names[kind]}, got {type(value).__name__}", param=name)
     return value
+
+
+def _is_finite(value: float) -> bool:
+    # math.isfinite(10**400) raises OverflowError (a 500); such an integer also cannot reach the
+    # engine's float32 arrays, so it is "not a finite number" here.
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def check_model(body: dict, served_model_name: str) -> str:
@@ -118,12 +126,12 @@ def _common_params(body: dict, vocab_size: int) -> dict:
         n=n,
         temperature=field(body, "temperature", "number", 1.0),
         top_p=field(body, "top_p", "number", 1.0),
-        top_k=field(body, "top_k", "int", 0),
+        top_k=_top_k(body, vocab_size),
         min_p=field(body, "min_p", "number", 0.0),
         presence_penalty=field(body, "presence_penalty", "number", 0.0),
         frequency_penalty=field(body, "frequency_penalty", "number", 0.0),
         repetition_penalty=field(body, "repetition_penalty", "number", 1.0),
-        seed=field(body, "seed", "int", None),
+        seed=_seed(body),
         stop=_stop(body),
         stop_token_ids=None if stop_token_ids is None else token_ids(stop_token_ids, "stop_token_ids", vocab_size),
         ignore_eos=field(body, "ignore_eos", "bool", False),
@@ -131,6 +139,25 @@ def _common_params(body: dict, vocab_size: int) -> dict:
         skip_special_tokens=field(body, "skip_special_tokens", "bool", True),
         include_stop_str_in_output=field(body, "include_stop_str_in_output", "bool", False),
     )
+
+
+def _seed(body: dict) -> int | None:
+    seed = field(body, "seed", "int", None)
+    if seed is None:
+        return None
+    # OpenAI and vLLM take any 64-bit signed seed; the engine takes [0, 2**63): a negative seed
+    # (-1 is common) maps to its two's-complement low 63 bits instead of being refused.
+    if not -2**63 <= seed < 2**63:
+        raise bad_request(f"'seed' must be a 64-bit integer, got {seed}"[:200], param="seed")
+    return seed % 2**63
+
+
+def _top_k(body: dict, vocab_size: int) -> int:
+    top_k = field(body, "top_k", "int", 0)
+    # A top_k at or past the vocabulary keeps every token, which is what top-k off (0) does; the
+    # engine packs top_k into int32, so a huge one (2**31) would fail the whole engine step.
+    # vLLM accepts such values too (it clamps to the vocabulary).
+    return 0 if top_k >= vocab_size else top_k
 
 
 def _max_tokens(body: dict, default: int | None) -> int | None:

@@ -7,11 +7,29 @@ much of each choice it has sent, so a stream chunk carries only the new part. Ch
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import time
 
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.server.protocol import ParsedRequest
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet (one printable character per byte), inverted."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    extra = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
 
 
 def sse(data: dict | str) -> str:
@@ -31,15 +49,36 @@ class ResponseBuilder:
         self._finished: set[int] = set()
         self._role_sent: set[int] = set()
         self._last: dict[int, RequestOutput] = {}
+        # The engine cuts a stop string from the text only once all of it has been generated; until
+        # then its first characters are in the text. A stream holds back the last (longest stop - 1)
+        # characters of an unfinished sample, as vLLM does, so it never sends text that a stop string
+        # spanning tokens later removes (concatenated deltas == the non-streamed text).
+        self._hold_back = max((len(s) for s in parsed.params[0].stop), default=1) - 1
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _logprobs(self, sample: CompletionOutput, start: int, text_offset: int):
-        """Logprobs of the sample's tokens from ``start`` on, in the endpoint's format."""
+    def _token_bytes(self, token_id: int, text: str) -> list[int]:
+        """The token's own UTF-8 bytes, as OpenAI's ``bytes`` field promises, so a client can join
+        the tokens of a character split over several. A token holding part of a character decodes
+        alone to U+FFFD, whose bytes are not the token's: read them from the vocabulary entry
+        (byte-fallback ``<0xE3>`` or byte-level BPE) instead."""
+        if "\ufffd" not in text:
+            return list(text.encode())
+        raw = self.tokenizer.id_to_token(token_id) or ""
+        match = _BYTE_TOKEN.fullmatch(raw)
+        if match:
+            return [int(match.group(1), 16)]
+        decoder = _byte_level_decoder()
+        if raw and all(c in decoder for c in raw):
+            return [decoder[c] for c in raw]
+        return list(text.encode())
+
+    def _logprobs(self, sample: CompletionOutput, start: int, end: int | None, text_offset: int):
+        """Logprobs of the sample's tokens ``start:end``, in the endpoint's format."""
         if sample.logprobs is None:
             return None
-        ids, entries = sample.token_ids[start:], sample.logprobs[start:]
+        ids, entries = sample.token_ids[start:end], sample.logprobs[start:end]
         if self.is_chat:
             k = self.parsed.top_logprobs or 0
             content = []
@@ -47,9 +86,9 @@ class ResponseBuilder:
                 token = self._token_text(token_id)
                 top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
                 content.append({
-                    "token": token, "logprob": entry.get(token_id, 0.0), "bytes": list(token.encode()),
+                    "token": token, "logprob": entry.get(token_id, 0.0), "bytes": self._token_bytes(token_id, token),
                     "top_logprobs": [{"token": self._token_text(t), "logprob": lp,
-                                      "bytes": list(self._token_text(t).encode())} for t, lp in top]})
+                                      "bytes": self._token_bytes(t, self._token_text(t))} for t, lp in top]})
             return {"content": content}
         k = self.parsed.params[0].logprobs or 0
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
@@ -80,14 +119,20 @@ class ResponseBuilder:
                 continue
             text_start = self._sent_text.get(index, 0)
             token_start = self._sent_tokens.get(index, 0)
-            delta = sample.text[text_start:]
-            new_tokens = len(sample.token_ids) > token_start
+            text_end = len(sample.text) if sample.finish_reason else max(text_start, len(sample.text) - self._hold_back)
+            delta = sample.text[text_start:text_end]
+            # The engine's token and logprob lists are live (they grow while the engine thread runs
+            # the next step) and it appends a token before its logprobs: count only tokens whose
+            # logprobs are there, or the ones between would never be sent.
+            token_end = len(sample.token_ids) if sample.logprobs is None else min(len(sample.token_ids),
+                                                                                  len(sample.logprobs))
+            new_tokens = token_end > token_start
             first = index not in self._role_sent
             if not (delta or new_tokens or sample.finish_reason or first):
                 continue
-            self._sent_text[index] = len(sample.text)
-            self._sent_tokens[index] = len(sample.token_ids)
-            logprobs = self._logprobs(sample, token_start, text_start) if new_tokens else None
+            self._sent_text[index] = text_end
+            self._sent_tokens[index] = token_end
+            logprobs = self._logprobs(sample, token_start, token_end, text_start) if new_tokens else None
             if sample.finish_reason:
                 self._finished.add(index)
             if self.is_chat:
@@ -129,7 +174,7 @@ class ResponseBuilder:
         for prompt_index in sorted(outputs):
             for sample in outputs[prompt_index].outputs:
                 index = prompt_index * self.n + sample.index
-                logprobs = self._logprobs(sample, 0, 0)
+                logprobs = self._logprobs(sample, 0, None, 0)
                 if self.is_chat:
                     choices.append({"index": index, "message": {"role": "assistant", "content": sample.text},
                                     "logprobs": logprobs, "finish_reason": sample.finish_reason})
