@@ -5,8 +5,13 @@ short window around the new token (O(1) per token, not a decode of the whole out
 and holds back a token until its bytes form complete characters. A stop string may
 span token boundaries, so every new piece of text is searched together with the tail of
 what came before; the stop string itself is cut from the output unless the request asks
-to keep it. For streaming, the last ``longest stop - 1`` characters are held back until
-they cannot start a stop string.
+to keep it. What consumers see (``visible_text``) holds back the last ``longest stop - 1``
+characters of an unfinished sample, which a later token could turn into a stop string and
+cut: so the text a stream shows only ever grows, and ends as the final text.
+
+A sample that ends inside a character (its last tokens hold the first bytes of a multi-byte
+character) keeps those bytes: ``finish`` appends their lossy decoding (U+FFFD), as
+``tokenizer.decode`` of the whole output would, instead of dropping them.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ class Detokenizer:
         self.num_tokens = 0
         self.text = ""  # the output text so far (stop string cut once found)
         self.stopped_by: str | None = None
+        self.skip_special_tokens = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        self._num_streamed = 0
+        self._pending: list[int] = []  # tokens since the last piece of text (an unfinished character)
         self._hold_back = max((len(s) for s in self.stop), default=1) - 1
 
     def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
@@ -47,7 +53,9 @@ class Detokenizer:
         self.num_tokens += 1
         piece = self._stream.step(self.tokenizer.tokenizer, token_id)
         if not piece:  # an incomplete character (or a skipped special token): nothing new yet
+            self._pending.append(token_id)
             return None
+        self._pending.clear()
         previous_len = len(self.text)
         self.text += piece
         if not self.stop or not check_stop:
@@ -65,11 +73,15 @@ class Detokenizer:
         self.stopped_by = s
         return s
 
-    def stream_delta(self, finished: bool) -> str:
-        """Text not yet streamed that is safe to show (all of it once finished)."""
-        end = len(self.text)
-        if not finished and self.stopped_by is None:
-            end = max(self._num_streamed, end - self._hold_back)
-        delta = self.text[self._num_streamed : end]
-        self._num_streamed = max(self._num_streamed, end)
-        return delta
+    def finish(self) -> None:
+        """The sample ended: add the lossy text of trailing bytes that never formed a character."""
+        if self._pending and self.stopped_by is None:
+            self.text += self.tokenizer.tokenizer.decode(self._pending, skip_special_tokens=self.skip_special_tokens)
+        self._pending.clear()
+
+    def visible_text(self, finished: bool) -> str:
+        """The text to show now: all of it once the sample is finished or stopped, else without
+        the tail that could still become the start of a stop string."""
+        if finished or self.stopped_by is not None or not self._hold_back:
+            return self.text
+        return self.text[: max(0, len(self.text) - self._hold_back)]

@@ -91,7 +91,7 @@ class _Request:
         outputs = [
             CompletionOutput(
                 index=i,
-                text=self.detokenizers[i].text,
+                text=self.detokenizers[i].visible_text(seq.is_finished),
                 token_ids=self.output_token_ids[i],
                 finish_reason=seq.finish_reason,
                 stop_reason=self.stop_reasons[i],
@@ -408,6 +408,7 @@ class Engine:
         elif num_generated >= seq.sampling.max_tokens:
             reason = "length"
         if reason is not None:
+            request.detokenizers[i].finish()
             self.scheduler.finish(seq, reason)
 
     def _collect(self, changed: dict[str, _Request]) -> list[RequestOutput]:

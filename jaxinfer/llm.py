@@ -168,17 +168,12 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the request's growing output after every step that changed it (for notebooks)."""
         text, ids = self._encode(prompt)
-        params = sampling_params or SamplingParams()
-        request_id = self._add(text, ids, params)
-        # The engine's text of an unfinished sample may end with the first characters of a stop
-        # string that a later token completes and cuts; without holding them back, the streamed
-        # text shrank (it was not a prefix of the final text).
-        hold_back = max((len(s) for s in params.stop), default=1) - 1
+        request_id = self._add(text, ids, sampling_params or SamplingParams())
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.request_id == request_id:
-                        yield _hold_back_stop_prefix(out, hold_back)
+                        yield _snapshot(out)
                         if out.finished:
                             return
         finally:
@@ -253,16 +248,15 @@ class LLM:
         return [results[r] for r in order]
 
 
-def _hold_back_stop_prefix(output: RequestOutput, hold_back: int) -> RequestOutput:
-    """``output`` with the last ``hold_back`` characters of each unfinished sample's text removed.
+def _snapshot(output: RequestOutput) -> RequestOutput:
+    """``output`` with copies of its samples' token and logprob lists.
 
-    A stop string found later starts at most ``hold_back`` characters before the text's end at
-    the time, so what is left is always a prefix of the sample's final text.
+    The engine's lists are live (they keep growing as later steps run); a notebook that keeps
+    the outputs a stream yields must see each as it was when yielded.
     """
-    if hold_back == 0:
-        return output
     samples = [
-        sample if sample.finished else dataclasses.replace(sample, text=sample.text[: max(0, len(sample.text) - hold_back)])
+        dataclasses.replace(sample, token_ids=list(sample.token_ids),
+                            logprobs=None if sample.logprobs is None else list(sample.logprobs))
         for sample in output.outputs
     ]
     return dataclasses.replace(output, outputs=samples)

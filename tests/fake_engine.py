@@ -195,8 +195,12 @@ class FakeEngine:
             sample.finish_reason = "length"
 
     def _output(self, req: _Request) -> RequestOutput:
+        # As the real engine (Detokenizer.visible_text): an unfinished sample's text holds back the
+        # characters a stop string spanning tokens could still cut, so it only ever grows.
+        hold_back = max((len(stop) for stop in req.params.stop), default=1) - 1
         samples = [dataclasses.replace(s, token_ids=list(s.token_ids),
-                                       logprobs=None if s.logprobs is None else list(s.logprobs))
+                                       logprobs=None if s.logprobs is None else list(s.logprobs),
+                                       text=s.text if s.finished else s.text[: max(0, len(s.text) - hold_back)])
                    for s in req.samples]
         out = RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
                             outputs=samples, finished=req.finished)

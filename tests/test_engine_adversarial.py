@@ -561,3 +561,28 @@ def test_out_of_range_sampling_values_are_refused_or_harmless(reference, shared)
     off = shared.generate(prompts, SamplingParams(temperature=1.0, top_k=0, seed=3, max_tokens=8), use_tqdm=False)
     huge = shared.generate(prompts, SamplingParams(temperature=1.0, top_k=2**40, seed=3, max_tokens=8), use_tqdm=False)
     assert summary(huge[0]) == summary(off[0])
+
+
+def test_final_text_is_the_decoded_output_even_when_it_ends_inside_a_character(tiny, shared):
+    # The tiny model's random outputs are full of characters split over several tokens, so many
+    # samples end inside one: their text must still be what decoding all their tokens gives.
+    rng = np.random.default_rng(23)
+    prompts = [rng.integers(0, VOCAB, size=int(rng.integers(2, 9))).tolist() for _ in range(24)]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=int(rng.integers(1, 12)), ignore_eos=True)
+              for i in range(len(prompts))]
+    decoder = shared.tokenizer.tokenizer
+    ended_inside = 0
+    for out in shared.generate(prompts, params, use_tqdm=False):
+        sample = out.outputs[0]
+        decoded = decoder.decode(sample.token_ids, skip_special_tokens=True)
+        assert sample.text == decoded, (sample.token_ids, sample.text, decoded)
+        ended_inside += decoded.endswith("\ufffd")
+    assert ended_inside > 0  # the case this test is about happened
+
+
+def test_streamed_outputs_are_snapshots(shared):
+    outputs = list(shared.stream([5, 6, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                           logprobs=1)))
+    lengths = [len(out.outputs[0].token_ids) for out in outputs]
+    assert lengths == sorted(lengths) and lengths[0] < lengths[-1] == 6  # each kept as it was when yielded
+    assert all(len(out.outputs[0].logprobs) == n for out, n in zip(outputs, lengths))

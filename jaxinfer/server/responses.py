@@ -49,11 +49,6 @@ class ResponseBuilder:
         self._finished: set[int] = set()
         self._role_sent: set[int] = set()
         self._last: dict[int, RequestOutput] = {}
-        # The engine cuts a stop string from the text only once all of it has been generated; until
-        # then its first characters are in the text. A stream holds back the last (longest stop - 1)
-        # characters of an unfinished sample, as vLLM does, so it never sends text that a stop string
-        # spanning tokens later removes (concatenated deltas == the non-streamed text).
-        self._hold_back = max((len(s) for s in parsed.params[0].stop), default=1) - 1
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -119,7 +114,9 @@ class ResponseBuilder:
                 continue
             text_start = self._sent_text.get(index, 0)
             token_start = self._sent_tokens.get(index, 0)
-            text_end = len(sample.text) if sample.finish_reason else max(text_start, len(sample.text) - self._hold_back)
+            # The engine's text only grows (it holds back what a stop string spanning tokens could
+            # still cut), so concatenated deltas equal the non-streamed text.
+            text_end = max(text_start, len(sample.text))
             delta = sample.text[text_start:text_end]
             # The engine's token and logprob lists are live (they grow while the engine thread runs
             # the next step) and it appends a token before its logprobs: count only tokens whose
