@@ -39,8 +39,10 @@ class LLM:
         dtype: ``"float32"``, ``"bfloat16"`` or ``"auto"`` (bfloat16 on an accelerator, float32 on CPU).
         seed: seeds requests that do not set their own ``seed``.
         max_model_len: longest prompt + output in tokens (default: the model's context length).
-        max_num_seqs: most sequences in one step (the maximum batch size).
-        max_num_batched_tokens: the token budget of one step (prefill chunks + decodes).
+        max_num_seqs: most sequences in one step (the maximum batch size); default 256 on
+            accelerators, 16 on CPU, never more than ``max_num_batched_tokens``.
+        max_num_batched_tokens: the token budget of one step (prefill chunks + decodes), at least
+            ``max_num_seqs`` (default 8192 on accelerators, 256 on CPU).
         page_size: tokens per KV page (32: the best or near it in the H200 kernel sweep, docs/KERNELS.md).
         num_pages: size of the page pool; default: sized from free device memory.
         memory_utilization: fraction of device memory jaxinfer may use (weights + cache).
@@ -93,8 +95,9 @@ class LLM:
                 f"max_model_len {max_model_len} exceeds the model's context of {config.max_position_embeddings} tokens"
             )
         on_cpu = jax.default_backend() == "cpu"
-        max_num_seqs = max_num_seqs or (16 if on_cpu else 256)
         max_num_batched_tokens = max_num_batched_tokens or (256 if on_cpu else 8192)
+        # A step gives each running sequence a token, so the default batch never outgrows the budget.
+        max_num_seqs = max_num_seqs or min(16 if on_cpu else 256, max_num_batched_tokens)
         if num_pages is None:
             element_bytes = self.model.weights.embed.dtype.itemsize
             # One device holds its tp shard's (padded) KV heads.

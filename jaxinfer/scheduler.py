@@ -52,6 +52,13 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_wait_s < 0:
             raise ValueError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every running sequence needs a token of each step's budget: with fewer, the first
+            # decodes would take every step while the rest (and every waiting request) starved.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): each running sequence decodes one token per step"
+            )
         if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
