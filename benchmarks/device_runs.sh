@@ -12,7 +12,8 @@
 #           exposed collective time of those traces; TP=2 latency again with CUDA graphs
 #           over collectives and conditionals.
 #   tp1k    TP=1 vs TP=2 in one run: throughput-1k.
-#   lab     GPU0: latency_lab (where batch-1 decode time goes). GPU1: serve benchmark.
+#   lab     GPU0: latency_lab (where batch-1 decode time goes), then throughput-1k with a trace of
+#           8 steady decode steps and its kernel breakdown. GPU1: serve benchmark.
 set -u
 PLAN=${1:?plan: engine, tp, tp1k or lab}
 OUT=${OUT:-$PWD/device-out}
@@ -49,7 +50,11 @@ tp1k)
     timeout 560 python3 benchmarks/tensor_parallel.py --out "$R/tp" --tp 2 --max-num-seqs 384 --max-model-len 2048 \
         --workloads throughput-1k >"$R/tp.log" 2>&1 ;;
 lab)
-    on_gpu 0 lab.log 300 python3 benchmarks/latency_lab.py --out "$R/lab" &
+    (on_gpu 0 lab.log 200 python3 benchmarks/latency_lab.py --out "$R/lab"
+     on_gpu 0 profile1k.log 330 python3 benchmarks/engine_throughput.py --out "$R/profile1k" \
+        --workloads throughput-1k --profile-steps 8
+     python3 benchmarks/profile_collectives.py "$R/profile1k" --steps 8 --top 12 \
+        --json "$R/throughput-1k_decode_kernels.json" >>"$R/profile1k.log" 2>&1) &
     on_gpu 1 serve.log 540 python3 benchmarks/serve_benchmark.py --out "$R/serve" --rates 1,4,16 --num-requests 100 &
     wait ;;
 *)

@@ -17,7 +17,8 @@ then ``step`` until done), timed on the host's wall clock.
   in ``hf_peer.py`` (pass its JSON with ``--hf`` for the ratio).
 - ``decode256``: 256 requests in steady decode: the host time on the critical path, as the
   step's wall time against the device time of the same step replayed back to back.
-- ``throughput-1k``: 1000 requests x 1000 in / 1000 out, all submitted at once.
+- ``throughput-1k``: 1000 requests x 1000 in / 1000 out, all submitted at once (``--profile-steps N``:
+  also a ``jax.profiler`` trace of N of its steady decode steps).
 - ``throughput-nano``: Qwen3-0.6B, 256 requests, lengths uniform in [100, 1024], seed 0.
 
 Writes DIR/engine_throughput.{json,md,log}, after each workload (a run cut short keeps
@@ -186,10 +187,39 @@ def compilation_cache_files() -> int:
     return sum(1 for _ in path.iterdir()) if path.is_dir() else 0
 
 
-def throughput(engine, prompt_lens, output_lens, tag, log):
+class DecodeProfiler:
+    """A ``run_requests`` capture that traces ``num_steps`` steps once the batch is in full decode.
+
+    Starts when a step had as many tokens as running sequences (decode only) and at least
+    ``min_running`` of them, so the trace shows the steady state ``throughput-1k`` spends its
+    time in; ``profile_collectives.py --top`` lists its kernels by time.
+    """
+
+    def __init__(self, out_dir: Path, num_steps: int, min_running: int):
+        self.out_dir, self.num_steps, self.min_running = out_dir, num_steps, min_running
+        self.traced = 0
+        self.active = False
+
+    def __call__(self, engine) -> None:
+        if self.traced >= self.num_steps:
+            return
+        if self.active:
+            self.traced += 1
+            if self.traced == self.num_steps:
+                jax.block_until_ready(engine.runner.last_sampled)
+                jax.profiler.stop_trace()
+                self.active = False
+        elif engine.last_step_num_tokens == engine.scheduler.num_running >= self.min_running:
+            jax.profiler.start_trace(str(self.out_dir))
+            self.active = True
+
+
+def throughput(engine, prompt_lens, output_lens, tag, log, profile: DecodeProfiler | None = None):
     rng = np.random.default_rng(0)
     summary, _, steps = run_requests(engine, random_prompts(rng, prompt_lens, engine.model_config.vocab_size),
-                                     output_lens, tag)
+                                     output_lens, tag, capture=profile)
+    if profile is not None and profile.active:  # the run ended first
+        jax.profiler.stop_trace()
     decode_steps = [s for s in steps if s["num_tokens"] == s["num_running"] and s["num_running"] > 0]
     if decode_steps:
         wall = sum(s["wall"] for s in decode_steps)
@@ -253,6 +283,8 @@ def main():
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized from free memory)")
     parser.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (CPU smoke runs)")
     parser.add_argument("--resume", action="store_true", help="add to an existing results JSON in --out")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="trace this many steady decode steps of throughput-1k (DIR/profile_throughput-1k_decode)")
     args = parser.parse_args()
 
     log = Log()
@@ -311,7 +343,9 @@ def main():
             save()
         if "throughput-1k" in workloads:
             n, length = scaled(1000), scaled(1000)
-            w = throughput(engine, [length] * n, [length] * n, "throughput-1k", log)
+            profile = (DecodeProfiler(args.out / "profile_throughput-1k_decode", args.profile_steps,
+                                      min_running=min(n, args.max_num_seqs) // 2) if args.profile_steps else None)
+            w = throughput(engine, [length] * n, [length] * n, "throughput-1k", log, profile)
             results["workloads"]["throughput-1k"] = {"shape": args.shape, **w}
             save()
         del engine, model

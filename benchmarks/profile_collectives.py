@@ -7,7 +7,9 @@ DIR holds the traces ``tensor_parallel.py --profile`` writes (``profile_*/plugin
 device's streams: the time NCCL kernels run (collective busy), the time any other kernel runs
 (compute busy), and the part of the collective time during which no compute kernel runs
 (exposed). Overlap that works shows up as collective busy > exposed. Divided by ``--steps``
-(the replays the trace holds) for per-step numbers. Runs on any machine: it only reads JSON.
+(the replays the trace holds) for per-step numbers. With ``--top N`` also where the compute
+time goes: time per step by kind (attention kernel, matmuls, collectives, other fusions) and
+the N kernels with the most time. Runs on any machine: it only reads JSON.
 """
 
 from __future__ import annotations
@@ -38,7 +40,18 @@ def is_collective(kernel_name: str) -> bool:
     return kernel_name.lower().startswith("nccl")
 
 
-def summarise(trace_path: Path, steps: int) -> dict[str, dict]:
+def kernel_kind(kernel_name: str) -> str:
+    name = kernel_name.lower()
+    if is_collective(kernel_name):
+        return "collective"
+    if "paged_attention" in name:
+        return "attention"
+    if any(tag in name for tag in ("gemm", "nvjet", "cutlass", "cublas", "sm90_xmma", "matmul")):
+        return "matmul"
+    return "other"
+
+
+def summarise(trace_path: Path, steps: int, top: int = 0) -> dict[str, dict]:
     events = json.load(gzip.open(trace_path))["traceEvents"]
     processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     out = {}
@@ -62,6 +75,14 @@ def summarise(trace_path: Path, steps: int) -> dict[str, dict]:
             "idle_ms": (span - busy_time(collective + compute)) * ms,
             "collective_kernels_per_step": {k: v / steps for k, v in names.items()},
         }
+        if top:
+            by_kind, by_name = collections.Counter(), collections.Counter()
+            for e in kernels:
+                by_kind[kernel_kind(e["name"])] += e["dur"] * ms
+                by_name[e["name"].split("(")[0][:80]] += e["dur"] * ms
+            out[name]["kernel_ms_per_step_by_kind"] = dict(by_kind.most_common())
+            out[name]["top_kernels_ms_per_step"] = dict(by_name.most_common(top))
+            out[name]["kernels_per_step"] = len(kernels) / steps
     return out
 
 
@@ -69,16 +90,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace_dir", type=Path)
     parser.add_argument("--steps", type=int, default=10, help="step replays in each trace (tensor_parallel --repeats)")
+    parser.add_argument("--top", type=int, default=0, help="also list the N kernels with the most time per step")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     results = {}
     for trace in sorted(args.trace_dir.glob("profile_*/plugins/profile/*/*.trace.json.gz")):
         run = trace.relative_to(args.trace_dir).parts[0].removeprefix("profile_")
-        for device, summary in summarise(trace, args.steps).items():
+        for device, summary in summarise(trace, args.steps, args.top).items():
             results[f"{run} {device}"] = summary
             print(f"{run:20s} {device:14s} step {summary['step_span_ms']:7.2f} ms: compute {summary['compute_busy_ms']:7.2f}, "
                   f"collectives {summary['collective_busy_ms']:6.2f} (exposed {summary['collective_exposed_ms']:6.2f}, "
                   f"hidden {summary['collective_hidden_ms']:5.2f}), idle {summary['idle_ms']:5.2f}")
+            if args.top:
+                kinds = ", ".join(f"{k} {v:.2f}" for k, v in summary["kernel_ms_per_step_by_kind"].items())
+                print(f"    {summary['kernels_per_step']:.0f} kernels a step; ms a step by kind: {kinds}")
+                for kernel, ms in summary["top_kernels_ms_per_step"].items():
+                    print(f"    {ms:8.3f} ms  {kernel}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
 

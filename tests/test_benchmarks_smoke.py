@@ -32,8 +32,9 @@ def test_engine_throughput_workloads_complete(tmp_path):
     out = tmp_path / "engine"
     args = [BENCHMARKS / "engine_throughput.py", "--out", out, "--shape", "tiny", "--nano-shape", "tiny",
             "--scale", "0.01", "--workloads", "startup,throughput-1k,throughput-nano"]
-    run_script(args, tmp_path)
+    run_script([*args, "--profile-steps", "2"], tmp_path)
     run_script([*args[:-1], "startup", "--resume"], tmp_path)  # the cache the first run filled: warm
+    assert list(out.glob("profile_throughput-1k_decode/plugins/profile/*/*.xplane.pb"))
     results = json.loads((out / "engine_throughput.json").read_text())
     workloads = results["workloads"]
     assert workloads["startup"]["cache_files_before"] == 0
@@ -82,6 +83,8 @@ def test_profile_collectives_splits_exposed_from_hidden(tmp_path):
     assert per_step == {"step_span_ms": 260, "compute_busy_ms": 200, "collective_busy_ms": 50,
                         "collective_exposed_ms": 30, "collective_hidden_ms": 20, "idle_ms": 30}
     assert gpu["collective_kernels_per_step"] == {"ncclDevKernel_AllReduce_Sum_bf16_RING_LL": 1.0}
+    kinds = summarise(path, steps=2, top=2)["/device:GPU:0"]["kernel_ms_per_step_by_kind"]
+    assert {k: round(v * 2e3, 6) for k, v in kinds.items()} == {"matmul": 100, "other": 100, "collective": 50}
 
 
 def test_kernel_ncu_report_reads_bytes_per_launch(tmp_path):
