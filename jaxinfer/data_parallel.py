@@ -7,7 +7,7 @@ Device work overlaps because a step only launches its program and then reads the
 step's tokens (async scheduling), so replica 1 launches while replica 0's program runs.
 Why replicas and not one batch split over ``dp``: see ``docs/SHARDING.md``.
 
-It has the engine's interface (``add_request``/``abort``/``step``/``stats``/``warmup``), so
+It has the engine's interface (``add_request``/``score_prompt``/``abort``/``step``/``stats``/``warmup``), so
 ``LLM`` and the server use it unchanged.
 """
 
@@ -34,6 +34,10 @@ class DataParallelEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.engines[0].validate(prompt_token_ids, params)
+
+    def score_prompt(self, prompt_token_ids: list[int], num_top: int):
+        """Prompt logprobs from the first replica (every replica holds the same weights)."""
+        return self.engines[0].score_prompt(prompt_token_ids, num_top)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None, final_only: bool = False) -> None:

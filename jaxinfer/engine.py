@@ -29,6 +29,7 @@ from jaxinfer.checkpoint import LoadedModel
 from jaxinfer.detokenizer import Detokenizer
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.page_allocator import SCRATCH_PAGE, PageAllocator
+from jaxinfer.prompt_logprobs import PromptLogprobs, PromptScorer
 from jaxinfer.runner import MAX_BANNED, ModelRunner, StepInputs, enable_persistent_compilation_cache
 from jaxinfer.sampling import SamplingTensors
 from jaxinfer.sampling_params import SamplingParams
@@ -81,6 +82,7 @@ class _Request:
         self.stop_reasons: list[int | str | None] = [None for _ in seqs]
         self.final_only = final_only  # output only once finished, not after every step
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_ids))
+        self.prompt_logprobs: PromptLogprobs | None = None  # set by add_request when asked for
 
     @property
     def is_finished(self) -> bool:
@@ -103,7 +105,7 @@ class _Request:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_ids,
             outputs=outputs, finished=is_finished, num_cached_tokens=self.seqs[0].num_cached_tokens,
-            metrics=self.metrics,
+            metrics=self.metrics, prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -138,6 +140,12 @@ class Engine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             attention_impl=config.attention_impl, mesh=mesh, overlap=config.overlap,
         )
+        # Prompt logprobs run as their own program over the runner's (possibly sharded) weights,
+        # never through the step programs: see jaxinfer.prompt_logprobs.
+        self.prompt_scorer = PromptScorer(
+            self.runner.model.weights, self.runner.config, page_size=config.page_size,
+            attention_impl=config.attention_impl, placement=self.runner.placement,
+        )
         self.eos_ids = frozenset(model.tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._seq_request: dict[int, _Request] = {}
@@ -163,10 +171,17 @@ class Engine:
 
         ``final_only``: ``step`` returns this request's output once, when it finishes (offline
         generation), instead of after every step that changed it (streaming).
+
+        With ``params.prompt_logprobs`` set the prompt is scored here, synchronously, before the
+        request is queued (:meth:`score_prompt`): one extra forward over the prompt on this
+        thread, which delays the steps of every other request by as much.
         """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None:
+            prompt_logprobs = self.score_prompt(prompt_token_ids, params.prompt_logprobs)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         base_seed = params.seed if params.seed is not None else int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:4], "little")
         seqs, detokenizers = [], []
@@ -181,11 +196,30 @@ class Engine:
             seqs.append(seq)
             detokenizers.append(Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output))
         request = _Request(request_id, prompt, list(prompt_token_ids), params, seqs, detokenizers, arrival, final_only)
+        request.prompt_logprobs = prompt_logprobs
         self._requests[request_id] = request
         for seq in seqs:
             self._seq_request[seq.seq_id] = request
             self.scheduler.add(seq)
         self.prompt_tokens_total += len(prompt_token_ids)
+
+    def score_prompt(self, prompt_token_ids: list[int], num_top: int) -> PromptLogprobs:
+        """vLLM-format prompt logprobs of a prompt (the first entry None), with the top ``num_top``.
+
+        Runs now, on this thread, without touching the KV cache or the scheduler, so it may be
+        called between steps (the server scores ``max_tokens: 0`` requests this way). The first
+        prompt of each new power-of-two length bucket compiles a program for it.
+        """
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is {self.max_model_len}"
+            )
+        return self.prompt_scorer.score(list(prompt_token_ids), num_top)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:

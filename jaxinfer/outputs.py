@@ -46,3 +46,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None  # set instead of outputs when the request could not run
+    # With SamplingParams.prompt_logprobs (vLLM's format): one entry per prompt token, None for the
+    # first (nothing before it), then {prompt_token: logprob, **top k} of the raw distribution.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -31,6 +31,9 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to the context length
     min_tokens: int = 0
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus the top k
+    # None: off; k: every prompt token's logprob after the ones before it, plus the top k there
+    # (vLLM's meaning). Costs one extra forward over the prompt: see jaxinfer.prompt_logprobs.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -67,6 +70,11 @@ class SamplingParams:
         need(
             self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
             "logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}",
+        )
+        need(
+            self.prompt_logprobs is None
+            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+            "prompt_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}",
         )
 
     @property

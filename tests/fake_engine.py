@@ -4,6 +4,7 @@ Sample ``s`` of a request generates, at position ``i``, the prompt's ``(i + s) %
 token (special tokens such as BOS and the chat template's markers are left out), so a prompt
 "a b c" yields "a b c a b ..." for sample 0 and "b c a b ..." for sample 1. The sampled token's
 logprob is ``-0.1 * (i + 1)``; the top-k alternatives are the next ids, each 1.0 lower.
+Prompt logprobs (``score_prompt``) follow the same rule: prompt token ``j >= 1`` has ``-0.05 * j``.
 
 Like the real engine it is not thread-safe, so it asserts that one thread calls it. It runs at
 most ``max_num_seqs`` requests, keeps the rest waiting, and counts pages of ``page_size`` tokens
@@ -53,6 +54,7 @@ class _Request:
     max_tokens: int
     metrics: FakeRequestMetrics
     samples: list[CompletionOutput]
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -116,8 +118,20 @@ class FakeEngine:
                                     logprobs=[] if params.logprobs is not None else None)
                    for s in range(params.n)]
         metrics = FakeRequestMetrics(arrival_time=arrival_time or time.monotonic(), num_prompt_tokens=p)
+        prompt_logprobs = (None if params.prompt_logprobs is None
+                           else self.score_prompt(prompt_token_ids, params.prompt_logprobs))
         self.waiting.append(_Request(request_id, prompt, list(prompt_token_ids), source, params,
-                                     max_tokens, metrics, samples))
+                                     max_tokens, metrics, samples, prompt_logprobs))
+
+    def score_prompt(self, prompt_token_ids: list[int], num_top: int) -> list:
+        """The engine's prompt logprobs, by the rule in the module docstring."""
+        self._check_thread()
+        vocab = self.tokenizer.vocab_size
+        result = [None]
+        for j, token in enumerate(prompt_token_ids[1:], start=1):
+            logprob = -0.05 * j
+            result.append({token: logprob, **{(token + i) % vocab: logprob - i for i in range(1, num_top + 1)}})
+        return result
 
     def abort(self, request_id: str) -> bool:
         self._check_thread()
@@ -203,7 +217,7 @@ class FakeEngine:
                                        text=s.text if s.finished else s.text[: max(0, len(s.text) - hold_back)])
                    for s in req.samples]
         out = RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                            outputs=samples, finished=req.finished)
+                            outputs=samples, finished=req.finished, prompt_logprobs=req.prompt_logprobs)
         out.metrics = dataclasses.replace(req.metrics)
         return out
 

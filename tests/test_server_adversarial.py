@@ -231,7 +231,9 @@ def test_unusual_but_valid_chat_fields_and_messages(client, server):
     ("/v1/completions", {"stream": True, "stream_options": "yes"}, "stream_options"),
     ("/v1/completions", {"logprobs": True}, "logprobs"),
     ("/v1/completions", {"logprobs": 21}, "logprobs"),
-    ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
+    # echo + logprobs is served now (prompt logprobs, tests/test_prompt_logprobs.py); its limits are not.
+    ("/v1/completions", {"echo": True, "logprobs": 1, "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"echo": True, "prompt_logprobs": 21}, "prompt_logprobs"),
     ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"max_tokens": -1}, "max_tokens"),
     ("/v1/completions", {"max_tokens": 2.5}, "max_tokens"),

@@ -35,7 +35,8 @@ OPEN_PATHS = {"/health", "/live", "/metrics"}  # probes and scrapers need no API
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # Request fields the engine validates itself (against the model), named first in its messages.
-ENGINE_CHECKED_FIELDS = {"stop_token_ids", "min_tokens", "max_tokens", "n", "logprobs", "top_k", "seed"}
+ENGINE_CHECKED_FIELDS = {"stop_token_ids", "min_tokens", "max_tokens", "n", "logprobs", "prompt_logprobs", "top_k",
+                         "seed"}
 
 
 class _ClientGone(Exception):
@@ -168,14 +169,15 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, metrics: ServerM
         parse = protocol.parse_chat if kind == "chat" else protocol.parse_completion
         parsed = parse(body, engine.tokenizer, engine.max_model_len, served_model_name)
         internal = uuid.uuid4().hex
-        requests = [EngineRequest(f"{internal}-{i}", p.token_ids, params, prompt=p.text, log_id=g.request_id)
+        requests = [EngineRequest(f"{internal}-{i}", p.token_ids, params, prompt=p.text, log_id=g.request_id,
+                                  score_only=parsed.score_only)
                     for i, (p, params) in enumerate(zip(parsed.prompts, parsed.params))]
         ids = [r.request_id for r in requests]
         index_of = {rid: i for i, rid in enumerate(ids)}
         span = tracer.start_span(f"POST {request.path}", {
             "gen_ai.operation.name": "chat" if kind == "chat" else "text_completion",
             "gen_ai.request.model": parsed.model, "gen_ai.request.id": g.request_id,
-            "gen_ai.request.max_tokens": parsed.params[0].max_tokens, "gen_ai.request.n": parsed.params[0].n,
+            "gen_ai.request.max_tokens": 0 if parsed.score_only else parsed.params[0].max_tokens, "gen_ai.request.n": parsed.params[0].n,
             "gen_ai.request.temperature": parsed.params[0].temperature,
             "gen_ai.request.stream": parsed.stream}, request.headers.get("traceparent"))
         try:

@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 
-from jaxinfer.outputs import RequestOutput
+from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.server.admission import (Admission, AdmissionConfig, DrainingError, EngineDeadError,
                                        NotReadyError)
@@ -47,6 +47,7 @@ class EngineRequest:
     params: SamplingParams
     prompt: str | None = None
     log_id: str = ""  # the client-facing request id (X-Request-Id) for logs
+    score_only: bool = False  # max_tokens 0: the prompt's logprobs only, nothing generated
 
 
 class OutputStream:
@@ -127,7 +128,7 @@ class EngineLoop:
             now = time.monotonic()
             for r in requests:
                 timing = RequestTiming(arrival_time=now, num_prompt_tokens=len(r.prompt_token_ids),
-                                       max_tokens=r.params.max_tokens, n=r.params.n)
+                                       max_tokens=0 if r.score_only else r.params.max_tokens, n=r.params.n)
                 self._in_flight[r.request_id] = _InFlight(r, stream, timing)
         self._inbox.put(("add", requests))
         return stream
@@ -213,12 +214,35 @@ class EngineLoop:
             entry = self._in_flight.get(r.request_id)
         if entry is None:
             return
+        if r.score_only:
+            self._score(r, entry)
+            return
         try:
             self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, prompt=r.prompt,
                                     arrival_time=entry.timing.arrival_time)
         except ValueError as e:
             self._forget(r.request_id, "rejected")
             entry.stream.put(RequestRejected(str(e)))
+
+    def _score(self, r: EngineRequest, entry: _InFlight) -> None:
+        """A score-only request (max_tokens 0): the engine scores the prompt here, on the engine
+        thread between steps (the engine is not thread-safe), and the request finishes at once
+        without entering the scheduler. Its samples are empty, finished by "length" (OpenAI's
+        answer to max_tokens 0)."""
+        prompt_logprobs = None
+        if r.params.prompt_logprobs is not None:
+            try:
+                prompt_logprobs = self.engine.score_prompt(r.prompt_token_ids, r.params.prompt_logprobs)
+            except ValueError as e:
+                self._forget(r.request_id, "rejected")
+                entry.stream.put(RequestRejected(str(e)))
+                return
+        samples = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="length",
+                                    logprobs=[] if r.params.logprobs is not None else None)
+                   for i in range(r.params.n)]
+        out = RequestOutput(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
+                            outputs=samples, finished=True, prompt_logprobs=prompt_logprobs)
+        self._deliver(out, time.monotonic())
 
     def _abort(self, request_id: str) -> None:
         with self._lock:
@@ -287,8 +311,6 @@ def _aborted_output(entry: _InFlight) -> RequestOutput:
     last = entry.last_output
     r = entry.request
     if last is None:
-        from jaxinfer.outputs import CompletionOutput
-
         samples = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort",
                                     logprobs=[] if r.params.logprobs is not None else None)
                    for i in range(r.params.n)]

@@ -37,6 +37,10 @@ class ParsedRequest:
     include_usage: bool
     echo: bool = False
     top_logprobs: int | None = None  # chat: how many alternatives to report
+    # Completions with echo and max_tokens 0: score the prompt, generate nothing (the engine loop
+    # answers at once; params carry max_tokens 1 only because SamplingParams requires >= 1).
+    score_only: bool = False
+    prompt_logprobs: int | None = None  # completions: vLLM's prompt_logprobs field, returned per choice
 
 
 _MISSING = object()
@@ -160,13 +164,14 @@ def _top_k(body: dict, vocab_size: int) -> int:
     return 0 if top_k >= vocab_size else top_k
 
 
-def _max_tokens(body: dict, default: int | None) -> int | None:
+def _max_tokens(body: dict, default: int | None, allow_zero: bool = False) -> int | None:
     value = field(body, "max_completion_tokens", "int", None)
     name = "max_completion_tokens"
     if value is None:
         value, name = field(body, "max_tokens", "int", default), "max_tokens"
-    if value is not None and value < 1:
-        raise bad_request(f"'{name}' must be >= 1, got {value}", param=name)
+    if value is not None and value < (0 if allow_zero else 1):
+        hint = "" if allow_zero or value != 0 else " (0 only with 'echo': true, to score the prompt)"
+        raise bad_request(f"'{name}' must be >= {0 if allow_zero else 1}{hint}, got {value}", param=name)
     return value
 
 
@@ -234,15 +239,41 @@ def parse_completion(body: dict, tokenizer, max_model_len: int, served_model_nam
     logprobs = field(body, "logprobs", "int", None)
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise bad_request(f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}", param="logprobs")
-    if echo and logprobs is not None:
-        raise bad_request("'echo' together with 'logprobs' is not supported (no prompt logprobs)", param="echo")
+    vllm_prompt_logprobs = field(body, "prompt_logprobs", "int", None)
+    if vllm_prompt_logprobs is not None and not 0 <= vllm_prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"'prompt_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {vllm_prompt_logprobs}",
+                          param="prompt_logprobs")
+    # OpenAI's legacy echo + logprobs reports the prompt's tokens too; one scoring pass serves it
+    # and vLLM's prompt_logprobs field, at the larger of the two top-k (each response slices its own).
+    wanted = [k for k in (logprobs if echo else None, vllm_prompt_logprobs) if k is not None]
+    prompt_logprobs = max(wanted) if wanted else None
     common = _common_params(body, tokenizer.vocab_size)
-    max_tokens = _max_tokens(body, 16)
+    # max_tokens 0 is prompt scoring (OpenAI's legacy API, lm-eval's loglikelihood): only with echo.
+    max_tokens = _max_tokens(body, 16, allow_zero=echo)
+    score_only = max_tokens == 0
+    if score_only and common["min_tokens"] > 0:
+        raise bad_request("'min_tokens' must be 0 when 'max_tokens' is 0", param="min_tokens")
     prompts = _prompts(body, tokenizer, field(body, "add_special_tokens", "bool", True))
-    params = [_sampling_params(dict(common, logprobs=logprobs,
-                                    max_tokens=_fit_context(len(p.token_ids), max_tokens, max_model_len, "prompt")))
-              for p in prompts]
-    return ParsedRequest("completion", model, prompts, params, stream, include_usage, echo=echo)
+    params = []
+    for p in prompts:
+        if score_only:
+            _fit_scored_prompt(len(p.token_ids), max_model_len)
+            run_max_tokens = 1  # never generated: see ParsedRequest.score_only
+        else:
+            run_max_tokens = _fit_context(len(p.token_ids), max_tokens, max_model_len, "prompt")
+        params.append(_sampling_params(dict(common, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                            max_tokens=run_max_tokens)))
+    return ParsedRequest("completion", model, prompts, params, stream, include_usage, echo=echo,
+                         score_only=score_only, prompt_logprobs=vllm_prompt_logprobs)
+
+
+def _fit_scored_prompt(num_prompt: int, max_model_len: int) -> None:
+    """A prompt only scored (max_tokens 0) may fill the whole context; past it, vLLM's wording."""
+    if num_prompt > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{num_prompt} input tokens. Please reduce the length of the input prompt.",
+            param="prompt", code="context_length_exceeded")
 
 
 def _message_content(message: dict, i: int) -> str:

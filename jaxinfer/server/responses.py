@@ -49,6 +49,7 @@ class ResponseBuilder:
         self._finished: set[int] = set()
         self._role_sent: set[int] = set()
         self._last: dict[int, RequestOutput] = {}
+        self._prompt_texts: dict[int, str] = {}
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -85,24 +86,72 @@ class ResponseBuilder:
                     "top_logprobs": [{"token": self._token_text(t), "logprob": lp,
                                       "bytes": self._token_bytes(t, self._token_text(t))} for t, lp in top]})
             return {"content": content}
-        k = self.parsed.params[0].logprobs or 0
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for token_id, entry in zip(ids, entries):
             token = self._token_text(token_id)
             tokens.append(token)
             token_logprobs.append(entry.get(token_id, 0.0))
-            # vLLM's shape: the top k plus the sampled token.
-            top = dict(sorted(entry.items(), key=lambda kv: -kv[1])[:k])
-            top.setdefault(token_id, entry.get(token_id, 0.0))
-            top_logprobs.append({self._token_text(t): lp for t, lp in top.items()})
+            top_logprobs.append(self._legacy_top(entry, token_id))
             offsets.append(text_offset)
             text_offset += len(token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
 
+    def _legacy_top(self, entry: dict[int, float], token_id: int) -> dict[str, float]:
+        """vLLM's shape of one legacy ``top_logprobs`` entry: the top k plus the token itself."""
+        k = self.parsed.params[0].logprobs or 0
+        top = dict(sorted(entry.items(), key=lambda kv: -kv[1])[:k])
+        top.setdefault(token_id, entry.get(token_id, 0.0))
+        return {self._token_text(t): lp for t, lp in top.items()}
+
+    def _wants_echo_logprobs(self) -> bool:
+        return not self.is_chat and self.parsed.echo and self.parsed.params[0].logprobs is not None
+
+    def _echo_logprobs(self, prompt_index: int, out: RequestOutput, generated: dict | None) -> dict:
+        """echo + logprobs (OpenAI's legacy format): the prompt's tokens, then ``generated``'s.
+
+        The first prompt token has nothing before it: its logprob and top_logprobs are null.
+        ``text_offset`` counts from the start of the echoed prompt text; a prompt token's width is
+        its text as the echo shows it (special tokens such as BOS, left out of it, take none).
+        """
+        ids = self.parsed.prompts[prompt_index].token_ids
+        entries = out.prompt_logprobs or [None] * len(ids)
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        offset = 0
+        for token_id, entry in zip(ids, entries):
+            tokens.append(self._token_text(token_id))
+            token_logprobs.append(None if entry is None else entry.get(token_id, 0.0))
+            top_logprobs.append(None if entry is None else self._legacy_top(entry, token_id))
+            offsets.append(offset)
+            offset += len(self.tokenizer.decode([token_id], skip_special_tokens=True))
+        result = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                  "text_offset": offsets}
+        for key, values in (generated or {}).items():
+            result[key] = result[key] + values
+        return result
+
+    def _vllm_prompt_logprobs(self, out: RequestOutput) -> list | None:
+        """vLLM's ``prompt_logprobs`` of a completion choice: per prompt token None (the first) or
+        ``{token_id: {"logprob", "decoded_token"}}`` for the token and the top k (no ``rank``)."""
+        if out.prompt_logprobs is None:
+            return None
+        k = self.parsed.prompt_logprobs or 0
+        result = []
+        for token_id, entry in zip(out.prompt_token_ids, out.prompt_logprobs):
+            if entry is None:
+                result.append(None)
+                continue
+            top = dict(sorted(entry.items(), key=lambda kv: -kv[1])[:k])
+            top = {token_id: entry[token_id], **top}
+            result.append({str(t): {"logprob": lp, "decoded_token": self._token_text(t)} for t, lp in top.items()})
+        return result
+
     def _prompt_text(self, prompt_index: int) -> str:
-        prompt = self.parsed.prompts[prompt_index]
-        return prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
+        if prompt_index not in self._prompt_texts:  # decoded once: streams ask for it every chunk
+            prompt = self.parsed.prompts[prompt_index]
+            self._prompt_texts[prompt_index] = (prompt.text if prompt.text is not None
+                                                else self.tokenizer.decode(prompt.token_ids))
+        return self._prompt_texts[prompt_index]
 
     def stream_chunks(self, prompt_index: int, out: RequestOutput) -> list[str]:
         """SSE events for what is new in ``out`` since the last call."""
@@ -129,7 +178,12 @@ class ResponseBuilder:
                 continue
             self._sent_text[index] = text_end
             self._sent_tokens[index] = token_end
-            logprobs = self._logprobs(sample, token_start, token_end, text_start) if new_tokens else None
+            # With echo, generated text (and its offsets) follows the prompt's text.
+            echo_width = len(self._prompt_text(prompt_index)) if self.parsed.echo and not self.is_chat else 0
+            logprobs = (self._logprobs(sample, token_start, token_end, echo_width + text_start)
+                        if new_tokens else None)
+            if first and self._wants_echo_logprobs():
+                logprobs = self._echo_logprobs(prompt_index, out, logprobs)
             if sample.finish_reason:
                 self._finished.add(index)
             if self.is_chat:
@@ -143,6 +197,8 @@ class ResponseBuilder:
                     delta = self._prompt_text(prompt_index) + delta
                 choice = {"index": index, "text": delta, "logprobs": logprobs,
                           "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason}
+                if first and self.parsed.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._vllm_prompt_logprobs(out)
             self._role_sent.add(index)
             events.append(sse(self._envelope([choice], chunk=True)))
         return events
@@ -171,13 +227,18 @@ class ResponseBuilder:
         for prompt_index in sorted(outputs):
             for sample in outputs[prompt_index].outputs:
                 index = prompt_index * self.n + sample.index
-                logprobs = self._logprobs(sample, 0, None, 0)
+                echo_text = self._prompt_text(prompt_index) if self.parsed.echo and not self.is_chat else ""
+                logprobs = self._logprobs(sample, 0, None, len(echo_text))
+                if self._wants_echo_logprobs():
+                    logprobs = self._echo_logprobs(prompt_index, outputs[prompt_index], logprobs)
                 if self.is_chat:
                     choices.append({"index": index, "message": {"role": "assistant", "content": sample.text},
                                     "logprobs": logprobs, "finish_reason": sample.finish_reason})
                 else:
-                    text = (self._prompt_text(prompt_index) if self.parsed.echo else "") + sample.text
-                    choices.append({"index": index, "text": text, "logprobs": logprobs,
-                                    "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason})
+                    choice = {"index": index, "text": echo_text + sample.text, "logprobs": logprobs,
+                              "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason}
+                    if self.parsed.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = self._vllm_prompt_logprobs(outputs[prompt_index])
+                    choices.append(choice)
         choices.sort(key=lambda c: c["index"])
         return self._envelope(choices, chunk=False, usage=self.usage(outputs))

@@ -1,0 +1,162 @@
+"""Prompt logprobs: how likely the model finds each prompt token, given the tokens before it.
+
+This is what scorers (lm-evaluation-harness's loglikelihood, perplexity) need, and vLLM's
+``SamplingParams.prompt_logprobs``. The engine's step programs return logits only at each
+sequence's last token, and they are compiled once per bucket with a promise of no compilation
+after warm-up; widening them to every prompt row would cost every request. So scoring is a
+separate, opt-in program: :class:`PromptScorer` runs one causal forward over the whole prompt
+(the model's own :func:`~jaxinfer.model.hidden_states`, over a throwaway KV cache made inside
+the program, so the engine's cache and pages are never touched), then the lm_head,
+``log_softmax`` and top-k in chunks of token rows, so a long prompt never holds
+``[T, vocab]`` float32 logits at once.
+
+Cost: one prefill of the prompt (padded to a power-of-two bucket) on the caller's thread,
+plus a temporary KV cache of the bucket's length. Each new bucket compiles once (the first
+prompt of that length class waits for it); these programs are not step programs and are not
+counted in ``num_compilations_after_warmup``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.batch import StepBatch
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv_cache import KVCache
+from jaxinfer.model import compute_logits, hidden_states
+from jaxinfer.params import Weights
+from jaxinfer.sampling_params import MAX_TOP_LOGPROBS
+
+DEFAULT_CHUNK_ROWS = 256  # token rows per lm_head + log_softmax chunk: [256, vocab] f32 at a time
+MIN_BUCKET = 16
+
+PromptLogprobs = list[dict[int, float] | None]
+
+
+def bucket_for(num_tokens: int, chunk_rows: int) -> int:
+    """The padded length a prompt of ``num_tokens`` is scored at: a power of two >= MIN_BUCKET.
+
+    Past ``chunk_rows`` a power of two is also a multiple of it (both are powers of two), so
+    the rows split into whole chunks.
+    """
+    return max(MIN_BUCKET, 1 << max(0, num_tokens - 1).bit_length())
+
+
+def score_tokens(
+    weights: Weights,
+    token_ids: jax.Array,
+    *,
+    config: ModelConfig,
+    page_size: int,
+    chunk_rows: int,
+    num_top: int,
+    attention_impl: str,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per row i of the padded prompt ``token_ids`` [T]: the logprob of token i+1 after tokens 0..i.
+
+    Returns ``(target_logprobs [T], top_ids [T, num_top], top_logprobs [T, num_top])`` of the raw
+    distribution (log_softmax of the float32 logits). The last row's target is padding; so are
+    rows past the real prompt (causal attention: padding after the prompt never changes it).
+    Pure; jit it with everything but ``weights`` and ``token_ids`` static.
+    """
+    num_tokens = token_ids.shape[0]
+    num_pages = -(-num_tokens // page_size)
+    # One sequence of T tokens from position 0 over pages 1..num_pages (page 0 is the kernels'
+    # scratch page). The cache lives only inside this program: XLA frees it when it returns.
+    batch = StepBatch(
+        token_ids=token_ids,
+        positions=jnp.arange(num_tokens, dtype=jnp.int32),
+        cu_q_lens=jnp.asarray([0, num_tokens], jnp.int32),
+        kv_lens=jnp.asarray([num_tokens], jnp.int32),
+        page_tables=jnp.arange(1, num_pages + 1, dtype=jnp.int32)[None, :],
+        logits_indices=jnp.asarray([num_tokens - 1], jnp.int32),
+    )
+    shape = (config.num_kv_heads, num_pages + 1, page_size, config.head_dim)
+    dtype = weights.embed.dtype
+    cache = KVCache(k=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)],
+                    v=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)])
+    x, _ = hidden_states(weights, cache, batch, config, attention_impl)  # [T, E]
+    targets = jnp.concatenate([token_ids[1:], jnp.zeros((1,), token_ids.dtype)])  # row i predicts token i+1
+
+    rows = min(chunk_rows, num_tokens)
+    num_chunks = num_tokens // rows
+
+    def score_chunk(chunk):
+        x_chunk, target_chunk = chunk
+        logprobs = jax.nn.log_softmax(compute_logits(weights, x_chunk), axis=-1)  # [rows, V] f32, this chunk only
+        target = jnp.take_along_axis(logprobs, target_chunk[:, None], axis=-1)[:, 0]
+        top_values, top_ids = jax.lax.top_k(logprobs, num_top)
+        return target, top_ids.astype(jnp.int32), top_values
+
+    # lax.map runs the chunks one after another (a loop in the program), so only one chunk's
+    # [rows, V] logits is live at a time, whatever the prompt's length.
+    target, top_ids, top_values = jax.lax.map(
+        score_chunk, (x.reshape(num_chunks, rows, -1), targets.reshape(num_chunks, rows))
+    )
+    return target.reshape(num_tokens), top_ids.reshape(num_tokens, num_top), top_values.reshape(num_tokens, num_top)
+
+
+class PromptScorer:
+    """Scores prompts with a model's weights as they are (on one device or sharded over a mesh).
+
+    ``placement`` is the engine's ``sharding.placement.StepPlacement``: under a tensor-parallel
+    mesh the program runs inside its mesh context, so the attention runs per shard of heads
+    exactly as in the step programs, and XLA partitions the rest from the weights' shardings.
+    """
+
+    def __init__(self, weights: Weights, config: ModelConfig, *, page_size: int, attention_impl: str = "auto",
+                 placement=None, chunk_rows: int = DEFAULT_CHUNK_ROWS):
+        if chunk_rows < 1 or chunk_rows & (chunk_rows - 1):
+            raise ValueError(f"chunk_rows must be a power of two, got {chunk_rows}")
+        self.weights = weights
+        self.config = config
+        self.chunk_rows = chunk_rows
+        self.placement = placement
+        # Always the top MAX_TOP_LOGPROBS (sliced on the host): one program per length bucket, not per k.
+        # Outputs replicated under a mesh (as the step's sampler outputs), so every process can read them.
+        self._score = jax.jit(functools.partial(
+            score_tokens, config=config, page_size=page_size, chunk_rows=chunk_rows, num_top=MAX_TOP_LOGPROBS,
+            attention_impl=attention_impl,
+        ), **(placement.jit_kwargs() if placement is not None else {}))
+        self.buckets_compiled: set[int] = set()
+
+    def score(self, prompt_token_ids: list[int], num_top: int) -> PromptLogprobs:
+        """vLLM's prompt_logprobs: ``None`` for the first token, then ``{token: logprob, **top num_top}``.
+
+        The prompt token comes first in each dict; the top ``num_top`` follow (one may be the
+        prompt token itself, then the dict holds ``num_top`` entries, else ``num_top + 1``).
+        """
+        if not 0 <= num_top <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {num_top}")
+        num_tokens = len(prompt_token_ids)
+        bucket = bucket_for(num_tokens, self.chunk_rows)
+        padded = np.zeros(bucket, np.int32)
+        padded[:num_tokens] = prompt_token_ids
+        placement = self.placement
+        with placement.context() if placement is not None else contextlib.nullcontext():
+            tokens = jax.device_put(padded, placement.replicated if placement is not None else None)
+            outputs = self._score(self.weights, tokens)
+        self.buckets_compiled.add(bucket)
+        # The whole bucket comes back (T floats + 2 x [T, 20]: small) and is sliced here: slicing
+        # on the device would compile a small program per prompt length.
+        target, top_ids, top_values = jax.device_get(outputs)
+        top_ids, top_values = top_ids[:, :num_top], top_values[:, :num_top]
+        target, top_ids, top_values = target.tolist(), top_ids.tolist(), top_values.tolist()
+        result: PromptLogprobs = [None]
+        for row in range(num_tokens - 1):  # row i scores prompt token i + 1
+            entry = {int(prompt_token_ids[row + 1]): target[row]}
+            for tid, value in zip(top_ids[row], top_values[row]):
+                entry.setdefault(tid, value)
+            result.append(entry)
+        return result
+
+
+def prompt_logprob_sum(prompt_logprobs: PromptLogprobs, prompt_token_ids: list[int]) -> float:
+    """log P(prompt[1:] | prompt[0]): the sum of each prompt token's logprob (for scorers and tests)."""
+    return math.fsum(entry[token] for entry, token in zip(prompt_logprobs[1:], prompt_token_ids[1:]))
