@@ -45,9 +45,16 @@ def test_gpu_kernel_matches_reference(name):
     assert_matches_reference(ragged_paged_attention_gpu, case, dtype, **options)
 
 
-def test_gpu_kernel_sliding_window_and_soft_cap():
-    case = make_case(7, [(1, 70), (20, 45), (0, 0)], num_q_heads=4, num_kv_heads=1, head_dim=64, page_size=16)
-    assert_matches_reference(ragged_paged_attention_gpu, case, F32, sliding_window=24, soft_cap=5.0, block_kv=16)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_gpu_kernel_sliding_window_and_soft_cap(num_splits):
+    # The KV walk has masked edge blocks (causal end, window start) and unmasked ones between;
+    # with splits, a split's range can start or end inside either kind.
+    case = make_case(7, [(1, 150), (20, 45), (0, 0), (40, 130)], num_q_heads=4, num_kv_heads=1, head_dim=64,
+                     page_size=16)
+    assert_matches_reference(ragged_paged_attention_gpu, case, F32, sliding_window=24, soft_cap=5.0, block_kv=16,
+                             num_splits=num_splits)
+    assert_matches_reference(ragged_paged_attention_gpu, case, F32, sliding_window=70, block_kv=16,
+                             num_splits=num_splits)
 
 
 def test_gpu_kernel_aliases_the_cache():

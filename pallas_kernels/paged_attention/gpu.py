@@ -61,6 +61,8 @@ from pallas_kernels.paged_attention.validation import check_inputs
 
 # Finite, so that max() over a fully masked row stays finite and exp() never sees inf - inf.
 _MASK_VALUE = -1e30
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
 
 
 def _attention_kernel(
@@ -100,44 +102,64 @@ def _attention_kernel(
     row_mask = jnp.broadcast_to(is_row[:, None], (rows, head_dim))
     q = plgpu.load(q_ref.at[jnp.minimum(token_2d, dummy_token - 1), head_2d, lane_2d], mask=row_mask, other=0.0)
 
-    def step(i, carry):
-        acc, row_max, denom = carry  # [rows, D], [rows], [rows]
+    # Scores are kept in log2 units (scaled by log2(e)) so the softmax uses exp2, one
+    # instruction, instead of exp's extra range reduction.
+    score_scale = sm_scale if soft_cap is not None else sm_scale * _LOG2E
+
+    def step(i, carry, masked: bool):
+        acc, row_max, denom = carry  # [rows, D], [rows], [rows] (max in log2 units)
         kv_pos = i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # [BK]
         in_seq = kv_pos < kv_end
-        page = plgpu.load(page_tables_ref.at[seq, kv_pos // page_size], mask=in_seq, other=0)
+        page = plgpu.load(page_tables_ref.at[seq, kv_pos // page_size], mask=in_seq if masked else None,
+                          other=0 if masked else None)
         slot = page * page_size + kv_pos % page_size  # [BK] row in the flattened pages
         # Index both axes with arrays (a gather), the form both Triton and the interpreter take.
         slot_2d = jnp.broadcast_to(slot[:, None], (block_kv, head_dim))
         lane_2d = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32)[None, :], (block_kv, head_dim))
-        load_mask = jnp.broadcast_to(in_seq[:, None], (block_kv, head_dim))
-        k = plgpu.load(k_ref.at[slot_2d, lane_2d], mask=load_mask, other=0.0)  # [BK, D]
-        scores = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale  # [rows, BK]
+        load_mask = jnp.broadcast_to(in_seq[:, None], (block_kv, head_dim)) if masked else None
+        other = 0.0 if masked else None
+        k = plgpu.load(k_ref.at[slot_2d, lane_2d], mask=load_mask, other=other)  # [BK, D]
+        scores = plgpu.dot(q, k, trans_b=True, precision=precision) * score_scale  # [rows, BK]
         if soft_cap is not None:
-            scores = soft_cap * jnp.tanh(scores / soft_cap)
-        visible = (kv_pos[None, :] <= row_pos[:, None]) & in_seq[None, :]
-        if sliding_window is not None:
-            visible &= kv_pos[None, :] > row_pos[:, None] - sliding_window
-        scores = jnp.where(visible, scores, _MASK_VALUE)
+            scores = (soft_cap * _LOG2E) * jnp.tanh(scores / soft_cap)
+        if masked:
+            visible = (kv_pos[None, :] <= row_pos[:, None]) & in_seq[None, :]
+            if sliding_window is not None:
+                visible &= kv_pos[None, :] > row_pos[:, None] - sliding_window
+            scores = jnp.where(visible, scores, _MASK_VALUE)
         new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
-        correction = jnp.exp(row_max - new_max)
-        weights = jnp.where(visible, jnp.exp(scores - new_max[:, None]), 0.0)
+        correction = jnp.exp2(row_max - new_max)
+        weights = jnp.exp2(scores - new_max[:, None])
+        if masked:
+            weights = jnp.where(visible, weights, 0.0)
         denom = denom * correction + jnp.sum(weights, axis=1)
-        v = plgpu.load(v_ref.at[slot_2d, lane_2d], mask=load_mask, other=0.0)  # [BK, D]
+        v = plgpu.load(v_ref.at[slot_2d, lane_2d], mask=load_mask, other=other)  # [BK, D]
         acc = acc * correction[:, None] + plgpu.dot(weights.astype(v.dtype), v, precision=precision)
         return acc, new_max, denom
 
-    init = (
+    # Only blocks at the edges need masks: one holding a position past the tile's first query
+    # (causal, or past the sequence's end), and with a sliding window one starting before the
+    # last query's window. Every block between is visible to every row, so it skips the
+    # bounds masks on its loads and the mask arithmetic on its scores, the bulk of a prefill.
+    full_lo = my_lo
+    if sliding_window is not None:
+        full_lo = jnp.maximum(my_lo, pl.cdiv(kv_end - sliding_window, block_kv))
+    full_lo = jnp.minimum(full_lo, my_hi)
+    full_hi = jnp.clip((first_pos + 1) // block_kv, full_lo, my_hi)
+    carry = (
         jnp.zeros((rows, head_dim), jnp.float32),
         jnp.full((rows,), _MASK_VALUE, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
-    acc, row_max, denom = lax.fori_loop(my_lo, my_hi, step, init)
+    carry = lax.fori_loop(my_lo, full_lo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+    acc, row_max, denom = lax.fori_loop(full_hi, my_hi, functools.partial(step, masked=True), carry)
     safe_denom = jnp.where(denom > 0, denom, 1.0)
     out = acc / safe_denom[:, None]
     out_ref = out_refs[0]
     plgpu.store(out_ref.at[token_2d, head_2d, lane_2d], out.astype(out_ref.dtype), mask=row_mask)
     if num_splits > 1:
-        lse = jnp.where(denom > 0, row_max + jnp.log(safe_denom), -jnp.inf)
+        lse = jnp.where(denom > 0, (row_max + jnp.log2(safe_denom)) * _LN2, -jnp.inf)  # natural log
         plgpu.store(out_refs[1].at[row_token_index, row_head_index], lse, mask=is_row)
 
 
