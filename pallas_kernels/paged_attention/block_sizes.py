@@ -52,15 +52,29 @@ def gpu_block_sizes(
     if is_decode_like(num_tokens, max_num_seqs):
         # Triton's dot wants >= 16 rows; extra rows are masked queries, free in a read-bound loop.
         block_q = max(1, 16 // group_padded)
-        # 64-token steps, 4 warps, 4 stages: the best or near it at B=1/8/64/256 on the H200 sweep.
-        block_kv = 64
         num_tiles = num_work_tiles(num_tokens, max_num_seqs, block_q)
-        splits = _num_splits(num_tiles * num_kv_heads, max_kv_len, block_kv, _GPU_NUM_SMS * _GPU_PROGRAMS_PER_SM)
-        return BlockSizes(block_q=block_q, block_kv=block_kv, num_splits=splits, num_warps=4,
-                          num_stages=4 if itemsize <= 2 else 2)
-    # 64 rows x 64 KV tokens, 4 warps, 2 stages: best of 24 variants on a 4k-token prefill.
+        programs = num_tiles * num_kv_heads
+        # Split the KV walk (flash-decoding) only when there are fewer programs than SMs.
+        splits = 1
+        if programs < _GPU_NUM_SMS:
+            splits = _num_splits(programs, max_kv_len, 64, _GPU_NUM_SMS * _GPU_PROGRAMS_PER_SM)
+        if itemsize > 2:  # f32 tiles are twice the bytes: two stages of 64 rows fit shared memory
+            return BlockSizes(block_q=block_q, block_kv=64, num_splits=splits, num_warps=4, num_stages=2)
+        # From the H200 sweep of session 4 (docs/KERNELS.md; bf16, page 32, d 128, 32/8 heads):
+        if splits > 1:
+            # Few sequences, long contexts: B=8 ctx 16k 145 us (3.69 TB/s), the best of 5 variants.
+            return BlockSizes(block_q=block_q, block_kv=64, num_splits=splits, num_warps=4, num_stages=4)
+        if programs < _GPU_NUM_SMS * _GPU_PROGRAMS_PER_SM:
+            # One or two programs per SM (B=32 ctx 4k: 256): longer steps; 151 us vs 156 for two
+            # splits of 64/4/4 and 163 for one.
+            return BlockSizes(block_q=block_q, block_kv=128, num_splits=1, num_warps=4, num_stages=3)
+        # Many programs: two warps and three stages let two programs share an SM. B=64 ctx 4k
+        # 278 us vs 339 for 64/4/4; B=128 ctx 2k 274 vs 291; B=384 ctx 1-2k within 2% of the best.
+        return BlockSizes(block_q=block_q, block_kv=64, num_splits=1, num_warps=2, num_stages=3)
+    # 64 rows (16 tokens of 4 heads) x 32 KV tokens, 4 warps, 2 stages: the best of 27 variants
+    # on a 4k-token prefill (396 us vs 430 for 64 KV tokens, 504 for 128 rows x 128, 8 warps).
     block_q = max(1, 64 // group_padded)
-    return BlockSizes(block_q=block_q, block_kv=64, num_splits=1, num_warps=4, num_stages=2)
+    return BlockSizes(block_q=block_q, block_kv=32, num_splits=1, num_warps=4, num_stages=2)
 
 
 def tpu_block_sizes(
