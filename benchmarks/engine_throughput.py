@@ -65,7 +65,7 @@ def build_engine(model, *, max_model_len, max_num_seqs, max_num_batched_tokens, 
     start = time.perf_counter()
     engine = Engine(model, config, warm_up=True, use_tqdm=False)
     seconds = time.perf_counter() - start
-    programs = len(engine.runner.buckets.all())
+    programs = engine.runner.num_programs
     log(f"engine: {num_pages} pages x {page_size} tokens, max_num_seqs {max_num_seqs}, "
         f"token budget {max_num_batched_tokens}; compiled {programs} programs in {seconds:.1f} s")
     return engine, {"num_pages": num_pages, "page_size": page_size, "max_num_seqs": max_num_seqs,
@@ -91,12 +91,13 @@ def run_requests(engine, prompts, output_lens, tag, capture=None):
                   f"waiting {engine.scheduler.num_waiting}", flush=True)
             next_report += 15.0
         t0 = time.perf_counter()
-        wait0 = engine.device_wait_seconds
+        wait0, dispatch0 = engine.device_wait_seconds, engine.dispatch_seconds
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
         steps.append({
             "wall": time.perf_counter() - t0, "wait": engine.device_wait_seconds - wait0,
+            "dispatch": engine.dispatch_seconds - dispatch0,
             "num_tokens": engine.last_step_num_tokens, "num_running": engine.scheduler.num_running,
         })
         if capture is not None:
@@ -162,7 +163,8 @@ def decode_host_time(engine, num_requests, prompt_len, output_len, log):
     steady = [s for s in steps if s["num_tokens"] == num_requests and s["num_running"] == num_requests]
     steady = steady[len(steady) // 4 :]  # past the ramp
     wall = statistics.median(s["wall"] for s in steady)
-    host_busy = statistics.median(s["wall"] - s["wait"] for s in steady)
+    host_busy = statistics.median(s["wall"] - s["wait"] - s["dispatch"] for s in steady)
+    dispatch = statistics.median(s["dispatch"] for s in steady)
     inputs = captured["inputs"]
     jax.block_until_ready(runner.execute(inputs).token_ids)
     n = 50
@@ -173,10 +175,11 @@ def decode_host_time(engine, num_requests, prompt_len, output_len, log):
     device = (time.perf_counter() - start) / n
     idle = max(0.0, 1 - device / wall)
     log(f"decode{num_requests}: step wall {wall * 1e3:.2f} ms, device-only replay {device * 1e3:.2f} ms -> "
-        f"device idle {idle:.1%} of each step; host work per step {host_busy * 1e3:.2f} ms "
-        f"({len(steady)} steady steps); {summary['output_tokens_per_s']:.0f} output tok/s overall")
+        f"device idle {idle:.1%} of each step; host work per step {host_busy * 1e3:.2f} ms, dispatch "
+        f"{dispatch * 1e3:.2f} ms ({len(steady)} steady steps); {summary['output_tokens_per_s']:.0f} output tok/s overall")
     return {**summary, "steady_step_wall_ms": wall * 1e3, "device_replay_step_ms": device * 1e3,
-            "device_idle_fraction": idle, "host_work_per_step_ms": host_busy * 1e3, "num_steady_steps": len(steady)}
+            "device_idle_fraction": idle, "host_work_per_step_ms": host_busy * 1e3,
+            "dispatch_per_step_ms": dispatch * 1e3, "num_steady_steps": len(steady)}
 
 
 def compilation_cache_files() -> int:
@@ -223,7 +226,12 @@ def throughput(engine, prompt_lens, output_lens, tag, log, profile: DecodeProfil
     decode_steps = [s for s in steps if s["num_tokens"] == s["num_running"] and s["num_running"] > 0]
     if decode_steps:
         wall = sum(s["wall"] for s in decode_steps)
-        summary["decode_steps_host_work_fraction"] = sum(s["wall"] - s["wait"] for s in decode_steps) / wall
+        # Dispatch is host time too, but time the host may spend blocked in it (a program that
+        # syncs with the host) is not work: report it apart.
+        summary["decode_steps_host_work_fraction"] = sum(
+            s["wall"] - s["wait"] - s["dispatch"] for s in decode_steps) / wall
+        summary["decode_steps_dispatch_fraction"] = sum(s["dispatch"] for s in decode_steps) / wall
+        summary["decode_step_ms"] = 1e3 * statistics.median(s["wall"] for s in decode_steps)
     summary["mean_batch"] = statistics.mean(s["num_running"] for s in steps)
     log(f"{tag}: {summary['output_tokens_per_s']:.0f} output tok/s, {summary['total_tokens_per_s']:.0f} total tok/s, "
         f"{summary['requests_per_s']:.2f} req/s in {summary['seconds']:.1f} s; {summary['num_steps']} steps, mean batch "

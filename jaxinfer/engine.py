@@ -157,6 +157,9 @@ class Engine:
         self.num_tokens_computed = 0
         self.last_step_num_tokens = 0
         self.device_wait_seconds = 0.0  # host time spent blocked on the device's results
+        # Host time inside the runner's dispatch: small unless a program syncs with the host
+        # (as a lax.cond did on the GPU), which takes the overlap of host and device away.
+        self.dispatch_seconds = 0.0
         self.warmup_seconds = self.runner.warm_up(use_tqdm) if warm_up else 0.0
 
     def warmup(self, use_tqdm: bool = True) -> float:
@@ -311,7 +314,9 @@ class Engine:
             request = self._seq_request[item.seq.seq_id]
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
+        dispatch_start = time.monotonic()
         output = self.runner.execute(inputs)
+        self.dispatch_seconds += time.monotonic() - dispatch_start
         self.num_tokens_computed += schedule.num_batched_tokens
         self.last_step_num_tokens = schedule.num_batched_tokens
         return _InFlight(schedule, rows, output, now)

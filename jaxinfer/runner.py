@@ -1,4 +1,4 @@
-"""ModelRunner: turns a Schedule into one jitted device step (forward + sampling).
+"""ModelRunner: turns a Schedule into one device step: a jitted forward, then a jitted sampler.
 
 The host packs the step's inputs as numpy and sends them in one transfer; the step is
 padded to a bucket (tokens, sequences, page-table width) so that every program is compiled
@@ -6,6 +6,13 @@ at start-up and none after. The KV cache is donated and updated in place. Sample
 stay on the device: the next step reads a decode's input token from the previous step's
 output wherever the host still holds a placeholder (async scheduling), so the host can
 prepare step n+1 while the device runs step n.
+
+The forward and the sampler are two programs, and the host picks the sampler path
+("basic" or "full") by which program it dispatches. One program with a ``lax.cond``
+between the paths compiled the model once per bucket too, but on the GPU a conditional
+copies its predicate to the host and waits for it: every step's dispatch blocked until
+the device reached the sampler, so the host's work for the next step never overlapped the
+device's (the H200 sat idle for half of each decode step at batch 384).
 """
 
 from __future__ import annotations
@@ -31,14 +38,14 @@ from jaxinfer.model import forward
 from jaxinfer.page_allocator import SCRATCH_PAGE
 from jaxinfer.sampling import SamplerOutput, SamplingFlags, SamplingTensors, sample
 from jaxinfer.token_history import gather_history, write_tokens
-from sharding.overlap import PhasedJit
+from sharding.overlap import PhasedJit, graph_options
 from sharding.placement import StepPlacement
 
 logger = logging.getLogger(__name__)
 
-# Two sampler paths, chosen per step at run time inside one program (a lax.cond, so the
-# model is compiled once per bucket): "basic" serves greedy and plain temperature sampling;
-# "full" adds penalties, bans (min_tokens), top-k/top-p/min-p and 20 top logprobs.
+# Two sampler paths, each its own small program per sequence bucket, chosen by the host per
+# step: "basic" serves greedy and plain temperature sampling; "full" adds penalties, bans
+# (min_tokens), top-k/top-p/min-p and 20 top logprobs.
 SAMPLING_VARIANTS = {
     "basic": SamplingFlags(any_random=True),
     "full": SamplingFlags(any_penalties=True, any_banned=True, any_random=True, any_truncation=True, num_top_logprobs=20),
@@ -170,16 +177,22 @@ class ModelRunner:
         )()
         # Prefill and decode programs may compile with different overlap options (sharding.overlap).
         self._step = PhasedJit(
-            functools.partial(_device_step, config=self.config, attention_impl=attention_impl),
+            functools.partial(_forward_step, config=self.config, attention_impl=attention_impl),
             overlap, self.buckets.num_seqs[-1],
+            base_compiler_options=graph_options(1 if mesh is None else mesh.size),
             static_argnames=("layout",),
             donate_argnames=("cache", "token_pages"),
             **self.placement.jit_kwargs(with_cache=True),
         )
+        self._sampler = jax.jit(
+            functools.partial(_sample_step, num_padded=self.buckets.num_seqs[-1]),
+            static_argnames=("layout", "variant"),
+            **self.placement.jit_kwargs(),
+        )
         self.warmup_done = False
 
     def warm_up(self, use_tqdm: bool = True, num_threads: int | None = None) -> float:
-        """Compile every bucket now (one program each, both sampler paths inside); returns seconds spent.
+        """Compile every bucket's forward and every sequence bucket's two samplers now; returns seconds spent.
 
         Programs are compiled ahead of time on ``num_threads`` threads (XLA releases the GIL
         while it compiles, and the programs are independent), then each is run once.
@@ -187,17 +200,23 @@ class ModelRunner:
         start = time.perf_counter()
         shapes = self.buckets.all()
         all_inputs = [self._empty_inputs(t, b, p) for t, b, p in shapes]
-        num_threads = num_threads or min(len(all_inputs), max(1, (os.cpu_count() or 1) // 2))
+        # The samplers depend on the sequence bucket and page-table width only.
+        sampler_inputs = {(b, p, variant): self._empty_inputs(t, b, p, variant)
+                          for t, b, p in shapes for variant in SAMPLING_VARIANTS}
+        jobs = [functools.partial(self._compile, inputs) for inputs in all_inputs]
+        jobs += [functools.partial(self._compile_sampler, inputs) for inputs in sampler_inputs.values()]
+        num_threads = num_threads or min(len(jobs), max(1, (os.cpu_count() or 1) // 2))
         with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
-            compiled = pool.map(self._compile, all_inputs)
-            for _ in tqdm(compiled, total=len(all_inputs), desc="Compiling", unit="program", disable=not use_tqdm):
+            compiled = pool.map(lambda job: job(), jobs)
+            for _ in tqdm(compiled, total=len(jobs), desc="Compiling", unit="program", disable=not use_tqdm):
                 pass
-        for inputs in all_inputs:
+        for inputs in [*all_inputs, *sampler_inputs.values()]:
             jax.block_until_ready(self.execute(inputs).token_ids)
         self.warmup_done = True
-        self._cache_size_after_warmup = self._step._cache_size()
+        self._cache_size_after_warmup = self._num_compiled()
         seconds = time.perf_counter() - start
-        logger.info("compiled %d step programs in %.1f s on %d threads", len(shapes), seconds, num_threads)
+        logger.info("compiled %d forward and %d sampler programs in %.1f s on %d threads", len(all_inputs),
+                    len(sampler_inputs), seconds, num_threads)
         return seconds
 
     def _compile(self, inputs: StepInputs) -> None:
@@ -205,11 +224,28 @@ class ModelRunner:
         with self.placement.context():
             fn.lower(*args, **kwargs).compile()
 
+    def _compile_sampler(self, inputs: StepInputs) -> None:
+        logits = jax.ShapeDtypeStruct((inputs.batch.num_seqs, self.config.vocab_size), jnp.float32,
+                                      sharding=self.placement.replicated)
+        packed, layout = pack_host_arrays(_sampler_tree(inputs))
+        packed = jax.device_put(packed, self.placement.replicated)
+        with self.placement.context():
+            self._sampler.lower(logits, self.token_pages, packed, layout=layout, variant=inputs.variant).compile()
+
+    @property
+    def num_programs(self) -> int:
+        """Programs compiled at warm-up: one forward per bucket, two samplers per sequence bucket."""
+        shapes = self.buckets.all()
+        return len(shapes) + len(SAMPLING_VARIANTS) * len({(b, p) for _, b, p in shapes})
+
+    def _num_compiled(self) -> int:
+        return self._step._cache_size() + self._sampler._cache_size()
+
     @property
     def num_compilations_after_warmup(self) -> int:
         if not self.warmup_done:
             return 0
-        return self._step._cache_size() - self._cache_size_after_warmup
+        return self._num_compiled() - self._cache_size_after_warmup
 
     def _empty_inputs(self, num_tokens, num_seqs, pages, variant="basic") -> StepInputs:
         batch = StepBatch(
@@ -224,26 +260,36 @@ class ModelRunner:
         return StepInputs(batch, sampling, np.full(num_tokens, -1, np.int32), variant)
 
     def execute(self, inputs: StepInputs) -> SamplerOutput:
-        """Dispatch one step (asynchronously); returns the device-side sampler output."""
+        """Dispatch one step (asynchronously: nothing here waits for the device); returns the sampler output."""
         if self.step_channel is not None:
             self.step_channel.send(inputs)
-        fn, args, kwargs = self._step_call(inputs)
+        fn, args, kwargs, (sampler_packed, sampler_layout) = self._calls(inputs)
         with self.placement.context():
-            out, self.cache = fn(*args, **kwargs)
+            (logits, self.token_pages), self.cache = fn(*args, **kwargs)
+            out = self._sampler(logits, self.token_pages, sampler_packed, layout=sampler_layout,
+                                variant=inputs.variant)
         self.last_sampled = out.token_ids_padded
-        self.token_pages = out.token_pages
         return out.sampler
 
     def _step_call(self, inputs: StepInputs):
-        """The jitted step for ``inputs`` and its arguments (one packed host-to-device transfer)."""
+        """The jitted forward for ``inputs`` and its arguments, as :meth:`execute` calls it."""
+        return self._calls(inputs)[:3]
+
+    def _calls(self, inputs: StepInputs):
+        """The forward program, its arguments, and the sampler's (packed inputs, layout): the host
+        arrays of both programs go to the device in one transfer."""
         if inputs.variant not in SAMPLING_VARIANTS:
             raise ValueError(f"unknown sampler path {inputs.variant!r}; one of {sorted(SAMPLING_VARIANTS)}")
-        use_full = np.asarray([inputs.variant == "full"], np.int32)
-        packed, layout = pack_host_arrays((inputs.batch, inputs.sampling, inputs.prev_rows, use_full))
-        args = (self.model.weights, self.cache, self.token_pages, jax.device_put(packed, self.placement.replicated),
-                self.last_sampled)
-        kwargs = {"layout": layout}
-        return self._step.for_tokens(inputs.batch.num_tokens), args, kwargs
+        packed, layout = pack_host_arrays((inputs.batch, inputs.prev_rows))
+        sampler_packed, sampler_layout = pack_host_arrays(_sampler_tree(inputs))
+        packed, sampler_packed = jax.device_put((packed, sampler_packed), self.placement.replicated)
+        args = (self.model.weights, self.cache, self.token_pages, packed, self.last_sampled)
+        return self._step.for_tokens(inputs.batch.num_tokens), args, {"layout": layout}, (sampler_packed, sampler_layout)
+
+
+def _sampler_tree(inputs: StepInputs):
+    """What the sampler program reads: the sampling tensors and, for the penalties' history, the page tables."""
+    return inputs.sampling, inputs.batch.page_tables, inputs.batch.kv_lens
 
 
 def pack_host_arrays(tree) -> tuple[np.ndarray, tuple]:
@@ -284,34 +330,36 @@ def unpack_device_arrays(packed: jax.Array, layout: tuple):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class _StepOutput:
+class _SamplerStepOutput:
     sampler: SamplerOutput
-    token_ids_padded: jax.Array  # [max_num_seqs]
-    token_pages: jax.Array  # [num_pages, page_size]: see jaxinfer.token_history
+    token_ids_padded: jax.Array  # [max_num_seqs]: what the next step's placeholders read
 
 
-def _device_step(weights, cache, token_pages, packed, last_sampled, *, config, attention_impl, layout):
-    batch, sampling, prev_rows, use_full = unpack_device_arrays(packed, layout)
+def _forward_step(weights, cache, token_pages, packed, last_sampled, *, config, attention_impl, layout):
+    """Logits [B, V] at each sequence's last new token, the token pages with this step's inputs, and the cache."""
+    batch, prev_rows = unpack_device_arrays(packed, layout)
     # A placeholder input is the token this sequence sampled in the previous step.
     from_previous = jnp.take(last_sampled, jnp.maximum(prev_rows, 0))
     token_ids = jnp.where(prev_rows >= 0, from_previous, batch.token_ids)
     batch = dataclasses.replace(batch, token_ids=token_ids)
     token_pages = write_tokens(token_pages, token_ids, batch)
     logits, cache = forward(weights, cache, batch, config, attention_impl)
+    return (logits, token_pages), cache
 
-    def full_sampler():
+
+def _sample_step(logits, token_pages, packed, *, layout, variant, num_padded):
+    """One token per row of ``logits`` on the ``variant`` path; both paths return the same shapes."""
+    sampling, page_tables, kv_lens = unpack_device_arrays(packed, layout)
+    flags = SAMPLING_VARIANTS[variant]
+    if flags.any_penalties:
         # The penalties' history comes from the device's token pages, not the host.
-        history_ids, history_is_output = gather_history(token_pages, batch, sampling.num_prompt_tokens)
-        tensors = dataclasses.replace(sampling, history_ids=history_ids, history_is_output=history_is_output)
-        return sample(logits, tensors, SAMPLING_VARIANTS["full"])
-
-    def basic_sampler():
-        out = sample(logits, sampling, SAMPLING_VARIANTS["basic"])
-        k = SAMPLING_VARIANTS["full"].num_top_logprobs  # both paths return the same shapes
+        history_ids, history_is_output = gather_history(token_pages, page_tables, kv_lens, sampling.num_prompt_tokens)
+        sampling = dataclasses.replace(sampling, history_ids=history_ids, history_is_output=history_is_output)
+    out = sample(logits, sampling, flags)
+    k = SAMPLING_VARIANTS["full"].num_top_logprobs
+    if flags.num_top_logprobs < k:
         rows = logits.shape[0]
-        return dataclasses.replace(out, top_logprob_ids=jnp.zeros((rows, k), jnp.int32),
-                                   top_logprob_values=jnp.zeros((rows, k), jnp.float32))
-
-    out = jax.lax.cond(use_full[0] > 0, full_sampler, basic_sampler)
-    padded = jnp.zeros_like(last_sampled).at[: out.token_ids.shape[0]].set(out.token_ids)
-    return _StepOutput(out, padded, token_pages), cache
+        out = dataclasses.replace(out, top_logprob_ids=jnp.zeros((rows, k), jnp.int32),
+                                  top_logprob_values=jnp.zeros((rows, k), jnp.float32))
+    padded = jnp.zeros((num_padded,), jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
+    return _SamplerStepOutput(out, padded)

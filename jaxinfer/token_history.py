@@ -35,16 +35,16 @@ def write_tokens(token_pages: jax.Array, token_ids: jax.Array, batch: StepBatch)
 
 
 def gather_history(
-    token_pages: jax.Array, batch: StepBatch, num_prompt_tokens: jax.Array
+    token_pages: jax.Array, page_tables: jax.Array, kv_lens: jax.Array, num_prompt_tokens: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """Each row's tokens so far, through its page table: ids [B, L] (-1 past the end) and is-output [B, L].
 
     ``L = pages_per_seq * page_size``; a row's history is its first ``kv_lens[b]`` slots
     (this step's input tokens included), outputs being those at or past ``num_prompt_tokens[b]``.
     """
-    num_seqs, pages_per_seq = batch.page_tables.shape
+    num_seqs, pages_per_seq = page_tables.shape
     page_size = token_pages.shape[1]
-    history = token_pages[batch.page_tables].reshape(num_seqs, pages_per_seq * page_size)  # [B, L]
+    history = token_pages[page_tables].reshape(num_seqs, pages_per_seq * page_size)  # [B, L]
     index = jnp.arange(pages_per_seq * page_size, dtype=jnp.int32)[None, :]
-    valid = index < batch.kv_lens[:, None]
+    valid = index < kv_lens[:, None]
     return jnp.where(valid, history, -1), valid & (index >= num_prompt_tokens[:, None])

@@ -22,6 +22,7 @@ to off as well until the GPU numbers say otherwise.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,24 @@ XLA_OVERLAP_OPTIONS = {
     "xla_gpu_multi_streamed_windowed_einsum": True,
     "xla_gpu_threshold_for_windowed_einsum_mib": 0,
 }
+
+
+# XLA's default kinds of GPU command buffers (CUDA graphs) plus COLLECTIVES. A collective ends
+# a graph, so a tp=2 decode step runs as ~69 graphs per GPU, each updated and launched by the
+# host: on two H200s the host needs more time a step than the GPUs (~3.5 ms of compute).
+# Asking for COLLECTIVES was meant to merge them; measured, it did not (still ~69), though
+# the two runs with it (5.25, 5.99 ms TPOT) beat the one without (6.66 ms).
+# benchmarks/results/tensor_parallel.md has the numbers.
+GRAPHS_WITH_COLLECTIVES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,COLLECTIVES"
+
+
+def graph_options(num_devices: int) -> dict:
+    """Compiler options for a step program over ``num_devices`` GPUs: collectives inside CUDA graphs."""
+    if num_devices <= 1 or jax.default_backend() != "gpu":
+        return {}
+    if "xla_gpu_enable_command_buffer" in os.environ.get("XLA_FLAGS", ""):
+        return {}  # the user chose the graph kinds
+    return {"xla_gpu_enable_command_buffer": GRAPHS_WITH_COLLECTIVES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,13 +97,20 @@ class PhasedJit:
     With the same options for both phases (the default) it is one ``jax.jit`` object.
     """
 
-    def __init__(self, fun, overlap: OverlapConfig | None, decode_max_tokens: int, **jit_kwargs):
+    def __init__(self, fun, overlap: OverlapConfig | None, decode_max_tokens: int,
+                 base_compiler_options: dict | None = None, **jit_kwargs):
+        """``base_compiler_options`` apply to both phases (e.g. :func:`graph_options`)."""
         overlap = overlap or OverlapConfig()
         self.decode_max_tokens = decode_max_tokens
-        self.decode = jax.jit(fun, compiler_options=overlap.compiler_options("decode"), **jit_kwargs)
+
+        def options(phase):
+            merged = {**(base_compiler_options or {}), **(overlap.compiler_options(phase) or {})}
+            return merged or None
+
+        self.decode = jax.jit(fun, compiler_options=options("decode"), **jit_kwargs)
         self.prefill = self.decode
         if overlap.prefill != overlap.decode:
-            self.prefill = jax.jit(fun, compiler_options=overlap.compiler_options("prefill"), **jit_kwargs)
+            self.prefill = jax.jit(fun, compiler_options=options("prefill"), **jit_kwargs)
 
     def for_tokens(self, num_tokens: int):
         return self.prefill if num_tokens > self.decode_max_tokens else self.decode

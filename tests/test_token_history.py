@@ -32,7 +32,7 @@ def test_histories_follow_page_tables_across_chunked_steps():
             seq = 0 if chunks[b][2] is tables[0] else 1
             history[seq] = history[seq] + list(tokens)
         num_prompt = jnp.asarray([9, 7, 0, 0], jnp.int32)
-        ids, is_output = gather_history(token_pages, batch, num_prompt)
+        ids, is_output = gather_history(token_pages, batch.page_tables, batch.kv_lens, num_prompt)
         for b, (_, _, table) in enumerate(chunks):
             seq = 0 if table is tables[0] else 1
             expected = history[seq]
