@@ -7,13 +7,16 @@
 # Plans (nvidia-h200-x2; the single-GPU plans run two jobs side by side, one per GPU, each
 # with its own compilation cache so cold start-up stays cold):
 #   engine  GPU0: HF peer batch, then the engine's startup/latency/batch128/decode256 with the
-#           ratio to it, then throughput-nano. GPU1: the kernel-decode/prefill grid.
+#           ratio to it, then throughput-nano. GPU1: throughput-1k, then the kernel-decode/prefill grid.
 #   tp      TP=1 vs TP=2 in one run: collective-matmul, latency with decode traces, then the
 #           exposed collective time of those traces; TP=2 latency again with CUDA graphs
 #           over collectives and conditionals.
 #   tp1k    TP=1 vs TP=2 in one run: throughput-1k.
+#   tpsame  TP=1 vs TP=2 in one run: latency (with decode traces) and throughput-1k; then one
+#           GPU's latency and decode256 without CUDA graphs.
 #   lab     GPU0: latency_lab (where batch-1 decode time goes), then throughput-1k with a trace of
-#           8 steady decode steps and its kernel breakdown. GPU1: serve benchmark.
+#           8 steady decode steps and its kernel breakdown. GPU1: the kernel's tile-size sweep
+#           (the data behind block_sizes.py).
 set -u
 PLAN=${1:?plan: engine, tp, tp1k or lab}
 OUT=${OUT:-$PWD/device-out}
@@ -24,17 +27,20 @@ cd "$(dirname "$0")/.."
 
 on_gpu() {  # on_gpu GPU LOG TIMEOUT CMD...: one job on one GPU with its own compile cache
     local gpu=$1 log=$2 limit=$3; shift 3
-    CUDA_VISIBLE_DEVICES=$gpu JAX_COMPILATION_CACHE_DIR=/tmp/jcc$gpu timeout "$limit" "$@" >"$R/$log" 2>&1
+    # SIGINT first, so Python runs its finally blocks and writes what it has measured.
+    CUDA_VISIBLE_DEVICES=$gpu JAX_COMPILATION_CACHE_DIR=/tmp/jcc$gpu timeout -s INT -k 15 "$limit" "$@" >"$R/$log" 2>&1
     echo "exit $? after ${SECONDS}s" >>"$R/$log"
 }
 
 case $PLAN in
 engine)
-    (on_gpu 0 hf.log 150 python3 benchmarks/hf_peer.py --shape llama-3.1-8b --workloads batch --out "$R/hf"
-     on_gpu 0 engine.log 300 python3 benchmarks/engine_throughput.py --out "$R/engine" \
+    (on_gpu 0 hf.log 130 python3 benchmarks/hf_peer.py --shape llama-3.1-8b --workloads batch --out "$R/hf"
+     on_gpu 0 engine.log 280 python3 benchmarks/engine_throughput.py --out "$R/engine" \
         --workloads startup,latency,batch128,decode256 --hf "$R/hf/hf_peer.json"
-     on_gpu 0 nano.log 120 python3 benchmarks/engine_throughput.py --out "$R/engine" --resume --workloads throughput-nano) &
-    on_gpu 1 kernels.log 560 python3 benchmarks/kernel_attention.py --out "$R/kernels" &
+     on_gpu 0 nano.log 110 python3 benchmarks/engine_throughput.py --out "$R/engine" --resume --workloads throughput-nano) &
+    (on_gpu 1 throughput1k.log 250 python3 benchmarks/engine_throughput.py --out "$R/engine1k" --workloads throughput-1k
+     on_gpu 1 kernels.log 270 python3 benchmarks/kernel_attention.py --out "$R/kernels" \
+        --stages check,ceilings,prefill,copies,decode) &
     wait ;;
 tp)
     timeout 330 python3 benchmarks/tensor_parallel.py --out "$R/tp" --tp 2 --max-num-seqs 384 --max-model-len 2048 \
@@ -50,13 +56,35 @@ tp1k)
     timeout 560 python3 benchmarks/tensor_parallel.py --out "$R/tp" --tp 2 --max-num-seqs 384 --max-model-len 2048 \
         --workloads throughput-1k >"$R/tp.log" 2>&1 ;;
 lab)
-    (on_gpu 0 lab.log 200 python3 benchmarks/latency_lab.py --out "$R/lab"
-     on_gpu 0 profile1k.log 330 python3 benchmarks/engine_throughput.py --out "$R/profile1k" \
+    (on_gpu 0 profile1k.log 330 python3 benchmarks/engine_throughput.py --out "$R/profile1k" \
         --workloads throughput-1k --profile-steps 8
      python3 benchmarks/profile_collectives.py "$R/profile1k" --steps 8 --top 12 \
-        --json "$R/throughput-1k_decode_kernels.json" >>"$R/profile1k.log" 2>&1) &
-    on_gpu 1 serve.log 540 python3 benchmarks/serve_benchmark.py --out "$R/serve" --rates 1,4,16 --num-requests 100 &
+        --json "$R/throughput-1k_decode_kernels.json" >>"$R/profile1k.log" 2>&1
+     on_gpu 0 lab.log 200 python3 benchmarks/latency_lab.py --out "$R/lab") &
+    on_gpu 1 sweep.log 540 python3 benchmarks/kernel_attention.py --out "$R/sweep" --stages check,ceilings,sweep &
     wait ;;
+tpsame)
+    timeout -s INT -k 15 400 python3 benchmarks/tensor_parallel.py --out "$R/tp" --tp 2 --max-num-seqs 384 \
+        --max-model-len 2048 --profile --workloads latency,throughput-1k >"$R/tp.log" 2>&1
+    python3 benchmarks/profile_collectives.py "$R/tp" --steps 32 --json "$R/decode_profile.json" >>"$R/tp.log" 2>&1
+    # Batch-1 decode and batch-256 dispatch without CUDA graphs: do graph updates cost the host
+    # more per step than launching the kernels one by one?
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= on_gpu 0 nocmdbuf.log 130 python3 benchmarks/engine_throughput.py \
+        --out "$R/nocmdbuf" --workloads latency,decode256 ;;
+tpgraphs)
+    # TP=1 vs TP=2 latency in one run, tp programs with collectives inside CUDA graphs
+    # (sharding.overlap.graph_options), with decode traces and their summary.
+    timeout -s INT -k 15 300 python3 benchmarks/tensor_parallel.py --out "$R/tp" --tp 2 --max-num-seqs 384 \
+        --max-model-len 2048 --profile --workloads latency >"$R/tp.log" 2>&1
+    python3 benchmarks/profile_collectives.py "$R/tp" --steps 32 --json "$R/decode_profile.json" >>"$R/tp.log" 2>&1
+    python3 benchmarks/profile_host.py "$R/tp" --steps 32 --top 40 --json "$R/decode_host.json" >>"$R/tp.log" 2>&1
+    # TP=2 with no CUDA graphs at all: kernels launched one by one, no graph updates.
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout -s INT -k 15 150 python3 benchmarks/tensor_parallel.py \
+        --out "$R/tp_nographs" --tp 2 --tp-sizes 2 --max-num-seqs 384 --max-model-len 2048 --profile \
+        --workloads latency >"$R/tp_nographs.log" 2>&1
+    python3 benchmarks/profile_collectives.py "$R/tp_nographs" --steps 32 >>"$R/tp_nographs.log" 2>&1
+    python3 benchmarks/profile_host.py "$R/tp_nographs" --steps 32 --top 40 --json "$R/decode_host_nographs.json" \
+        >>"$R/tp_nographs.log" 2>&1 ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac
