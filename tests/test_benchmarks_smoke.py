@@ -90,6 +90,27 @@ def test_profile_collectives_splits_exposed_from_hidden(tmp_path):
     assert {k: round(v * 2e3, 6) for k, v in kinds.items()} == {"matmul": 100, "other": 100, "collective": 50}
 
 
+def test_profile_host_ranks_host_events_per_step(tmp_path):
+    from profile_host import summarise_host
+
+    # Two steps on the host: each dispatch (400 us) holds a graph update (300 us); GPU events
+    # and metadata are not host time.
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 9, "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "tid": 1, "name": "gemm_fusion", "ts": 0, "dur": 5000},
+    ]
+    for step in range(2):
+        events += [{"ph": "X", "pid": 9, "tid": 1, "name": "PjitFunction(_forward_step)", "ts": step * 1000, "dur": 400},
+                   {"ph": "X", "pid": 9, "tid": 1, "name": "command_buffer::update", "ts": step * 1000, "dur": 300}]
+    path = tmp_path / "vm.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    rows = summarise_host(path, steps=2, top=5)
+    assert [(r["name"], round(r["ms_per_step"], 6), r["calls_per_step"]) for r in rows] == [
+        ("PjitFunction(_forward_step)", 0.4, 1.0), ("command_buffer::update", 0.3, 1.0)]
+
+
 def test_kernel_ncu_report_reads_bytes_per_launch(tmp_path):
     from kernel_ncu import report
 
