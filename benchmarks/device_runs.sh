@@ -14,6 +14,9 @@
 #   tp1k    TP=1 vs TP=2 in one run: throughput-1k.
 #   tpsame  TP=1 vs TP=2 in one run: latency (with decode traces) and throughput-1k; then one
 #           GPU's latency and decode256 without CUDA graphs.
+#   tpgraphs TP=1 vs TP=2 latency with decode traces, host summaries; TP=2 without CUDA graphs.
+#   next    what session 4 left: TP=2 decode with synchronous collectives, the collective
+#           matmul, the kernel grid's 32k rows.
 #   lab     GPU0: latency_lab (where batch-1 decode time goes), then throughput-1k with a trace of
 #           8 steady decode steps and its kernel breakdown. GPU1: the kernel's tile-size sweep
 #           (the data behind block_sizes.py).
@@ -85,6 +88,19 @@ tpgraphs)
     python3 benchmarks/profile_collectives.py "$R/tp_nographs" --steps 32 >>"$R/tp_nographs.log" 2>&1
     python3 benchmarks/profile_host.py "$R/tp_nographs" --steps 32 --top 40 --json "$R/decode_host_nographs.json" \
         >>"$R/tp_nographs.log" 2>&1 ;;
+next)
+    # Owed after session 4 (about 9 minutes): TP=2 decode with synchronous all-reduces (can
+    # the collectives then join the CUDA graphs?), the collective matmul, and the kernel
+    # grid's 32k-context rows, which session 4's grid did not reach.
+    timeout -s INT -k 15 200 python3 benchmarks/tensor_parallel.py --out "$R/tp" --tp 2 --max-num-seqs 384 \
+        --max-model-len 2048 --profile --workloads collective-matmul,latency >"$R/tp.log" 2>&1
+    python3 benchmarks/profile_host.py "$R/tp" --steps 32 --top 25 >>"$R/tp.log" 2>&1
+    timeout -s INT -k 15 110 python3 benchmarks/tensor_parallel.py --out "$R/tp_sync" --tp 2 --tp-sizes 2 \
+        --max-num-seqs 384 --max-model-len 2048 --profile --workloads latency \
+        --xla-option xla_gpu_disable_async_collectives=ALLREDUCE,ALLGATHER,REDUCESCATTER >"$R/tp_sync.log" 2>&1
+    python3 benchmarks/profile_host.py "$R/tp_sync" --steps 32 --top 25 >>"$R/tp_sync.log" 2>&1
+    on_gpu 0 kernels32k.log 200 python3 benchmarks/kernel_attention.py --out "$R/kernels32k" \
+        --stages ceilings,decode --contexts 32768 ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac

@@ -206,7 +206,8 @@ def engine_workloads(shape, tp, args, workloads, ceilings, log) -> dict:
         mesh = make_mesh(tp_size) if tp_size > 1 else None
         model = random_model(shape, mesh=mesh)
         config = model.config
-        engine, compile_s = build_engine(model, tp_size, args, mesh=mesh)
+        overlap = OverlapConfig(extra=tuple(args.xla_option)) if args.xla_option and tp_size > 1 else None
+        engine, compile_s = build_engine(model, tp_size, args, overlap=overlap, mesh=mesh)
         del model
         log(f"engine tp={tp_size}: compiled in {compile_s:.0f} s")
         entry = {"compile_s": compile_s}
@@ -281,6 +282,8 @@ def main():
                         help="engine tp sizes for latency/throughput-1k (default '1,TP'; 70B on 8 GPUs: '4,8')")
     parser.add_argument("--workloads", default="allreduce,collective-matmul,prefill-overlap,latency,throughput-1k")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the code, measures nothing")
+    parser.add_argument("--xla-option", action="append", default=[], type=lambda kv: tuple(kv.split("=", 1)),
+                        metavar="NAME=VALUE", help="an XLA option for the tp>1 engines' step programs (repeatable)")
     parser.add_argument("--profile", action="store_true", help="write jax.profiler traces of the prefill steps and of a latency request's decode steps")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-seqs", type=int, default=256)

@@ -60,11 +60,16 @@ class OverlapConfig:
 
     prefill: bool = False
     decode: bool = False
+    # More XLA options for every step program, as (name, value) pairs: experiments such as
+    # ("xla_gpu_disable_async_collectives", "ALLREDUCE") (benchmarks/tensor_parallel.py --xla-option).
+    extra: tuple[tuple[str, str], ...] = ()
 
     def compiler_options(self, phase: str) -> dict | None:
         if phase not in ("prefill", "decode"):
             raise ValueError(f"phase must be 'prefill' or 'decode', not {phase!r}")
-        return dict(XLA_OVERLAP_OPTIONS) if getattr(self, phase) else None
+        options = dict(XLA_OVERLAP_OPTIONS) if getattr(self, phase) else {}
+        options.update(self.extra)
+        return options or None
 
 
 def reduce_scatter_matmul(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
