@@ -57,6 +57,19 @@ def test_gpu_kernel_sliding_window_and_soft_cap(num_splits):
                              num_splits=num_splits)
 
 
+def test_tile_planning_and_token_positions_have_no_loops():
+    # searchsorted's default method is a loop, which XLA:GPU runs as host-launched iterations
+    # in every step program; these run once a step, so they use the loop-free comparison.
+    from pallas_kernels.paged_attention.reference import token_sequence_ids
+
+    cu_q_lens = jnp.array([0, 3, 5, 5, 9], jnp.int32)
+    kv_lens = jnp.array([3, 7, 0, 4], jnp.int32)
+    texts = [jax.jit(token_sequence_ids, static_argnums=1).lower(cu_q_lens, 12).as_text(),
+             jax.jit(plan_work_tiles, static_argnums=(2, 3)).lower(cu_q_lens, kv_lens, 12, 2).as_text()]
+    assert all("stablehlo.while" not in text for text in texts)
+    np.testing.assert_array_equal(token_sequence_ids(cu_q_lens, 12), [0, 0, 0, 1, 1, 3, 3, 3, 3, 4, 4, 4])
+
+
 def test_gpu_kernel_aliases_the_cache():
     case = make_case(3, [(1, 20), (3, 9)], num_q_heads=4, num_kv_heads=1, head_dim=64, page_size=16)
     text = ragged_paged_attention_gpu.lower(*case.args(), sm_scale=case.sm_scale, interpret=True).as_text()

@@ -41,7 +41,9 @@ def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
     """Index of the sequence each packed token belongs to; padding tokens get ``num_seqs``."""
     token_index = jnp.arange(num_tokens, dtype=jnp.int32)
     # searchsorted(side="right") - 1 picks the last sequence whose start is <= the token.
-    seq = jnp.searchsorted(cu_q_lens, token_index, side="right").astype(jnp.int32) - 1
+    # compare_all: one [tokens, seqs] comparison, no loop. The default method is a loop, which
+    # XLA:GPU runs as host-launched iterations inside every step program.
+    seq = jnp.searchsorted(cu_q_lens, token_index, side="right", method="compare_all").astype(jnp.int32) - 1
     num_seqs = cu_q_lens.shape[0] - 1
     return jnp.where(token_index < cu_q_lens[-1], seq, num_seqs)
 

@@ -53,7 +53,8 @@ def plan_work_tiles(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, b
     tile_end = jnp.cumsum(tiles_per_seq).astype(jnp.int32)
     tile_start = tile_end - tiles_per_seq
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.searchsorted(tile_end, tile, side="right").astype(jnp.int32)
+    # compare_all, not the default loop (see reference.token_sequence_ids).
+    seq = jnp.searchsorted(tile_end, tile, side="right", method="compare_all").astype(jnp.int32)
     is_live = seq < max_num_seqs
     seq = jnp.minimum(seq, max_num_seqs - 1)
     q_offset = (tile - tile_start[seq]) * block_q  # offset of the tile inside its sequence's chunk
@@ -88,7 +89,7 @@ def scatter_output_tiles(
     group = num_q_heads // num_kv_heads
     group_padded = rows // block_q
     token = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_q_lens, token, side="right").astype(jnp.int32) - 1
+    seq = jnp.searchsorted(cu_q_lens, token, side="right", method="compare_all").astype(jnp.int32) - 1
     is_valid = token < cu_q_lens[-1]
     seq = jnp.clip(seq, 0, tiles.tile_start.shape[0] - 1)
     offset = token - cu_q_lens[seq]  # offset inside the sequence's chunk
