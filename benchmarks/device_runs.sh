@@ -15,8 +15,8 @@
 #   tpsame  TP=1 vs TP=2 in one run: latency (with decode traces) and throughput-1k; then one
 #           GPU's latency and decode256 without CUDA graphs.
 #   tpgraphs TP=1 vs TP=2 latency with decode traces, host summaries; TP=2 without CUDA graphs.
-#   next    what session 4 left: TP=2 decode with synchronous collectives, the collective
-#           matmul, the kernel grid's 32k rows.
+#   next    what session 4 left: TP=2 decode with synchronous collectives and with XLA's
+#           overlap options, the collective matmul, the kernel grid's 32k rows.
 #   lab     GPU0: latency_lab (where batch-1 decode time goes), then throughput-1k with a trace of
 #           8 steady decode steps and its kernel breakdown. GPU1: the kernel's tile-size sweep
 #           (the data behind block_sizes.py).
@@ -99,6 +99,13 @@ next)
         --max-num-seqs 384 --max-model-len 2048 --profile --workloads latency \
         --xla-option xla_gpu_disable_async_collectives=ALLREDUCE,ALLGATHER,REDUCESCATTER >"$R/tp_sync.log" 2>&1
     python3 benchmarks/profile_host.py "$R/tp_sync" --steps 32 --top 25 >>"$R/tp_sync.log" 2>&1
+    # Decode with XLA's overlap options on (sharding.overlap.XLA_OVERLAP_OPTIONS), against the
+    # default-off TP=2 latency above: the decode half of "overlap chosen per phase by measurement".
+    timeout -s INT -k 15 100 python3 benchmarks/tensor_parallel.py --out "$R/tp_overlap" --tp 2 --tp-sizes 2 \
+        --max-num-seqs 384 --max-model-len 2048 --workloads latency \
+        --xla-option xla_gpu_enable_latency_hiding_scheduler=true \
+        --xla-option xla_gpu_multi_streamed_windowed_einsum=true \
+        --xla-option xla_gpu_threshold_for_windowed_einsum_mib=0 >"$R/tp_overlap.log" 2>&1
     on_gpu 0 kernels32k.log 200 python3 benchmarks/kernel_attention.py --out "$R/kernels32k" \
         --stages ceilings,decode --contexts 32768 ;;
 *)

@@ -273,6 +273,16 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def xla_option(text: str) -> tuple[str, object]:
+    """NAME=VALUE as a compiler option: XLA takes booleans and integers typed, not as strings."""
+    name, _, value = text.partition("=")
+    if value.lower() in ("true", "false"):
+        return name, value.lower() == "true"
+    if value.lstrip("-").isdigit():
+        return name, int(value)
+    return name, value
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -282,7 +292,7 @@ def main():
                         help="engine tp sizes for latency/throughput-1k (default '1,TP'; 70B on 8 GPUs: '4,8')")
     parser.add_argument("--workloads", default="allreduce,collective-matmul,prefill-overlap,latency,throughput-1k")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the code, measures nothing")
-    parser.add_argument("--xla-option", action="append", default=[], type=lambda kv: tuple(kv.split("=", 1)),
+    parser.add_argument("--xla-option", action="append", default=[], type=xla_option,
                         metavar="NAME=VALUE", help="an XLA option for the tp>1 engines' step programs (repeatable)")
     parser.add_argument("--profile", action="store_true", help="write jax.profiler traces of the prefill steps and of a latency request's decode steps")
     parser.add_argument("--max-model-len", type=int, default=4096)

@@ -52,7 +52,8 @@ def test_engine_throughput_workloads_complete(tmp_path):
 def test_tensor_parallel_smoke_with_profiles(tmp_path):
     out = tmp_path / "tp"
     run_script([BENCHMARKS / "tensor_parallel.py", "--out", out, "--shape", "tiny", "--smoke", "--tp", "2",
-                "--profile", "--workloads", "allreduce,prefill-overlap,latency"], tmp_path, devices=2)
+                "--profile", "--workloads", "allreduce,prefill-overlap,latency",
+                "--xla-option", "xla_gpu_enable_latency_hiding_scheduler=true"], tmp_path, devices=2)
     results = json.loads((out / "tensor_parallel.json").read_text())
     assert set(results["workloads"]) == {"allreduce", "prefill-overlap", "engine"}
     assert results["workloads"]["engine"]["latency_tpot_ratio"] > 0
