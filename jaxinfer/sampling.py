@@ -1,6 +1,7 @@
 """On-device sampling: one token per row of a batch of logits, each row with its own parameters.
 
-The runner calls ``sample(logits, tensors, flags)`` inside its jitted step. ``SamplingTensors``
+The runner calls ``sample(logits, tensors, flags)`` in its jitted sampler program, which runs
+on the forward's logits each step (one program per sequence bucket and flag set). ``SamplingTensors``
 holds one row per sequence (arrays built as numpy on the host and sent with the step's other
 inputs); ``SamplingFlags`` is static (part of the compiled program) and only switches whole
 stages off when no row of the step needs them.
