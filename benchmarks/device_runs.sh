@@ -89,24 +89,22 @@ tpgraphs)
     python3 benchmarks/profile_host.py "$R/tp_nographs" --steps 32 --top 40 --json "$R/decode_host_nographs.json" \
         >>"$R/tp_nographs.log" 2>&1 ;;
 next)
-    # Owed after session 4 (about 9 minutes): TP=2 decode with synchronous all-reduces (can
-    # the collectives then join the CUDA graphs?), the collective matmul, and the kernel
+    # Owed after session 4 (about 9.5 minutes): TP=2 decode with synchronous collectives (can
+    # they then join the CUDA graphs?) and with XLA's overlap options (the decode half of
+    # "overlap chosen per phase by measurement"), the collective matmul, and the kernel
     # grid's 32k-context rows, which session 4's grid did not reach.
-    timeout -s INT -k 15 200 python3 benchmarks/tensor_parallel.py --out "$R/tp" --tp 2 --max-num-seqs 384 \
-        --max-model-len 2048 --profile --workloads collective-matmul,latency >"$R/tp.log" 2>&1
+    TP="python3 benchmarks/tensor_parallel.py --tp 2 --max-num-seqs 384 --max-model-len 2048"
+    timeout -s INT -k 15 170 $TP --out "$R/tp" --profile --workloads latency >"$R/tp.log" 2>&1
     python3 benchmarks/profile_host.py "$R/tp" --steps 32 --top 25 >>"$R/tp.log" 2>&1
-    timeout -s INT -k 15 110 python3 benchmarks/tensor_parallel.py --out "$R/tp_sync" --tp 2 --tp-sizes 2 \
-        --max-num-seqs 384 --max-model-len 2048 --profile --workloads latency \
+    timeout -s INT -k 15 90 $TP --out "$R/tp_sync" --tp-sizes 2 --profile --workloads latency \
         --xla-option xla_gpu_disable_async_collectives=ALLREDUCE,ALLGATHER,REDUCESCATTER >"$R/tp_sync.log" 2>&1
     python3 benchmarks/profile_host.py "$R/tp_sync" --steps 32 --top 25 >>"$R/tp_sync.log" 2>&1
-    # Decode with XLA's overlap options on (sharding.overlap.XLA_OVERLAP_OPTIONS), against the
-    # default-off TP=2 latency above: the decode half of "overlap chosen per phase by measurement".
-    timeout -s INT -k 15 100 python3 benchmarks/tensor_parallel.py --out "$R/tp_overlap" --tp 2 --tp-sizes 2 \
-        --max-num-seqs 384 --max-model-len 2048 --workloads latency \
+    timeout -s INT -k 15 90 $TP --out "$R/tp_overlap" --tp-sizes 2 --workloads latency \
         --xla-option xla_gpu_enable_latency_hiding_scheduler=true \
         --xla-option xla_gpu_multi_streamed_windowed_einsum=true \
         --xla-option xla_gpu_threshold_for_windowed_einsum_mib=0 >"$R/tp_overlap.log" 2>&1
-    on_gpu 0 kernels32k.log 200 python3 benchmarks/kernel_attention.py --out "$R/kernels32k" \
+    timeout -s INT -k 15 80 $TP --out "$R/tp_cm" --workloads collective-matmul >"$R/tp_cm.log" 2>&1
+    on_gpu 0 kernels32k.log 120 python3 benchmarks/kernel_attention.py --out "$R/kernels32k" \
         --stages ceilings,decode --contexts 32768 ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
