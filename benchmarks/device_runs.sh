@@ -16,7 +16,8 @@
 #           GPU's latency and decode256 without CUDA graphs.
 #   tpgraphs TP=1 vs TP=2 latency with decode traces, host summaries; TP=2 without CUDA graphs.
 #   next    what session 4 left: TP=2 decode with synchronous collectives and with XLA's
-#           overlap options, the collective matmul, the kernel grid's 32k rows.
+#           overlap options, the collective matmul, the kernel grid's 32k rows, greedy
+#           agreement in bf16 (batched vs alone).
 #   lab     GPU0: latency_lab (where batch-1 decode time goes), then throughput-1k with a trace of
 #           8 steady decode steps and its kernel breakdown. GPU1: the kernel's tile-size sweep
 #           (the data behind block_sizes.py).
@@ -104,8 +105,12 @@ next)
         --xla-option xla_gpu_multi_streamed_windowed_einsum=true \
         --xla-option xla_gpu_threshold_for_windowed_einsum_mib=0 >"$R/tp_overlap.log" 2>&1
     timeout -s INT -k 15 80 $TP --out "$R/tp_cm" --workloads collective-matmul >"$R/tp_cm.log" 2>&1
+    # One GPU each: the kernel grid's 32k rows; greedy agreement batched vs alone in bf16 (issue 4).
     on_gpu 0 kernels32k.log 120 python3 benchmarks/kernel_attention.py --out "$R/kernels32k" \
-        --stages ceilings,decode --contexts 32768 ;;
+        --stages ceilings,decode --contexts 32768 &
+    (on_gpu 1 agreement_tiny.log 40 python3 benchmarks/agreement.py --out "$R/agreement_tiny"
+     on_gpu 1 agreement_8b.log 80 python3 benchmarks/agreement.py --out "$R/agreement_8b" --shape llama-3.1-8b) &
+    wait ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac

@@ -112,6 +112,21 @@ def test_profile_host_ranks_host_events_per_step(tmp_path):
         ("PjitFunction(_forward_step)", 0.4, 1.0), ("command_buffer::update", 0.3, 1.0)]
 
 
+def test_agreement_counts_positions_before_the_first_divergence(tmp_path):
+    from agreement import compare
+
+    report = compare([[1, 2, 3, 4], [5, 6], [7, 8, 9]], [[1, 2, 0, 4], [5, 6], [7, 8]])
+    assert report["identical_fraction"] == 1 / 3
+    assert report["first_divergence"] == [2, None, 2]
+    assert report["token_agreement"] == (2 + 2 + 2) / (4 + 2 + 3)
+    assert report["median_first_divergence"] == 2
+    out = tmp_path / "agreement"
+    run_script([BENCHMARKS / "agreement.py", "--out", out, "--dtype", "float32", "--num-prompts", "4",
+                "--max-tokens", "8"], tmp_path)
+    result = json.loads((out / "agreement.json").read_text())["agreement"]
+    assert result["identical_fraction"] == 1.0 and result["compilations_after_warmup"] == 0
+
+
 def test_kernel_ncu_report_reads_bytes_per_launch(tmp_path):
     from kernel_ncu import report
 
