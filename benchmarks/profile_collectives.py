@@ -51,9 +51,15 @@ def kernel_kind(kernel_name: str) -> str:
     return "other"
 
 
-def summarise(trace_path: Path, steps: int, top: int = 0) -> dict[str, dict]:
+def load_trace(trace_path: Path) -> tuple[list[dict], dict[int, str]]:
+    """A trace's events and its process names by pid ("/device:GPU:0", "/host:CPU", ...)."""
     events = json.load(gzip.open(trace_path))["traceEvents"]
     processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    return events, processes
+
+
+def summarise(trace_path: Path, steps: int, top: int = 0) -> dict[str, dict]:
+    events, processes = load_trace(trace_path)
     out = {}
     for pid, name in sorted(processes.items()):
         if "GPU" not in name:

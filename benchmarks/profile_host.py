@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
 import json
 from pathlib import Path
 
+from profile_collectives import load_trace
+
 
 def summarise_host(trace_path: Path, steps: int, top: int) -> list[dict]:
-    events = json.loads(gzip.open(trace_path).read())["traceEvents"]
-    processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    events, processes = load_trace(trace_path)
     total, count = collections.Counter(), collections.Counter()
     for event in events:
         if event.get("ph") != "X" or "/host:" not in processes.get(event["pid"], ""):

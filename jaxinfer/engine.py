@@ -213,28 +213,25 @@ class Engine:
         called between steps (the server scores ``max_tokens: 0`` requests this way). The first
         prompt of each new power-of-two length bucket compiles a program for it.
         """
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(prompt_token_ids) > self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is {self.max_model_len}"
-            )
+        self._check_prompt(prompt_token_ids, leave_room_for_output=False)
         return self.prompt_scorer.score(list(prompt_token_ids), num_top)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _check_prompt(self, prompt_token_ids: list[int], leave_room_for_output: bool) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: give at least one token")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
+        limit = self.max_model_len - 1 if leave_room_for_output else self.max_model_len
+        if len(prompt_token_ids) > limit:
             raise PromptTooLongError(
-                f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is {self.max_model_len}: "
-                f"it must leave room for at least one output token"
+                f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is {self.max_model_len}"
+                + (": it must leave room for at least one output token" if leave_room_for_output else "")
             )
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._check_prompt(prompt_token_ids, leave_room_for_output=True)
+        vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         # Before min_tokens the device bans EOS and the stop ids through a fixed-width list:

@@ -39,11 +39,11 @@ MIN_BUCKET = 16
 PromptLogprobs = list[dict[int, float] | None]
 
 
-def bucket_for(num_tokens: int, chunk_rows: int) -> int:
+def bucket_for(num_tokens: int) -> int:
     """The padded length a prompt of ``num_tokens`` is scored at: a power of two >= MIN_BUCKET.
 
-    Past ``chunk_rows`` a power of two is also a multiple of it (both are powers of two), so
-    the rows split into whole chunks.
+    The chunk size is a power of two too, so a bucket past it is a multiple of it and the rows
+    split into whole chunks.
     """
     return max(MIN_BUCKET, 1 << max(0, num_tokens - 1).bit_length())
 
@@ -135,7 +135,7 @@ class PromptScorer:
         if not 0 <= num_top <= MAX_TOP_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {num_top}")
         num_tokens = len(prompt_token_ids)
-        bucket = bucket_for(num_tokens, self.chunk_rows)
+        bucket = bucket_for(num_tokens)
         padded = np.zeros(bucket, np.int32)
         padded[:num_tokens] = prompt_token_ids
         placement = self.placement

@@ -200,17 +200,16 @@ class ModelRunner:
         start = time.perf_counter()
         shapes = self.buckets.all()
         all_inputs = [self._empty_inputs(t, b, p) for t, b, p in shapes]
-        # The samplers depend on the sequence bucket and page-table width only.
-        sampler_inputs = {(b, p, variant): self._empty_inputs(t, b, p, variant)
-                          for t, b, p in shapes for variant in SAMPLING_VARIANTS}
+        sampler_inputs = [self._empty_inputs(t, b, p, variant)
+                          for t, b, p in self._sampler_shapes() for variant in SAMPLING_VARIANTS]
         jobs = [functools.partial(self._compile, inputs) for inputs in all_inputs]
-        jobs += [functools.partial(self._compile_sampler, inputs) for inputs in sampler_inputs.values()]
+        jobs += [functools.partial(self._compile_sampler, inputs) for inputs in sampler_inputs]
         num_threads = num_threads or min(len(jobs), max(1, (os.cpu_count() or 1) // 2))
         with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
             compiled = pool.map(lambda job: job(), jobs)
             for _ in tqdm(compiled, total=len(jobs), desc="Compiling", unit="program", disable=not use_tqdm):
                 pass
-        for inputs in [*all_inputs, *sampler_inputs.values()]:
+        for inputs in [*all_inputs, *sampler_inputs]:
             jax.block_until_ready(self.execute(inputs).token_ids)
         self.warmup_done = True
         self._cache_size_after_warmup = self._num_compiled()
@@ -225,18 +224,30 @@ class ModelRunner:
             fn.lower(*args, **kwargs).compile()
 
     def _compile_sampler(self, inputs: StepInputs) -> None:
+        args, kwargs = self._sampler_call(inputs)
+        with self.placement.context():
+            self._sampler.lower(*args, **kwargs).compile()
+
+    def _sampler_call(self, inputs: StepInputs):
+        """The sampler's arguments for ``inputs``, its logits as a shape: what warm-up compiles."""
         logits = jax.ShapeDtypeStruct((inputs.batch.num_seqs, self.config.vocab_size), jnp.float32,
                                       sharding=self.placement.replicated)
         packed, layout = pack_host_arrays(_sampler_tree(inputs))
         packed = jax.device_put(packed, self.placement.replicated)
-        with self.placement.context():
-            self._sampler.lower(logits, self.token_pages, packed, layout=layout, variant=inputs.variant).compile()
+        return (logits, self.token_pages, packed), {"layout": layout, "variant": inputs.variant}
+
+    def _sampler_shapes(self) -> list[tuple[int, int, int]]:
+        """One bucket (tokens, sequences, pages) per (sequences, pages): the samplers depend on
+        nothing else, and warm-up runs each through a forward program that exists."""
+        first = {}
+        for t, b, p in self.buckets.all():
+            first.setdefault((b, p), (t, b, p))
+        return list(first.values())
 
     @property
     def num_programs(self) -> int:
         """Programs compiled at warm-up: one forward per bucket, two samplers per sequence bucket."""
-        shapes = self.buckets.all()
-        return len(shapes) + len(SAMPLING_VARIANTS) * len({(b, p) for _, b, p in shapes})
+        return len(self.buckets.all()) + len(SAMPLING_VARIANTS) * len(self._sampler_shapes())
 
     def _num_compiled(self) -> int:
         return self._step._cache_size() + self._sampler._cache_size()

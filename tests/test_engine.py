@@ -220,21 +220,16 @@ def test_no_step_program_branches_on_a_device_value(llm):
     # On the GPU a conditional copies its predicate to the host and waits for it, so a
     # lax.cond anywhere in a step made every dispatch block until the device got there (the
     # H200 idled half of each decode step). Every program a step runs must be branch-free.
+    from jaxinfer.runner import SAMPLING_VARIANTS
+
     runner = llm.engine.runner
-    import jax
-    import jax.numpy as jnp
-
-    from jaxinfer.runner import SAMPLING_VARIANTS, _sampler_tree, pack_host_arrays
-
     for num_tokens, num_seqs, pages in runner.buckets.all():
         fn, args, kwargs = runner._step_call(runner._empty_inputs(num_tokens, num_seqs, pages))
         with runner.placement.context():
             assert "stablehlo.case" not in fn.lower(*args, **kwargs).as_text()
         for variant in SAMPLING_VARIANTS:
-            packed, layout = pack_host_arrays(_sampler_tree(runner._empty_inputs(num_tokens, num_seqs, pages, variant)))
-            logits = jax.ShapeDtypeStruct((num_seqs, llm.engine.model_config.vocab_size), jnp.float32)
-            text = runner._sampler.lower(logits, runner.token_pages, packed, layout=layout, variant=variant).as_text()
-            assert "stablehlo.case" not in text, variant
+            args, kwargs = runner._sampler_call(runner._empty_inputs(num_tokens, num_seqs, pages, variant))
+            assert "stablehlo.case" not in runner._sampler.lower(*args, **kwargs).as_text(), variant
 
 
 def test_llm_close_frees_weights_and_cache_and_refuses_to_generate():

@@ -54,7 +54,7 @@ def oracle_logprobs(tiny, ids: list[int]) -> np.ndarray:
     """[len(ids), V] log_softmax of the logits at every row: one plain forward over the prompt."""
     # Padded to the scorer's bucket so that XLA's matmuls see the same shapes (float32 sums in
     # another order differ by ~1e-5); the padding rows come after the prompt and never reach it.
-    num_tokens = bucket_for(len(ids), 16)
+    num_tokens = bucket_for(len(ids))
     num_pages = num_tokens // PAGE_SIZE
     cache = create_kv_cache(tiny.config, num_pages + 1, PAGE_SIZE, jnp.float32)
     batch = build_step_batch([(ids, 0, list(range(1, num_pages + 1)))], num_tokens=num_tokens,
@@ -81,7 +81,7 @@ def test_scorer_equals_log_softmax_of_a_full_forward(tiny, scorer, length):
     ids = np.random.default_rng(length).integers(0, VOCAB, size=length).tolist()
     result = scorer.score(ids, 4)
     assert_matches_oracle(result, ids, oracle_logprobs(tiny, ids), 4)
-    assert bucket_for(length, 16) in scorer.buckets_compiled
+    assert bucket_for(length) in scorer.buckets_compiled
 
 
 def test_default_chunk_size_across_a_chunk_boundary(tiny, llm):
