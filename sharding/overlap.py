@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -48,8 +49,8 @@ def graph_options(num_devices: int) -> dict:
     """Compiler options for a step program over ``num_devices`` GPUs: collectives inside CUDA graphs."""
     if num_devices <= 1 or jax.default_backend() != "gpu":
         return {}
-    if "xla_gpu_enable_command_buffer" in os.environ.get("XLA_FLAGS", ""):
-        return {}  # the user chose the graph kinds
+    if re.search(r"--xla_gpu_enable_command_buffer=", os.environ.get("XLA_FLAGS", "")):
+        return {}  # the user chose the graph kinds (not ..._va_remapping, a different option)
     return {"xla_gpu_enable_command_buffer": GRAPHS_WITH_COLLECTIVES}
 
 
