@@ -18,6 +18,10 @@
 #   next    what session 4 left: TP=2 decode with synchronous collectives and with XLA's
 #           overlap options, the collective matmul, the kernel grid's 32k rows, greedy
 #           agreement in bf16 (batched vs alone).
+#   va      TP=1/TP=2 latency with stable buffer addresses for CUDA graphs (SKIP_TEMP), with
+#           host summaries; TP=2 with SKIP_PROFILED.
+#   va1     one GPU: latency, decode256 and throughput-nano with and without stable buffer
+#           addresses for CUDA graphs (SKIP_TEMP).
 #   lab     GPU0: latency_lab (where batch-1 decode time goes), then throughput-1k with a trace of
 #           8 steady decode steps and its kernel breakdown. GPU1: the kernel's tile-size sweep
 #           (the data behind block_sizes.py).
@@ -95,22 +99,46 @@ next)
     # "overlap chosen per phase by measurement"), the collective matmul, and the kernel
     # grid's 32k-context rows, which session 4's grid did not reach.
     TP="python3 benchmarks/tensor_parallel.py --tp 2 --max-num-seqs 384 --max-model-len 2048"
-    timeout -s INT -k 15 170 $TP --out "$R/tp" --profile --workloads latency >"$R/tp.log" 2>&1
+    timeout -s INT -k 15 160 $TP --out "$R/tp" --profile --workloads latency >"$R/tp.log" 2>&1
     python3 benchmarks/profile_host.py "$R/tp" --steps 32 --top 25 >>"$R/tp.log" 2>&1
     timeout -s INT -k 15 90 $TP --out "$R/tp_sync" --tp-sizes 2 --profile --workloads latency \
         --xla-option xla_gpu_disable_async_collectives=ALLREDUCE,ALLGATHER,REDUCESCATTER >"$R/tp_sync.log" 2>&1
     python3 benchmarks/profile_host.py "$R/tp_sync" --steps 32 --top 25 >>"$R/tp_sync.log" 2>&1
-    timeout -s INT -k 15 90 $TP --out "$R/tp_overlap" --tp-sizes 2 --workloads latency \
+    timeout -s INT -k 15 75 $TP --out "$R/tp_overlap" --tp-sizes 2 --workloads latency \
         --xla-option xla_gpu_enable_latency_hiding_scheduler=true \
         --xla-option xla_gpu_multi_streamed_windowed_einsum=true \
         --xla-option xla_gpu_threshold_for_windowed_einsum_mib=0 >"$R/tp_overlap.log" 2>&1
-    timeout -s INT -k 15 80 $TP --out "$R/tp_cm" --workloads collective-matmul >"$R/tp_cm.log" 2>&1
+    timeout -s INT -k 15 70 $TP --out "$R/tp_cm" --workloads collective-matmul >"$R/tp_cm.log" 2>&1
     # One GPU each: the kernel grid's 32k rows; greedy agreement batched vs alone in bf16 (issue 4).
     on_gpu 0 kernels32k.log 120 python3 benchmarks/kernel_attention.py --out "$R/kernels32k" \
         --stages ceilings,decode --contexts 32768 &
     (on_gpu 1 agreement_tiny.log 40 python3 benchmarks/agreement.py --out "$R/agreement_tiny"
      on_gpu 1 agreement_8b.log 80 python3 benchmarks/agreement.py --out "$R/agreement_8b" --shape llama-3.1-8b) &
     wait ;;
+va)
+    # Session 5: TP=2 decode is host-bound on CUDA graphs (about 68 a GPU a step, 45 of them
+    # re-pointed every step at ~31 µs each). With stable temporaries (SKIP_TEMP: VMM
+    # allocator, fixed virtual addresses), TP=1 and TP=2 latency with host summaries; then TP=2
+    # with SKIP_PROFILED, which also remaps parameters and outputs.
+    TP="python3 benchmarks/tensor_parallel.py --tp 2 --max-num-seqs 384 --max-model-len 2048"
+    XLA_FLAGS="--xla_gpu_command_buffer_update_mode=SKIP_TEMP" timeout -s INT -k 15 170 $TP --out "$R/tp_skiptemp" \
+        --profile --workloads latency >"$R/tp_skiptemp.log" 2>&1
+    python3 benchmarks/profile_host.py "$R/tp_skiptemp" --steps 32 --top 25 >>"$R/tp_skiptemp.log" 2>&1
+    XLA_FLAGS="--xla_gpu_command_buffer_update_mode=SKIP_PROFILED" timeout -s INT -k 15 90 $TP --out "$R/tp_skipprofiled" \
+        --tp-sizes 2 --workloads latency >"$R/tp_skipprofiled.log" 2>&1 ;;
+va1)
+    # One GPU: do stable buffer addresses cut the dispatch cost (CUDA-graph updates, 4.2-6.7 ms
+    # a step at batch 256; 47% of a throughput-nano step)? XLA 0.11.2's
+    # xla_gpu_command_buffer_update_mode=SKIP_TEMP maps temporaries at fixed virtual addresses
+    # through the VMM allocator (SKIP_PROFILED, which also remaps parameters, made batch-1
+    # latency worse in session 5). Default and SKIP_TEMP on the same machine. Page pools fixed
+    # at the sizes measured with the default allocator: the VMM allocator reports no limit.
+    E="python3 benchmarks/engine_throughput.py --workloads latency,decode256 --num-pages 27446"
+    N="python3 benchmarks/engine_throughput.py --resume --workloads throughput-nano --num-pages 35419"
+    for mode in ALWAYS_UPDATE SKIP_TEMP; do
+        on_gpu 0 engine_$mode.log 110 env XLA_FLAGS="--xla_gpu_command_buffer_update_mode=$mode" $E --out "$R/engine_$mode"
+        on_gpu 0 nano_$mode.log 70 env XLA_FLAGS="--xla_gpu_command_buffer_update_mode=$mode" $N --out "$R/engine_$mode"
+    done ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac

@@ -288,7 +288,7 @@ def main():
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--memory-utilization", type=float, default=0.95)
-    parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized from free memory)")
+    parser.add_argument("--num-pages", type=int, default=None, help="KV pages of every engine the run builds (default: sized from free memory)")
     parser.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (CPU smoke runs)")
     parser.add_argument("--resume", action="store_true", help="add to an existing results JSON in --out")
     parser.add_argument("--profile-steps", type=int, default=0,
@@ -363,7 +363,7 @@ def main():
         engine, engine_info = build_engine(
             model, max_model_len=2048, max_num_seqs=min(256, args.max_num_seqs),
             max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
-            memory_utilization=args.memory_utilization, log=log,
+            memory_utilization=args.memory_utilization, log=log, num_pages=args.num_pages,
         )
         results["engines"][args.nano_shape] = engine_info
         rng = np.random.default_rng(0)
