@@ -19,9 +19,10 @@
 #           overlap options, the collective matmul, the kernel grid's 32k rows, greedy
 #           agreement in bf16 (batched vs alone).
 #   va      TP=1/TP=2 latency with stable buffer addresses for CUDA graphs (SKIP_TEMP), with
-#           host summaries; TP=2 with SKIP_PROFILED.
+#           host summaries; TP=2 with XLA's one-shot all-reduce kernel instead of NCCL; both.
 #   va1     one GPU: latency, decode256 and throughput-nano with and without stable buffer
 #           addresses for CUDA graphs (SKIP_TEMP).
+#   warm    one GPU: 8B start-up with a cold, then a warm compilation cache.
 #   lab     GPU0: latency_lab (where batch-1 decode time goes), then throughput-1k with a trace of
 #           8 steady decode steps and its kernel breakdown. GPU1: the kernel's tile-size sweep
 #           (the data behind block_sizes.py).
@@ -116,16 +117,23 @@ next)
      on_gpu 1 agreement_8b.log 80 python3 benchmarks/agreement.py --out "$R/agreement_8b" --shape llama-3.1-8b) &
     wait ;;
 va)
-    # Session 5: TP=2 decode is host-bound on CUDA graphs (about 68 a GPU a step, 45 of them
-    # re-pointed every step at ~31 µs each). With stable temporaries (SKIP_TEMP: VMM
-    # allocator, fixed virtual addresses), TP=1 and TP=2 latency with host summaries; then TP=2
-    # with SKIP_PROFILED, which also remaps parameters and outputs.
+    # Session 5: TP=2 decode is host-bound on CUDA graphs (about 68 a GPU a step, because each
+    # NCCL all-reduce ends a graph, and 45 of them re-pointed every step at ~31 µs each).
+    # 1. Stable temporaries (SKIP_TEMP: VMM allocator, fixed virtual addresses): TP=1 and TP=2
+    #    latency with host summaries.
+    # 2. XLA's own one-shot all-reduce kernel (Triton, over NVLink peer memory) instead of
+    #    NCCL: can the graphs then hold the all-reduces, one graph a step?
+    # 3. Both.
     TP="python3 benchmarks/tensor_parallel.py --tp 2 --max-num-seqs 384 --max-model-len 2048"
+    CK="--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE"
     XLA_FLAGS="--xla_gpu_command_buffer_update_mode=SKIP_TEMP" timeout -s INT -k 15 170 $TP --out "$R/tp_skiptemp" \
         --profile --workloads latency >"$R/tp_skiptemp.log" 2>&1
     python3 benchmarks/profile_host.py "$R/tp_skiptemp" --steps 32 --top 25 >>"$R/tp_skiptemp.log" 2>&1
-    XLA_FLAGS="--xla_gpu_command_buffer_update_mode=SKIP_PROFILED" timeout -s INT -k 15 90 $TP --out "$R/tp_skipprofiled" \
-        --tp-sizes 2 --workloads latency >"$R/tp_skipprofiled.log" 2>&1 ;;
+    XLA_FLAGS="$CK" timeout -s INT -k 15 100 $TP --out "$R/tp_ck" --tp-sizes 2 --profile --workloads latency \
+        >"$R/tp_ck.log" 2>&1
+    python3 benchmarks/profile_host.py "$R/tp_ck" --steps 32 --top 25 >>"$R/tp_ck.log" 2>&1
+    XLA_FLAGS="$CK --xla_gpu_command_buffer_update_mode=SKIP_TEMP" timeout -s INT -k 15 80 $TP --out "$R/tp_ck_skiptemp" \
+        --tp-sizes 2 --workloads latency >"$R/tp_ck_skiptemp.log" 2>&1 ;;
 va1)
     # One GPU: do stable buffer addresses cut the dispatch cost (CUDA-graph updates, 4.2-6.7 ms
     # a step at batch 256; 47% of a throughput-nano step)? XLA 0.11.2's
@@ -139,6 +147,11 @@ va1)
         on_gpu 0 engine_$mode.log 110 env XLA_FLAGS="--xla_gpu_command_buffer_update_mode=$mode" $E --out "$R/engine_$mode"
         on_gpu 0 nano_$mode.log 70 env XLA_FLAGS="--xla_gpu_command_buffer_update_mode=$mode" $N --out "$R/engine_$mode"
     done ;;
+warm)
+    # Start-up of the 8B engine with a cold, then a warm persistent compilation cache (the
+    # program set changed in session 4: 11 forward + 14 sampler programs).
+    on_gpu 0 startup_cold.log 120 python3 benchmarks/engine_throughput.py --out "$R/engine" --workloads startup
+    on_gpu 0 startup_warm.log 90 python3 benchmarks/engine_throughput.py --out "$R/engine" --resume --workloads startup ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac

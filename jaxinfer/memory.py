@@ -73,6 +73,13 @@ def num_pages_for_device(config: ModelConfig, *, page_size: int, bytes_per_eleme
     page_bytes = config.kv_bytes_per_token(bytes_per_element) * page_size
     if not stats or "bytes_limit" not in stats:
         budget = CPU_KV_CACHE_BYTES
+        if device.platform != "cpu":
+            # Some allocators report no limit (XLA's VMM allocator, which
+            # --xla_gpu_command_buffer_update_mode selects): a 1 GiB pool would quietly
+            # starve an accelerator, so say how to size it.
+            logger.warning("%s reports no memory limit; the KV cache falls back to %.0f GiB. "
+                           "Pass num_pages (LLM(num_pages=...), --num-pages) to size it.",
+                           device.device_kind, CPU_KV_CACHE_BYTES / 2**30)
     else:
         budget = int(stats["bytes_limit"] * memory_utilization) - int(stats.get("bytes_in_use", 0)) - reserve_bytes
     num_pages = max(2, budget // page_bytes)
