@@ -1,6 +1,7 @@
 """Greedy agreement of batched and one-at-a-time generation, in the model's dtype (bf16 on the GPU).
 
     python3 benchmarks/agreement.py --out DIR [--model PATH | --shape NAME] [--num-prompts 32] [--max-tokens 64]
+    python3 benchmarks/agreement.py --out DIR --against-tp 2     # TP=2 against TP=1, both batched
 
 On CPU in float32 the engine's tests require the greedy tokens of a mixed batch to equal
 those of each prompt run alone. In bf16 on a GPU, rows batched differently can round
@@ -9,6 +10,10 @@ tokens then flips and the texts part. This measures how often: the same prompts 
 lengths, as token ids) through one engine, all at once and then one at a time, greedy, EOS
 ignored. Reported: the share of prompts whose outputs are identical, the share of output
 positions that agree before the first divergence, and where divergences start.
+
+``--against-tp N`` compares instead an engine over N devices with one over a single device,
+the same prompts batched in both: the check that a sharded run (or the XLA options of
+``docs/SHARDING.md``'s latency recipe, set through ``XLA_FLAGS``) computes the same thing.
 
 ``--model`` loads a checkpoint directory (default: the tiny Llama-3 fixture of the tests,
 random weights); ``--shape`` builds random weights of a named architecture
@@ -19,6 +24,7 @@ a pessimistic bound for a trained model.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -35,13 +41,14 @@ from jaxinfer.checkpoint import load_model  # noqa: E402
 
 NAME = "agreement"
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tiny-llama3"
+PAGE_SIZE = 32
 
 
-def compare(batched: list[list[int]], single: list[list[int]]) -> dict:
+def compare(first: list[list[int]], second: list[list[int]]) -> dict:
     """Agreement of two lists of token sequences, prompt by prompt."""
     first_divergence = []
     agreeing = total = 0
-    for a, b in zip(batched, single):
+    for a, b in zip(first, second):
         n = min(len(a), len(b))
         diverge = next((i for i in range(n) if a[i] != b[i]), None)
         if diverge is None and len(a) != len(b):
@@ -51,8 +58,8 @@ def compare(batched: list[list[int]], single: list[list[int]]) -> dict:
         total += max(len(a), len(b))
     diverged = [d for d in first_divergence if d is not None]
     return {
-        "num_prompts": len(batched),
-        "identical_fraction": sum(d is None for d in first_divergence) / len(batched),
+        "num_prompts": len(first),
+        "identical_fraction": sum(d is None for d in first_divergence) / len(first),
         "token_agreement": agreeing / max(total, 1),
         "first_divergence": first_divergence,
         "median_first_divergence": statistics.median(diverged) if diverged else None,
@@ -68,6 +75,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-prompt-len", type=int, default=200)
+    parser.add_argument("--against-tp", type=int, default=None, metavar="N",
+                        help="compare tensor_parallel_size N with 1 (both batched) instead of batched with alone")
     args = parser.parse_args()
 
     log = Log()
@@ -79,23 +88,34 @@ def main() -> None:
     else:
         path = args.model or FIXTURE
         model, source = load_model(path, dtype=args.dtype), str(path)
-    llm = LLM(loaded=model, max_model_len=args.max_prompt_len + args.max_tokens, max_num_seqs=args.num_prompts,
-              use_tqdm=False, max_wait_s=0.0)
+    options = dict(max_model_len=args.max_prompt_len + args.max_tokens, max_num_seqs=args.num_prompts,
+                   page_size=PAGE_SIZE, use_tqdm=False, max_wait_s=0.0)
+    if args.against_tp:
+        # Two engines share the devices: a fixed pool each instead of one sized from free memory.
+        options["num_pages"] = 4 * args.num_prompts * math.ceil(options["max_model_len"] / PAGE_SIZE)
+    llm = LLM(loaded=model, **options)
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, args.max_prompt_len, args.num_prompts)
     prompts = random_prompts(rng, lengths, model.config.vocab_size)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    batched = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
-    single = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-    report = compare(batched, single)
+    first_outputs = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    if args.against_tp:
+        sharded = LLM(loaded=model, tensor_parallel_size=args.against_tp, **options)
+        second_outputs = [out.outputs[0].token_ids for out in sharded.generate(prompts, params, use_tqdm=False)]
+        first, second = "TP=1", f"TP={args.against_tp}"
+    else:
+        second_outputs = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+        first, second = "batched", "alone"
+    report = compare(first_outputs, second_outputs)
     report.update(model=source, dtype=args.dtype, max_tokens=args.max_tokens, backend=jax.default_backend(),
+                  compared=f"{first} vs {second}",
                   compilations_after_warmup=llm.engine.stats()["num_compilations_after_warmup"])
     results["agreement"] = report
     log(f"{source} {args.dtype} on {jax.default_backend()}: {report['identical_fraction']:.0%} of "
-        f"{args.num_prompts} prompts identical batched vs alone; token agreement {report['token_agreement']:.1%}; "
+        f"{args.num_prompts} prompts identical {first} vs {second}; token agreement {report['token_agreement']:.1%}; "
         f"median first divergence {report['median_first_divergence']}")
     markdown = "\n".join([
-        "# Greedy agreement, batched vs one at a time", "",
+        f"# Greedy agreement, {first} vs {second}", "",
         f"`{results['info']['command']}`", "",
         f"{results['info']['device']}, jax {results['info']['jax']}; model {source}, {args.dtype}", "",
         "| prompts | output tokens each | identical | token agreement | median first divergence |",

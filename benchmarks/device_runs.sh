@@ -22,6 +22,7 @@
 #           host summaries; TP=2 with XLA's one-shot all-reduce kernel instead of NCCL; both.
 #   va1     one GPU: latency, decode256 and throughput-nano with and without stable buffer
 #           addresses for CUDA graphs (SKIP_TEMP).
+#   tpcheck greedy tokens of TP=2 against TP=1, f32 and bf16, default and with the TP latency recipe.
 #   warm    one GPU: 8B start-up with a cold, then a warm compilation cache.
 #   lab     GPU0: latency_lab (where batch-1 decode time goes), then throughput-1k with a trace of
 #           8 steady decode steps and its kernel breakdown. GPU1: the kernel's tile-size sweep
@@ -147,6 +148,14 @@ va1)
         on_gpu 0 engine_$mode.log 110 env XLA_FLAGS="--xla_gpu_command_buffer_update_mode=$mode" $E --out "$R/engine_$mode"
         on_gpu 0 nano_$mode.log 70 env XLA_FLAGS="--xla_gpu_command_buffer_update_mode=$mode" $N --out "$R/engine_$mode"
     done ;;
+tpcheck)
+    # Greedy tokens of TP=2 against TP=1 (tiny fixture, both batched), in f32 by default and
+    # with the latency recipe's XLA options (docs/SHARDING.md), and in bf16 with them.
+    RECIPE="--xla_gpu_command_buffer_update_mode=SKIP_TEMP --xla_gpu_experimental_use_collective_kernels=ALL_REDUCE"
+    A="python3 benchmarks/agreement.py --against-tp 2"
+    timeout -s INT -k 10 90 $A --dtype float32 --out "$R/f32_default" >"$R/f32_default.log" 2>&1
+    XLA_FLAGS="$RECIPE" timeout -s INT -k 10 90 $A --dtype float32 --out "$R/f32_recipe" >"$R/f32_recipe.log" 2>&1
+    XLA_FLAGS="$RECIPE" timeout -s INT -k 10 90 $A --out "$R/bf16_recipe" >"$R/bf16_recipe.log" 2>&1 ;;
 warm)
     # Start-up of the 8B engine with a cold, then a warm persistent compilation cache (the
     # program set changed in session 4: 11 forward + 14 sampler programs).

@@ -125,6 +125,16 @@ def test_agreement_counts_positions_before_the_first_divergence(tmp_path):
                 "--max-tokens", "8"], tmp_path)
     result = json.loads((out / "agreement.json").read_text())["agreement"]
     assert result["identical_fraction"] == 1.0 and result["compilations_after_warmup"] == 0
+    assert result["compared"] == "batched vs alone"
+
+
+def test_agreement_compares_tensor_parallel_with_one_device(tmp_path):
+    out = tmp_path / "agreement_tp"
+    run_script([BENCHMARKS / "agreement.py", "--out", out, "--dtype", "float32", "--num-prompts", "3",
+                "--max-tokens", "6", "--against-tp", "2"], tmp_path, devices=2)
+    result = json.loads((out / "agreement.json").read_text())["agreement"]
+    assert result["compared"] == "TP=1 vs TP=2" and result["num_prompts"] == 3
+    assert result["identical_fraction"] == 1.0  # f32 on CPU: the sharded sums agree to far below a flip
 
 
 def test_kernel_ncu_report_reads_bytes_per_launch(tmp_path):
