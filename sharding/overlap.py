@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 
 import jax
 import jax.numpy as jnp
@@ -39,9 +38,10 @@ XLA_OVERLAP_OPTIONS = {
 # XLA's default kinds of GPU command buffers (CUDA graphs) plus COLLECTIVES. A collective ends
 # a graph, so a tp=2 decode step runs as ~69 graphs per GPU, each updated and launched by the
 # host: on two H200s the host needs more time a step than the GPUs (~3.5 ms of compute).
-# Asking for COLLECTIVES was meant to merge them; measured, it did not (still ~69), though
-# the two runs with it (5.25, 5.99 ms TPOT) beat the one without (6.66 ms).
-# benchmarks/results/tensor_parallel.md has the numbers.
+# Asking for COLLECTIVES was meant to merge them; measured, it did not (still ~69 in sessions
+# 4 and 5, with NCCL's all-reduce or XLA's own kernel, async or not), and TPOT with it
+# (5.25-6.15 ms) is within the spread of runs without it (6.66 ms). What did help is process-
+# wide (XLA_FLAGS, docs/SHARDING.md's latency recipe). benchmarks/results/tensor_parallel.md.
 GRAPHS_WITH_COLLECTIVES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,COLLECTIVES"
 
 
@@ -49,8 +49,8 @@ def graph_options(num_devices: int) -> dict:
     """Compiler options for a step program over ``num_devices`` GPUs: collectives inside CUDA graphs."""
     if num_devices <= 1 or jax.default_backend() != "gpu":
         return {}
-    if re.search(r"--xla_gpu_enable_command_buffer=", os.environ.get("XLA_FLAGS", "")):
-        return {}  # the user chose the graph kinds (not ..._va_remapping, a different option)
+    if "--xla_gpu_enable_command_buffer=" in os.environ.get("XLA_FLAGS", ""):
+        return {}  # the user chose the graph kinds (the "=" keeps out options that share the prefix)
     return {"xla_gpu_enable_command_buffer": GRAPHS_WITH_COLLECTIVES}
 
 

@@ -179,13 +179,9 @@ def _multi_device_checks() -> dict:
     return report
 
 
-if __name__ == "__main__":
-    print(json.dumps(_multi_device_checks()))
-
-
 def test_graph_options_respect_only_the_users_own_graph_kinds(monkeypatch):
     """A user's ``--xla_gpu_enable_command_buffer=`` wins; other options that merely share the
-    prefix (``..._va_remapping``) must not switch the multi-GPU graph kinds off."""
+    prefix (``..._va_remapping`` in newer XLAs) must not switch the multi-GPU graph kinds off."""
     from sharding import overlap
 
     monkeypatch.setattr(overlap.jax, "default_backend", lambda: "gpu")
@@ -194,3 +190,8 @@ def test_graph_options_respect_only_the_users_own_graph_kinds(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")
     assert overlap.graph_options(2) == {}
     assert overlap.graph_options(1) == {}
+
+
+if __name__ == "__main__":
+    print(json.dumps(_multi_device_checks()))
+
