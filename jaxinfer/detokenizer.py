@@ -11,7 +11,8 @@ cut: so the text a stream shows only ever grows, and ends as the final text.
 
 A sample that ends inside a character (its last tokens hold the first bytes of a multi-byte
 character) keeps those bytes: ``finish`` appends their lossy decoding (U+FFFD), as
-``tokenizer.decode`` of the whole output would, instead of dropping them.
+``tokenizer.decode`` of the whole output would, instead of dropping them, and a stop string
+that this tail completes is cut like any other.
 """
 
 from __future__ import annotations
@@ -58,7 +59,23 @@ class Detokenizer:
         self._pending.clear()
         previous_len = len(self.text)
         self.text += piece
-        if not self.stop or not check_stop:
+        return self._cut_at_stop(previous_len) if check_stop else None
+
+    def finish(self, check_stop: bool = True) -> str | None:
+        """The sample ended: add the lossy text of trailing bytes that never formed a character.
+
+        Returns the stop string if that tail completes one (the text is then cut there too,
+        so no stop string ever reaches the final text)."""
+        pending, self._pending = self._pending, []
+        if not pending or self.stopped_by is not None:
+            return None
+        previous_len = len(self.text)
+        self.text += self.tokenizer.tokenizer.decode(pending, skip_special_tokens=self.skip_special_tokens)
+        return self._cut_at_stop(previous_len) if check_stop else None
+
+    def _cut_at_stop(self, previous_len: int) -> str | None:
+        """Find the earliest stop string that ends in the text added after ``previous_len``."""
+        if not self.stop:
             return None
         search_from = max(0, previous_len - self._hold_back)
         best = None
@@ -72,12 +89,6 @@ class Detokenizer:
         self.text = self.text[: i + len(s)] if self.include_stop_str_in_output else self.text[:i]
         self.stopped_by = s
         return s
-
-    def finish(self) -> None:
-        """The sample ended: add the lossy text of trailing bytes that never formed a character."""
-        if self._pending and self.stopped_by is None:
-            self.text += self.tokenizer.tokenizer.decode(self._pending, skip_special_tokens=self.skip_special_tokens)
-        self._pending.clear()
 
     def visible_text(self, finished: bool) -> str:
         """The text to show now: all of it once the sample is finished or stopped, else without

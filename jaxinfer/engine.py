@@ -433,7 +433,8 @@ class Engine:
         num_generated = seq.num_generated_tokens - int(seq.has_placeholder)  # this token included
         # min_tokens holds back every stop condition, stop strings included (vLLM's semantics):
         # before this, a stop string in the first min_tokens tokens ended the sample early.
-        stop_string = request.detokenizers[i].add_token(token, check_stop=num_generated >= params.min_tokens)
+        check_stop = num_generated >= params.min_tokens
+        stop_string = request.detokenizers[i].add_token(token, check_stop=check_stop)
         reason = None
         if stop_string is not None:
             reason, request.stop_reasons[i] = "stop", stop_string
@@ -444,7 +445,11 @@ class Engine:
         elif num_generated >= seq.sampling.max_tokens:
             reason = "length"
         if reason is not None:
-            request.detokenizers[i].finish()
+            # The last bytes of an unfinished character decode lossily (U+FFFD) only now; a
+            # stop string they complete comes before the other condition, so it is the reason.
+            tail_stop = request.detokenizers[i].finish(check_stop=check_stop)
+            if tail_stop is not None:
+                reason, request.stop_reasons[i] = "stop", tail_stop
             self.scheduler.finish(seq, reason)
 
     def _collect(self, changed: dict[str, _Request]) -> list[RequestOutput]:

@@ -581,6 +581,29 @@ def test_final_text_is_the_decoded_output_even_when_it_ends_inside_a_character(t
     assert ended_inside > 0  # the case this test is about happened
 
 
+
+def test_a_stop_string_completed_by_the_lossy_tail_still_stops_and_is_cut(tiny, shared):
+    # A sample that ends inside a character gets its last bytes as U+FFFD only when it finishes;
+    # a stop string that this tail completes (a character, then U+FFFD) must be cut like any other.
+    rng = np.random.default_rng(23)
+    decoder = shared.tokenizer.tokenizer
+    for seed in range(200):
+        prompt = rng.integers(0, VOCAB, size=int(rng.integers(2, 9))).tolist()
+        free = shared.generate([prompt], SamplingParams(temperature=1.0, seed=seed, max_tokens=10, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0]
+        # The stop string must first appear in that tail, not earlier in the text.
+        if len(free.text) >= 2 and free.text.endswith("\ufffd") and free.text.find(free.text[-2:]) == len(free.text) - 2:
+            break
+    else:
+        pytest.fail("no sample ended inside a character")
+    assert decoder.decode(free.token_ids, skip_special_tokens=True) == free.text
+    stop = free.text[-2:]
+    out = shared.generate([prompt], SamplingParams(temperature=1.0, seed=seed, max_tokens=10, ignore_eos=True,
+                                                   stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free.token_ids  # the same sample, which ended on its length
+    assert out.text == free.text[:-2] and stop not in out.text
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+
 def test_streamed_outputs_are_snapshots(shared):
     outputs = list(shared.stream([5, 6, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
                                                            logprobs=1)))
