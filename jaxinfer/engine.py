@@ -248,8 +248,11 @@ class Engine:
         return sorted((set() if params.ignore_eos else set(self.eos_ids)) | set(params.stop_token_ids))
 
     def abort(self, request_id: str) -> bool:
+        """Abort a waiting or running request, freeing its pages now; its last output (finish
+        reason "abort") comes from the next ``step``. False when there is nothing to abort: an
+        unknown id, or one already finished or aborted."""
         request = self._requests.get(request_id)
-        if request is None:
+        if request is None or request.is_finished:
             return False
         for seq in request.seqs:
             self.scheduler.finish(seq, "abort")

@@ -126,6 +126,7 @@ def test_abort_frees_pages_at_once(llm):
     assert engine.stats()["num_pages_used"] > 0
     assert engine.abort("a") and engine.abort("b")
     assert engine.stats()["num_pages_used"] == 0
+    assert not engine.abort("a") and not engine.abort("never-added")  # nothing left to abort
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()
