@@ -4,8 +4,10 @@
 #
 #   bash benchmarks/device_runs.sh PLAN        # on the GPU machine; OUT defaults to ./device-out
 #
-# Plans (nvidia-h200-x2; the single-GPU plans run two jobs side by side, one per GPU, each
-# with its own compilation cache so cold start-up stays cold):
+# Plans (nvidia-h200-x2 unless marked "one GPU", which also run on nvidia-h200; plans that use
+# GPUs one by one give each job its own compilation cache, so cold start-up stays cold).
+# Still owed after session 5: tpcheck (its f32 default and bf16 runs hit a 45 s limit, now
+# 90 s) and va1 again (throughput-nano with SKIP_TEMP needs repeats).
 #   engine  GPU0: HF peer batch, then the engine's startup/latency/batch128/decode256 with the
 #           ratio to it, then throughput-nano. GPU1: throughput-1k, then the kernel-decode/prefill grid.
 #   tp      TP=1 vs TP=2 in one run: collective-matmul, latency with decode traces, then the
@@ -22,13 +24,13 @@
 #           host summaries; TP=2 with XLA's one-shot all-reduce kernel instead of NCCL; both.
 #   va1     one GPU: latency, decode256 and throughput-nano with and without stable buffer
 #           addresses for CUDA graphs (SKIP_TEMP).
-#   tpcheck greedy tokens of TP=2 against TP=1, f32 and bf16, default and with the TP latency recipe.
+#   tpcheck greedy tokens of TP=2 against TP=1: f32 default, f32 and bf16 with the TP latency recipe.
 #   warm    one GPU: 8B start-up with a cold, then a warm compilation cache.
 #   lab     GPU0: latency_lab (where batch-1 decode time goes), then throughput-1k with a trace of
 #           8 steady decode steps and its kernel breakdown. GPU1: the kernel's tile-size sweep
 #           (the data behind block_sizes.py).
 set -u
-PLAN=${1:?plan: engine, tp, tp1k or lab}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm or lab}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
