@@ -304,6 +304,8 @@ class Engine:
             generation_tokens_total=self.generation_tokens_total,
             num_tokens_computed=self.num_tokens_computed,
             num_compilations_after_warmup=self.runner.num_compilations_after_warmup,
+            # Prompt scoring compiles per prompt-length bucket on first use (jaxinfer.prompt_logprobs).
+            num_prompt_scoring_programs=len(self.prompt_scorer.buckets_compiled),
             last_step_num_tokens=self.last_step_num_tokens,
         )
 

@@ -118,7 +118,10 @@ def test_generation_is_unchanged_and_prompt_logprobs_are_attached(tiny, llm, sco
                 assert list(entry_b) == list(entry_a)
                 assert list(entry_b.values()) == pytest.approx(list(entry_a.values()), abs=1e-5)
             assert b.prompt_logprobs == scorer.score(prompt, 2)
-    assert llm.engine.stats()["num_compilations_after_warmup"] == 0  # the scorer is its own program
+    stats = llm.engine.stats()
+    assert stats["num_compilations_after_warmup"] == 0  # the scorer is its own program...
+    # ...compiled once per prompt-length bucket used (5 -> 16, 40 -> 64, 70 -> 128), and counted.
+    assert stats["num_prompt_scoring_programs"] == len(llm.engine.prompt_scorer.buckets_compiled) >= 3
 
 
 def test_llm_generate_returns_prompt_logprobs_in_vllm_format(tiny, llm):

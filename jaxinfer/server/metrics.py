@@ -72,6 +72,9 @@ class ServerMetrics:
         self.num_pages_used = gauge("kv_cache_num_pages_used", "KV-cache pages in use.")
         self.num_compilations = gauge("num_compilations_after_warmup",
                                       "XLA compilations after warm-up (each one stalls serving).")
+        self.num_prompt_scoring_programs = gauge(
+            "num_prompt_scoring_programs",
+            "Prompt-logprob programs compiled on first use, one per prompt-length bucket (each stalls its request).")
         self.server_waiting = gauge("server_num_requests_waiting",
                                     "Requests admitted by the HTTP server that have not produced a token yet.")
         self.engine_counters = {key: counter(name, doc) for key, (name, doc) in _ENGINE_COUNTERS.items()}
@@ -116,6 +119,7 @@ class ServerMetrics:
         self.num_pages_total.set(stats.get("num_pages_total", 0))
         self.num_pages_used.set(stats.get("num_pages_used", 0))
         self.num_compilations.set(stats.get("num_compilations_after_warmup", 0))
+        self.num_prompt_scoring_programs.set(stats.get("num_prompt_scoring_programs", 0))
         for key, counter in self.engine_counters.items():
             total = stats.get(key)
             if total is None:
