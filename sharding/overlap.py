@@ -39,9 +39,10 @@ XLA_OVERLAP_OPTIONS = {
 # a graph, so a tp=2 decode step runs as ~69 graphs per GPU, each updated and launched by the
 # host: on two H200s the host needs more time a step than the GPUs (~3.5 ms of compute).
 # Asking for COLLECTIVES was meant to merge them; measured, it did not (still ~69 in sessions
-# 4 and 5, with NCCL's all-reduce or XLA's own kernel, async or not), and TPOT with it
-# (5.25-6.15 ms) is within the spread of runs without it (6.66 ms). What did help is process-
-# wide (XLA_FLAGS, docs/SHARDING.md's latency recipe). benchmarks/results/tensor_parallel.md.
+# 4 and 5, with NCCL's all-reduce or XLA's own kernel, async or not). TPOT with it was
+# 5.25-6.15 ms over five calls, 6.66 ms in the one call without it: no effect shown beyond
+# the calls' spread. What did help is process-wide (XLA_FLAGS, docs/SHARDING.md's latency
+# recipe). benchmarks/results/tensor_parallel.md.
 GRAPHS_WITH_COLLECTIVES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,COLLECTIVES"
 
 
