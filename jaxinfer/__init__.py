@@ -5,10 +5,10 @@
     print(llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(temperature=0))[0].outputs[0].text)
 """
 
-from jaxinfer.engine import PromptTooLongError
+from jaxinfer.errors import PromptTooLongError, RequestError
 from jaxinfer.llm import LLM
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "PromptTooLongError"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "PromptTooLongError", "RequestError"]
 __version__ = "0.1.0"

@@ -14,6 +14,7 @@ It has the engine's interface (``add_request``/``score_prompt``/``abort``/``step
 from __future__ import annotations
 
 from jaxinfer.engine import Engine
+from jaxinfer.errors import RequestIdInUseError
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 
@@ -42,7 +43,7 @@ class DataParallelEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None, final_only: bool = False) -> None:
         if request_id in self._owner:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestIdInUseError(f"request id {request_id!r} is already in use", field="request_id")
         engine = min(self.engines, key=_load)
         engine.add_request(request_id, prompt_token_ids, params, prompt=prompt, arrival_time=arrival_time,
                            final_only=final_only)

@@ -27,6 +27,7 @@ import numpy as np
 from jaxinfer.batch import build_step_batch
 from jaxinfer.checkpoint import LoadedModel
 from jaxinfer.detokenizer import Detokenizer
+from jaxinfer.errors import PromptTooLongError, RequestError, RequestIdInUseError
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.page_allocator import SCRATCH_PAGE, PageAllocator
 from jaxinfer.prompt_logprobs import PromptLogprobs, PromptScorer
@@ -35,10 +36,6 @@ from jaxinfer.sampling import SamplingTensors
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.scheduler import Schedule, Scheduler, SchedulerConfig
 from jaxinfer.sequence import PLACEHOLDER_TOKEN, Sequence
-
-
-class PromptTooLongError(ValueError):
-    """A prompt does not fit in the context (``max_model_len``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +177,7 @@ class Engine:
         thread, which delays the steps of every other request by as much.
         """
         if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestIdInUseError(f"request id {request_id!r} is already in use", field="request_id")
         self.validate(prompt_token_ids, params)
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
@@ -218,29 +215,31 @@ class Engine:
 
     def _check_prompt(self, prompt_token_ids: list[int], leave_room_for_output: bool) -> None:
         if not prompt_token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
+            raise RequestError("the prompt is empty: give at least one token", field="prompt", limit=1)
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            raise RequestError(f"prompt token ids must be in [0, {vocab})", field="prompt", limit=vocab)
         limit = self.max_model_len - 1 if leave_room_for_output else self.max_model_len
         if len(prompt_token_ids) > limit:
             raise PromptTooLongError(
                 f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is {self.max_model_len}"
-                + (": it must leave room for at least one output token" if leave_room_for_output else "")
+                + (": it must leave room for at least one output token" if leave_room_for_output else ""),
+                field="prompt", limit=limit,
             )
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self._check_prompt(prompt_token_ids, leave_room_for_output=True)
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+            raise RequestError(f"stop_token_ids must be in [0, {vocab})", field="stop_token_ids", limit=vocab)
         # Before min_tokens the device bans EOS and the stop ids through a fixed-width list:
         # past its width the rest were silently left unbanned and could be sampled early.
         num_banned = len(self._banned_before_min_tokens(params))
         if params.min_tokens > 0 and num_banned > MAX_BANNED:
             raise ValueError(
                 f"min_tokens needs {num_banned} token ids banned (stop_token_ids and EOS), "
-                f"more than the {MAX_BANNED} supported"
+                f"more than the {MAX_BANNED} supported",
+                field="min_tokens", limit=MAX_BANNED,
             )
 
     def _banned_before_min_tokens(self, params: SamplingParams) -> list[int]:
