@@ -637,7 +637,7 @@ def test_real_engine_rejections_name_their_field(real_server):
     body = {"model": real_server.model, "prompt": "hello", "max_tokens": 4}
     # More stop ids than the device can ban before min_tokens: the engine refuses, naming min_tokens.
     r = requests.post(url, json={**body, "min_tokens": 2, "stop_token_ids": list(range(40))}, timeout=30)
-    assert_openai_error(r, 400, "min_tokens")
+    assert assert_openai_error(r, 400, "min_tokens")["code"] == "invalid_value"
     # Past float32 (the device's type) a temperature or penalty would arrive as inf: refused.
     for field, value in (("temperature", 1e300), ("temperature", 10**300), ("repetition_penalty", 1e300)):
         r = requests.post(url, json={**body, field: value}, timeout=30)
