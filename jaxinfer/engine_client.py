@@ -19,28 +19,52 @@ together; their outputs come back, in arrival order, on one :class:`OutputStream
             break                           # item: a RequestOutput, cumulative text and tokens
     client.abort(["r-0"])                   # the caller went away: free its pages now
 
-A request the engine refuses is not raised from ``generate`` (it is checked on the engine's own
-thread, after admission): it arrives on the stream as the engine's typed error
-(:mod:`jaxinfer.errors`), so the front end maps it by type.
+``generate`` raises :class:`ServiceUnavailable` only when it cannot take the requests now. A
+request the engine refuses is not raised there (it is checked on the engine's own thread, after
+admission): it arrives on the stream as the engine's typed error (:mod:`jaxinfer.errors`), so
+the front end maps it by type.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import queue
-from typing import Protocol, Union
+from typing import Protocol
 
 from jaxinfer.errors import RequestError
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import Tokenizer
 
-# "loading" -> "warming" -> "ready" -> "draining" -> "stopped"; or "dead" once the engine failed.
-ENGINE_STATES = ("loading", "warming", "ready", "draining", "stopped", "dead")
-
 
 class EngineFault(Exception):
     """The engine failed while this request was in flight (HTTP 500); the engine is dead."""
+
+
+class ServiceUnavailable(Exception):
+    """The requests cannot be taken now (HTTP 503 + Retry-After); ``code`` says why."""
+
+    code = "service_unavailable"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class QueueFullError(ServiceUnavailable):
+    code = "queue_full"
+
+
+class DrainingError(ServiceUnavailable):
+    code = "draining"
+
+
+class NotReadyError(ServiceUnavailable):
+    code = "not_ready"
+
+
+class EngineDeadError(ServiceUnavailable):
+    code = "engine_dead"
 
 
 @dataclasses.dataclass
@@ -52,7 +76,7 @@ class EngineRequest:
     log_id: str = ""  # the caller's id for this call (the HTTP X-Request-Id), for logs
 
 
-StreamItem = Union[RequestOutput, RequestError, EngineFault]
+StreamItem = RequestOutput | RequestError | EngineFault
 
 
 class OutputStream:
@@ -85,7 +109,8 @@ class EngineClient(Protocol):
 
     @property
     def state(self) -> str:
-        """One of :data:`ENGINE_STATES`; requests are taken only when "ready"."""
+        """"loading" -> "warming" -> "ready" -> "draining" -> "stopped", or "dead" once the engine
+        failed; requests are taken only when "ready"."""
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -98,9 +123,8 @@ class EngineClient(Protocol):
     def generate(self, requests: list[EngineRequest]) -> OutputStream:
         """Admit one call's requests, all or none, and run them; their outputs come on the stream.
 
-        Raises :class:`jaxinfer.server.admission.ServiceUnavailable` (with ``code`` and
-        ``retry_after_s``) when the requests cannot be taken now: not ready, draining, dead, or
-        too many waiting.
+        Raises :class:`ServiceUnavailable` (with ``code`` and ``retry_after_s``) when the
+        requests cannot be taken now: not ready, draining, dead, or too many waiting.
         """
 
     def score(self, requests: list[EngineRequest]) -> OutputStream:

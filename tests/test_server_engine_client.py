@@ -44,7 +44,12 @@ class ReversingClient:
         return stream
 
     def score(self, requests: list[EngineRequest]) -> OutputStream:
-        raise AssertionError("no test here scores a prompt")
+        stream = OutputStream([r.request_id for r in requests])
+        for r in requests:
+            samples = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="length")
+                       for i in range(r.params.n)]
+            stream.put(RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, samples, finished=True))
+        return stream
 
     def abort(self, request_ids: list[str]) -> None:
         self.aborted.extend(request_ids)
@@ -99,6 +104,8 @@ def test_completions_and_chat_come_from_the_client(client, base_url):
     assert events[-1] == "[DONE]"
     text = "".join(c["delta"].get("content") or "" for e in events[:-1] for c in e["choices"])
     assert text == tok.decode(list(reversed(tok.encode_chat(messages)))[:3])
+    r = post(base_url, "/v1/completions", {"prompt": "the cat sat", "max_tokens": 0, "echo": True})
+    assert [(c["text"], c["finish_reason"]) for c in r.json()["choices"]] == [("the cat sat", "length")]
 
 
 @pytest.mark.parametrize("stream", [False, True])

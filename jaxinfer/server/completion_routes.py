@@ -17,11 +17,10 @@ import uuid
 
 from flask import Blueprint, Response, g, request
 
-from jaxinfer.engine_client import EngineClient, EngineFault, EngineRequest, OutputStream
+from jaxinfer.engine_client import EngineClient, EngineFault, EngineRequest, OutputStream, ServiceUnavailable
 from jaxinfer.errors import RequestError
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.server import protocol
-from jaxinfer.server.admission import ServiceUnavailable
 from jaxinfer.server.app_state import app_state, ready_client
 from jaxinfer.server.errors import APIError, bad_request, engine_error, internal_error
 from jaxinfer.server.responses import ResponseBuilder, sse

@@ -24,11 +24,11 @@ import queue
 import threading
 import time
 
-from jaxinfer.engine_client import EngineFault, EngineRequest, OutputStream
+from jaxinfer.engine_client import (DrainingError, EngineDeadError, EngineFault, EngineRequest, NotReadyError,
+                                    OutputStream)
 from jaxinfer.errors import RequestError
 from jaxinfer.outputs import CompletionOutput, RequestOutput
-from jaxinfer.server.admission import (Admission, AdmissionConfig, DrainingError, EngineDeadError,
-                                       NotReadyError)
+from jaxinfer.server.admission import Admission, AdmissionConfig
 from jaxinfer.server.request_timing import RequestTiming
 
 logger = logging.getLogger("jaxinfer.server")
@@ -53,7 +53,7 @@ class EngineLoop:
         self.engine = None
         self.admission = Admission(admission or AdmissionConfig())
         self.metrics = metrics
-        self.state = "loading"  # one of jaxinfer.engine_client.ENGINE_STATES
+        self.state = "loading"  # see EngineClient.state
         self._last_stats: dict = {}  # replaced whole by the loop thread, so readers never see it half-written
         self._inbox: queue.Queue = queue.Queue()
         self._pending: dict[str, PendingRequest] = {}
