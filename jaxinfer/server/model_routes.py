@@ -1,4 +1,4 @@
-"""The model and its tokenizer: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``."""
+"""The model and its tokenizer: `GET /v1/models`, `GET /v1/models/{id}`, `POST /tokenize`, `POST /detokenize`."""
 
 from __future__ import annotations
 
