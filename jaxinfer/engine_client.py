@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from jaxinfer.errors import RequestError
 from jaxinfer.outputs import RequestOutput
@@ -104,6 +104,7 @@ class OutputStream:
             return None
 
 
+@runtime_checkable  # isinstance checks that the methods and properties exist, not their signatures
 class EngineClient(Protocol):
     """An engine as a front end sees it. Every method is safe to call from any thread."""
 

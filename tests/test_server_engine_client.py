@@ -12,10 +12,11 @@ import threading
 import pytest
 import requests
 
-from jaxinfer.engine_client import EngineRequest, OutputStream
+from jaxinfer.engine_client import EngineClient, EngineRequest, OutputStream
 from jaxinfer.errors import PromptTooLongError, RequestError
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.server.app import create_app
+from jaxinfer.server.engine_loop import EngineLoop
 from jaxinfer.server.waitress_server import create_waitress_server, serve_forever
 from tests.fake_engine import load_tiny_tokenizer
 
@@ -88,6 +89,11 @@ def post(base_url: str, path: str, body: dict, **kw) -> requests.Response:
 def sse_data(r: requests.Response) -> list:
     return [json.loads(line[6:]) if line != b"data: [DONE]" else "[DONE]"
             for line in r.iter_lines() if line.startswith(b"data: ")]
+
+
+def test_both_clients_have_the_whole_interface(client):
+    assert isinstance(client, EngineClient) and isinstance(EngineLoop(), EngineClient)
+    assert not isinstance(object(), EngineClient)
 
 
 def test_completions_and_chat_come_from_the_client(client, base_url):
