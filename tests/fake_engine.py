@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.errors import PromptTooLongError, RequestError
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.server.background import BackgroundServer
@@ -107,12 +108,14 @@ class FakeEngine:
         self._check_thread()
         p = len(prompt_token_ids)
         if p == 0:
-            raise ValueError("the prompt is empty")
+            raise RequestError("the prompt is empty", field="prompt", limit=1)
         if p >= self.max_model_len:
-            raise ValueError(f"prompt of {p} tokens does not fit max_model_len {self.max_model_len}")
+            raise PromptTooLongError(f"prompt of {p} tokens does not fit max_model_len {self.max_model_len}",
+                                     field="prompt", limit=self.max_model_len - 1)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - p
         if p + max_tokens > self.max_model_len:
-            raise ValueError(f"{p} prompt tokens + max_tokens {max_tokens} exceed max_model_len {self.max_model_len}")
+            raise PromptTooLongError(f"{p} prompt tokens + max_tokens {max_tokens} exceed max_model_len "
+                                     f"{self.max_model_len}", field="max_tokens", limit=self.max_model_len - p)
         source = [t for t in prompt_token_ids if t not in self._special] or [prompt_token_ids[-1]]
         samples = [CompletionOutput(index=s, text="", token_ids=[], cumulative_logprob=None,
                                     logprobs=[] if params.logprobs is not None else None)

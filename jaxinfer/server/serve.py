@@ -2,12 +2,8 @@
 
 ``python server.py ...`` and ``jaxinfer serve ...`` both call :func:`run_server`, which owns the
 process (signals, drain) and serves through :class:`~jaxinfer.server.background.BackgroundServer`,
-started before the model loads so ``/health`` can say so. waitress is
-the WSGI server: one process (the model is loaded once), a thread per in-flight HTTP request
-(enough for every running and waiting request, so the admission queue, not waitress's backlog,
-decides who waits), ``channel_request_lookahead`` so a closed socket is noticed while a handler
-waits on the engine, and waitress's default ``send_bytes=1`` so every SSE chunk is written
-to the socket as soon as the handler yields it.
+started before the model loads so ``/health`` can say so. The WSGI server is waitress, configured
+in :mod:`jaxinfer.server.waitress_server`.
 """
 
 from __future__ import annotations
