@@ -10,7 +10,8 @@ Like the real engine it is not thread-safe, so it asserts that one thread calls 
 most ``max_num_seqs`` requests, keeps the rest waiting, and counts pages of ``page_size`` tokens
 so tests can check that aborts free them. Hooks: ``step_delay`` (seconds per step),
 ``before_step`` (called at the start of each step, e.g. to wait on a ``threading.Event``) and
-``fail_on_step`` (the step number whose call raises).
+``fail_on_step`` (the step number whose call raises) and ``fail_on_prompt`` (a prompt whose
+``add_request`` raises).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def load_tiny_tokenizer() -> tuple[Tokenizer, ModelConfig]:
 class FakeEngine:
     def __init__(self, max_model_len: int = 256, max_num_seqs: int = 8, page_size: int = 16,
                  num_pages_total: int = 1024, step_delay: float = 0.0, before_step=None,
-                 fail_on_step: int | None = None):
+                 fail_on_step: int | None = None, fail_on_prompt: str | None = None):
         self.tokenizer, self.model_config = load_tiny_tokenizer()
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -87,6 +88,7 @@ class FakeEngine:
         self.step_delay = step_delay
         self.before_step = before_step
         self.fail_on_step = fail_on_step
+        self.fail_on_prompt = fail_on_prompt
         self.num_steps = 0
         self.waiting: list[_Request] = []
         self.running: list[_Request] = []
@@ -106,6 +108,8 @@ class FakeEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None) -> None:
         self._check_thread()
+        if self.fail_on_prompt is not None and prompt == self.fail_on_prompt:
+            raise InjectedFault("injected fault in /secret/path/engine.py")
         p = len(prompt_token_ids)
         if p == 0:
             raise RequestError("the prompt is empty", field="prompt", limit=1)

@@ -201,6 +201,14 @@ class EngineLoop:
                                     arrival_time=entry.timing.arrival_time)
         except RequestError as e:
             self._reject(entry, e)
+        except Exception:
+            # A bug met while admitting one request fails that request, not the server: the
+            # engine checks a request before it changes any state, and abort() clears whatever
+            # part of it was queued.
+            logger.exception("engine fault while adding a request", extra={"request_id": r.request_id})
+            self.engine.abort(r.request_id)
+            self._forget(r.request_id, "error")
+            entry.stream.put(EngineFault("the engine failed while adding this request"))
 
     def _reject(self, entry: PendingRequest, error: RequestError) -> None:
         """The engine refused the request: its stream gets the engine's error itself (mapped by type)."""
