@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import inspect
 
 import pytest
 
@@ -121,6 +122,8 @@ def test_generate_and_serve_read_the_same_flags():
     flags = ["--max-num-seqs", "4", "--page-size", "16", "--no-async-scheduling"]
     generate_args = cli.build_parser().parse_args(["generate", "--prompt", "hi", *flags])
     assert EngineConfig(**engine_options_from_args(generate_args)) == serve.engine_config_from_args(serve_args(*flags))
+    # jaxinfer generate hands the same options to LLM, which takes every one by the field's name.
+    assert set(ENGINE_FLAGS) <= set(inspect.signature(LLM).parameters)
 
 
 def test_server_threads_come_from_the_resolved_batch():
