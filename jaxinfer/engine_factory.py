@@ -26,14 +26,14 @@ logger = logging.getLogger(__name__)
 
 
 def build_engine(model: LoadedModel, config: EngineConfig | None = None, *, tensor_parallel_size: int = 1,
-                 data_parallel_size: int = 1, warm_up: bool = True, use_tqdm: bool = True,
-                 platform: str | None = None) -> Engine | DataParallelEngine:
+                 data_parallel_size: int = 1, warm_up: bool = True,
+                 use_tqdm: bool = True) -> Engine | DataParallelEngine:
     """An engine for ``model`` on ``tensor_parallel_size * data_parallel_size`` devices.
 
     ``config``: what the caller asked for (``None``: every platform default). ``warm_up``:
     compile every step shape now; the server passes ``False`` and calls ``engine.warmup()``
     itself, so ``/health`` can say ``warming`` meanwhile (and so a multi-host leader can
-    attach its step channel first). ``platform``: whose defaults to use (default: JAX's backend).
+    attach its step channel first).
     """
     config = config or EngineConfig()
     meshes, models = [None], [model]
@@ -43,7 +43,7 @@ def build_engine(model: LoadedModel, config: EngineConfig | None = None, *, tens
 
         meshes = replica_meshes(make_mesh(tensor_parallel_size, data_parallel_size))
         models = [shard_model(model, mesh) for mesh in meshes]
-    config = config.resolve(models[0], mesh=meshes[0], platform=platform)
+    config = config.resolve(models[0], mesh=meshes[0])
     engines = [Engine(m, config, warm_up=warm_up, use_tqdm=use_tqdm, mesh=mesh) for m, mesh in zip(models, meshes)]
     usable_pages = config.num_pages - 1  # page 0 is scratch
     logger.info(
