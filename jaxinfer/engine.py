@@ -27,6 +27,7 @@ import numpy as np
 from jaxinfer.batch import build_step_batch
 from jaxinfer.checkpoint import LoadedModel
 from jaxinfer.detokenizer import Detokenizer
+from jaxinfer.engine_config import EngineConfig
 from jaxinfer.errors import PromptTooLongError, RequestError, RequestIdInUseError
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.page_allocator import SCRATCH_PAGE, PageAllocator
@@ -36,20 +37,6 @@ from jaxinfer.sampling import SamplingTensors
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.scheduler import Schedule, Scheduler, SchedulerConfig
 from jaxinfer.sequence import PLACEHOLDER_TOKEN, Sequence
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    max_model_len: int
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    page_size: int = 16
-    num_pages: int = 1024
-    enable_prefix_caching: bool = True
-    max_wait_s: float = 0.002
-    attention_impl: str = "auto"
-    async_scheduling: bool = True
-    overlap: object = None  # sharding.overlap.OverlapConfig: tp communication overlap per phase
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +108,8 @@ class Engine:
         self.model = model
         self.tokenizer = model.tokenizer
         self.model_config = model.config
-        self.config = config
+        # None fields become the platform defaults (a config built by engine_factory comes resolved).
+        self.config = config = config.resolve(model, mesh=mesh)
         self.max_model_len = config.max_model_len
         identity = f"{model.source}:{model.config}:{model.weights.embed.dtype}"
         self.allocator = PageAllocator(config.num_pages, config.page_size, identity, config.enable_prefix_caching)
