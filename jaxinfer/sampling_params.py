@@ -1,8 +1,23 @@
-"""SamplingParams: how to sample one request's output, with vLLM's names and defaults."""
+"""SamplingParams: how to sample one request's output, with vLLM's names and defaults; and
+SequenceSampling: what one sample (one ``Sequence``) of such a request runs with.
+
+The sampling-related types, from the client to the device:
+
+- ``SamplingParams`` (here): what a client asked for, per request (validated on construction).
+- ``SequenceSampling`` (here): one sample's share of it: the request's params plus the seed,
+  token budget and banned ids of that sample. The engine attaches one to each ``Sequence``.
+- ``SamplingTensors`` (``jaxinfer.sampling``): the same settings as device arrays, one row per
+  sampled token of a step, packed by ``jaxinfer.input_batch``.
+- ``SamplingFlags`` (``jaxinfer.sampling``): static switches compiled into a sampler program;
+  the runner's two sampler paths ("basic", "full") are two sets of them.
+- ``SamplerOutput`` (``jaxinfer.sampling``): what the sampler returns: token ids and logprobs.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+
 
 MAX_TOP_LOGPROBS = 20
 FLOAT32_MAX = 3.4028234663852886e38  # the sampler's arrays are float32
@@ -77,9 +92,33 @@ class SamplingParams:
             "prompt_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}",
         )
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0
+@dataclasses.dataclass(frozen=True)
+class SequenceSampling:
+    """What one sample of a request runs with (opaque to the scheduler and allocator)."""
+
+    params: SamplingParams
+    seed: int  # this sample's own seed: the request's, or derived from it for n > 1
+    max_tokens: int  # max_tokens, capped by the context left after the prompt
+    index: int = 0  # which of the request's n samples
+    # Ids the sample may not produce before min_tokens: see banned_before_min_tokens.
+    banned_before_min_tokens: tuple[int, ...] = ()
+
+    @functools.cached_property
+    def needs_full_sampler(self) -> bool:
+        """Whether the "full" sampler path must serve this sample: the "basic" one serves only
+        greedy and plain temperature sampling. Asked once per step per sequence, so cached."""
+        params = self.params
+        return (
+            params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            or params.logprobs is not None
+            or params.min_tokens > 0
+            or (params.temperature > 0 and (params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0))
+        )
+
+
+def banned_before_min_tokens(params: SamplingParams, eos_ids: frozenset[int]) -> tuple[int, ...]:
+    """Token ids a sample may not produce before ``min_tokens``: EOS (unless ignored) and the stop ids, sorted."""
+    return tuple(sorted((set() if params.ignore_eos else set(eos_ids)) | set(params.stop_token_ids)))
 
 
 def _is_int(x) -> bool:

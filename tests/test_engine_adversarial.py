@@ -18,7 +18,8 @@ from jaxinfer.checkpoint import load_model
 from jaxinfer.detokenizer import Detokenizer
 from jaxinfer.kv_cache import create_kv_cache
 from jaxinfer.model import forward_all_logits
-from jaxinfer.runner import MAX_BANNED, default_buckets
+from jaxinfer.input_batch import MAX_BANNED
+from jaxinfer.runner import default_buckets
 from jaxinfer.sequence import SequenceStatus
 
 from .conftest import FIXTURES
@@ -610,3 +611,4 @@ def test_streamed_outputs_are_snapshots(shared):
     lengths = [len(out.outputs[0].token_ids) for out in outputs]
     assert lengths == sorted(lengths) and lengths[0] < lengths[-1] == 6  # each kept as it was when yielded
     assert all(len(out.outputs[0].logprobs) == n for out, n in zip(outputs, lengths))
+
