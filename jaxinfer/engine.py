@@ -181,7 +181,7 @@ class Engine:
         # past its width the rest were silently left unbanned and could be sampled early.
         num_banned = len(banned_before_min_tokens(params, self.eos_ids))
         if params.min_tokens > 0 and num_banned > MAX_BANNED:
-            raise ValueError(
+            raise RequestError(
                 f"min_tokens needs {num_banned} token ids banned (stop_token_ids and EOS), "
                 f"more than the {MAX_BANNED} supported",
                 field="min_tokens", limit=MAX_BANNED,
