@@ -203,17 +203,19 @@ class Engine:
         return bool(self._requests) or self._launched is not None or bool(self._aborted)
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the outputs of requests that changed."""
-        changed: dict[str, RequestState] = {r.request_id: r for r in self._aborted}
+        """Schedule, launch, process the previous step's tokens, collect: the outputs of the
+        requests that changed (aborted ones included)."""
+        changed = {request.request_id: request for request in self._aborted}
         self._aborted.clear()
         schedule = self.scheduler.schedule()
-        previous, self._launched = self._launched, (self._launch(schedule) if not schedule.is_empty else None)
+        previous = self._launched
+        self._launched = None if schedule.is_empty else self._launch(schedule, previous)
         if not self.config.async_scheduling:
-            # Nothing is left in flight between steps here, so this step's own tokens are next.
+            # Nothing stays in flight between synchronous steps: this step's own tokens are next.
             previous, self._launched = self._launched, None
         if previous is not None:
             self._process(previous, changed)
-        elif schedule.wait_until is not None:
+        elif schedule.wait_until is not None:  # nothing to do yet: gather arrivals for the first step
             time.sleep(max(0.0, schedule.wait_until - time.monotonic()))
         return self._collect(changed)
 
@@ -236,11 +238,11 @@ class Engine:
             last_step_num_tokens=self.last_step_num_tokens,
         )
 
-    def _launch(self, schedule: Schedule) -> LaunchedStep:
+    def _launch(self, schedule: Schedule, in_flight: LaunchedStep | None) -> LaunchedStep:
         """Pack and dispatch ``schedule``'s step, then account for it as if done (the device
-        runs steps in order): computed tokens advance, a placeholder awaits each sampled token."""
-        previous = self._launched.packed if self._launched is not None else None
-        packed = self.runner.prepare(schedule, previous)
+        runs steps in order): computed tokens advance, a placeholder awaits each sampled token.
+        ``in_flight``: the step the device may still run, whose samples fill placeholders."""
+        packed = self.runner.prepare(schedule, in_flight.packed if in_flight is not None else None)
         now = time.monotonic()
         for item in schedule.items:
             metrics = self._seq_request[item.seq.seq_id].metrics
