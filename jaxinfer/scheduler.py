@@ -15,7 +15,8 @@ generated tokens as a prefill. No new sequence is admitted in a step that preemp
 The engine's step, with async scheduling (step n+1 prepared while the device runs step n):
 
     schedule = scheduler.schedule(now)      # a plain value; empty + wait_until: sleep, retry
-    runner.execute(runner.prepare(schedule, ...).inputs)  # item.seq.token_ids[start:start + n] are the inputs
+    packed = runner.prepare(schedule, ...)  # item.seq.token_ids[start:start + n] are the inputs
+    runner.execute(packed.inputs)           # dispatched; the device runs it while the host goes on
     scheduler.postprocess(schedule)         # advance num_computed_tokens, register full pages
     for item in schedule.items:             # only these sample a token this step
         if item.samples_token: item.seq.append_token(PLACEHOLDER_TOKEN)
