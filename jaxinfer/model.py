@@ -147,12 +147,3 @@ def forward(
     """
     x, cache = hidden_states(weights, cache, batch, config, attention_impl)
     return compute_logits(weights, x[batch.logits_indices]), cache
-
-
-
-def forward_all_logits(
-    weights: Weights, cache: KVCache, batch: StepBatch, config: ModelConfig, attention_impl: str = "auto"
-) -> tuple[jax.Array, KVCache]:
-    """Like :func:`forward` but logits at every token row [T, V] (tests, prompt logprobs)."""
-    x, cache = hidden_states(weights, cache, batch, config, attention_impl)
-    return compute_logits(weights, x), cache

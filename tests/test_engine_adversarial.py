@@ -17,10 +17,10 @@ from jaxinfer.batch import build_step_batch
 from jaxinfer.checkpoint import load_model
 from jaxinfer.detokenizer import Detokenizer
 from jaxinfer.kv_cache import create_kv_cache
-from jaxinfer.model import forward_all_logits
 from jaxinfer.runner import MAX_BANNED, default_buckets
 from jaxinfer.sequence import SequenceStatus
 
+from .all_logits import forward_all_logits
 from .conftest import FIXTURES
 
 MAX_MODEL_LEN = 48
