@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import kubernetes_validate
 import pytest
@@ -302,15 +303,55 @@ def test_hpa_metric_is_what_the_adapter_rule_serves(rendered, exported_names):
     assert asked == {"jaxinfer_num_requests_waiting"} and asked <= served
 
 
-def test_device_gauges_are_declared_without_a_gpu(exported_names):
+class FakeNvml:
+    """pynvml's calls the collector makes, for two GPUs; ``fail_on`` names the GPU whose power read raises."""
+
+    NVML_TEMPERATURE_GPU = 0
+
+    def __init__(self, fail_on: int | None = None):
+        self.fail_on = fail_on
+
+    def nvmlDeviceGetCount(self):
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetTemperature(self, handle, sensor):
+        return 40 + handle
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        if handle == self.fail_on:
+            raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
+        return 350_000  # milliwatts
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        return SimpleNamespace(gpu=75)
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return SimpleNamespace(used=2**30)
+
+
+def gpu_families(nvml) -> dict[str, list[tuple[dict, float]]]:
     from jaxinfer.server.device_metrics import DeviceCollector
 
-    assert {"jaxinfer:gpu_utilization_perc", "jaxinfer:gpu_temperature_celsius", "jaxinfer:gpu_power_watts",
-            "jaxinfer:gpu_memory_used_bytes", "jaxinfer:device_memory_used_bytes"} <= exported_names
     collector = DeviceCollector()
-    if collector._nvml is None:
-        gpu = [f for f in collector.collect() if f.name.startswith("jaxinfer:gpu_")]
-        assert len(gpu) == 4 and all(f.samples == [] for f in gpu)
+    collector._nvml = nvml
+    return {f.name: [(s.labels, s.value) for s in f.samples] for f in collector.collect()
+            if f.name.startswith("jaxinfer:gpu_")}
+
+
+def test_device_gauges_are_declared_everywhere_with_samples_only_from_nvml(exported_names):
+    gpu_names = {"jaxinfer:gpu_utilization_perc", "jaxinfer:gpu_temperature_celsius", "jaxinfer:gpu_power_watts",
+                 "jaxinfer:gpu_memory_used_bytes"}
+    assert gpu_names | {"jaxinfer:device_memory_used_bytes"} <= exported_names
+    assert gpu_families(None) == {name: [] for name in gpu_names}
+    families = gpu_families(FakeNvml())
+    assert families["jaxinfer:gpu_power_watts"] == [({"gpu": "0"}, 350.0), ({"gpu": "1"}, 350.0)]
+    assert families["jaxinfer:gpu_temperature_celsius"] == [({"gpu": "0"}, 40), ({"gpu": "1"}, 41)]
+    assert families["jaxinfer:gpu_utilization_perc"][0] == ({"gpu": "0"}, 0.75)
+    # A read that fails leaves no partial set of samples behind, and /metrics still renders.
+    assert gpu_families(FakeNvml(fail_on=1)) == {name: [] for name in gpu_names}
 
 
 def hadolint(path: Path) -> subprocess.CompletedProcess:

@@ -21,11 +21,14 @@ _JAX_MEMORY = [
     ("device_memory_limit_bytes", "Device memory limit (jax memory_stats).", "bytes_limit"),
     ("device_memory_peak_bytes", "Peak device memory in use (jax memory_stats).", "peak_bytes_in_use"),
 ]
+# (name, help, reader(pynvml, device handle))
 _NVML = [
-    ("gpu_temperature_celsius", "GPU temperature (NVML)."),
-    ("gpu_power_watts", "GPU power draw (NVML)."),
-    ("gpu_utilization_perc", "GPU utilization, 0..1 (NVML)."),
-    ("gpu_memory_used_bytes", "GPU memory in use (NVML)."),
+    ("gpu_temperature_celsius", "GPU temperature (NVML).",
+     lambda nvml, h: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)),
+    ("gpu_power_watts", "GPU power draw (NVML).", lambda nvml, h: nvml.nvmlDeviceGetPowerUsage(h) / 1000.0),
+    ("gpu_utilization_perc", "GPU utilization, 0..1 (NVML).",
+     lambda nvml, h: nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0),
+    ("gpu_memory_used_bytes", "GPU memory in use (NVML).", lambda nvml, h: nvml.nvmlDeviceGetMemoryInfo(h).used),
 ]
 
 
@@ -65,23 +68,20 @@ class DeviceCollector:
         nvml = self._nvml
         if nvml is None:
             return {}
-        samples: dict[str, list[tuple[str, float]]] = {name: [] for name, _ in _NVML}
+        samples: dict[str, list[tuple[str, float]]] = {}
         try:
             for i in range(nvml.nvmlDeviceGetCount()):
                 handle = nvml.nvmlDeviceGetHandleByIndex(i)
-                gpu = str(i)
-                samples["gpu_temperature_celsius"].append(
-                    (gpu, nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)))
-                samples["gpu_power_watts"].append((gpu, nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0))
-                samples["gpu_utilization_perc"].append((gpu, nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0))
-                samples["gpu_memory_used_bytes"].append((gpu, nvml.nvmlDeviceGetMemoryInfo(handle).used))
+                for name, _, read in _NVML:
+                    samples.setdefault(name, []).append((str(i), read(nvml, handle)))
         except Exception:
             return {}
         return samples
 
 
 def _families(table, label: str, samples: dict[str, list[tuple[str, float]]]):
-    for name, doc, *_ in table:
+    """One gauge family per row of ``table``, declared even when it has no samples."""
+    for name, doc, _ in table:
         family = GaugeMetricFamily(PREFIX + name, doc, labels=[label])
         for key, value in samples.get(name, []):
             family.add_metric([key], value)
