@@ -1,17 +1,28 @@
 """Device gauges read at scrape time: jax device memory, and NVML temperature/power/utilization.
 
 Both sources are optional: jax is read only if the engine already imported it, NVML only if
-``nvidia-ml-py`` imports and finds a GPU. A source that fails is skipped silently, so
-``/metrics`` never breaks because of it.
+``nvidia-ml-py`` (the ``nvml`` extra) imports and finds a GPU. A source that fails is skipped, so
+``/metrics`` never breaks because of it; only a GPU without ``nvidia-ml-py`` logs a warning.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from prometheus_client.core import GaugeMetricFamily
 
 from jaxinfer.server.metrics import PREFIX
+
+logger = logging.getLogger("jaxinfer.server")
+
+
+def _is_on_gpu() -> bool:
+    jax = sys.modules.get("jax")  # not imported here: a server without an engine has no device to ask
+    try:
+        return jax is not None and jax.default_backend() == "gpu"
+    except Exception:
+        return False
 
 
 class DeviceCollector:
@@ -19,10 +30,16 @@ class DeviceCollector:
         self._nvml = None
         try:
             import pynvml
-
+        except ImportError:
+            # Silent on CPU/TPU, where there is nothing to read; on a GPU the missing extra is named.
+            if _is_on_gpu():
+                logger.warning("GPU temperature/power/utilization gauges are off: nvidia-ml-py is not installed "
+                               "(pip install 'jaxinfer[nvml]'; jaxinfer[cuda] includes it)")
+            return
+        try:
             pynvml.nvmlInit()
             self._nvml = pynvml
-        except Exception:  # not installed, no driver, no GPU
+        except Exception:  # no driver, no GPU
             self._nvml = None
 
     def collect(self):
