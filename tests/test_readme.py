@@ -19,8 +19,6 @@ from pathlib import Path
 import pytest
 import requests
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 MODEL = "smollm2-135m-instruct"
@@ -126,6 +124,7 @@ def test_the_readme_has_examples_to_run():
     assert [b for b in BLOCKS if b.not_run_because is not None]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("section", list(PYTHON_SECTIONS))
 def test_python_examples(section, request, tmp_path):
     blocks = PYTHON_SECTIONS[section]
@@ -142,6 +141,7 @@ def test_python_examples(section, request, tmp_path):
     _check(done, f"README.md:{blocks[0].line} (section {section!r})", code)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", SHELL_BLOCKS, ids=[f"line{b.line}" for b in SHELL_BLOCKS])
 def test_shell_examples(block, request, tmp_path):
     if block.not_run_because is not None:
