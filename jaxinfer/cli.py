@@ -91,7 +91,9 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _missing_server_dependency(error: ImportError) -> int:
-    print(f"jaxinfer serve needs the server extra ({error}): pip install 'jaxinfer[server]'", file=sys.stderr)
+    # flask, waitress and prometheus-client are core dependencies: missing one means a broken install.
+    print(f"jaxinfer serve cannot import its server dependencies ({error}); "
+          "reinstall jaxinfer (pip install --force-reinstall jaxinfer, or `pip install .` in the clone)", file=sys.stderr)
     return 2
 
 

@@ -3,12 +3,14 @@
 Every family is declared on every platform (its ``# HELP``/``# TYPE`` lines are always there),
 so dashboards and autoscalers written against these names find them on a CPU machine too;
 samples appear only where a source reports them. jax is read only if the engine already
-imported it, NVML only if ``nvidia-ml-py`` imports and finds a GPU. A source that fails gives
-no samples, so ``/metrics`` never breaks because of it.
+imported it, NVML only if ``nvidia-ml-py`` (the ``nvml`` extra) imports and finds a GPU. A source
+that fails gives no samples, so ``/metrics`` never breaks because of it; only a GPU without
+``nvidia-ml-py`` logs a warning.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from prometheus_client.core import GaugeMetricFamily
@@ -31,16 +33,32 @@ _NVML = [
     ("gpu_memory_used_bytes", "GPU memory in use (NVML).", lambda nvml, h: nvml.nvmlDeviceGetMemoryInfo(h).used),
 ]
 
+logger = logging.getLogger("jaxinfer.server")
+
+
+def _is_on_gpu() -> bool:
+    jax = sys.modules.get("jax")  # not imported here: a server without an engine has no device to ask
+    try:
+        return jax is not None and jax.default_backend() == "gpu"
+    except Exception:
+        return False
+
 
 class DeviceCollector:
     def __init__(self):
         self._nvml = None
         try:
             import pynvml
-
+        except ImportError:
+            # Silent on CPU/TPU, where there is nothing to read; on a GPU the missing extra is named.
+            if _is_on_gpu():
+                logger.warning("GPU temperature/power/utilization gauges are off: nvidia-ml-py is not installed "
+                               "(pip install 'jaxinfer[nvml]'; jaxinfer[cuda] includes it)")
+            return
+        try:
             pynvml.nvmlInit()
             self._nvml = pynvml
-        except Exception:  # not installed, no driver, no GPU
+        except Exception:  # no driver, no GPU
             self._nvml = None
 
     def collect(self):
