@@ -191,3 +191,23 @@ def test_the_runner_submits_only_while_the_interactive_queue_is_short(tmp_path):
     runner.run_once()
     assert store.get_batch(batch.id).status == "completed"
     store.close()
+
+
+def test_a_dead_engine_lets_its_claims_lapse_to_another_server(tmp_path):
+    store = SQLiteBatchStore(tmp_path / "batches.db", lease_s=LEASE_S)
+    batch = add_batch(store, 4)
+    client = HeldClient()
+    config = BatchRunnerConfig(max_lines_in_flight=2, heartbeat_s=0.0, housekeeping_s=0.0)
+    runner = BatchRunner(store, client, "model", config=config, worker_id="w1")
+    runner.run_once()
+    assert len(client.streams) == 2
+    other = SQLiteBatchStore(tmp_path / "batches.db", lease_s=LEASE_S)
+    client.state = "dead"
+    deadline = time.monotonic() + 5 * LEASE_S
+    while not (taken := other.claim_lines("w2", 10, set())):  # a live runner would renew the lease forever
+        assert time.monotonic() < deadline, "the dead engine's server kept its lease"
+        runner.run_once()
+        time.sleep(0.05)
+    assert len(taken) == 4 and store.get_batch(batch.id).completed == 0
+    store.close()
+    other.close()

@@ -138,9 +138,13 @@ class SQLiteBatchStore:
         return claimed
 
     def heartbeat(self, worker_id: str, lines: list[ClaimedLine]) -> None:
+        # Only the batches of lines it holds: a worker whose engine died holds none, and its leases lapse.
+        batch_ids = {line.batch_id for line in lines}
+        if not batch_ids:
+            return
         with self._write() as db:
-            db.execute(f"UPDATE batches SET lease_expires_at = ? WHERE lease_owner = ? AND status IN "
-                       f"({','.join('?' * len(_RUNNING))})", (time.time() + self.lease_s, worker_id, *_RUNNING))
+            db.execute(f"UPDATE batches SET lease_expires_at = ? WHERE lease_owner = ? AND status = 'in_progress' "
+                       f"AND id IN ({','.join('?' * len(batch_ids))})", (time.time() + self.lease_s, worker_id, *batch_ids))
 
     def runnable_batches(self, worker_id: str, batch_ids: set[str]) -> set[str]:
         with self._lock:

@@ -40,7 +40,7 @@ class BatchRunnerConfig:
     max_lines_in_flight: int = 8
     max_waiting_requests: int = 2  # submit a line only while fewer requests wait for their first token
     poll_s: float = 0.02  # how often finished lines are collected
-    housekeeping_s: float = 0.5  # how often cancellations and finished batches are looked for
+    housekeeping_s: float = 0.5  # how often cancellations, finished batches and (when idle) new lines are looked for
     heartbeat_s: float = 5.0  # how often claims are renewed: well within the store's lease
 
 
@@ -70,6 +70,7 @@ class BatchRunner:
         self._claimed: list[ClaimedLine] = []  # claimed, not yet submitted
         self._running: dict[tuple[str, int], _RunningLine] = {}
         self._last_heartbeat = self._last_housekeeping = 0.0
+        self._next_claim_at = 0.0  # after a claim found nothing, the store is asked again only later
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -95,6 +96,10 @@ class BatchRunner:
                 self._stop.wait(1.0)
 
     def run_once(self) -> None:
+        if self.client.state == "dead":
+            # Let the claims lapse (no more heartbeats), so another server takes these lines over.
+            self._claimed.clear()
+            self._running.clear()
         now = time.monotonic()
         if now - self._last_heartbeat >= self.config.heartbeat_s:
             self._last_heartbeat = now
@@ -122,10 +127,13 @@ class BatchRunner:
     def _submit(self) -> None:
         while len(self._running) < self.config.max_lines_in_flight and self._queue_is_short():
             if not self._claimed:
+                if time.monotonic() < self._next_claim_at:
+                    return
                 held = {line.key for line in self._held()}
                 room = self.config.max_lines_in_flight - len(self._running)
                 self._claimed = self.store.claim_lines(self.worker_id, room, held)
                 if not self._claimed:
+                    self._next_claim_at = time.monotonic() + self.config.housekeeping_s
                     return
             line = self._claimed.pop(0)
             try:
