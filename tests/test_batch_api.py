@@ -54,7 +54,8 @@ def line(custom_id, body, url="/v1/completions", method="POST") -> dict:
 def run_batch(client, content: bytes, endpoint="/v1/completions", timeout_s=30.0):
     uploaded = client.files.create(file=("input.jsonl", io.BytesIO(content)), purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")
-    assert batch.status == "validating" and batch.request_counts.total == len([x for x in content.splitlines() if x.strip()])
+    num_lines = len([x for x in content.splitlines() if x.strip()])
+    assert batch.status == "validating" and batch.request_counts.total == num_lines
     deadline = time.monotonic() + timeout_s
     while batch.status not in ("completed", "failed", "cancelled"):
         assert time.monotonic() < deadline, batch

@@ -144,7 +144,8 @@ class SQLiteBatchStore:
             return
         with self._write() as db:
             db.execute(f"UPDATE batches SET lease_expires_at = ? WHERE lease_owner = ? AND status = 'in_progress' "
-                       f"AND id IN ({','.join('?' * len(batch_ids))})", (time.time() + self.lease_s, worker_id, *batch_ids))
+                       f"AND id IN ({','.join('?' * len(batch_ids))})",
+                       (time.time() + self.lease_s, worker_id, *batch_ids))
 
     def runnable_batches(self, worker_id: str, batch_ids: set[str]) -> set[str]:
         with self._lock:
