@@ -16,7 +16,7 @@ from tests.fake_engine import load_tiny_tokenizer
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(60)
-LEASE_S = 0.5
+LEASE_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +94,8 @@ def test_a_live_workers_claim_excludes_others_and_a_dead_ones_passes_on(open_sto
         assert second.claim_lines("w2", 10, set()) == []
     else:  # the stream hands each entry to one consumer
         assert {line.key for line in second.claim_lines("w2", 10, set())}.isdisjoint({line.key for line in held})
-    for _ in range(3):  # a live worker keeps its claim past the lease
-        time.sleep(LEASE_S / 2)
+    for _ in range(5):  # a live worker keeps its claim past the lease
+        time.sleep(LEASE_S / 4)
         first.heartbeat("w1", held)
     assert not {line.key for line in second.claim_lines("w2", 10, set())} & {line.key for line in held}
     assert answer(first, "w1", held[0])
