@@ -9,6 +9,7 @@ import pytest
 from jaxinfer.batch_api.records import BatchRecord, FileRecord, new_id, now_s
 from jaxinfer.batch_api.result_lines import parse_input_file, response_line
 from jaxinfer.batch_api.sqlite_store import SQLiteBatchStore
+from jaxinfer.batch_api.store import BatchStore
 from jaxinfer.engine_client import OutputStream
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.server.batch_runner import BatchRunner, BatchRunnerConfig
@@ -64,6 +65,7 @@ def answer(store, worker, line, text="ok") -> bool:
 
 def test_each_line_is_recorded_once_and_the_files_hold_one_line_each(open_store):
     store = open_store()
+    assert isinstance(store, BatchStore)  # the whole interface
     batch = add_batch(store, 3, extra=b"not json\n")
     assert store.get_batch(batch.id).failed == 1 and store.num_pending_lines() == 3
     lines = store.claim_lines("w1", 10, set())
