@@ -8,7 +8,6 @@ once from either) are written and restored, shard by shard, by ``jaxinfer.orbax_
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Callable
@@ -18,18 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.params import LayerWeights, Weights
 from jaxinfer.tokenizer import Tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-@dataclasses.dataclass
-class LoadedModel:
-    config: ModelConfig
-    weights: Weights
-    tokenizer: Tokenizer
-    source: Path
 
 
 def resolve_dtype(dtype: str | None) -> jnp.dtype:

@@ -25,9 +25,9 @@ import jax
 import numpy as np
 
 from jaxinfer.batch import build_step_batch
-from jaxinfer.checkpoint import LoadedModel
 from jaxinfer.detokenizer import Detokenizer
 from jaxinfer.errors import PromptTooLongError, RequestError, RequestIdInUseError
+from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.page_allocator import SCRATCH_PAGE, PageAllocator
 from jaxinfer.prompt_logprobs import PromptLogprobs, PromptScorer
@@ -49,7 +49,7 @@ class EngineConfig:
     max_wait_s: float = 0.002
     attention_impl: str = "auto"
     async_scheduling: bool = True
-    overlap: object = None  # sharding.overlap.OverlapConfig: tp communication overlap per phase
+    overlap: object = None  # jaxinfer.compile_options.OverlapConfig: tp communication overlap per phase
 
 
 @dataclasses.dataclass(frozen=True)

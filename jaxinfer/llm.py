@@ -18,9 +18,10 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxinfer.checkpoint import LoadedModel, load_model
+from jaxinfer.checkpoint import load_model
 from jaxinfer.data_parallel import DataParallelEngine
 from jaxinfer.engine import Engine, EngineConfig
+from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.memory import num_pages_for_device, pages_for
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
@@ -51,7 +52,7 @@ class LLM:
         tensor_parallel_size: devices each replica's layers are split over (heads, ffn, vocabulary).
         data_parallel_size: model replicas, each with its own scheduler, behind a router
             (``jaxinfer.data_parallel``); ``tp * dp`` devices in all. See docs/SHARDING.md.
-        overlap: ``sharding.overlap.OverlapConfig``: tp communication overlap for prefill / decode.
+        overlap: ``jaxinfer.compile_options.OverlapConfig``: tp communication overlap for prefill / decode.
         warm_up: compile every step shape now (else: on first use).
     """
 
