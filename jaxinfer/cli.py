@@ -5,21 +5,22 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxinfer.engine_args import add_engine_arguments, engine_options_from_args
+from jaxinfer.engine_config import PLATFORM_DEFAULTS
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="built-in name, Hugging Face directory or .gguf file")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the model is split over")
-    p.add_argument("--data-parallel-size", type=int, default=1, help="model replicas, each with its own scheduler")
+    p.add_argument("--seed", type=int, default=0, help="seeds the samples of prompts (default 0)")
+    add_engine_arguments(p)
 
 
 def _generate(args: argparse.Namespace) -> int:
     from jaxinfer import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
-              tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
+    llm = LLM(args.model, dtype=args.dtype, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+              data_parallel_size=args.data_parallel_size, **engine_options_from_args(args))
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         max_tokens=args.max_tokens, stop=args.stop or None, seed=args.sample_seed,
@@ -127,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("estimate", help="how many tokens / requests fit in the KV cache of a device")
     e.add_argument("--model", default="smollm2-135m-instruct", help="built-in name, HF directory (config.json) or .gguf")
     e.add_argument("--memory-gib", type=float, default=141.0, help="device memory (H200: 141)")
-    e.add_argument("--memory-utilization", type=float, default=0.9)
+    e.add_argument("--memory-utilization", type=float, default=PLATFORM_DEFAULTS["gpu"].memory_utilization,
+                   help="fraction of the device for weights + KV cache (default: the engine's on an accelerator)")
     e.add_argument("--request-len", type=int, default=2048, help="tokens per request (prompt + output)")
     e.add_argument("--kv-dtype", default="bfloat16", choices=["float32", "bfloat16", "float8"])
     e.set_defaults(func=_estimate)

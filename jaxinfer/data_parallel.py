@@ -8,7 +8,7 @@ step's tokens (async scheduling), so replica 1 launches while replica 0's progra
 Why replicas and not one batch split over ``dp``: see ``docs/SHARDING.md``.
 
 It has the engine's interface (``add_request``/``score_prompt``/``abort``/``step``/``stats``/``warmup``), so
-``LLM`` and the server use it unchanged.
+``LLM`` and the server use it unchanged; ``jaxinfer.engine_factory.build_engine`` builds it for ``dp > 1``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class DataParallelEngine:
         if not engines:
             raise ValueError("DataParallelEngine needs at least one engine")
         self.engines = engines
+        self.model = engines[0].model  # every replica holds the same weights, on its own devices
         self.tokenizer = engines[0].tokenizer
         self.model_config = engines[0].model_config
         self.config = engines[0].config
@@ -32,9 +33,6 @@ class DataParallelEngine:
 
     def warmup(self, use_tqdm: bool = True) -> float:
         return sum(engine.warmup(use_tqdm) for engine in self.engines)
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.engines[0].validate(prompt_token_ids, params)
 
     def score_prompt(self, prompt_token_ids: list[int], num_top: int):
         """Prompt logprobs from the first replica (every replica holds the same weights)."""

@@ -19,10 +19,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxinfer.checkpoint import load_model
-from jaxinfer.data_parallel import DataParallelEngine
-from jaxinfer.engine import Engine, EngineConfig
+from jaxinfer.engine_config import EngineConfig
+from jaxinfer.engine_factory import build_engine
 from jaxinfer.loaded_model import LoadedModel
-from jaxinfer.memory import num_pages_for_device, pages_for
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 
@@ -39,21 +38,16 @@ class LLM:
             directory, or a GGUF file.
         dtype: ``"float32"``, ``"bfloat16"`` or ``"auto"`` (bfloat16 on an accelerator, float32 on CPU).
         seed: seeds requests that do not set their own ``seed``.
-        max_model_len: longest prompt + output in tokens (default: the model's context length).
-        max_num_seqs: most sequences in one step (the maximum batch size); default 256 on
-            accelerators, 16 on CPU, never more than ``max_num_batched_tokens``.
-        max_num_batched_tokens: the token budget of one step (prefill chunks + decodes), at least
-            ``max_num_seqs`` (default 8192 on accelerators, 256 on CPU).
-        page_size: tokens per KV page (32: the best or near it in the H200 kernel sweep, docs/KERNELS.md).
-        num_pages: size of the page pool; default: sized from free device memory.
-        memory_utilization: fraction of device memory jaxinfer may use (weights + cache).
-        enable_prefix_caching: share full pages of common prefixes between requests.
-        attention_impl: ``"auto"`` (kernel on GPU/TPU, reference on CPU) or a forced implementation.
+        max_model_len, max_num_seqs, max_num_batched_tokens, page_size, num_pages,
+            memory_utilization, enable_prefix_caching, max_wait_s, attention_impl,
+            async_scheduling, overlap: the ``EngineConfig`` fields; ``None`` (the default) is the
+            platform's default, tabled in ``jaxinfer.engine_config`` and shared with
+            ``jaxinfer serve``.
         tensor_parallel_size: devices each replica's layers are split over (heads, ffn, vocabulary).
         data_parallel_size: model replicas, each with its own scheduler, behind a router
             (``jaxinfer.data_parallel``); ``tp * dp`` devices in all. See docs/SHARDING.md.
-        overlap: ``jaxinfer.compile_options.OverlapConfig``: tp communication overlap for prefill / decode.
         warm_up: compile every step shape now (else: on first use).
+        loaded: an already loaded model (``model`` and ``dtype`` are then not used).
     """
 
     def __init__(
@@ -65,65 +59,32 @@ class LLM:
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
-        page_size: int = 32,
+        page_size: int | None = None,
         num_pages: int | None = None,
-        memory_utilization: float = 0.9,
-        enable_prefix_caching: bool = True,
-        max_wait_s: float = 0.002,
-        attention_impl: str = "auto",
+        memory_utilization: float | None = None,
+        enable_prefix_caching: bool | None = None,
+        max_wait_s: float | None = None,
+        attention_impl: str | None = None,
+        async_scheduling: bool | None = None,
+        overlap=None,
         warm_up: bool = True,
         use_tqdm: bool = True,
         loaded: LoadedModel | None = None,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
-        overlap=None,
     ):
-        self.model = loaded or load_model(model, dtype)
-        config = self.model.config
-        self._config = config
-        meshes, models = [None], [self.model]
-        if tensor_parallel_size * data_parallel_size > 1:
-            from sharding.mesh import make_mesh, replica_meshes
-            from sharding.placement import shard_model
-
-            meshes = replica_meshes(make_mesh(tensor_parallel_size, data_parallel_size))
-            models = [shard_model(self.model, mesh) for mesh in meshes]
-            self.model = models[0]  # heads padded for tp (self.config keeps the original)
-        self.tokenizer = self.model.tokenizer
-        max_model_len = max_model_len or config.max_position_embeddings
-        if max_model_len > config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's context of {config.max_position_embeddings} tokens"
-            )
-        on_cpu = jax.default_backend() == "cpu"
-        max_num_batched_tokens = max_num_batched_tokens or (256 if on_cpu else 8192)
-        # A step gives each running sequence a token, so the default batch never outgrows the budget.
-        max_num_seqs = max_num_seqs or min(16 if on_cpu else 256, max_num_batched_tokens)
-        if num_pages is None:
-            element_bytes = self.model.weights.embed.dtype.itemsize
-            # One device holds its tp shard's (padded) KV heads.
-            per_device = dataclasses.replace(
-                config, num_kv_heads=self.model.config.num_kv_heads // tensor_parallel_size
-            )
-            num_pages = num_pages_for_device(
-                per_device, page_size=page_size, bytes_per_element=element_bytes, memory_utilization=memory_utilization
-            )
-        num_pages = max(num_pages, pages_for(max_model_len, page_size) + 1)
-        self.engine_config = EngineConfig(
+        loaded = loaded or load_model(model, dtype)
+        self._config = loaded.config
+        config = EngineConfig(
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            page_size=page_size, num_pages=num_pages, enable_prefix_caching=enable_prefix_caching,
-            max_wait_s=max_wait_s, attention_impl=attention_impl, overlap=overlap,
+            page_size=page_size, num_pages=num_pages, memory_utilization=memory_utilization,
+            enable_prefix_caching=enable_prefix_caching, max_wait_s=max_wait_s, attention_impl=attention_impl,
+            async_scheduling=async_scheduling, overlap=overlap,
         )
-        engines = [
-            Engine(m, self.engine_config, warm_up=warm_up, use_tqdm=use_tqdm, mesh=mesh)
-            for m, mesh in zip(models, meshes)
-        ]
-        self.engine = engines[0] if len(engines) == 1 else DataParallelEngine(engines)
-        logger.info(
-            "engine ready: %d pages x %d tokens = %d tokens of KV cache (%d requests of %d tokens at once)",
-            num_pages - 1, page_size, (num_pages - 1) * page_size,
-            (num_pages - 1) // pages_for(max_model_len, page_size), max_model_len,
-        )
+        self.engine = build_engine(loaded, config, tensor_parallel_size=tensor_parallel_size,
+                                   data_parallel_size=data_parallel_size, warm_up=warm_up, use_tqdm=use_tqdm)
+        self.model = self.engine.model  # the first replica's: heads padded for tp (self.config keeps the original)
+        self.tokenizer = self.engine.tokenizer
         self._seed_rng = np.random.default_rng(seed)
         self._request_counter = itertools.count()
 
@@ -131,6 +92,11 @@ class LLM:
     def config(self):
         """The model's config (before any head padding for tensor parallelism)."""
         return self._config
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        """The engine's resolved config: every platform default filled in."""
+        return self.engine.config
 
     @property
     def max_model_len(self) -> int:

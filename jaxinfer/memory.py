@@ -51,11 +51,11 @@ def weight_bytes(config: ModelConfig, bytes_per_element: int) -> int:
 
 
 def estimate(config: ModelConfig, *, bytes_per_element: int, memory_bytes: int, request_len: int,
-             memory_utilization: float = 0.9, activation_bytes: int = 0) -> MemoryEstimate:
+             memory_utilization: float) -> MemoryEstimate:
     """How many tokens, and requests of ``request_len`` tokens, fit on a device of ``memory_bytes``."""
     per_token = config.kv_bytes_per_token(bytes_per_element)
     weights = weight_bytes(config, bytes_per_element)
-    available = max(0, int(memory_bytes * memory_utilization) - weights - activation_bytes)
+    available = max(0, int(memory_bytes * memory_utilization) - weights)
     tokens = available // per_token
     return MemoryEstimate(per_token, weights, available, tokens, tokens // max(1, request_len), request_len)
 

@@ -10,7 +10,8 @@ Like the real engine it is not thread-safe, so it asserts that one thread calls 
 most ``max_num_seqs`` requests, keeps the rest waiting, and counts pages of ``page_size`` tokens
 so tests can check that aborts free them. Hooks: ``step_delay`` (seconds per step),
 ``before_step`` (called at the start of each step, e.g. to wait on a ``threading.Event``) and
-``fail_on_step`` (the step number whose call raises).
+``fail_on_step`` (the step number whose call raises) and ``fail_on_prompt`` (a prompt whose
+``add_request`` raises).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.errors import PromptTooLongError, RequestError
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.server.background import BackgroundServer
@@ -77,7 +79,7 @@ def load_tiny_tokenizer() -> tuple[Tokenizer, ModelConfig]:
 class FakeEngine:
     def __init__(self, max_model_len: int = 256, max_num_seqs: int = 8, page_size: int = 16,
                  num_pages_total: int = 1024, step_delay: float = 0.0, before_step=None,
-                 fail_on_step: int | None = None):
+                 fail_on_step: int | None = None, fail_on_prompt: str | None = None):
         self.tokenizer, self.model_config = load_tiny_tokenizer()
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -86,6 +88,7 @@ class FakeEngine:
         self.step_delay = step_delay
         self.before_step = before_step
         self.fail_on_step = fail_on_step
+        self.fail_on_prompt = fail_on_prompt
         self.num_steps = 0
         self.waiting: list[_Request] = []
         self.running: list[_Request] = []
@@ -105,14 +108,18 @@ class FakeEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None) -> None:
         self._check_thread()
+        if self.fail_on_prompt is not None and prompt == self.fail_on_prompt:
+            raise InjectedFault("injected fault in /secret/path/engine.py")
         p = len(prompt_token_ids)
         if p == 0:
-            raise ValueError("the prompt is empty")
+            raise RequestError("the prompt is empty", field="prompt", limit=1)
         if p >= self.max_model_len:
-            raise ValueError(f"prompt of {p} tokens does not fit max_model_len {self.max_model_len}")
+            raise PromptTooLongError(f"prompt of {p} tokens does not fit max_model_len {self.max_model_len}",
+                                     field="prompt", limit=self.max_model_len - 1)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - p
         if p + max_tokens > self.max_model_len:
-            raise ValueError(f"{p} prompt tokens + max_tokens {max_tokens} exceed max_model_len {self.max_model_len}")
+            raise PromptTooLongError(f"{p} prompt tokens + max_tokens {max_tokens} exceed max_model_len "
+                                     f"{self.max_model_len}", field="max_tokens", limit=self.max_model_len - p)
         source = [t for t in prompt_token_ids if t not in self._special] or [prompt_token_ids[-1]]
         samples = [CompletionOutput(index=s, text="", token_ids=[], cumulative_logprob=None,
                                     logprobs=[] if params.logprobs is not None else None)

@@ -36,7 +36,7 @@ def test_estimate_answers_how_many_requests_fit():
     assert result.num_requests == result.num_tokens // 2048
     assert "requests of 2,048 tokens" in str(result)
     # Nothing fits when the weights alone exceed the budget; no negative counts.
-    tiny = memory.estimate(llama, bytes_per_element=2, memory_bytes=8 * GIB, request_len=2048)
+    tiny = memory.estimate(llama, bytes_per_element=2, memory_bytes=8 * GIB, request_len=2048, memory_utilization=0.9)
     assert tiny.available_bytes == tiny.num_tokens == tiny.num_requests == 0
 
 

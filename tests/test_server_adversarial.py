@@ -349,25 +349,80 @@ def raw_http(server, data: bytes, timeout: float = 10) -> bytes:
         sock.close()
 
 
-def test_chunked_bodies_and_the_size_limit(server):
+def test_chunked_bodies(server):
     body = json.dumps({"model": server.model, "prompt": "the cat", "max_tokens": 2}).encode()
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + \
            b"\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
     half = len(body) // 2
     out = raw_http(server, head + b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (half, body[:half], len(body) - half, body[half:]))
     assert out.startswith(b"HTTP/1.1 200") and b'"text": "the"' in out, out[:300]
-    big = json.dumps({"model": server.model, "prompt": "x" * 100_000}).encode()
-    out = raw_http(server, head + b"%x\r\n%s\r\n0\r\n\r\n" % (len(big), big))
-    assert out.startswith(b"HTTP/1.1 413") and b'"invalid_request_error"' in out, out[:300]
-    r = post(server, "/v1/completions", {"model": server.model, "prompt": "x" * 100_000})
-    assert_openai_error(r, 413)
 
 
-def test_huge_header_does_not_break_the_server(server):
+LIMIT = 64 * 1024  # the module's server's max_body_bytes
+
+
+def padded_body(server, size: int) -> bytes:
+    """A valid completion request of exactly ``size`` bytes (JSON padded with spaces)."""
+    body = json.dumps({"model": server.model, "prompt": "the cat", "max_tokens": 2}).encode()
+    return body[:-1] + b" " * (size - len(body)) + b"}"
+
+
+def assert_too_large_then_serves(server, r_or_raw) -> None:
+    if isinstance(r_or_raw, bytes):
+        assert r_or_raw.startswith(b"HTTP/1.1 413"), r_or_raw[:300]
+        error = json.loads(r_or_raw.partition(b"\r\n\r\n")[2])["error"]
+    else:
+        error = assert_openai_error(r_or_raw, 413, None)
+    assert error["code"] == "request_entity_too_large" and str(LIMIT) in error["message"], error
+    assert post(server, "/v1/completions", padded_body(server, LIMIT)).status_code == 200  # still serving
+
+
+def test_a_body_one_byte_over_the_limit_is_json_413(server):
+    assert_too_large_then_serves(server, post(server, "/v1/completions", padded_body(server, LIMIT + 1)))
+
+
+def test_a_chunked_body_over_the_limit_is_json_413(server):
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + \
+           b"\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    body = padded_body(server, LIMIT + 1)
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 4096]), body[i:i + 4096]) for i in range(0, len(body), 4096))
+    assert_too_large_then_serves(server, raw_http(server, head + chunks + b"0\r\n\r\n"))
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_40_mib_body_is_json_413_without_being_read(server, chunked):
+    # Far past the limit: refused from its Content-Length (or as the chunks arrive), by waitress,
+    # before the app; the answer must still be OpenAI's JSON, not waitress's plain-text page.
+    big = b"x" * (40 << 20)
+    data = (big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)) if chunked else big  # a generator: chunked
+    r = requests.post(server.base_url + "/v1/completions", data=data, timeout=60, headers=AUTH)
+    assert_too_large_then_serves(server, r)
+
+
+def test_errors_waitress_answers_itself_are_json(server):
     body = {"model": server.model, "prompt": "hi", "max_tokens": 1}
     r = post(server, "/v1/completions", body, {"X-Junk": "x" * 300_000})
-    assert r.status_code == 431  # waitress's own limit, before the app
+    assert_openai_error(r, 431)  # waitress's own header limit, before the app
+    out = raw_http(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: nine\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 400") and set(json.loads(out.partition(b"\r\n\r\n")[2])["error"]) == \
+        {"message", "type", "param", "code"}, out[:300]
     assert post(server, "/v1/completions", body).status_code == 200
+
+
+def test_unknown_paths_and_handler_bugs_are_json(server, monkeypatch):
+    assert_openai_error(requests.get(server.base_url + "/nope", headers=AUTH, timeout=10), 404)
+    assert_openai_error(post(server, "/v1/nope", {}), 404)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("bug in /secret/path/protocol.py")
+
+    monkeypatch.setattr("jaxinfer.server.protocol.parse_completion", broken)
+    logging.getLogger("jaxinfer.server").disabled = True
+    try:
+        r = post(server, "/v1/completions", {"model": server.model, "prompt": "hi"})
+    finally:
+        logging.getLogger("jaxinfer.server").disabled = False
+    assert assert_openai_error(r, 500)["code"] == "internal_error" and "secret" not in r.text
 
 
 # ---------------------------------------------------------------- streams equal whole responses
@@ -582,7 +637,7 @@ def test_real_engine_rejections_name_their_field(real_server):
     body = {"model": real_server.model, "prompt": "hello", "max_tokens": 4}
     # More stop ids than the device can ban before min_tokens: the engine refuses, naming min_tokens.
     r = requests.post(url, json={**body, "min_tokens": 2, "stop_token_ids": list(range(40))}, timeout=30)
-    assert_openai_error(r, 400, "min_tokens")
+    assert assert_openai_error(r, 400, "min_tokens")["code"] == "invalid_value"
     # Past float32 (the device's type) a temperature or penalty would arrive as inf: refused.
     for field, value in (("temperature", 1e300), ("temperature", 10**300), ("repetition_penalty", 1e300)):
         r = requests.post(url, json={**body, field: value}, timeout=30)

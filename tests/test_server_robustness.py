@@ -137,6 +137,18 @@ def test_engine_fault_fails_requests_in_flight_and_health_reports_it():
         assert after.status_code == 503 and after.json()["error"]["code"] == "engine_dead"
 
 
+def test_a_fault_while_adding_one_request_fails_only_that_request():
+    engine = FakeEngine(fail_on_prompt="poison")
+    with RunningServer(engine) as s:
+        bad = requests.post(s.base_url + "/v1/completions", json={"model": s.model, "prompt": "poison"}, timeout=10)
+        assert bad.status_code == 500 and bad.json()["error"]["code"] == "engine_error"
+        assert "secret" not in bad.text
+        good = requests.post(s.base_url + "/v1/completions",
+                             json={"model": s.model, "prompt": "the cat sat", "max_tokens": 4}, timeout=10)
+        assert good.status_code == 200 and good.json()["choices"][0]["text"]
+        assert requests.get(s.base_url + "/health", timeout=5).status_code == 200
+
+
 SERVE_FAKE = """
 import sys
 sys.path.insert(0, {repo!r})

@@ -156,7 +156,7 @@ def _multi_device_checks() -> dict:
     # The engine's real step at tp=8: compiled HLO, donation, the cache's sharding after the step.
     llm = LLM(loaded=model, tensor_parallel_size=8, **LLM_OPTIONS)
     runner = llm.engine.runner
-    inputs = runner._empty_inputs(32, 4, 8)
+    inputs = runner.empty_inputs(32, 4, 8)
     step, args, kwargs = runner._step_call(inputs)  # the jitted step and its arguments, as execute() calls it
     with runner.placement.context():
         compiled = step.lower(*args, **kwargs).compile()

@@ -2,11 +2,14 @@
 
     python server.py --model smollm2-135m-instruct --port 8000
 
-Modules: ``serve`` (command line, waitress, SIGTERM), ``app`` (Flask handlers), ``protocol``
-(request validation), ``responses`` (response bodies), ``engine_loop`` (the engine's thread),
-``admission`` (the bounded waiting queue), ``metrics``/``device_metrics`` (Prometheus),
-``request_timing``, ``json_logging``, ``tracing`` (OpenTelemetry), ``errors``, ``background``
-(serve an already-loaded engine from a notebook or test).
+Modules: ``serve`` (command line, SIGTERM), ``background`` (serve an engine from background threads:
+the command line, a notebook, a test), ``waitress_server`` (the WSGI server and its JSON errors),
+``app`` (the Flask app, hooks, error handlers) over ``app_state``, with the routes in
+``completion_routes``, ``model_routes`` and ``probe_routes``; ``protocol`` (request validation),
+``responses`` (response bodies), ``engine_loop`` (the engine's thread: the in-process
+``jaxinfer.engine_client.EngineClient``), ``admission`` (the bounded waiting queue),
+``metrics``/``device_metrics`` (Prometheus), ``request_timing``, ``json_logging``, ``tracing``
+(OpenTelemetry), ``errors``.
 """
 
 from jaxinfer.server.app import create_app

@@ -12,35 +12,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+from jaxinfer.engine_client import QueueFullError
+
 DEFAULT_MAX_WAITING_REQUESTS = 256
 DEFAULT_MAX_WAITING_PROMPT_TOKENS = 256 * 1024
 DEFAULT_RETRY_AFTER_S = 1.0
-
-
-class ServiceUnavailable(Exception):
-    """The server cannot take the request now; the handler answers 503 + Retry-After."""
-
-    code = "service_unavailable"
-
-    def __init__(self, message: str, retry_after_s: float = DEFAULT_RETRY_AFTER_S):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class QueueFullError(ServiceUnavailable):
-    code = "queue_full"
-
-
-class DrainingError(ServiceUnavailable):
-    code = "draining"
-
-
-class NotReadyError(ServiceUnavailable):
-    code = "not_ready"
-
-
-class EngineDeadError(ServiceUnavailable):
-    code = "engine_dead"
 
 
 @dataclasses.dataclass

@@ -15,13 +15,13 @@ While it runs, the engine belongs to the server's engine thread: do not call
 
 from __future__ import annotations
 
-import errno
 import threading
 
 from jaxinfer.server.admission import AdmissionConfig
 from jaxinfer.server.app import DEFAULT_MAX_BODY_BYTES, create_app
 from jaxinfer.server.engine_loop import EngineLoop
 from jaxinfer.server.metrics import ServerMetrics
+from jaxinfer.server.waitress_server import create_waitress_server, serve_forever
 
 
 class BackgroundServer:
@@ -79,27 +79,3 @@ class BackgroundServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def create_waitress_server(app, host: str, port: int, threads: int, max_body_bytes: int):
-    from waitress import create_server
-
-    return create_server(
-        app, host=host, port=port, threads=threads,
-        connection_limit=threads + 64,
-        channel_request_lookahead=1,  # keep reading the socket during a request: notices disconnects
-        # A backstop above Flask's MAX_CONTENT_LENGTH, so Flask answers 413 in OpenAI's shape.
-        max_request_body_size=2 * max_body_bytes + (1 << 20),
-        outbuf_overflow=1 << 20, clear_untrusted_proxy_headers=True, ident="jaxinfer",
-    )
-
-
-def serve_forever(server) -> None:
-    """waitress's loop, for a thread: closing the server from another thread ends it quietly."""
-    try:
-        server.run()
-    except ValueError:  # select() on a socket whose fd server.close() already released
-        pass
-    except OSError as e:
-        if e.errno != errno.EBADF:
-            raise

@@ -1,14 +1,15 @@
-"""EngineLoop: the one thread that owns the engine.
+"""EngineLoop: the in-process :class:`~jaxinfer.engine_client.EngineClient`, one thread that owns the engine.
 
 The engine is not thread-safe, so HTTP handler threads never call it. A request travels:
 
-1. The handler validates the body and calls :meth:`EngineLoop.submit`, which applies admission
-   control (:mod:`jaxinfer.server.admission`), registers each engine request, and posts an
-   ``add`` command to the inbox. It gets back an :class:`OutputStream`.
+1. The handler validates the body and calls :meth:`EngineLoop.generate` (or :meth:`~EngineLoop.score`),
+   which applies admission control (:mod:`jaxinfer.server.admission`), registers each engine
+   request, and posts an ``add`` command to the inbox. It gets back an :class:`OutputStream`.
 2. The loop thread drains the inbox (``add``/``abort``), calls ``engine.step()`` while there is
    work and blocks on the inbox when there is none.
 3. Each ``RequestOutput`` (cumulative text and tokens per sample) goes to the stream of the
-   HTTP call that owns it; the handler reads the stream and writes JSON or SSE chunks.
+   HTTP call that owns it; the handler reads the stream and writes JSON or SSE chunks. A request
+   the engine refuses puts the engine's :class:`~jaxinfer.errors.RequestError` itself on the stream.
 4. When a request finishes the loop records its timing (metrics and one log line) and forgets it.
 
 A fault in ``step()`` fails every request in flight with :class:`EngineFault` (500 / SSE error)
@@ -23,86 +24,57 @@ import queue
 import threading
 import time
 
+from jaxinfer.engine_client import (DrainingError, EngineDeadError, EngineFault, EngineRequest, NotReadyError,
+                                    OutputStream)
+from jaxinfer.errors import RequestError
 from jaxinfer.outputs import CompletionOutput, RequestOutput
-from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.server.admission import (Admission, AdmissionConfig, DrainingError, EngineDeadError,
-                                       NotReadyError)
+from jaxinfer.server.admission import Admission, AdmissionConfig
 from jaxinfer.server.request_timing import RequestTiming
 
 logger = logging.getLogger("jaxinfer.server")
 
 
-class EngineFault(Exception):
-    """The engine failed while this request was in flight (HTTP 500)."""
-
-
-class RequestRejected(Exception):
-    """``engine.add_request`` refused the request (HTTP 400)."""
-
-
 @dataclasses.dataclass
-class EngineRequest:
-    request_id: str  # unique per engine request
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None = None
-    log_id: str = ""  # the client-facing request id (X-Request-Id) for logs
-    score_only: bool = False  # max_tokens 0: the prompt's logprobs only, nothing generated
+class PendingRequest:
+    """A request the loop has admitted and not yet finished: where its outputs go, and its timing."""
 
-
-class OutputStream:
-    """The outputs of one HTTP call's engine requests, in arrival order, from one queue.
-
-    Items are ``RequestOutput`` or an exception (``EngineFault``, ``RequestRejected``).
-    """
-
-    def __init__(self, request_ids: list[str]):
-        self.request_ids = request_ids
-        self.timings: dict[str, RequestTiming] = {}  # filled as requests finish
-        self._queue: queue.Queue = queue.Queue()
-
-    def put(self, item) -> None:
-        self._queue.put(item)
-
-    def get(self, timeout: float):
-        """The next item, or None after ``timeout`` seconds."""
-        try:
-            return self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
-
-@dataclasses.dataclass
-class _InFlight:
     request: EngineRequest
     stream: OutputStream
     timing: RequestTiming
-    is_waiting: bool = True
+    is_scoring: bool  # score the prompt only (EngineClient.score), nothing generated
+    is_waiting: bool = True  # holds an admission slot until its first output
     last_output: RequestOutput | None = None
 
 
 class EngineLoop:
-    """Owns the engine in one background thread; see the module docstring."""
+    """Owns the engine in one background thread; see the module docstring. An EngineClient."""
 
     def __init__(self, admission: AdmissionConfig | None = None, metrics=None):
         self.engine = None
         self.admission = Admission(admission or AdmissionConfig())
         self.metrics = metrics
-        self.state = "loading"  # loading -> warming -> ready -> draining -> stopped; or dead
-        self.last_stats: dict = {}
+        self.state = "loading"  # see EngineClient.state
+        self._last_stats: dict = {}  # replaced whole by the loop thread, so readers never see it half-written
         self._inbox: queue.Queue = queue.Queue()
-        self._in_flight: dict[str, _InFlight] = {}
+        self._pending: dict[str, PendingRequest] = {}
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stop = False
 
     @property
-    def is_ready(self) -> bool:
-        return self.state == "ready"
+    def tokenizer(self):
+        return None if self.engine is None else self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int | None:
+        return None if self.engine is None else self.engine.max_model_len
+
+    def stats(self) -> dict:
+        return {**self._last_stats, "server_num_requests_waiting": self.admission.num_waiting}
 
     def num_in_flight(self) -> int:
         with self._lock:
-            return len(self._in_flight)
+            return len(self._pending)
 
     def start(self, engine, warmup: bool = True) -> None:
         """Attach the engine (loaded elsewhere) and start the loop thread."""
@@ -114,8 +86,15 @@ class EngineLoop:
         self.state = "ready"
         self._thread.start()
 
-    def submit(self, requests: list[EngineRequest]) -> OutputStream:
+    def generate(self, requests: list[EngineRequest]) -> OutputStream:
         """Admit one HTTP call's engine requests (all or none) and queue them for the engine."""
+        return self._submit(requests, is_scoring=False)
+
+    def score(self, requests: list[EngineRequest]) -> OutputStream:
+        """As :meth:`generate`; the engine scores each prompt between steps and generates nothing."""
+        return self._submit(requests, is_scoring=True)
+
+    def _submit(self, requests: list[EngineRequest], is_scoring: bool) -> OutputStream:
         stream = OutputStream([r.request_id for r in requests])
         with self._lock:
             if self.state == "dead":
@@ -128,8 +107,8 @@ class EngineLoop:
             now = time.monotonic()
             for r in requests:
                 timing = RequestTiming(arrival_time=now, num_prompt_tokens=len(r.prompt_token_ids),
-                                       max_tokens=0 if r.score_only else r.params.max_tokens, n=r.params.n)
-                self._in_flight[r.request_id] = _InFlight(r, stream, timing)
+                                       max_tokens=0 if is_scoring else r.params.max_tokens, n=r.params.n)
+                self._pending[r.request_id] = PendingRequest(r, stream, timing, is_scoring)
         self._inbox.put(("add", requests))
         return stream
 
@@ -143,15 +122,15 @@ class EngineLoop:
             if self.state == "ready":
                 self.state = "draining"
             deadline = time.monotonic() + timeout_s
-            while self._in_flight and self.state == "draining" and time.monotonic() < deadline:
+            while self._pending and self.state == "draining" and time.monotonic() < deadline:
                 self._lock.wait(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
-            remaining = list(self._in_flight)
+            remaining = list(self._pending)
         if remaining:
             logger.warning("drain timeout: aborting %d requests", len(remaining))
             self.abort(remaining)
             with self._lock:
                 end = time.monotonic() + 5.0
-                while self._in_flight and self.state == "draining" and time.monotonic() < end:
+                while self._pending and self.state == "draining" and time.monotonic() < end:
                     self._lock.wait(timeout=0.1)
         self.stop()
 
@@ -182,7 +161,7 @@ class EngineLoop:
                     self._update_stats(stepped=False)  # idle: gauges drop to zero
             # Stopped with requests left (drain could not abort them in time): end their streams.
             with self._lock:
-                left = list(self._in_flight.values())
+                left = list(self._pending.values())
             for entry in left:
                 final = _aborted_output(entry)
                 self._finish(entry, final, time.monotonic())
@@ -211,20 +190,32 @@ class EngineLoop:
 
     def _add(self, r: EngineRequest) -> None:
         with self._lock:
-            entry = self._in_flight.get(r.request_id)
+            entry = self._pending.get(r.request_id)
         if entry is None:
             return
-        if r.score_only:
+        if entry.is_scoring:
             self._score(r, entry)
             return
         try:
             self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, prompt=r.prompt,
                                     arrival_time=entry.timing.arrival_time)
-        except ValueError as e:
-            self._forget(r.request_id, "rejected")
-            entry.stream.put(RequestRejected(str(e)))
+        except RequestError as e:
+            self._reject(entry, e)
+        except Exception:
+            # A bug met while admitting one request fails that request, not the server: the
+            # engine checks a request before it changes any state, and abort() clears whatever
+            # part of it was queued.
+            logger.exception("engine fault while adding a request", extra={"request_id": r.request_id})
+            self.engine.abort(r.request_id)
+            self._forget(r.request_id, "error")
+            entry.stream.put(EngineFault("the engine failed while adding this request"))
 
-    def _score(self, r: EngineRequest, entry: _InFlight) -> None:
+    def _reject(self, entry: PendingRequest, error: RequestError) -> None:
+        """The engine refused the request: its stream gets the engine's error itself (mapped by type)."""
+        self._forget(entry.request.request_id, "rejected")
+        entry.stream.put(error)
+
+    def _score(self, r: EngineRequest, entry: PendingRequest) -> None:
         """A score-only request (max_tokens 0): the engine scores the prompt here, on the engine
         thread between steps (the engine is not thread-safe), and the request finishes at once
         without entering the scheduler. Its samples are empty, finished by "length" (OpenAI's
@@ -233,9 +224,8 @@ class EngineLoop:
         if r.params.prompt_logprobs is not None:
             try:
                 prompt_logprobs = self.engine.score_prompt(r.prompt_token_ids, r.params.prompt_logprobs)
-            except ValueError as e:
-                self._forget(r.request_id, "rejected")
-                entry.stream.put(RequestRejected(str(e)))
+            except RequestError as e:
+                self._reject(entry, e)
                 return
         samples = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="length",
                                     logprobs=[] if r.params.logprobs is not None else None)
@@ -246,7 +236,7 @@ class EngineLoop:
 
     def _abort(self, request_id: str) -> None:
         with self._lock:
-            entry = self._in_flight.get(request_id)
+            entry = self._pending.get(request_id)
         if entry is None:
             return  # already finished
         self.engine.abort(request_id)
@@ -258,7 +248,7 @@ class EngineLoop:
 
     def _deliver(self, out: RequestOutput, now: float) -> None:
         with self._lock:
-            entry = self._in_flight.get(out.request_id)
+            entry = self._pending.get(out.request_id)
         if entry is None:
             return  # aborted already
         if entry.is_waiting:
@@ -272,7 +262,7 @@ class EngineLoop:
             self._finish(entry, out, now)
         entry.stream.put(out)
 
-    def _finish(self, entry: _InFlight, out: RequestOutput, now: float) -> None:
+    def _finish(self, entry: PendingRequest, out: RequestOutput, now: float) -> None:
         timing = entry.timing
         timing.on_finish(out, now)
         entry.stream.timings[entry.request.request_id] = timing
@@ -285,21 +275,21 @@ class EngineLoop:
 
     def _forget(self, request_id: str, reason: str) -> None:
         with self._lock:
-            entry = self._in_flight.pop(request_id, None)
+            entry = self._pending.pop(request_id, None)
             if entry is not None and entry.is_waiting:
                 entry.is_waiting = False
                 self.admission.release(entry.timing.num_prompt_tokens)
             self._lock.notify_all()
 
     def _update_stats(self, stepped: bool) -> None:
-        self.last_stats = self.engine.stats()
+        self._last_stats = self.engine.stats()
         if self.metrics is not None:
-            self.metrics.update_engine_stats(self.last_stats, stepped=stepped)
+            self.metrics.update_engine_stats(self._last_stats, stepped=stepped)
 
     def _fail_all(self) -> None:
         with self._lock:
             self.state = "dead"
-            entries = list(self._in_flight.values())
+            entries = list(self._pending.values())
         if self.metrics is not None:
             self.metrics.set_state("dead")
         for entry in entries:
@@ -307,7 +297,7 @@ class EngineLoop:
             entry.stream.put(EngineFault("the engine failed while running this request"))
 
 
-def _aborted_output(entry: _InFlight) -> RequestOutput:
+def _aborted_output(entry: PendingRequest) -> RequestOutput:
     last = entry.last_output
     r = entry.request
     if last is None:

@@ -50,3 +50,13 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def engine_error() -> APIError:
     return APIError(500, "the engine failed while running this request; see the server log", code="engine_error")
+
+
+def internal_error() -> APIError:
+    """A bug in this server (the log has the traceback; the client never does)."""
+    return APIError(500, "internal server error; see the server log", code="internal_error")
+
+
+def body_too_large(max_body_bytes: int) -> APIError:
+    return APIError(413, f"the request body is larger than this server's limit of {max_body_bytes} bytes",
+                    code="request_entity_too_large")

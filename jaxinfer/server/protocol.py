@@ -8,7 +8,9 @@ and vLLM's servers do, so newer clients keep working.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import re
 from typing import Any
 
 from jaxinfer.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
@@ -44,6 +46,42 @@ class ParsedRequest:
 
 
 _MISSING = object()
+# JSON's escape of a UTF-16 surrogate, the only way a body can smuggle one into a Python str.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def parse_json_body(data: bytes) -> dict:
+    """The request body as a JSON object; 400 for anything else."""
+    try:
+        body = json.loads(data or b"null")
+    except (ValueError, RecursionError):
+        raise bad_request("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    # JSON may escape a lone UTF-16 surrogate ("\ud800"); Python keeps it in the str, where the
+    # tokenizer and the UTF-8 response writer fail on it (a 500). Only bodies with such an
+    # escape are walked.
+    if _SURROGATE_ESCAPE.search(data) and _has_lone_surrogate(body):
+        raise bad_request("the request body is not valid JSON: a string holds a lone UTF-16 surrogate")
+    return body
+
+
+def _has_lone_surrogate(value) -> bool:
+    """Whether a string anywhere in ``value`` (keys included) is not encodable as UTF-8."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode()
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+    return False
 
 
 def field(body: dict, name: str, kind: str, default: Any = None, *, nullable: bool = True) -> Any:

@@ -2,12 +2,8 @@
 
 ``python server.py ...`` and ``jaxinfer serve ...`` both call :func:`run_server`, which owns the
 process (signals, drain) and serves through :class:`~jaxinfer.server.background.BackgroundServer`,
-started before the model loads so ``/health`` can say so. waitress is
-the WSGI server: one process (the model is loaded once), a thread per in-flight HTTP request
-(enough for every running and waiting request, so the admission queue, not waitress's backlog,
-decides who waits), ``channel_request_lookahead`` so a closed socket is noticed while a handler
-waits on the engine, and waitress's default ``send_bytes=1`` so every SSE chunk is written
-to the socket as soon as the handler yields it.
+started before the model loads so ``/health`` can say so. The WSGI server is waitress, configured
+in :mod:`jaxinfer.server.waitress_server`.
 """
 
 from __future__ import annotations
@@ -20,6 +16,8 @@ import threading
 import time
 from pathlib import Path
 
+from jaxinfer.engine_args import add_engine_arguments, engine_options_from_args
+from jaxinfer.engine_config import EngineConfig
 from jaxinfer.server.admission import (DEFAULT_MAX_WAITING_PROMPT_TOKENS, DEFAULT_MAX_WAITING_REQUESTS,
                                        DEFAULT_RETRY_AFTER_S, AdmissionConfig)
 from jaxinfer.server.app import DEFAULT_MAX_BODY_BYTES
@@ -29,7 +27,6 @@ from jaxinfer.server.tracing import otlp_tracer_provider
 
 logger = logging.getLogger("jaxinfer.server")
 
-DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
@@ -42,13 +39,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--api-key", default=os.environ.get("JAXINFER_API_KEY"),
       help="require 'Authorization: Bearer KEY' on /v1/* and /tokenize (default: $JAXINFER_API_KEY, else none)")
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    a("--max-model-len", type=int, default=None)
-    a("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="requests the engine runs at once")
-    a("--max-num-batched-tokens", type=int, default=None, help="token budget of one engine step")
-    a("--num-pages", type=int, default=None, help="KV pages (default: sized from free device memory)")
-    a("--memory-utilization", type=float, default=0.9,
-      help="fraction of device memory for weights + KV cache when sizing the page pool (default 0.9)")
-    a("--seed", type=int, default=0)
+    # The engine's flags and defaults are LLM's (jaxinfer.engine_config): no server-only default.
+    add_engine_arguments(parser)
     a("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
       help="admitted requests not yet scheduled; past it new requests get 503 + Retry-After")
     a("--max-waiting-prompt-tokens", type=int, default=DEFAULT_MAX_WAITING_PROMPT_TOKENS,
@@ -58,12 +50,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
     a("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="request body size limit (413 past it)")
     a("--server-threads", type=int, default=None,
-      help="waitress threads (default: max-num-seqs + max-waiting-requests + 16)")
+      help="waitress threads (default: the engine's max-num-seqs + max-waiting-requests + 16)")
     a("--otlp-traces-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
       help="OTLP/HTTP endpoint for OpenTelemetry traces (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
     a("--log-level", default="info")
-    a("--tensor-parallel-size", type=int, default=1, help="devices each model replica is split over")
-    a("--data-parallel-size", type=int, default=1, help="model replicas, each with its own scheduler")
     a("--coordinator-address", default=None,
       help="multi-host: host:port of process 0 (jax.distributed); every process gets the same flags")
     a("--num-processes", type=int, default=1, help="multi-host: number of processes")
@@ -79,27 +69,33 @@ def default_served_name(model: str) -> str:
 
 
 def build_engine(args: argparse.Namespace):
-    """The real engine for ``args``. The one place that knows how the engine is built.
+    """The real engine for ``args``, built by ``jaxinfer.engine_factory`` as ``LLM``'s is.
 
     Compilation is left to the server's warm-up phase (``engine.warmup()``), so ``/health``
     can say ``warming`` meanwhile.
     """
-    from jaxinfer.llm import LLM
+    from jaxinfer import engine_factory
+    from jaxinfer.checkpoint import load_model
 
-    llm = LLM(
-        args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None), seed=args.seed,
-        num_pages=getattr(args, "num_pages", None), memory_utilization=getattr(args, "memory_utilization", 0.9),
-        warm_up=False,
-        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-        data_parallel_size=getattr(args, "data_parallel_size", 1),
+    engine = engine_factory.build_engine(
+        load_model(args.model, args.dtype), engine_config_from_args(args), warm_up=False,
+        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
     )
-    if getattr(args, "num_processes", 1) > 1:
+    if args.num_processes > 1:
         from jaxinfer import distributed
 
         if distributed.is_leader():
-            distributed.lead(llm.engine)  # process 0: every step's inputs go to the other processes
-    return llm.engine
+            distributed.lead(engine)  # process 0: every step's inputs go to the other processes
+    return engine
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**engine_options_from_args(args))
+
+
+def default_server_threads(args: argparse.Namespace) -> int:
+    """One waitress thread for every request the engine runs or keeps waiting, and a few for probes."""
+    return engine_config_from_args(args).for_platform().max_num_seqs + args.max_waiting_requests + 16
 
 
 def run_server(args: argparse.Namespace, engine_factory=build_engine) -> int:
@@ -113,7 +109,7 @@ def run_server(args: argparse.Namespace, engine_factory=build_engine) -> int:
             distributed.follow(engine_factory(args))  # no HTTP here: run process 0's steps until it stops
             return 0
     served = args.served_model_name or default_served_name(args.model)
-    threads = args.server_threads or args.max_num_seqs + args.max_waiting_requests + 16
+    threads = args.server_threads or default_server_threads(args)
     admission = AdmissionConfig(args.max_waiting_requests, args.max_waiting_prompt_tokens, args.retry_after)
     tracer_provider = otlp_tracer_provider(args.otlp_traces_endpoint) if args.otlp_traces_endpoint else None
     stop = threading.Event()

@@ -1,0 +1,183 @@
+"""EngineConfig: an engine's size and scheduling, with one set of defaults for every way of building one.
+
+An ``EngineConfig`` holds what the user asked for; a field left ``None`` means "the platform
+default". :meth:`EngineConfig.resolve` fills in every ``None`` when the engine is built, so
+``LLM(...)``, ``jaxinfer serve``, ``jaxinfer generate`` and ``Engine(model, EngineConfig(...))``
+get the same engine for the same inputs (``jaxinfer.engine_factory.build_engine`` is the one
+place that builds them).
+
+Defaults, by ``platform`` (``jax.default_backend()`` unless given):
+
+| field | cpu | gpu | tpu |
+| --- | --- | --- | --- |
+| ``max_model_len`` | the model's context | the model's context | the model's context |
+| ``max_num_seqs`` | 16 | 256 | 256 |
+| ``max_num_batched_tokens`` | 256 | 8192 | 8192 |
+| ``page_size`` | 32 | 32 | 32 |
+| ``num_pages`` | 1 GiB of KV | sized from free device memory | sized from free device memory |
+| ``memory_utilization`` | 0.9 (unused) | 0.9 | 0.9 |
+| ``max_wait_s`` | 0.002 | 0.002 | 0.002 |
+| ``enable_prefix_caching`` | on | on | on |
+| ``async_scheduling`` | on | on | on |
+| ``attention_impl`` | ``"auto"``: reference | ``"auto"``: Pallas-Triton | ``"auto"``: Mosaic |
+| ``overlap`` | none | none | none |
+
+Why:
+
+- ``max_model_len``: ``max_position_embeddings``, the context the model was trained for.
+- ``max_num_seqs``: a decode step reads every weight once whatever the batch, so an
+  accelerator's throughput grows with the batch (the H200 benchmarks ran 256-384,
+  ``benchmarks/results/engine_throughput.md``); a CPU's matmuls are bound by its arithmetic,
+  so a larger batch adds little throughput and lengthens every step.
+- ``max_num_batched_tokens``: on an accelerator, prefill chunks large enough to keep the
+  matmuls busy (the H200 benchmarks' budget); on a CPU, short steps, so running decodes do not
+  wait long behind a prefill chunk.
+- ``page_size``: at or near the best everywhere in the H200 kernel sweep, with half the tail
+  waste of 64 (``docs/KERNELS.md``).
+- ``num_pages``: ``memory_utilization`` of the device's memory limit, less what is in use
+  once the weights are loaded (``jaxinfer.memory.num_pages_for_device``); a CPU reports no
+  limit, so it gets a fixed 1 GiB pool. A measured pool is never smaller than one
+  ``max_model_len`` request needs.
+- ``memory_utilization``: the other 10% holds compiled programs and activations.
+- ``max_wait_s``: with nothing running, batch arrivals into the first step for less time than a
+  decode step takes.
+- ``enable_prefix_caching``: shared prompt prefixes (system prompts, earlier chat turns) are not
+  recomputed.
+- ``async_scheduling``: the host prepares step n+1 while the device runs step n.
+- ``attention_impl``: ``"auto"`` is resolved when a step is compiled
+  (``jaxinfer.attention.resolve_impl``); on a GPU the kernel needs a power-of-two ``head_dim``
+  and falls back to the reference otherwise.
+- ``overlap``: tensor-parallel communication overlap (``jaxinfer.compile_options.OverlapConfig``) is opt-in.
+
+``max_num_seqs`` and ``max_num_batched_tokens`` follow each other: a default ``max_num_seqs``
+is capped at the budget, and a default budget is raised to ``max_num_seqs``, because each
+running sequence needs a token of every step. Given both, a budget below ``max_num_seqs`` is an
+error. Every error is an :class:`EngineConfigError` that names the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxinfer.attention import IMPLEMENTATIONS
+from jaxinfer.loaded_model import LoadedModel
+from jaxinfer.memory import num_pages_for_device, pages_for
+from sharding.mesh import tp_size
+
+
+class EngineConfigError(ValueError):
+    """An engine setting that cannot work; ``field`` names the ``EngineConfig`` field at fault."""
+
+    def __init__(self, message: str, *, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """What a user asks of an engine; ``None``: the platform default (module docstring)."""
+
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    page_size: int | None = None
+    num_pages: int | None = None  # including the scratch page, which holds no sequence's tokens
+    memory_utilization: float | None = None
+    enable_prefix_caching: bool | None = None
+    max_wait_s: float | None = None
+    attention_impl: str | None = None
+    async_scheduling: bool | None = None
+    overlap: object = None  # jaxinfer.compile_options.OverlapConfig: tp communication overlap per phase
+
+    def __post_init__(self):
+        # What can be checked field by field is checked as soon as it is given.
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise EngineConfigError(f"{name} must be a positive integer, got {value!r}", field=name)
+        if self.memory_utilization is not None and not 0 < self.memory_utilization <= 1:
+            raise EngineConfigError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}",
+                                    field="memory_utilization")
+        if self.max_wait_s is not None and not self.max_wait_s >= 0:
+            raise EngineConfigError(f"max_wait_s must be >= 0, got {self.max_wait_s}", field="max_wait_s")
+        if self.attention_impl is not None and self.attention_impl not in IMPLEMENTATIONS:
+            raise EngineConfigError(f"attention_impl {self.attention_impl!r} is not one of {IMPLEMENTATIONS}",
+                                    field="attention_impl")
+        if (self.max_num_seqs is not None and self.max_num_batched_tokens is not None
+                and self.max_num_batched_tokens < self.max_num_seqs):
+            # Every running sequence needs a token of each step's budget: with fewer, the first
+            # decodes would take every step while the rest starved.
+            raise EngineConfigError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): each running sequence decodes one token per step",
+                field="max_num_batched_tokens",
+            )
+
+    def for_platform(self, platform: str | None = None) -> EngineConfig:
+        """Every field that does not depend on the model filled in: ``max_model_len`` and
+        ``num_pages`` stay as given (:meth:`resolve` fills them)."""
+        defaults = PLATFORM_DEFAULTS[normalize_platform(platform)]
+        filled = {
+            field.name: getattr(defaults, field.name)
+            for field in dataclasses.fields(self)
+            if getattr(self, field.name) is None and getattr(defaults, field.name) is not None
+        }
+        # Each running sequence takes a token of every step: a default never breaks that.
+        if self.max_num_seqs is None:
+            filled["max_num_seqs"] = min(defaults.max_num_seqs, self.max_num_batched_tokens or defaults.max_num_seqs)
+        if self.max_num_batched_tokens is None:
+            filled["max_num_batched_tokens"] = max(defaults.max_num_batched_tokens, self.max_num_seqs or 0)
+        return dataclasses.replace(self, **filled)
+
+    def resolve(self, model: LoadedModel, *, mesh=None, platform: str | None = None) -> EngineConfig:
+        """Every field filled in for ``model`` (laid out on ``mesh``, if given) on ``platform``.
+
+        Sizing ``num_pages`` reads the device's free memory, so resolve after the weights are
+        loaded and before any KV cache is allocated. A config with every field set comes back
+        unchanged (checked against the model).
+        """
+        config = self.for_platform(platform)
+        context = model.config.max_position_embeddings
+        max_model_len = config.max_model_len or context
+        if max_model_len > context:
+            raise EngineConfigError(
+                f"max_model_len {max_model_len} exceeds the model's context of {context} tokens", field="max_model_len"
+            )
+        # Page 0 is scratch: one request of max_model_len needs its pages and that one.
+        min_pages = pages_for(max_model_len, config.page_size) + 1
+        num_pages = config.num_pages
+        if num_pages is None:
+            # Each device holds its tensor-parallel shard of the (padded) KV heads.
+            per_device = dataclasses.replace(model.config, num_kv_heads=model.config.num_kv_heads // tp_size(mesh))
+            num_pages = max(min_pages, num_pages_for_device(
+                per_device, page_size=config.page_size, bytes_per_element=model.weights.embed.dtype.itemsize,
+                memory_utilization=config.memory_utilization,
+            ))
+        elif num_pages < min_pages:
+            raise EngineConfigError(
+                f"num_pages {num_pages} cannot hold one request of max_model_len {max_model_len}: it needs "
+                f"{min_pages} pages of {config.page_size} tokens (one is scratch)", field="num_pages",
+            )
+        return dataclasses.replace(config, max_model_len=max_model_len, num_pages=num_pages)
+
+
+def normalize_platform(platform: str | None) -> str:
+    """``"cpu"``, ``"gpu"`` or ``"tpu"``; ``None``: JAX's default backend."""
+    platform = platform or jax.default_backend()
+    platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+    if platform not in PLATFORM_DEFAULTS:
+        raise ValueError(f"no engine defaults for platform {platform!r}; one of {sorted(PLATFORM_DEFAULTS)}")
+    return platform
+
+
+_SHARED_DEFAULTS = dict(page_size=32, memory_utilization=0.9, enable_prefix_caching=True, max_wait_s=0.002,
+                        attention_impl="auto", async_scheduling=True)
+
+# The table in the module docstring; max_model_len and num_pages depend on the model (resolve).
+PLATFORM_DEFAULTS = {
+    "cpu": EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, **_SHARED_DEFAULTS),
+    "gpu": EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192, **_SHARED_DEFAULTS),
+    "tpu": EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192, **_SHARED_DEFAULTS),
+}
