@@ -65,12 +65,16 @@ def hf_llama_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     return tensors
 
 
-def random_bf16_bytes(rng, num_elements: int) -> bytes:
-    """Little-endian bf16 values of random sign and mantissa, magnitudes in [2^-7, 2^-5): finite, cheap to make."""
+def write_random_bf16(f, rng, num_elements: int, chunk: int = 1 << 25) -> None:
+    """Little-endian bf16 values of random sign and mantissa, magnitudes in [2^-7, 2^-5): finite,
+    cheap to make, written a chunk at a time."""
     import numpy as np
 
-    bits = np.frombuffer(rng.bytes(2 * num_elements), dtype="<u2")
-    return ((bits & 0x80FF) | 0x3C00).astype("<u2").tobytes()
+    for start in range(0, num_elements, chunk):
+        bits = rng.integers(0, 1 << 16, size=min(chunk, num_elements - start), dtype="<u2")
+        bits &= 0x80FF  # sign, the exponent's lowest bit, the mantissa
+        bits |= 0x3C00  # exponent 120 or 121
+        f.write(bits)
 
 
 def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], rng) -> None:
@@ -86,7 +90,7 @@ def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], rn
         f.write(len(encoded).to_bytes(8, "little"))
         f.write(encoded)
         for _, shape in tensors:
-            f.write(random_bf16_bytes(rng, math.prod(shape)))
+            write_random_bf16(f, rng, math.prod(shape))
 
 
 def write_tokenizer(out: Path, vocab_size: int) -> None:
