@@ -183,7 +183,8 @@ def test_penalties_match_a_plain_loop_over_the_whole_sequence(tiny, llm):
 
     from jaxinfer.batch import build_step_batch
     from jaxinfer.kv_cache import create_kv_cache
-    from jaxinfer.model import forward_all_logits
+
+    from .all_logits import forward_all_logits
 
     prompt = random_prompts(1, seed=21, low=20, high=21)[0]
     rep, presence, frequency = 1.8, 0.7, 0.4

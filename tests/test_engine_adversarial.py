@@ -18,11 +18,11 @@ from jaxinfer.checkpoint import load_model
 from jaxinfer.detokenizer import Detokenizer
 from jaxinfer.errors import PromptTooLongError, RequestError, RequestIdInUseError
 from jaxinfer.kv_cache import create_kv_cache
-from jaxinfer.model import forward_all_logits
 from jaxinfer.input_batch import MAX_BANNED
 from jaxinfer.runner import default_buckets
 from jaxinfer.sequence import SequenceStatus
 
+from .all_logits import forward_all_logits
 from .conftest import FIXTURES
 
 MAX_MODEL_LEN = 48

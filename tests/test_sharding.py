@@ -66,8 +66,9 @@ def test_padded_model_computes_the_same_logits():
 
     from jaxinfer.batch import build_step_batch
     from jaxinfer.kv_cache import create_kv_cache
-    from jaxinfer.model import forward_all_logits
     from sharding.heads import head_layout, pad_weights, padded_config
+
+    from .all_logits import forward_all_logits
 
     model = tiny_9_3_model()
     batch = build_step_batch([(PROMPTS[0], 0, [1]), (PROMPTS[1], 0, [2, 3])], num_tokens=32, num_seqs=2,
@@ -124,7 +125,7 @@ def _multi_device_checks() -> dict:
     from jaxinfer import LLM, SamplingParams
     from jaxinfer.batch import build_step_batch
     from jaxinfer.kv_cache import create_kv_cache
-    from jaxinfer.model import forward_all_logits
+    from jaxinfer.model import forward
     from sharding.mesh import make_mesh
     from sharding.placement import StepPlacement, shard_model
 
@@ -139,7 +140,9 @@ def _multi_device_checks() -> dict:
     report["tokens"]["reference"] = tokens(LLM(loaded=model, **LLM_OPTIONS))
     batch = build_step_batch([(PROMPTS[0], 0, [1]), (PROMPTS[3], 0, [2, 3, 4])], num_tokens=64, num_seqs=2,
                              pages_per_seq=4)
-    step = jax.jit(forward_all_logits, static_argnums=(3, 4), donate_argnums=(1,))
+    # Logits at every row, not just each sequence's last (this runs as a script: no tests package).
+    batch = dataclasses.replace(batch, logits_indices=np.arange(64, dtype=np.int32))
+    step = jax.jit(forward, static_argnums=(3, 4), donate_argnums=(1,))
     expected, _ = step(model.weights, create_kv_cache(model.config, 8, 16, jnp.float32), batch, model.config,
                        "reference")
     for tp in TP_SIZES:
