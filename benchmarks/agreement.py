@@ -48,8 +48,9 @@ import numpy as np  # noqa: E402
 from common import SHAPES, Log, header, random_model, random_prompts, synthetic_tokenizer, write_results  # noqa: E402
 
 from jaxinfer import LLM, SamplingParams  # noqa: E402
-from jaxinfer.checkpoint import LoadedModel, load_model, weights_from_hf  # noqa: E402
+from jaxinfer.checkpoint import load_model, weights_from_hf  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
+from jaxinfer.loaded_model import LoadedModel  # noqa: E402
 
 NAME = "agreement"
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tiny-llama3"

@@ -85,7 +85,7 @@ tpsame)
         --out "$R/nocmdbuf" --workloads latency,decode256 ;;
 tpgraphs)
     # TP=1 vs TP=2 latency in one run, tp programs with collectives inside CUDA graphs
-    # (sharding.overlap.graph_options), with decode traces and their summary.
+    # (jaxinfer.compile_options.graph_options), with decode traces and their summary.
     timeout -s INT -k 15 300 python3 benchmarks/tensor_parallel.py --out "$R/tp" --tp 2 --max-num-seqs 384 \
         --max-model-len 2048 --profile --workloads latency >"$R/tp.log" 2>&1
     python3 benchmarks/profile_collectives.py "$R/tp" --steps 32 --json "$R/decode_profile.json" >>"$R/tp.log" 2>&1

@@ -23,10 +23,10 @@ import hashlib
 import itertools
 import time
 
-from jaxinfer.checkpoint import LoadedModel
 from jaxinfer.engine_config import EngineConfig
 from jaxinfer.errors import PromptTooLongError, RequestError, RequestIdInUseError
 from jaxinfer.input_batch import MAX_BANNED, PackedStep
+from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.output_processor import OutputProcessor, RequestState, fetch_samples
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.page_allocator import PageAllocator

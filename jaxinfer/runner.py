@@ -32,15 +32,15 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxinfer.checkpoint import LoadedModel
+from jaxinfer.compile_options import PhasedJit, graph_options
 from jaxinfer.input_batch import PackedStep, StepInputs, empty_step_inputs, pack_step
 from jaxinfer.kv_cache import create_kv_cache
+from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.model import forward
 from jaxinfer.sampling import SamplerOutput, SamplingFlags, sample
 from jaxinfer.sampling_params import MAX_TOP_LOGPROBS
 from jaxinfer.scheduler import Schedule
 from jaxinfer.token_history import gather_history, write_tokens
-from sharding.overlap import PhasedJit, graph_options
 from sharding.placement import StepPlacement
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class ModelRunner:
         overlap=None,
     ):
         """``mesh``: a ``sharding.make_mesh`` mesh the model was laid out on (``sharding.shard_model``);
-        ``overlap``: a ``sharding.overlap.OverlapConfig`` (communication overlap per phase)."""
+        ``overlap``: a ``jaxinfer.compile_options.OverlapConfig`` (communication overlap per phase)."""
         self.model = model
         self.config = model.config
         self.page_size = page_size
@@ -167,7 +167,7 @@ class ModelRunner:
         self.token_pages = jax.jit(
             lambda: jnp.full((num_pages, page_size), -1, jnp.int32), **self.placement.jit_kwargs()
         )()
-        # Prefill and decode programs may compile with different overlap options (sharding.overlap).
+        # Prefill and decode programs may compile with different overlap options (jaxinfer.compile_options).
         self._step = PhasedJit(
             functools.partial(_forward_step, config=self.config, attention_impl=attention_impl),
             overlap, self.buckets.num_seqs[-1],

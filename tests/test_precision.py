@@ -19,8 +19,8 @@ from jaxinfer.kv_cache import create_kv_cache
 from jaxinfer.model import forward
 from jaxinfer.params import init_random
 from pallas_kernels.paged_attention import ragged_paged_attention_gpu
-from pallas_kernels.paged_attention.cases import make_case
 from pallas_kernels.precision import matmul_precision
+from tests.attention_cases import make_case
 
 HIGHEST = jax.lax.Precision.HIGHEST
 PAGE_SIZE = 16

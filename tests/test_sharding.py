@@ -185,14 +185,15 @@ def _multi_device_checks() -> dict:
 def test_graph_options_respect_only_the_users_own_graph_kinds(monkeypatch):
     """A user's ``--xla_gpu_enable_command_buffer=`` wins; other options that merely share the
     prefix (``..._va_remapping`` in newer XLAs) must not switch the multi-GPU graph kinds off."""
-    from sharding import overlap
+    from jaxinfer import compile_options
 
-    monkeypatch.setattr(overlap.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(compile_options.jax, "default_backend", lambda: "gpu")
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer_va_remapping=true")
-    assert overlap.graph_options(2) == {"xla_gpu_enable_command_buffer": overlap.GRAPHS_WITH_COLLECTIVES}
+    expected = {"xla_gpu_enable_command_buffer": compile_options.GRAPHS_WITH_COLLECTIVES}
+    assert compile_options.graph_options(2) == expected
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")
-    assert overlap.graph_options(2) == {}
-    assert overlap.graph_options(1) == {}
+    assert compile_options.graph_options(2) == {}
+    assert compile_options.graph_options(1) == {}
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """PROTOTYPE, not used by the engine: paged decode attention in Pallas with the Mosaic GPU lowering.
 
 Built only to choose the GPU lowering by measurement (issue 3, deliverable 2): it is
-timed against the Pallas-Triton kernel (``gpu.py``) by ``benchmarks/kernel_lowering_choice.py``
+timed against the Pallas-Triton kernel (``pallas_kernels/paged_attention/gpu.py``) by ``kernel_lowering_choice.py``
 at three decode shapes. It serves decode batches only (one query per sequence slot:
 ``q [B, Hq, D]``, sequence ``b``'s query is ``q[b]``), bf16/f16, GQA with ``Hq / Hkv <= 64``,
-``head_dim`` a multiple of 64, over the cache layout of ``reference.py``.
+``head_dim`` a multiple of 64, over the cache layout of ``pallas_kernels/paged_attention/reference.py``.
 
 How it maps to Hopper. One program (one warpgroup, ``plgpu.kernel``) serves one sequence,
 one KV head and one KV split (flash-decoding). ``plgpu.emit_pipeline`` walks the split's
