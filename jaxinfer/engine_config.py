@@ -63,7 +63,7 @@ import jax
 
 from jaxinfer.attention import IMPLEMENTATIONS
 from jaxinfer.loaded_model import LoadedModel
-from jaxinfer.memory import num_pages_for_device, pages_for
+from jaxinfer.memory import DEFAULT_MEMORY_UTILIZATION, num_pages_for_device, pages_for
 from sharding.mesh import tp_size
 
 
@@ -172,7 +172,7 @@ def normalize_platform(platform: str | None) -> str:
     return platform
 
 
-_SHARED_DEFAULTS = dict(page_size=32, memory_utilization=0.9, enable_prefix_caching=True, max_wait_s=0.002,
+_SHARED_DEFAULTS = dict(page_size=32, memory_utilization=DEFAULT_MEMORY_UTILIZATION, enable_prefix_caching=True, max_wait_s=0.002,
                         attention_impl="auto", async_scheduling=True)
 
 # The table in the module docstring; max_model_len and num_pages depend on the model (resolve).

@@ -50,8 +50,13 @@ def weight_bytes(config: ModelConfig, bytes_per_element: int) -> int:
     return (config.num_layers * per_layer + embeddings + e) * bytes_per_element
 
 
+# The share of device memory an engine may use by default (weights + KV cache); the rest holds
+# compiled programs and activations. EngineConfig's default for every platform.
+DEFAULT_MEMORY_UTILIZATION = 0.9
+
+
 def estimate(config: ModelConfig, *, bytes_per_element: int, memory_bytes: int, request_len: int,
-             memory_utilization: float) -> MemoryEstimate:
+             memory_utilization: float = DEFAULT_MEMORY_UTILIZATION) -> MemoryEstimate:
     """How many tokens, and requests of ``request_len`` tokens, fit on a device of ``memory_bytes``."""
     per_token = config.kv_bytes_per_token(bytes_per_element)
     weights = weight_bytes(config, bytes_per_element)
