@@ -251,23 +251,36 @@ def bench_llama_cpp(gguf: Path, prompt_len: int, new_tokens: int, repeats: int) 
 
 
 def worker(args: argparse.Namespace) -> None:
+    """One peer, in its own process: a crash in one (llama-cpp-python 0.3.36 segfaulted in
+    generation here) leaves the other's results standing."""
     gguf = Path(args.gguf)
     out = {"python": platform.python_version()}
-    try:
-        import torch
-        import transformers
-
-        out["torch"], out["transformers"] = torch.__version__, transformers.__version__
-        for dtype in args.dtypes:
-            out[f"transformers_{dtype}"] = bench_transformers(gguf, dtype, args.batch_sizes, args.prompt_len,
-                                                              args.new_tokens, args.repeats)
-    except ImportError as error:
-        out["transformers_skipped"] = str(error)
-    try:
-        out["llama_cpp"] = bench_llama_cpp(gguf, args.prompt_len, args.new_tokens, args.repeats)
-    except Exception as error:  # a failed build or run leaves the other results standing
-        out["llama_cpp"] = {"skipped": f"{type(error).__name__}: {error}"}
+    if args.worker == "transformers":
+        try:
+            import torch
+            import transformers
+        except ImportError as error:
+            out["skipped"] = str(error)
+        else:
+            out["torch"], out["transformers"] = torch.__version__, transformers.__version__
+            for dtype in args.dtypes:
+                out[dtype] = bench_transformers(gguf, dtype, args.batch_sizes, args.prompt_len, args.new_tokens,
+                                                args.repeats)
+    else:
+        out.update(bench_llama_cpp(gguf, args.prompt_len, args.new_tokens, args.repeats))
     print(json.dumps(out))
+
+
+def run_peer(args: argparse.Namespace, peer: str, gguf: Path) -> dict:
+    """The worker's JSON for ``peer`` run under ``--hf-python``, or {"skipped": why}."""
+    command = [args.hf_python, __file__, "--worker", peer, "--gguf", str(gguf), "--dtypes", ",".join(args.dtypes),
+               "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--prompt-len", str(args.prompt_len),
+               "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
+    sys.stderr.write(done.stderr[-3000:])
+    if done.returncode != 0:
+        return {"skipped": f"{peer} worker exited {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -314,7 +327,7 @@ def main() -> None:
     parser.add_argument("--no-server", action="store_true")
     parser.add_argument("--server-timeout", type=float, default=900)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["transformers", "llama.cpp"], help=argparse.SUPPRESS)
     parser.add_argument("--gguf", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.dtypes = args.dtypes.split(",")
@@ -360,26 +373,18 @@ def main() -> None:
         from jaxinfer.model_registry import resolve_model
 
         gguf = resolve_model(args.model)
-        command = [args.hf_python, __file__, "--worker", "--gguf", str(gguf), "--dtypes", ",".join(args.dtypes),
-                   "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--prompt-len", str(args.prompt_len),
-                   "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
-        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
-        sys.stderr.write(done.stderr[-3000:])
-        if done.returncode != 0:
-            results["skipped"]["transformers, llama.cpp"] = f"worker exited {done.returncode}"
+        hf = run_peer(args, "transformers", gguf)
+        if "skipped" in hf:
+            results["skipped"]["transformers"] = hf["skipped"]
+        for dtype in args.dtypes:
+            if dtype in hf:
+                results["engines"][f"transformers {dtype}"] = hf[dtype]
+        llama = run_peer(args, "llama.cpp", gguf)
+        if "skipped" in llama:
+            results["skipped"]["llama.cpp"] = llama["skipped"]
         else:
-            peers = json.loads(done.stdout.strip().splitlines()[-1])
-            results["peers_env"] = {k: v for k, v in peers.items() if isinstance(v, str)}
-            for dtype in args.dtypes:
-                if f"transformers_{dtype}" in peers:
-                    results["engines"][f"transformers {dtype}"] = peers[f"transformers_{dtype}"]
-            if "transformers_skipped" in peers:
-                results["skipped"]["transformers"] = peers["transformers_skipped"]
-            llama = peers.get("llama_cpp", {})
-            if "skipped" in llama:
-                results["skipped"]["llama.cpp"] = llama["skipped"]
-            else:
-                results["engines"]["llama.cpp Q4_1"] = {"batch1": llama["batch1"]}
+            results["engines"]["llama.cpp Q4_1"] = {"batch1": llama["batch1"]}
+        results["peers_env"] = {k: v for k, v in {**hf, **llama}.items() if isinstance(v, str) and k != "skipped"}
     else:
         results["skipped"]["transformers, llama.cpp"] = "no --hf-python"
 
