@@ -89,7 +89,17 @@ def attend_chunked(
         out = acc / jnp.where(denom > 0, denom, 1.0)
         return out.reshape(num_q_heads, head_dim).astype(q.dtype)
 
-    return jax.lax.map(one_token, (q, safe_seq, position), batch_size=min(tokens_per_block, num_tokens))
+    # Whole blocks in every program (padding rows have position -1 and loop zero times), so a
+    # token's arithmetic has the same shapes whatever the step's bucket: the prompt scorer's
+    # logprobs and the engine's agree exactly, as they do with the reference.
+    num_padded = -(-num_tokens // tokens_per_block) * tokens_per_block
+    pad = (0, num_padded - num_tokens)
+    out = jax.lax.map(
+        one_token,
+        (jnp.pad(q, (pad, (0, 0), (0, 0))), jnp.pad(safe_seq, pad), jnp.pad(position, pad, constant_values=-1)),
+        batch_size=tokens_per_block,
+    )
+    return out[:num_tokens]
 
 
 def ragged_paged_attention_cpu(
