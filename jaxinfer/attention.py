@@ -2,7 +2,7 @@
 
 The model calls :func:`paged_attention` and never names an implementation. ``impl``
 chooses: ``"auto"`` picks the Pallas kernel for the platform being compiled for (GPU or
-TPU) and the reference elsewhere (CPU); tests force ``"reference"``, ``"pallas_gpu"``,
+TPU) and the context-bounded CPU path on a CPU; tests force ``"reference"``, ``"cpu"``, ``"pallas_gpu"``,
 ``"pallas_tpu"``, or their ``_interpret`` variants to run a kernel on the CPU.
 """
 
@@ -12,10 +12,11 @@ import functools
 
 import jax
 
+from pallas_kernels.paged_attention.cpu import ragged_paged_attention_cpu
 from pallas_kernels.paged_attention.reference import ragged_paged_attention_reference
 from sharding.rules import shard_over_heads
 
-IMPLEMENTATIONS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret")
+IMPLEMENTATIONS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret")
 
 
 def resolve_impl(impl: str, platform: str | None = None, head_dim: int | None = None) -> str:
@@ -33,6 +34,8 @@ def resolve_impl(impl: str, platform: str | None = None, head_dim: int | None = 
         return "pallas_gpu"
     if platform == "tpu":
         return "pallas_tpu"
+    if platform == "cpu":
+        return "cpu"
     return "reference"
 
 
@@ -53,6 +56,8 @@ def _attend(*args, impl, sm_scale, sliding_window):
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
     if impl == "reference":
         return ragged_paged_attention_reference(*args, **kwargs)
+    if impl == "cpu":
+        return ragged_paged_attention_cpu(*args, **kwargs)
     import pallas_kernels.paged_attention as pa
 
     if impl.startswith("pallas_gpu"):

@@ -110,17 +110,19 @@ class Buckets:
 def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int, platform: str) -> Buckets:
     """GPU/TPU: powers of two, sequences tied to tokens (one program per token bucket).
 
-    CPU: fewer, coarser buckets, since compiling costs more than padding there.
+    CPU: powers of four from 4, sequences tied too: fewer buckets, since compiling costs more
+    than padding there, but none so coarse that a small batch pays for a large one.
     """
     if platform == "cpu":
         # A step gives each of its sequences at least one token, so it never holds more than
-        # max_num_batched_tokens of them. Capping the bucket there keeps it <= every token
-        # bucket: with max_num_seqs > max_num_batched_tokens, (tokens, max_num_seqs) pairs were
-        # all dropped by ``b <= t``, leaving nothing to compile (warm-up raised ValueError).
-        seqs = (min(max_num_seqs, max_num_batched_tokens),)
-        tokens = powers_of_two(min(max_num_seqs, max_num_batched_tokens), max_num_batched_tokens, factor=4)
-        pages = tuple(sorted({max(1, max_pages_per_seq // 8), max_pages_per_seq}))
-        return Buckets(tokens, seqs, pages)
+        # max_num_batched_tokens of them: the sequence buckets stop there.
+        # One sequence bucket (max_num_seqs) padded a batch-1 decode to 16 rows offline and 64
+        # through the server (its max_num_seqs): every step sampled and attended for them all.
+        top_seqs = min(max_num_seqs, max_num_batched_tokens)
+        seqs = powers_of_two(min(4, top_seqs), top_seqs, factor=4)
+        tokens = powers_of_two(min(4, max_num_batched_tokens), max_num_batched_tokens, factor=4)
+        # The CPU attention path reads only each token's own context, whatever the table's width.
+        return Buckets(tokens, seqs, (max_pages_per_seq,), tied_seqs=True)
     seqs = powers_of_two(min(8, max_num_seqs), max_num_seqs)
     tokens = powers_of_two(min(8, max_num_batched_tokens), max(max_num_batched_tokens, max_num_seqs))
     pages = (max_pages_per_seq,)  # the kernels read only each sequence's pages

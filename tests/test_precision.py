@@ -60,7 +60,7 @@ def test_matmul_precision_is_highest_only_for_float32():
     assert matmul_precision(jnp.float16) is None
 
 
-@pytest.mark.parametrize("impl", ["reference", "pallas_gpu_interpret"])
+@pytest.mark.parametrize("impl", ["reference", "cpu", "pallas_gpu_interpret"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_lowered_step_runs_every_dot_at_its_dtypes_precision(dtype, impl):
     # The StableHLO the step compiles from: every dot_general carries its precision_config.
@@ -75,7 +75,7 @@ def test_lowered_step_runs_every_dot_at_its_dtypes_precision(dtype, impl):
 
 
 @pytest.mark.parametrize("batch_name", sorted(BATCHES))
-@pytest.mark.parametrize("impl", ["reference", "pallas_gpu", "pallas_tpu"])
+@pytest.mark.parametrize("impl", ["reference", "cpu", "pallas_gpu", "pallas_tpu"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_traced_step_and_kernels_ask_for_their_dtypes_precision(dtype, impl, batch_name):
     # The kernels' own dots live inside their pallas_call, which only their GPU or TPU lowering
@@ -87,7 +87,7 @@ def test_traced_step_and_kernels_ask_for_their_dtypes_precision(dtype, impl, bat
     assert {precision for _, precision in found} == {want}
     # Q.K and P.V at least once per layer (the GPU kernel has them in each of its three KV loops).
     in_kernel = sum(inside for inside, _ in found)
-    assert in_kernel == 0 if impl == "reference" else in_kernel >= 2 * CONFIG.num_layers
+    assert in_kernel == 0 if impl in ("reference", "cpu") else in_kernel >= 2 * CONFIG.num_layers
     assert len(found) >= NUM_PROJECTIONS + 2 * CONFIG.num_layers
 
 

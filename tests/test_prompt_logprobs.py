@@ -41,7 +41,8 @@ def tiny():
 @pytest.fixture(scope="module")
 def scorer(tiny):
     # 16-row chunks, so short prompts already cross chunk boundaries (the engine's default is 256).
-    return PromptScorer(tiny.weights, tiny.config, page_size=PAGE_SIZE, attention_impl="reference", chunk_rows=16)
+    # The engine's attention ("auto"), so that its prompt logprobs can be compared exactly.
+    return PromptScorer(tiny.weights, tiny.config, page_size=PAGE_SIZE, attention_impl="auto", chunk_rows=16)
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +55,14 @@ def oracle_logprobs(tiny, ids: list[int]) -> np.ndarray:
     """[len(ids), V] log_softmax of the logits at every row: one plain forward over the prompt."""
     # Padded to the scorer's bucket so that XLA's matmuls see the same shapes (float32 sums in
     # another order differ by ~1e-5); the padding rows come after the prompt and never reach it.
+    # The scorer's attention ("auto") for the same reason.
     num_tokens = bucket_for(len(ids))
     num_pages = num_tokens // PAGE_SIZE
     cache = create_kv_cache(tiny.config, num_pages + 1, PAGE_SIZE, jnp.float32)
     batch = build_step_batch([(ids, 0, list(range(1, num_pages + 1)))], num_tokens=num_tokens,
                              num_seqs=1, pages_per_seq=num_pages)
     logits, _ = jax.jit(forward_all_logits, static_argnums=(3, 4))(
-        tiny.weights, cache, jax.tree.map(jnp.asarray, batch), tiny.config, "reference")
+        tiny.weights, cache, jax.tree.map(jnp.asarray, batch), tiny.config, "auto")
     return np.asarray(jax.nn.log_softmax(np.asarray(logits)[: len(ids)], axis=-1))
 
 
