@@ -1,4 +1,4 @@
-"""The ``jaxinfer`` command line: generate, fetch, serve, estimate, convert, models."""
+"""The ``jaxinfer`` command line: generate, fetch, serve, serve-ray, estimate, convert, models."""
 
 from __future__ import annotations
 
@@ -90,8 +90,8 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _missing_server_dependency(error: ImportError) -> int:
-    print(f"jaxinfer serve needs the server extra ({error}): pip install 'jaxinfer[server]'", file=sys.stderr)
+def _missing_dependency(command: str, extra: str, error: ImportError) -> int:
+    print(f"jaxinfer {command} needs the {extra} extra ({error}): pip install 'jaxinfer[{extra}]'", file=sys.stderr)
     return 2
 
 
@@ -123,7 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
         add_serve_arguments(s)
         s.set_defaults(func=run_server)
     except ImportError as e:
-        s.set_defaults(func=lambda args, e=e: _missing_server_dependency(e))
+        s.set_defaults(func=lambda args, e=e: _missing_dependency("serve", "server", e))
+
+    r = sub.add_parser("serve-ray", help="serve through Ray Serve: autoscaled engine replicas, prefix-aware routing")
+    try:  # ray[serve] and a2wsgi are needed only here
+        from jaxinfer.ray_serve.serve_ray import add_serve_ray_arguments, run_serve_ray
+
+        add_serve_ray_arguments(r)
+        r.set_defaults(func=run_serve_ray)
+    except ImportError as e:
+        r.set_defaults(func=lambda args, e=e: _missing_dependency("serve-ray", "ray", e))
 
     e = sub.add_parser("estimate", help="how many tokens / requests fit in the KV cache of a device")
     e.add_argument("--model", default="smollm2-135m-instruct", help="built-in name, HF directory (config.json) or .gguf")

@@ -65,7 +65,7 @@ def autoscaling_config(config: RayServeConfig) -> AutoscalingConfig:
     return AutoscalingConfig(
         min_replicas=config.min_replicas, max_replicas=config.max_replicas,
         upscale_delay_s=config.upscale_delay_s, downscale_delay_s=config.downscale_delay_s,
-        look_back_period_s=config.look_back_period_s,
+        look_back_period_s=config.look_back_period_s, metrics_interval_s=config.metrics_interval_s,
         policy=AutoscalingPolicy(policy_function=QueueAutoscalingPolicy, policy_kwargs={
             "max_waiting_per_replica": config.max_waiting_per_replica,
             "kv_usage_high": config.kv_usage_high, "kv_usage_low": config.kv_usage_low}),

@@ -62,7 +62,11 @@ class RayServeConfig:
     kv_usage_low: float = 0.5
     upscale_delay_s: float = 10.0
     downscale_delay_s: float = 60.0
-    look_back_period_s: float = 15.0  # > Serve's metrics_interval_s (10 s)
+    look_back_period_s: float = 15.0  # must exceed metrics_interval_s
+    # How often a replica pushes its metrics to Serve's controller. Serve 2.60 marks the field
+    # deprecated (for environment variables it does not read yet) but still pushes at this
+    # interval, 10 s by default: too slow to follow a queue.
+    metrics_interval_s: float = 2.0
     # A replica being removed lets its calls finish for this long (every request answered).
     graceful_shutdown_timeout_s: float = 120.0
     router: str = "prefix"
