@@ -222,3 +222,31 @@ def test_autoscaling_follows_the_queue_up_and_down(base_url, app_cleanup):
           f"{scale_up_s:.1f} s; load took {load_s:.1f} s; back to 1 replica {scale_down_s:.1f} s after the load; "
           f"{len(failed)} of {len(results)} requests failed")
     assert len(results) == 30 and not failed
+
+
+def prefix_hit_rate(base_url: str, router: str) -> float:
+    """The replicas' own prefix-cache hit rate (hit tokens / looked-up tokens) on 3 long prefixes,
+    each sent 3 times in turn to 2 replicas of the tiny model, one request at a time."""
+    spec = ModelSpec(str(TINY_LLAMA3), "float32", EngineConfig(max_num_seqs=4, max_model_len=512, num_pages=64,
+                                                               page_size=32))
+    deploy(spec, max_num_seqs=4, min_replicas=2, max_replicas=2, router=router, page_size=32)
+    try:
+        prefixes = [[10 + (37 * k + 11 * i) % 490 for i in range(96)] for k in range(3)]  # 3 pages each
+        for turn in range(3):
+            for k, prefix in enumerate(prefixes):
+                status, body = completion(base_url, prefix + [400 + turn, 401 + k, 402, 403, 404, 405, 406, 407], 1)
+                assert status == 200, body
+        stats = engine_stats()
+        assert len(stats) == 2
+        return sum(s["prefix_cache_hits"] for s in stats) / sum(s["prefix_cache_queries"] for s in stats)
+    finally:
+        serve.delete(APP)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_prefix_aware_routing_beats_round_robin(base_url):
+    prefix_aware, round_robin = prefix_hit_rate(base_url, "prefix"), prefix_hit_rate(base_url, "round-robin")
+    print(f"\nprefix-cache hit rate: prefix-aware {prefix_aware:.3f}, round robin {round_robin:.3f} "
+          f"({prefix_aware / max(round_robin, 1e-9):.2f}x)")
+    assert prefix_aware >= 1.8 * round_robin > 0
