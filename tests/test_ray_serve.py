@@ -250,3 +250,20 @@ def test_prefix_aware_routing_beats_round_robin(base_url):
     print(f"\nprefix-cache hit rate: prefix-aware {prefix_aware:.3f}, round robin {round_robin:.3f} "
           f"({prefix_aware / max(round_robin, 1e-9):.2f}x)")
     assert prefix_aware >= 1.8 * round_robin > 0
+
+
+def test_serve_config_yaml_builds_the_application():
+    """deploy/ray/serve_config.yaml's args are serve-ray flags: they build the same deployments."""
+    import yaml
+
+    from jaxinfer.ray_serve.serve_ray import build_app
+
+    [application] = yaml.safe_load((REPO / "deploy" / "ray" / "serve_config.yaml").read_text())["applications"]
+    app = build_app({**application["args"], "accelerator": "cpu"})
+    engine = app._bound_deployment.init_args[0]._bound_deployment  # the ingress's first argument
+    assert engine.name == ENGINE_DEPLOYMENT
+    assert engine._deployment_config.autoscaling_config.max_replicas == 4
+    # The CPU default max_num_seqs (16) plus the waiting limit: the engine's queue forms inside the replica.
+    assert engine._deployment_config.max_ongoing_requests == 16 + 256
+    with pytest.raises(ValueError, match="unknown args"):
+        build_app({"min_replica": 1, "accelerator": "cpu"})

@@ -26,6 +26,8 @@ from jaxinfer.ray_serve.prefix_router import PrefixAwareRouter
 
 ENGINE_DEPLOYMENT = "JaxinferEngine"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
+# Serve's access log writes lines per call on each hop; the routes log each request once already.
+QUIET_LOGGING = {"enable_access_log": False}
 ROUTER_CLASSES = {
     "prefix": PrefixAwareRouter,
     "round-robin": "ray.serve.experimental.round_robin_router:RoundRobinRouter",
@@ -43,12 +45,14 @@ def build_application(build_engine: Callable[[], object], config: RayServeConfig
         autoscaling_config=autoscaling_config(config),
         request_router_config=request_router_config(config),
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
+        logging_config=QUIET_LOGGING,
     ).bind(build_engine, config.admission, config.engine_max_ongoing_requests)
     num_threads = config.ingress_threads_needed()
     ingress = serve.deployment(serve.ingress()(OpenAIIngress)).options(
         name=INGRESS_DEPLOYMENT,
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
         max_ongoing_requests=num_threads,
+        logging_config=QUIET_LOGGING,
     )
     return ingress.bind(engine, config.served_model_name, num_threads, config.admission.retry_after_s,
                         config.api_key, config.max_body_bytes)
