@@ -148,7 +148,7 @@ def test_sum_replica_stats():
 
 @pytest.mark.timeout(240)
 def test_routes_stream_shed_load_and_abort_on_disconnect(base_url, app_cleanup):
-    deploy(functools.partial(FakeEngine, max_num_seqs=1, step_delay=0.05),
+    deploy(functools.partial(FakeEngine, max_num_seqs=1, step_delay=0.05, max_model_len=1024),
            admission=AdmissionConfig(max_waiting_requests=1, retry_after_s=3))
     r = requests.get(base_url + "/v1/models", timeout=30)
     assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL
@@ -162,7 +162,7 @@ def test_routes_stream_shed_load_and_abort_on_disconnect(base_url, app_cleanup):
 
     # The engine's refusal keeps its field and code through the replica and the wire.
     r = requests.post(base_url + "/v1/completions", timeout=30,
-                      json={"model": MODEL, "prompt": "the cat sat", "max_tokens": 1000})
+                      json={"model": MODEL, "prompt": "the cat sat", "max_tokens": 2000})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
     # One request runs, one waits: the third is shed by the replica's admission, 503 + Retry-After.
