@@ -7,8 +7,8 @@
                              v
                            EngineReplica x [min_replicas, max_replicas]    QueueAutoscalingPolicy
 
-``build_app`` is the same for ``serve run deploy/ray/serve_config.yaml`` (its ``args`` are the
-``jaxinfer serve-ray`` flags, by their destination names).
+``jaxinfer serve-ray`` and ``serve run deploy/ray/serve_config.yaml`` build it from flags
+(:mod:`jaxinfer.ray_serve.serve_ray`).
 """
 
 from __future__ import annotations

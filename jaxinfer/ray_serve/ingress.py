@@ -23,9 +23,9 @@ class OpenAIIngress:
                        api_key: str | None, max_body_bytes: int):
         """``num_threads``: HTTP calls in flight at once (each stream holds one thread to its end)."""
         description = await engine_handle.describe.remote()  # waits for a replica to be compiled
-        self.client = RemoteEngineClient(engine_handle, description["tokenizer"], description["max_model_len"],
-                                         max_streams=num_threads, retry_after_s=retry_after_s)
-        app = create_app(self.client, served_model_name, metrics=None, api_key=api_key, max_body_bytes=max_body_bytes)
+        client = RemoteEngineClient(engine_handle, description["tokenizer"], description["max_model_len"],
+                                    max_streams=num_threads, retry_after_s=retry_after_s)
+        app = create_app(client, served_model_name, metrics=None, api_key=api_key, max_body_bytes=max_body_bytes)
         self._asgi_app = WSGIBridge(app, num_threads)
 
     def __serve_build_asgi_app__(self):

@@ -4,10 +4,11 @@ a2wsgi runs each request's WSGI call in a thread of its pool and forwards the ch
 yields to ASGI ``send`` as they come, so SSE streams through unchanged. Two things it does not
 do, added here:
 
-- **Disconnects.** When the HTTP client hangs up, Serve's proxy cancels the ingress's ASGI call.
-  a2wsgi would then stop forwarding chunks while its WSGI thread blocks forever on a full send
-  queue, and the engine request would run to its end. Here the WSGI call is shielded from that
-  cancellation: it runs on, its remaining chunks are dropped, and the disconnect is reported to
+- **Disconnects.** When the HTTP client hangs up, Serve's proxy cancels the ingress's ASGI call
+  (Serve's direct ingress sends ``http.disconnect`` instead, watched for once the body is read).
+  On a cancel, a2wsgi would stop forwarding chunks while its WSGI thread blocks forever on a full
+  send queue, and the engine request would run to its end. Here the WSGI call is shielded from
+  that cancellation: it runs on, its remaining chunks are dropped, and the disconnect is reported to
   the routes through ``environ["waitress.client_disconnected"]``, the callable the completion
   routes already poll (``completion_routes._Call``), so they abort the engine requests within
   their poll interval (0.2 s) and return, freeing the thread.
@@ -32,7 +33,6 @@ class WSGIBridge:
     """An ASGI app serving ``wsgi_app`` from ``num_threads`` threads; see the module docstring."""
 
     def __init__(self, wsgi_app, num_threads: int):
-        self.num_threads = num_threads
         self._wsgi_app = wsgi_app
         self._middleware = WSGIMiddleware(self._with_disconnect_flag, workers=num_threads)
 
@@ -41,17 +41,38 @@ class WSGIBridge:
             await self._middleware(scope, receive, send)
             return
         client_gone = threading.Event()
+        body_read = asyncio.Event()
+
+        async def receive_body():
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                client_gone.set()
+            elif not message.get("more_body", False):
+                body_read.set()
+            return message
 
         async def send_until_gone(message) -> None:
             if not client_gone.is_set():
                 await send(message)
 
-        call = asyncio.ensure_future(self._middleware({**scope, _SCOPE_KEY: client_gone}, receive, send_until_gone))
+        async def watch_for_disconnect() -> None:
+            # After the body, the only message left is the disconnect (a server that does not
+            # cancel the call when its client goes, as Serve's direct ingress, sends only this).
+            await body_read.wait()
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            client_gone.set()
+
+        call = asyncio.ensure_future(self._middleware({**scope, _SCOPE_KEY: client_gone}, receive_body,
+                                                      send_until_gone))
+        watcher = asyncio.ensure_future(watch_for_disconnect())
         try:
             await asyncio.shield(call)
         except asyncio.CancelledError:
             client_gone.set()  # the WSGI call runs on in the background until the route returns
             raise
+        finally:
+            watcher.cancel()
 
     def _with_disconnect_flag(self, environ, start_response):
         environ[DISCONNECTED_KEY] = environ["asgi.scope"][_SCOPE_KEY].is_set
