@@ -1,7 +1,11 @@
 # make run   : create the virtualenv, install, fetch the default model, start the OpenAI-compatible server
 # make test  : the same setup, then the whole test suite (CPU only)
 # make demo  : one chat answer from the default model
-PYTHON ?= python3.12
+# The interpreter for the virtualenv: PYTHON=... overrides; otherwise .ci/find-python picks one,
+# run once and only when a recipe needs it (so `make clean` never searches).
+ifndef PYTHON
+PYTHON = $(eval PYTHON := $(shell .ci/find-python))$(PYTHON)
+endif
 VENV ?= .venv
 BIN := $(VENV)/bin
 MODEL ?= smollm2-135m-instruct
@@ -11,10 +15,11 @@ PYTEST_ARGS ?=
 .PHONY: install model run demo test clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
+	@test -n "$(PYTHON)"  # empty: .ci/find-python found none and said what to install
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), "jaxinfer needs Python >= 3.12; set PYTHON=/path/to/python3.12"'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,server,ray]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,ray]'
 	touch $@
 
 install: $(BIN)/.installed

@@ -136,7 +136,7 @@ def random_model(shape: str, dtype=jnp.bfloat16, seed: int = 0, mesh=None):
     counts, each device makes just its own shards: on the H200s XLA took minutes to compile
     that sharded random init even for 8B, so it is the path of last resort.
     """
-    from jaxinfer.checkpoint import LoadedModel
+    from jaxinfer.loaded_model import LoadedModel
     from jaxinfer.config import ModelConfig
     from jaxinfer.params import init_random
 

@@ -26,11 +26,14 @@
 #           addresses for CUDA graphs (SKIP_TEMP).
 #   tpcheck greedy tokens of TP=2 against TP=1: f32 default, f32 and bf16 with the TP latency recipe.
 #   warm    one GPU: 8B start-up with a cold, then a warm compilation cache.
+#   ab1, ab2, ab3  one GPU, three calls in a row: this tree against .baseline/ (compare_trees.py):
+#           start-up, latency, throughput-nano and throughput-1k, 3+ runs each, interleaved; f32
+#           agreement with transformers; peak host memory of loading 8B safetensors, both trees.
 #   lab     GPU0: latency_lab (where batch-1 decode time goes), then throughput-1k with a trace of
 #           8 steady decode steps and its kernel breakdown. GPU1: the kernel's tile-size sweep
 #           (the data behind block_sizes.py).
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm or lab}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2 or ab3}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -85,7 +88,7 @@ tpsame)
         --out "$R/nocmdbuf" --workloads latency,decode256 ;;
 tpgraphs)
     # TP=1 vs TP=2 latency in one run, tp programs with collectives inside CUDA graphs
-    # (sharding.overlap.graph_options), with decode traces and their summary.
+    # (jaxinfer.compile_options.graph_options), with decode traces and their summary.
     timeout -s INT -k 15 300 python3 benchmarks/tensor_parallel.py --out "$R/tp" --tp 2 --max-num-seqs 384 \
         --max-model-len 2048 --profile --workloads latency >"$R/tp.log" 2>&1
     python3 benchmarks/profile_collectives.py "$R/tp" --steps 32 --json "$R/decode_profile.json" >>"$R/tp.log" 2>&1
@@ -163,6 +166,24 @@ warm)
     # program set changed in session 4: 11 forward + 14 sampler programs).
     on_gpu 0 startup_cold.log 120 python3 benchmarks/engine_throughput.py --out "$R/engine" --workloads startup
     on_gpu 0 startup_warm.log 90 python3 benchmarks/engine_throughput.py --out "$R/engine" --resume --workloads startup ;;
+ab1|ab2|ab3)
+    # Before/after of a refactor on one GPU (benchmarks/compare_trees.py): the old tree sits in
+    # .baseline/ (git archive of the base commit; carried, ignored). Runs accumulate in /tmp/ab,
+    # which lives as long as the machine stays warm, so the three calls must follow each other.
+    AB=/tmp/ab
+    compare() { python3 benchmarks/compare_trees.py run --base .baseline --new . --raw $AB "$@" >>"$R/compare.log" 2>&1; }
+    case $PLAN in
+    ab1)  # cold start-ups, latency and nano once per tree; f32 agreement with transformers; loader memory
+        compare --workloads startup,latency,throughput-nano --order base,new --timeout-s 200
+        timeout -s INT -k 15 90 python3 benchmarks/agreement.py --out "$R/agreement_hf" --against-hf \
+            --dtype float32 --num-prompts 18 --max-tokens 32 >"$R/agreement_hf.log" 2>&1
+        timeout -s INT -k 15 280 python3 benchmarks/loader_memory.py --out "$R/loader_memory" --tree . \
+            --tree .baseline --checkpoint /tmp/loader-ckpt --timeout-s 125 >"$R/loader_memory.log" 2>&1 ;;
+    ab2)  compare --workloads latency,throughput-1k,throughput-nano --order base,new,base --timeout-s 190 ;;
+    ab3)  compare --workloads latency,throughput-1k,throughput-nano --order new,base,new --timeout-s 190 ;;
+    esac
+    python3 benchmarks/compare_trees.py summarize --raw $AB --out "$R/summary" >>"$R/compare.log" 2>&1
+    tar czf "$R/raw.tgz" --exclude='jax-cache-*' -C $AB . ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac

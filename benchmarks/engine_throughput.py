@@ -80,12 +80,12 @@ def run_requests(engine, prompts, output_lens, tag, capture=None):
                            final_only=True)  # offline generation, as LLM.generate does
     steps, finished = [], {}
     wait_before = engine.device_wait_seconds
-    tokens_before = engine.generation_tokens_total
+    tokens_before = engine.stats()["generation_tokens_total"]
     start = next_report = time.perf_counter()
     while engine.has_unfinished_requests():
         if time.perf_counter() >= next_report:  # progress, so a run cut short still says how far it got
             elapsed = time.perf_counter() - start
-            done = engine.generation_tokens_total - tokens_before
+            done = engine.stats()["generation_tokens_total"] - tokens_before
             print(f"  {tag}: {elapsed:.0f} s, {len(finished)} requests done, {done} output tokens "
                   f"({done / max(elapsed, 1e-9):.0f} tok/s), running {engine.scheduler.num_running}, "
                   f"waiting {engine.scheduler.num_waiting}", flush=True)

@@ -34,11 +34,11 @@ from common import time_in_loop  # noqa: E402
 
 from pallas_kernels.paged_attention import gpu as gpu_kernel  # noqa: E402
 from pallas_kernels.paged_attention.block_sizes import BlockSizes, gpu_block_sizes  # noqa: E402
-from pallas_kernels.paged_attention.cases import make_case  # noqa: E402
 from pallas_kernels.paged_attention.reference import (  # noqa: E402
     attend_reference,
     ragged_paged_attention_reference,
 )
+from tests.attention_cases import make_case  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
 DTYPE = jnp.bfloat16

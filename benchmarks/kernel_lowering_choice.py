@@ -42,15 +42,13 @@ from kernel_attention import (
     pseudo_random,
     time_loop,
 )
+from mosaic_gpu_prototype import paged_decode_attention_mosaic_gpu
 
 from pallas_kernels.paged_attention import block_sizes as bs
 from pallas_kernels.paged_attention import gpu as gpu_kernel
 from pallas_kernels.paged_attention.block_sizes import BlockSizes
-from pallas_kernels.paged_attention.cases import make_case
-from pallas_kernels.paged_attention.mosaic_gpu_prototype import (
-    paged_decode_attention_mosaic_gpu,
-)
 from pallas_kernels.paged_attention.reference import attend_reference
+from tests.attention_cases import make_case
 
 PAGE_SIZE = 32
 SHAPES = [(64, 4096), (8, 16384), (1, 32768)]

@@ -10,10 +10,10 @@ Workloads (``../shared/BENCHMARKS.md`` defines ``latency`` and ``throughput-1k``
   critical path, so ``2 * layers *`` this is what TP adds to a decode step.
 - ``collective-matmul``: the MLP down projection of a prefill step ([T, ffn/tp] x [ffn/tp, hidden])
   followed by its reduction, three ways: matmul + all-reduce (what XLA does today), matmul +
-  reduce-scatter + all-gather, and the ring collective matmul (``sharding.overlap``) + all-gather.
+  reduce-scatter + all-gather, and the ring collective matmul (``sharding.collective_matmul``) + all-gather.
 - ``prefill-overlap``: one prefill step of the tp engine (``prefill_seqs x prefill_len`` tokens),
   compiled without and with XLA's latency-hiding scheduler / windowed einsums
-  (``sharding.overlap.XLA_OVERLAP_OPTIONS``), replayed back to back; with ``--profile`` a
+  (``jaxinfer.compile_options.XLA_OVERLAP_OPTIONS``), replayed back to back; with ``--profile`` a
   ``jax.profiler`` trace of each (``profile_collectives.py`` reads the exposed collective time
   from them; Perfetto/TensorBoard show them).
   Also the same step at tp=1 and the all-reduce time of its activations summed over the
@@ -46,12 +46,13 @@ from common import Log, header, measure_ceilings, random_model, time_in_loop, wr
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxinfer.batch import build_step_batch  # noqa: E402
+from jaxinfer.compile_options import OverlapConfig  # noqa: E402
 from jaxinfer.engine import Engine, EngineConfig  # noqa: E402
 from jaxinfer.memory import num_pages_for_device, pages_for, weight_bytes  # noqa: E402
 from jaxinfer.runner import StepInputs  # noqa: E402
 from jaxinfer.sampling import SamplingTensors  # noqa: E402
+from sharding.collective_matmul import reduce_scatter_matmul  # noqa: E402
 from sharding.mesh import TP, make_mesh  # noqa: E402
-from sharding.overlap import OverlapConfig, reduce_scatter_matmul  # noqa: E402
 from sharding.placement import shard_model  # noqa: E402
 
 NAME = "tensor_parallel"

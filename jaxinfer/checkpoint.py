@@ -1,14 +1,16 @@
 """Loading checkpoints: Hugging Face directories (safetensors), GGUF files and Orbax checkpoints.
 
 Both formats end as Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight``,
-``[out, in]`` shapes), which :func:`weights_from_hf` lays out as the model's ``Weights``.
+``[out, in]`` shapes; the names of each family are in ``jaxinfer.architectures``), which
+:func:`weights_from_hf` streams, one tensor at a time in the checkpoint's own dtype, into the
+model's ``Weights`` on the device.
 GGUF files are read and dequantized by ``jaxinfer.gguf_loader``; Orbax checkpoints (converted
 once from either) are written and restored, shard by shard, by ``jaxinfer.orbax_checkpoint``.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Callable
@@ -17,19 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.architectures import hf_tensors
 from jaxinfer.config import ModelConfig
-from jaxinfer.params import LayerWeights, Weights
+from jaxinfer.loaded_model import LoadedModel
+from jaxinfer.params import Weights, is_spec, param_specs
+from jaxinfer.safetensors_reader import SafetensorsFile
 from jaxinfer.tokenizer import Tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-@dataclasses.dataclass
-class LoadedModel:
-    config: ModelConfig
-    weights: Weights
-    tokenizer: Tokenizer
-    source: Path
 
 
 def resolve_dtype(dtype: str | None) -> jnp.dtype:
@@ -43,48 +40,37 @@ def resolve_dtype(dtype: str | None) -> jnp.dtype:
     return jnp.dtype(dtype)
 
 
-def weights_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray], dtype) -> Weights:
-    """Lay out Hugging Face tensors (fetched one at a time by ``get``) as ``Weights`` on the device."""
-    e, d = config.hidden_size, config.head_dim
-    hq, hkv = config.num_q_heads, config.num_kv_heads
+def weights_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray], dtype,
+                    shardings: Weights | None = None) -> Weights:
+    """Lay out Hugging Face tensors, fetched one at a time by ``get``, as ``Weights`` on the device.
 
-    def put(x: np.ndarray) -> jax.Array:
-        return jnp.asarray(np.asarray(x, dtype=np.float32)).astype(dtype)
+    ``get(name)`` returns a host array in any dtype (the checkpoint's own: bf16 stays bf16). It is
+    copied to the device as it is and dropped before the next tensor is read, then transposed,
+    reshaped and cast to ``dtype`` on the device, so the host holds one tensor at a time and
+    never a float32 copy of the model. With ``shardings`` (a ``Weights`` pytree of shardings)
+    each weight moves to its place as soon as it is made.
+    """
+    specs, treedef = jax.tree.flatten(param_specs(config), is_leaf=is_spec)
+    sources = treedef.flatten_up_to(hf_tensors(config))
+    places = [None] * len(specs) if shardings is None else treedef.flatten_up_to(shardings)
+    dtype = jnp.dtype(dtype)
+    arrays = []
+    for spec, source, place in zip(specs, sources, places):
+        array = _to_model_layout(jax.device_put(get(source.name)), source.is_out_in, spec.shape, dtype)
+        # Once the copy has landed the host array is gone: transfers cannot queue up host memory.
+        array.block_until_ready()
+        arrays.append(array if place is None else jax.device_put(array, place))
+    return jax.tree.unflatten(treedef, arrays)
 
-    def proj_in(name: str, heads: int) -> jax.Array:  # [heads*D, E] -> [E, heads, D]
-        return put(np.asarray(get(name)).T.reshape(e, heads, d))
 
-    def layer(i: int) -> LayerWeights:
-        p = f"model.layers.{i}."
-        bias = config.attention_bias
-        return LayerWeights(
-            attn_norm=put(get(p + "input_layernorm.weight")),
-            q=proj_in(p + "self_attn.q_proj.weight", hq),
-            k=proj_in(p + "self_attn.k_proj.weight", hkv),
-            v=proj_in(p + "self_attn.v_proj.weight", hkv),
-            o=put(np.asarray(get(p + "self_attn.o_proj.weight")).T.reshape(hq, d, e)),
-            mlp_norm=put(get(p + "post_attention_layernorm.weight")),
-            gate=put(np.asarray(get(p + "mlp.gate_proj.weight")).T),
-            up=put(np.asarray(get(p + "mlp.up_proj.weight")).T),
-            down=put(np.asarray(get(p + "mlp.down_proj.weight")).T),
-            q_bias=put(np.asarray(get(p + "self_attn.q_proj.bias")).reshape(hq, d)) if bias else None,
-            k_bias=put(np.asarray(get(p + "self_attn.k_proj.bias")).reshape(hkv, d)) if bias else None,
-            v_bias=put(np.asarray(get(p + "self_attn.v_proj.bias")).reshape(hkv, d)) if bias else None,
-            q_norm=put(get(p + "self_attn.q_norm.weight")) if config.qk_norm else None,
-            k_norm=put(get(p + "self_attn.k_norm.weight")) if config.qk_norm else None,
-        )
-
-    return Weights(
-        embed=put(get("model.embed_tokens.weight")),
-        layers=[layer(i) for i in range(config.num_layers)],
-        final_norm=put(get("model.norm.weight")),
-        lm_head=None if config.tie_word_embeddings else put(np.asarray(get("lm_head.weight")).T),
-    )
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _to_model_layout(x: jax.Array, is_out_in: bool, shape: tuple[int, ...], dtype) -> jax.Array:
+    # [out, in] -> the declared [in, ...out] (e.g. [hq*D, E] -> [E, hq, D]); a bias [hq*D] -> [hq, D].
+    return (x.T if is_out_in else x).reshape(shape).astype(dtype)
 
 
 def _safetensors_getter(path: Path) -> Callable[[str], np.ndarray]:
-    from safetensors import safe_open
-
+    """``get(name)``: one tensor of the checkpoint in ``path``, read from disk in its stored dtype."""
     index_file = path / "model.safetensors.index.json"
     if index_file.exists():
         weight_map = json.loads(index_file.read_text())["weight_map"]
@@ -94,34 +80,34 @@ def _safetensors_getter(path: Path) -> Callable[[str], np.ndarray]:
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {path}")
         weight_map = None
-    handles = {f: safe_open(str(path / f), framework="flax") for f in files}
+    readers = {f: SafetensorsFile(path / f) for f in files}
     if weight_map is None:
-        weight_map = {name: f for f, h in handles.items() for name in h.keys()}
+        weight_map = {name: f for f, reader in readers.items() for name in reader.names()}
 
     def get(name: str) -> np.ndarray:
         if name not in weight_map:
             raise KeyError(f"tensor {name!r} is missing from the checkpoint in {path}")
-        # framework="flax" reads bfloat16 too; float32 on the host keeps the layout code simple.
-        return np.asarray(handles[weight_map[name]].get_tensor(name).astype(jnp.float32))
+        return readers[weight_map[name]].read(name)
 
     return get
 
 
-def load_hf_dir(path: Path, dtype) -> LoadedModel:
+def load_hf_dir(path: Path, dtype, shardings=None) -> LoadedModel:
     hf_config = json.loads((path / "config.json").read_text())
     config = ModelConfig.from_hf(hf_config)
-    weights = weights_from_hf(config, _safetensors_getter(path), dtype)
+    weights = weights_from_hf(config, _safetensors_getter(path), dtype, _shardings_for(shardings, config))
     tokenizer = Tokenizer.from_hf_dir(path, extra_eos_ids=config.eos_token_ids)
     return LoadedModel(config, weights, tokenizer, path)
 
 
-def load_gguf(path: Path, dtype) -> LoadedModel:
+def load_gguf(path: Path, dtype, shardings=None) -> LoadedModel:
     from jaxinfer.gguf_loader import read_gguf
     from jaxinfer.gguf_tokenizer import tokenizer_from_gguf
 
-    checkpoint = read_gguf(path)
+    # Each tensor is dequantized and cast to ``dtype`` on the host, one at a time.
+    checkpoint = read_gguf(path, dtype=dtype)
     config = ModelConfig.from_hf(checkpoint.config)
-    weights = weights_from_hf(config, lambda name: checkpoint.tensors[name], dtype)
+    weights = weights_from_hf(config, lambda name: checkpoint.tensors[name], dtype, _shardings_for(shardings, config))
     tok, info = tokenizer_from_gguf(checkpoint.metadata)
     special = {
         k: info[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if info.get(k) is not None
@@ -146,7 +132,7 @@ def load_model(model: str | Path, dtype: str | None = None, shardings=None) -> L
     ``shardings``: a ``Weights`` pytree of ``NamedSharding``s, or a function of the ``ModelConfig``
     that returns one (``lambda c: weight_shardings(c, mesh)``). An Orbax checkpoint (written by
     ``jaxinfer convert``) restores each shard straight onto its devices; the other formats load
-    onto the default device and are then laid out with ``jax.device_put``.
+    each weight onto the default device and move it to its sharding before the next one.
     """
     from jaxinfer.model_registry import resolve_model
     from jaxinfer.orbax_checkpoint import is_orbax_checkpoint, restore
@@ -156,11 +142,9 @@ def load_model(model: str | Path, dtype: str | None = None, shardings=None) -> L
     if is_orbax_checkpoint(path):
         return restore(path, shardings=shardings, dtype=jdtype)
     if path.is_file() and path.suffix == ".gguf":
-        loaded = load_gguf(path, jdtype)
-    else:
-        loaded = load_hf_dir(path, jdtype)
-    if callable(shardings):
-        shardings = shardings(loaded.config)
-    if shardings is not None:
-        loaded.weights = jax.device_put(loaded.weights, shardings)
-    return loaded
+        return load_gguf(path, jdtype, shardings)
+    return load_hf_dir(path, jdtype, shardings)
+
+
+def _shardings_for(shardings, config: ModelConfig) -> Weights | None:
+    return shardings(config) if callable(shardings) else shardings

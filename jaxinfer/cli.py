@@ -90,8 +90,15 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _missing_dependency(command: str, extra: str, error: ImportError) -> int:
-    print(f"jaxinfer {command} needs the {extra} extra ({error}): pip install 'jaxinfer[{extra}]'", file=sys.stderr)
+def _missing_server_dependency(error: ImportError) -> int:
+    # flask, waitress and prometheus-client are core dependencies: missing one means a broken install.
+    print(f"jaxinfer serve cannot import its server dependencies ({error}); "
+          "reinstall jaxinfer (pip install --force-reinstall jaxinfer, or `pip install .` in the clone)", file=sys.stderr)
+    return 2
+
+
+def _missing_ray_dependency(error: ImportError) -> int:
+    print(f"jaxinfer serve-ray needs the ray extra ({error}): pip install 'jaxinfer[ray]'", file=sys.stderr)
     return 2
 
 
@@ -123,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_serve_arguments(s)
         s.set_defaults(func=run_server)
     except ImportError as e:
-        s.set_defaults(func=lambda args, e=e: _missing_dependency("serve", "server", e))
+        s.set_defaults(func=lambda args, e=e: _missing_server_dependency(e))
 
     r = sub.add_parser("serve-ray", help="serve through Ray Serve: autoscaled engine replicas, prefix-aware routing")
     try:  # ray[serve] and a2wsgi are needed only here
@@ -132,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_serve_ray_arguments(r)
         r.set_defaults(func=run_serve_ray)
     except ImportError as e:
-        r.set_defaults(func=lambda args, e=e: _missing_dependency("serve-ray", "ray", e))
+        r.set_defaults(func=lambda args, e=e: _missing_ray_dependency(e))
 
     e = sub.add_parser("estimate", help="how many tokens / requests fit in the KV cache of a device")
     e.add_argument("--model", default="smollm2-135m-instruct", help="built-in name, HF directory (config.json) or .gguf")

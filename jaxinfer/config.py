@@ -56,10 +56,6 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
-    @property
-    def num_query_groups(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
-
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
         """The design's memory formula: 2 (K and V) * layers * kv_heads * head_dim * bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element

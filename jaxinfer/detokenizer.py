@@ -35,7 +35,6 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.stop = list(stop)
         self.include_stop_str_in_output = include_stop_str_in_output
-        self.num_tokens = 0
         self.text = ""  # the output text so far (stop string cut once found)
         self.stopped_by: str | None = None
         self.skip_special_tokens = skip_special_tokens
@@ -51,7 +50,6 @@ class Detokenizer:
         """
         if self.stopped_by is not None:
             return self.stopped_by
-        self.num_tokens += 1
         piece = self._stream.step(self.tokenizer.tokenizer, token_id)
         if not piece:  # an incomplete character (or a skipped special token): nothing new yet
             self._pending.append(token_id)

@@ -10,8 +10,8 @@ How a step travels:
    weights and the KV cache are laid out across all of them (``sharding.placement.place``
    builds each process's shards from its own copy of the checkpoint).
 2. Process 0 (the *leader*) runs the HTTP server, the scheduler and the page allocator, as on
-   one host. :func:`lead` gives its runner a :class:`StepChannel`; before every step the
-   runner sends the step's host inputs through it.
+   one host. :func:`lead` has its runner hand every step's host inputs, before the step runs,
+   to a :class:`StepChannel` (``ModelRunner.observe_inputs``), which sends them.
 3. The other processes (*followers*) run :func:`follow`: receive a step's inputs, run the
    same jitted step, repeat until the leader sends "stop". Their KV caches and sampled
    tokens stay identical to the leader's because they run the same programs on the same inputs.
@@ -30,12 +30,13 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxinfer.runner import MAX_BANNED, SAMPLING_VARIANTS, ModelRunner, StepInputs
+from jaxinfer.input_batch import MAX_BANNED, StepInputs
+from jaxinfer.runner import SAMPLER_PATHS, ModelRunner
 
 logger = logging.getLogger(__name__)
 
-_VARIANTS = tuple(SAMPLING_VARIANTS)
-_STOP, _STEP = 1, 0
+_SAMPLER_PATHS = tuple(SAMPLER_PATHS)
+_STOP, _STEP = 1, 0  # the header's first value: what the message is
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
@@ -51,14 +52,15 @@ def is_leader() -> bool:
 
 
 class StepChannel:
-    """Process 0 sends each step's ``StepInputs`` to every other process, which receives them."""
+    """Process 0 sends each step's ``StepInputs`` to every other process, which receives them
+    into ``runner``'s empty inputs of the same bucket."""
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
     def send(self, inputs: StepInputs) -> None:
         sampling = inputs.sampling
-        header = [_STEP, _VARIANTS.index(inputs.variant), inputs.batch.num_tokens, inputs.batch.num_seqs,
+        header = [_STEP, _SAMPLER_PATHS.index(inputs.sampler_path), inputs.batch.num_tokens, inputs.batch.num_seqs,
                   inputs.batch.page_tables.shape[1], sampling.banned_ids.shape[1]]
         self._broadcast_header(header)
         multihost_utils.broadcast_one_to_all((inputs.batch, inputs.sampling, inputs.prev_rows))
@@ -68,16 +70,16 @@ class StepChannel:
 
     def receive(self) -> StepInputs | None:
         """The leader's next step, or ``None`` when it has stopped."""
-        kind, variant, num_tokens, num_seqs, pages, num_banned = self._broadcast_header([0] * 6)
+        kind, path, num_tokens, num_seqs, pages, num_banned = self._broadcast_header([0] * 6)
         if kind == _STOP:
             return None
-        template = self.runner._empty_inputs(num_tokens, num_seqs, pages, _VARIANTS[variant])
+        template = self.runner.empty_inputs(num_tokens, num_seqs, pages, _SAMPLER_PATHS[path])
         if template.sampling.banned_ids.shape[1] != num_banned:
             raise RuntimeError(f"leader sent {num_banned} banned ids per row; this process expects {MAX_BANNED}")
         batch, sampling, prev_rows = multihost_utils.broadcast_one_to_all(
             (template.batch, template.sampling, template.prev_rows)
         )
-        return StepInputs(batch, sampling, prev_rows, _VARIANTS[variant])
+        return StepInputs(batch, sampling, prev_rows, _SAMPLER_PATHS[path])
 
     @staticmethod
     def _broadcast_header(values: list[int]) -> list[int]:
@@ -95,15 +97,15 @@ def lead(engine) -> None:
     runner = _runner(engine)
     if runner.warmup_done:
         raise RuntimeError("attach the step channel before warm-up: the followers must compile the same steps")
-    runner.step_channel = StepChannel(runner)
+    runner.observe_inputs(StepChannel(runner).send)
 
 
 def stop_followers(engine) -> None:
-    """On process 0: tell the followers to return from :func:`follow`."""
+    """On process 0: tell the followers to return from :func:`follow` (nothing if :func:`lead` was not called)."""
     runner = _runner(engine)
-    if runner.step_channel is not None:
-        runner.step_channel.stop()
-        runner.step_channel = None
+    if runner.is_observed:
+        runner.observe_inputs(None)
+        StepChannel(runner).stop()
 
 
 def follow(engine) -> int:

@@ -47,7 +47,7 @@ Why:
 - ``attention_impl``: ``"auto"`` is resolved when a step is compiled
   (``jaxinfer.attention.resolve_impl``); on a GPU the kernel needs a power-of-two ``head_dim``
   and falls back to the reference otherwise.
-- ``overlap``: tensor-parallel communication overlap (``sharding.overlap.OverlapConfig``) is opt-in.
+- ``overlap``: tensor-parallel communication overlap (``jaxinfer.compile_options.OverlapConfig``) is opt-in.
 
 ``max_num_seqs`` and ``max_num_batched_tokens`` follow each other: a default ``max_num_seqs``
 is capped at the budget, and a default budget is raised to ``max_num_seqs``, because each
@@ -62,7 +62,7 @@ import dataclasses
 import jax
 
 from jaxinfer.attention import IMPLEMENTATIONS
-from jaxinfer.checkpoint import LoadedModel
+from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.memory import num_pages_for_device, pages_for
 from sharding.mesh import tp_size
 
@@ -89,7 +89,7 @@ class EngineConfig:
     max_wait_s: float | None = None
     attention_impl: str | None = None
     async_scheduling: bool | None = None
-    overlap: object = None  # sharding.overlap.OverlapConfig: tp communication overlap per phase
+    overlap: object = None  # jaxinfer.compile_options.OverlapConfig: tp communication overlap per phase
 
     def __post_init__(self):
         # What can be checked field by field is checked as soon as it is given.

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import logging
 
-from jaxinfer.checkpoint import LoadedModel
 from jaxinfer.data_parallel import DataParallelEngine
 from jaxinfer.engine import Engine
 from jaxinfer.engine_config import EngineConfig
+from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.memory import pages_for
 
 logger = logging.getLogger(__name__)

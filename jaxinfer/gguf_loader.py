@@ -4,9 +4,11 @@ The model code knows one naming and layout: Hugging Face's (`model.layers.N.self
 [out_features, in_features]) and LlamaConfig's config keys. A GGUF file differs in three ways, each
 undone here:
 
-1. Names: llama.cpp's (`blk.N.attn_q.weight`), mapped by `_hf_name`.
+1. Names: llama.cpp's (`blk.N.attn_q.weight`), mapped by the architecture's table in
+   `jaxinfer.architectures`.
 2. Storage: quantized blocks, dequantized with the `gguf` package one tensor at a time, when the
-   tensor is first asked for, so an 8B file never sits in host RAM twice.
+   tensor is asked for, a slice of rows at a time straight into the requested dtype, so the host
+   holds one tensor in that dtype (plus one slice in float32), never the model.
 3. Q/K rows: for the `llama` architecture llama.cpp's converter permutes the rows of attn_q/attn_k
    so each head's rotary pairs are interleaved (GPT-J style) instead of split in halves (NeoX style,
    which HF uses); `_unpermute_rows` puts them back. Qwen2/Qwen3 are converted without it.
@@ -24,35 +26,13 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, quants
 
-SUPPORTED_ARCHITECTURES = {
-    # architecture: (HF class, model_type, Q/K rows permuted by llama.cpp's converter)
-    "llama": ("LlamaForCausalLM", "llama", True),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
-}
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+from jaxinfer.architectures import GGUF_ARCHITECTURES, Architecture, gguf_to_hf_name, known_gguf_names
 
 # llama.cpp stores Llama 3.1-style rope scaling as per-frequency factors, not as config keys.
 _ROPE_FREQS = "rope_freqs.weight"
+
+# float32 bytes dequantized at once, per slice of a tensor's rows.
+_DEQUANTIZE_SLICE_BYTES = 64 << 20
 
 
 def supported_tensor_types() -> list[str]:
@@ -73,25 +53,27 @@ class GGUFCheckpoint:
 class GGUFTensors(Mapping):
     """HF name -> numpy array, dequantized (and Q/K rows restored) on each access."""
 
-    def __init__(self, reader: GGUFReader, architecture: str, config: dict, dtype):
+    def __init__(self, reader: GGUFReader, arch: Architecture, config: dict, dtype):
         self._dtype = np.dtype(dtype)
-        self._num_heads = config["num_attention_heads"]
-        self._num_kv_heads = config["num_key_value_heads"]
-        self._is_permuted = SUPPORTED_ARCHITECTURES[architecture][2]
         self._by_hf_name = {}
         for tensor in reader.tensors:
             if tensor.name == _ROPE_FREQS:
                 continue
-            self._by_hf_name[_hf_name(tensor.name)] = tensor
+            self._by_hf_name[_hf_name(arch, tensor.name)] = tensor
+        # HF name -> head count, for the Q/K tensors whose rows llama.cpp's converter interleaved.
+        self._interleaved_heads = {}
+        if arch.gguf_qk_rows_interleaved:
+            for layer in range(config["num_hidden_layers"]):
+                for field, heads in (("q", "num_attention_heads"), ("q_bias", "num_attention_heads"),
+                                     ("k", "num_key_value_heads"), ("k_bias", "num_key_value_heads")):
+                    name = arch.layer_tensors[field].hf.format(layer=layer)
+                    self._interleaved_heads[name] = config[heads]
 
     def __getitem__(self, name: str) -> np.ndarray:
-        tensor = self._by_hf_name[name]
-        array = dequantize(tensor)
-        if self._is_permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-            array = _unpermute_rows(array, self._num_heads)
-        elif self._is_permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-            array = _unpermute_rows(array, self._num_kv_heads)
-        return array.astype(self._dtype, copy=False)
+        array = dequantize(self._by_hf_name[name], self._dtype)
+        if name in self._interleaved_heads:
+            array = _unpermute_rows(array, self._interleaved_heads[name])
+        return array
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._by_hf_name)
@@ -117,39 +99,51 @@ def read_gguf(path, dtype=np.float32) -> GGUFCheckpoint:
     reader = GGUFReader(str(path))
     metadata = _metadata(reader)
     architecture = metadata.get("general.architecture")
-    if architecture not in SUPPORTED_ARCHITECTURES:
+    if architecture not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"{path}: GGUF architecture {architecture!r} is not supported; "
-            f"supported architectures: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}."
+            f"supported architectures: {', '.join(sorted(GGUF_ARCHITECTURES))}."
         )
+    arch = GGUF_ARCHITECTURES[architecture]
     by_name = {t.name: t for t in reader.tensors}
     for tensor in reader.tensors:
         if tensor.name != _ROPE_FREQS:
-            _hf_name(tensor.name)  # fail on the first unknown tensor, before any is used
-    config = _hf_config(metadata, architecture, by_name)
+            _hf_name(arch, tensor.name)  # fail on the first unknown tensor, before any is used
+    config = _hf_config(metadata, arch, by_name)
     return GGUFCheckpoint(
         config=config,
-        tensors=GGUFTensors(reader, architecture, config, dtype),
+        tensors=GGUFTensors(reader, arch, config, dtype),
         metadata=metadata,
         architecture=architecture,
     )
 
 
-def dequantize(tensor) -> np.ndarray:
-    """float32 array in numpy (HF) order from a `GGUFReader` tensor of any supported type."""
+def dequantize(tensor, dtype=np.float32) -> np.ndarray:
+    """Array of ``dtype`` in numpy (HF) order from a `GGUFReader` tensor of any supported type.
+
+    Quantized blocks are dequantized to float32 a slice of rows at a time (rows are quantized
+    independently) and each slice is cast into the result at once, so a bf16 load of a large
+    embedding never holds it whole in float32.
+    """
     qtype = tensor.tensor_type
-    if qtype == GGMLQuantizationType.F64:
-        return np.asarray(tensor.data, dtype=np.float32)
-    if qtype == GGMLQuantizationType.F32:
-        return np.array(tensor.data, dtype=np.float32)  # a copy, not a view into the mapped file
+    data = tensor.data
+    if qtype in (GGMLQuantizationType.F64, GGMLQuantizationType.F32):
+        # Through float32 as the quantized types are; a copy, not a view into the mapped file.
+        return np.asarray(data, dtype=np.float32).astype(dtype)
     try:
-        array = quants.dequantize(tensor.data, qtype)
+        if data.ndim < 2:
+            return quants.dequantize(data, qtype).astype(dtype)
+        first = quants.dequantize(data[:1], qtype)
     except NotImplementedError:
         raise NotImplementedError(
             f"tensor {tensor.name!r} has ggml type {qtype.name}, which the installed gguf package "
             f"cannot dequantize; supported types: {', '.join(supported_tensor_types())}."
         ) from None
-    return np.asarray(array, dtype=np.float32)
+    out = np.empty((data.shape[0], *first.shape[1:]), dtype)
+    rows = max(1, _DEQUANTIZE_SLICE_BYTES // max(1, first.nbytes))
+    for start in range(0, data.shape[0], rows):
+        out[start:start + rows] = quants.dequantize(data[start:start + rows], qtype)
+    return out
 
 
 def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -163,16 +157,14 @@ def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(gguf_name: str) -> str:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    raise ValueError(
-        f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart known to jaxinfer "
-        f"(known: {', '.join(_GLOBAL_NAMES)}, blk.N.{{{', '.join(_LAYER_NAMES)}}}.weight/bias)."
-    )
+def _hf_name(arch: Architecture, gguf_name: str) -> str:
+    hf_name = gguf_to_hf_name(arch, gguf_name)
+    if hf_name is None:
+        raise ValueError(
+            f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart known to jaxinfer "
+            f"(known for {arch.gguf_architecture}: {', '.join(known_gguf_names(arch))})."
+        )
+    return hf_name
 
 
 def _metadata(reader: GGUFReader) -> dict[str, Any]:
@@ -189,11 +181,12 @@ def _field_value(field) -> Any:
     return value
 
 
-def _hf_config(metadata: dict, architecture: str, tensors: dict) -> dict:
+def _hf_config(metadata: dict, arch: Architecture, tensors: dict) -> dict:
+    architecture = arch.gguf_architecture
+
     def key(name, default=None):
         return metadata.get(f"{architecture}.{name}", default)
 
-    hf_class, model_type, _ = SUPPORTED_ARCHITECTURES[architecture]
     hidden_size = key("embedding_length")
     num_heads = key("attention.head_count")
     num_kv_heads = key("attention.head_count_kv", num_heads)
@@ -203,8 +196,8 @@ def _hf_config(metadata: dict, architecture: str, tensors: dict) -> dict:
     head_dim = key("attention.key_length", hidden_size // num_heads)
     rope_theta = key("rope.freq_base", 10000.0)
     config = {
-        "architectures": [hf_class],
-        "model_type": model_type,
+        "architectures": [arch.hf_class],
+        "model_type": arch.model_type,
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         "intermediate_size": key("feed_forward_length"),

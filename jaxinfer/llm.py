@@ -18,9 +18,10 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxinfer.checkpoint import LoadedModel, load_model
+from jaxinfer.checkpoint import load_model
 from jaxinfer.engine_config import EngineConfig
 from jaxinfer.engine_factory import build_engine
+from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 

@@ -5,6 +5,9 @@ One forward serves prefill and decode alike: it takes a ragged batch of new toke
 attention dispatcher, and returns logits at each sequence's last new token. Llama 2/3,
 SmolLM2, Mistral and Qwen2/3 differ only by ``ModelConfig`` flags.
 
+Every matmul goes through :func:`linear`, which runs float32 weights at full float32
+precision on every platform (``pallas_kernels.precision``) and bfloat16 at JAX's default.
+
 Shapes: T tokens in the step, B sequence slots, E hidden size, Hq/Hkv query/KV heads,
 D head dim, F ffn size, V vocabulary.
 """
@@ -23,6 +26,13 @@ from jaxinfer.batch import StepBatch
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.params import LayerWeights, Weights
+from pallas_kernels.precision import matmul_precision
+
+
+def linear(subscripts: str, x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
+    """``x`` times the weight ``w`` as the einsum ``subscripts``, at the precision their dtype calls for."""
+    precision = matmul_precision(jnp.result_type(x, w))
+    return jnp.einsum(subscripts, x, w, precision=precision, preferred_element_type=preferred_element_type)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -74,9 +84,9 @@ def attention_block(
     attention_impl: str,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     h = rms_norm(x, layer.attn_norm, config.rms_norm_eps)  # [T, E]
-    q = jnp.einsum("te,ehd->thd", h, layer.q)  # [T, Hq, D]
-    k = jnp.einsum("te,ehd->thd", h, layer.k)  # [T, Hkv, D]
-    v = jnp.einsum("te,ehd->thd", h, layer.v)  # [T, Hkv, D]
+    q = linear("te,ehd->thd", h, layer.q)  # [T, Hq, D]
+    k = linear("te,ehd->thd", h, layer.k)  # [T, Hkv, D]
+    v = linear("te,ehd->thd", h, layer.v)  # [T, Hkv, D]
     if config.attention_bias:
         q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
     if config.qk_norm:
@@ -89,14 +99,14 @@ def attention_block(
         q, k, v, k_pages, v_pages, batch,
         sm_scale=config.head_dim**-0.5, sliding_window=config.sliding_window, impl=attention_impl,
     )  # out: [T, Hq, D]
-    return jnp.einsum("thd,hde->te", out, layer.o), k_pages, v_pages
+    return linear("thd,hde->te", out, layer.o), k_pages, v_pages
 
 
 def mlp_block(layer: LayerWeights, x: jax.Array, config: ModelConfig) -> jax.Array:
     h = rms_norm(x, layer.mlp_norm, config.rms_norm_eps)  # [T, E]
-    gate = jnp.einsum("te,ef->tf", h, layer.gate)
-    up = jnp.einsum("te,ef->tf", h, layer.up)
-    return jnp.einsum("tf,fe->te", jax.nn.silu(gate) * up, layer.down)
+    gate = linear("te,ef->tf", h, layer.gate)
+    up = linear("te,ef->tf", h, layer.up)
+    return linear("tf,fe->te", jax.nn.silu(gate) * up, layer.down)
 
 
 def hidden_states(
@@ -122,8 +132,8 @@ def hidden_states(
 def compute_logits(weights: Weights, x: jax.Array) -> jax.Array:
     """float32 logits [N, V] of hidden states x [N, E]; the lm_head is the embedding when tied."""
     if weights.lm_head is None:
-        return jnp.einsum("ne,ve->nv", x, weights.embed, preferred_element_type=jnp.float32)
-    return jnp.einsum("ne,ev->nv", x, weights.lm_head, preferred_element_type=jnp.float32)
+        return linear("ne,ve->nv", x, weights.embed, preferred_element_type=jnp.float32)
+    return linear("ne,ev->nv", x, weights.lm_head, preferred_element_type=jnp.float32)
 
 
 def forward(
@@ -137,11 +147,3 @@ def forward(
     """
     x, cache = hidden_states(weights, cache, batch, config, attention_impl)
     return compute_logits(weights, x[batch.logits_indices]), cache
-
-
-def forward_all_logits(
-    weights: Weights, cache: KVCache, batch: StepBatch, config: ModelConfig, attention_impl: str = "auto"
-) -> tuple[jax.Array, KVCache]:
-    """Like :func:`forward` but logits at every token row [T, V] (tests, prompt logprobs)."""
-    x, cache = hidden_states(weights, cache, batch, config, attention_impl)
-    return compute_logits(weights, x), cache

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.checkpoint import LoadedModel
+from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.config import ModelConfig
 from jaxinfer.params import Weights, is_spec, param_specs
 from jaxinfer.tokenizer import Tokenizer

@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxinfer.batch import StepBatch
 from jaxinfer.config import ModelConfig
+from jaxinfer.errors import RequestError
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.model import compute_logits, hidden_states
 from jaxinfer.params import Weights
@@ -133,7 +134,8 @@ class PromptScorer:
         prompt token itself, then the dict holds ``num_top`` entries, else ``num_top + 1``).
         """
         if not 0 <= num_top <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {num_top}")
+            raise RequestError(f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {num_top}",
+                               field="prompt_logprobs", limit=(0, MAX_TOP_LOGPROBS))
         num_tokens = len(prompt_token_ids)
         bucket = bucket_for(num_tokens)
         padded = np.zeros(bucket, np.int32)

@@ -1,8 +1,8 @@
 """ModelRunner: turns a Schedule into one device step: a jitted forward, then a jitted sampler.
 
-The host packs the step's inputs as numpy and sends them in one transfer; the step is
-padded to a bucket (tokens, sequences, page-table width) so that every program is compiled
-at start-up and none after. The KV cache is donated and updated in place. Sampled tokens
+``prepare`` packs the step's inputs as numpy (``jaxinfer.input_batch``); ``execute`` sends
+them in one transfer and dispatches the programs. The step is padded to a bucket (tokens,
+sequences, page-table width) so that every program is compiled at start-up and none after. The KV cache is donated and updated in place. Sampled tokens
 stay on the device: the next step reads a decode's input token from the previous step's
 output wherever the host still holds a placeholder (async scheduling), so the host can
 prepare step n+1 while the device runs step n.
@@ -25,20 +25,22 @@ import logging
 import math
 import os
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxinfer.batch import StepBatch
-from jaxinfer.checkpoint import LoadedModel
+from jaxinfer.compile_options import PhasedJit, graph_options
+from jaxinfer.input_batch import PackedStep, StepInputs, empty_step_inputs, pack_step
 from jaxinfer.kv_cache import create_kv_cache
+from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.model import forward
-from jaxinfer.page_allocator import SCRATCH_PAGE
-from jaxinfer.sampling import SamplerOutput, SamplingFlags, SamplingTensors, sample
+from jaxinfer.sampling import SamplerOutput, SamplingFlags, sample
+from jaxinfer.sampling_params import MAX_TOP_LOGPROBS
+from jaxinfer.scheduler import Schedule
 from jaxinfer.token_history import gather_history, write_tokens
-from sharding.overlap import PhasedJit, graph_options
 from sharding.placement import StepPlacement
 
 logger = logging.getLogger(__name__)
@@ -46,11 +48,11 @@ logger = logging.getLogger(__name__)
 # Two sampler paths, each its own small program per sequence bucket, chosen by the host per
 # step: "basic" serves greedy and plain temperature sampling; "full" adds penalties, bans
 # (min_tokens), top-k/top-p/min-p and 20 top logprobs.
-SAMPLING_VARIANTS = {
+SAMPLER_PATHS = {
     "basic": SamplingFlags(any_random=True),
-    "full": SamplingFlags(any_penalties=True, any_banned=True, any_random=True, any_truncation=True, num_top_logprobs=20),
+    "full": SamplingFlags(any_penalties=True, any_banned=True, any_random=True, any_truncation=True,
+                          num_top_logprobs=MAX_TOP_LOGPROBS),
 }
-MAX_BANNED = 16
 
 
 def enable_persistent_compilation_cache() -> None:
@@ -125,16 +127,6 @@ def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, max_pages_pe
     return Buckets(tokens, seqs, pages, tied_seqs=True)
 
 
-@dataclasses.dataclass
-class StepInputs:
-    """Host-side arrays of one step, sent to the device together."""
-
-    batch: StepBatch
-    sampling: SamplingTensors
-    prev_rows: np.ndarray  # [T] int32: row of the previous step's sampled tokens to use, or -1
-    variant: str
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -151,7 +143,7 @@ class ModelRunner:
         overlap=None,
     ):
         """``mesh``: a ``sharding.make_mesh`` mesh the model was laid out on (``sharding.shard_model``);
-        ``overlap``: a ``sharding.overlap.OverlapConfig`` (communication overlap per phase)."""
+        ``overlap``: a ``jaxinfer.compile_options.OverlapConfig`` (communication overlap per phase)."""
         self.model = model
         self.config = model.config
         self.page_size = page_size
@@ -162,7 +154,7 @@ class ModelRunner:
         )
         self.attention_impl = attention_impl
         self.placement = StepPlacement(self.config, mesh)
-        self.step_channel = None  # multi-host: sends each step's inputs to the other processes
+        self._input_observer: Callable[[StepInputs], None] | None = None
         self.cache = create_kv_cache(
             self.config, num_pages, page_size, model.weights.embed.dtype, sharding=self.placement.cache
         )
@@ -175,18 +167,18 @@ class ModelRunner:
         self.token_pages = jax.jit(
             lambda: jnp.full((num_pages, page_size), -1, jnp.int32), **self.placement.jit_kwargs()
         )()
-        # Prefill and decode programs may compile with different overlap options (sharding.overlap).
+        # Prefill and decode programs may compile with different overlap options (jaxinfer.compile_options).
         self._step = PhasedJit(
             functools.partial(_forward_step, config=self.config, attention_impl=attention_impl),
             overlap, self.buckets.num_seqs[-1],
             base_compiler_options=graph_options(1 if mesh is None else mesh.size),
-            static_argnames=("layout",),
+            static_argnames=("packing",),
             donate_argnames=("cache", "token_pages"),
             **self.placement.jit_kwargs(with_cache=True),
         )
         self._sampler = jax.jit(
             functools.partial(_sample_step, num_padded=self.buckets.num_seqs[-1]),
-            static_argnames=("layout", "variant"),
+            static_argnames=("packing", "sampler_path"),
             **self.placement.jit_kwargs(),
         )
         self.warmup_done = False
@@ -199,9 +191,9 @@ class ModelRunner:
         """
         start = time.perf_counter()
         shapes = self.buckets.all()
-        all_inputs = [self._empty_inputs(t, b, p) for t, b, p in shapes]
-        sampler_inputs = [self._empty_inputs(t, b, p, variant)
-                          for t, b, p in self._sampler_shapes() for variant in SAMPLING_VARIANTS]
+        all_inputs = [self.empty_inputs(t, b, p) for t, b, p in shapes]
+        sampler_inputs = [self.empty_inputs(t, b, p, path)
+                          for t, b, p in self._sampler_shapes() for path in SAMPLER_PATHS]
         jobs = [functools.partial(self._compile, inputs) for inputs in all_inputs]
         jobs += [functools.partial(self._compile_sampler, inputs) for inputs in sampler_inputs]
         num_threads = num_threads or min(len(jobs), max(1, (os.cpu_count() or 1) // 2))
@@ -232,9 +224,9 @@ class ModelRunner:
         """The sampler's arguments for ``inputs``, its logits as a shape: what warm-up compiles."""
         logits = jax.ShapeDtypeStruct((inputs.batch.num_seqs, self.config.vocab_size), jnp.float32,
                                       sharding=self.placement.replicated)
-        packed, layout = pack_host_arrays(_sampler_tree(inputs))
+        packed, packing = pack_host_arrays(_sampler_tree(inputs))
         packed = jax.device_put(packed, self.placement.replicated)
-        return (logits, self.token_pages, packed), {"layout": layout, "variant": inputs.variant}
+        return (logits, self.token_pages, packed), {"packing": packing, "sampler_path": inputs.sampler_path}
 
     def _sampler_shapes(self) -> list[tuple[int, int, int]]:
         """One bucket (tokens, sequences, pages) per (sequences, pages): the samplers depend on
@@ -247,7 +239,7 @@ class ModelRunner:
     @property
     def num_programs(self) -> int:
         """Programs compiled at warm-up: one forward per bucket, two samplers per sequence bucket."""
-        return len(self.buckets.all()) + len(SAMPLING_VARIANTS) * len(self._sampler_shapes())
+        return len(self.buckets.all()) + len(SAMPLER_PATHS) * len(self._sampler_shapes())
 
     def _num_compiled(self) -> int:
         return self._step._cache_size() + self._sampler._cache_size()
@@ -258,27 +250,36 @@ class ModelRunner:
             return 0
         return self._num_compiled() - self._cache_size_after_warmup
 
-    def _empty_inputs(self, num_tokens, num_seqs, pages, variant="basic") -> StepInputs:
-        batch = StepBatch(
-            token_ids=np.zeros(num_tokens, np.int32),
-            positions=np.zeros(num_tokens, np.int32),
-            cu_q_lens=np.zeros(num_seqs + 1, np.int32),
-            kv_lens=np.zeros(num_seqs, np.int32),
-            page_tables=np.full((num_seqs, pages), SCRATCH_PAGE, np.int32),
-            logits_indices=np.zeros(num_seqs, np.int32),
-        )
-        sampling = SamplingTensors.neutral(num_seqs, 0, MAX_BANNED)  # no history: see token_history
-        return StepInputs(batch, sampling, np.full(num_tokens, -1, np.int32), variant)
+    def empty_inputs(self, num_tokens: int, num_seqs: int, pages_per_seq: int, sampler_path: str = "basic") -> StepInputs:
+        """Inputs of a step of this bucket that computes nothing (warm-up; a template to receive into)."""
+        return empty_step_inputs(num_tokens, num_seqs, pages_per_seq, sampler_path)
+
+    def prepare(self, schedule: Schedule, previous: PackedStep | None) -> PackedStep:
+        """Pack ``schedule``'s step into the smallest bucket that fits; ``previous`` is the step
+        still on the device, whose sampled tokens fill this one's placeholders."""
+        return pack_step(schedule, self.buckets, previous, self.config.vocab_size)
+
+    def observe_inputs(self, observer: Callable[[StepInputs], None] | None) -> None:
+        """Have ``observer`` see every step's inputs before the step is dispatched (``None``: stop).
+
+        Multi-host: the leader sends them to the other processes, which run the same step
+        (``jaxinfer.distributed``). Warm-up steps go through it too.
+        """
+        self._input_observer = observer
+
+    @property
+    def is_observed(self) -> bool:
+        return self._input_observer is not None
 
     def execute(self, inputs: StepInputs) -> SamplerOutput:
         """Dispatch one step (asynchronously: nothing here waits for the device); returns the sampler output."""
-        if self.step_channel is not None:
-            self.step_channel.send(inputs)
-        fn, args, kwargs, (sampler_packed, sampler_layout) = self._calls(inputs)
+        if self._input_observer is not None:
+            self._input_observer(inputs)
+        fn, args, kwargs, (sampler_packed, sampler_packing) = self._calls(inputs)
         with self.placement.context():
             (logits, self.token_pages), self.cache = fn(*args, **kwargs)
-            out = self._sampler(logits, self.token_pages, sampler_packed, layout=sampler_layout,
-                                variant=inputs.variant)
+            out = self._sampler(logits, self.token_pages, sampler_packed, packing=sampler_packing,
+                                sampler_path=inputs.sampler_path)
         self.last_sampled = out.token_ids_padded
         return out.sampler
 
@@ -287,15 +288,15 @@ class ModelRunner:
         return self._calls(inputs)[:3]
 
     def _calls(self, inputs: StepInputs):
-        """The forward program, its arguments, and the sampler's (packed inputs, layout): the host
+        """The forward program, its arguments, and the sampler's (packed inputs, packing): the host
         arrays of both programs go to the device in one transfer."""
-        if inputs.variant not in SAMPLING_VARIANTS:
-            raise ValueError(f"unknown sampler path {inputs.variant!r}; one of {sorted(SAMPLING_VARIANTS)}")
-        packed, layout = pack_host_arrays((inputs.batch, inputs.prev_rows))
-        sampler_packed, sampler_layout = pack_host_arrays(_sampler_tree(inputs))
+        if inputs.sampler_path not in SAMPLER_PATHS:
+            raise ValueError(f"unknown sampler path {inputs.sampler_path!r}; one of {sorted(SAMPLER_PATHS)}")
+        packed, packing = pack_host_arrays((inputs.batch, inputs.prev_rows))
+        sampler_packed, sampler_packing = pack_host_arrays(_sampler_tree(inputs))
         packed, sampler_packed = jax.device_put((packed, sampler_packed), self.placement.replicated)
         args = (self.model.weights, self.cache, self.token_pages, packed, self.last_sampled)
-        return self._step.for_tokens(inputs.batch.num_tokens), args, {"layout": layout}, (sampler_packed, sampler_layout)
+        return self._step.for_tokens(inputs.batch.num_tokens), args, {"packing": packing}, (sampler_packed, sampler_packing)
 
 
 def _sampler_tree(inputs: StepInputs):
@@ -304,27 +305,28 @@ def _sampler_tree(inputs: StepInputs):
 
 
 def pack_host_arrays(tree) -> tuple[np.ndarray, tuple]:
-    """One int32 buffer holding every array of ``tree`` (all 4-byte or bool), and its static layout.
+    """One int32 buffer holding every array of ``tree`` (all 4-byte or bool), and its packing: the
+    tree's structure and each array's (shape, dtype), static for the jitted program.
 
     A step's inputs are a dozen small arrays; sending them as one buffer makes one
     host-to-device transfer instead of a dozen. :func:`unpack_device_arrays` undoes it.
     """
     leaves, treedef = jax.tree.flatten(tree)
-    parts, layout = [], []
+    parts, shapes = [], []
     for leaf in leaves:
         array = np.asarray(leaf)
         if array.dtype == np.bool_:
             array = array.astype(np.int32)
         elif array.dtype.itemsize != 4:
             raise TypeError(f"step inputs must be 4-byte or bool arrays, not {array.dtype}")
-        layout.append((array.shape, np.asarray(leaf).dtype.str))
+        shapes.append((array.shape, np.asarray(leaf).dtype.str))
         parts.append(np.ascontiguousarray(array).view(np.int32).ravel())
-    return np.concatenate(parts), (treedef, tuple(layout))
+    return np.concatenate(parts), (treedef, tuple(shapes))
 
 
-def unpack_device_arrays(packed: jax.Array, layout: tuple):
+def unpack_device_arrays(packed: jax.Array, packing: tuple):
     """Inside the jitted step: slice, bitcast and reshape the packed buffer back into the tree."""
-    treedef, shapes = layout
+    treedef, shapes = packing
     leaves, offset = [], 0
     for shape, dtype_str in shapes:
         dtype = np.dtype(dtype_str)
@@ -346,9 +348,9 @@ class _SamplerStepOutput:
     token_ids_padded: jax.Array  # [max_num_seqs]: what the next step's placeholders read
 
 
-def _forward_step(weights, cache, token_pages, packed, last_sampled, *, config, attention_impl, layout):
+def _forward_step(weights, cache, token_pages, packed, last_sampled, *, config, attention_impl, packing):
     """Logits [B, V] at each sequence's last new token, the token pages with this step's inputs, and the cache."""
-    batch, prev_rows = unpack_device_arrays(packed, layout)
+    batch, prev_rows = unpack_device_arrays(packed, packing)
     # A placeholder input is the token this sequence sampled in the previous step.
     from_previous = jnp.take(last_sampled, jnp.maximum(prev_rows, 0))
     token_ids = jnp.where(prev_rows >= 0, from_previous, batch.token_ids)
@@ -358,16 +360,16 @@ def _forward_step(weights, cache, token_pages, packed, last_sampled, *, config, 
     return (logits, token_pages), cache
 
 
-def _sample_step(logits, token_pages, packed, *, layout, variant, num_padded):
-    """One token per row of ``logits`` on the ``variant`` path; both paths return the same shapes."""
-    sampling, page_tables, kv_lens = unpack_device_arrays(packed, layout)
-    flags = SAMPLING_VARIANTS[variant]
+def _sample_step(logits, token_pages, packed, *, packing, sampler_path, num_padded):
+    """One token per row of ``logits`` on the ``sampler_path`` path; both paths return the same shapes."""
+    sampling, page_tables, kv_lens = unpack_device_arrays(packed, packing)
+    flags = SAMPLER_PATHS[sampler_path]
     if flags.any_penalties:
         # The penalties' history comes from the device's token pages, not the host.
         history_ids, history_is_output = gather_history(token_pages, page_tables, kv_lens, sampling.num_prompt_tokens)
         sampling = dataclasses.replace(sampling, history_ids=history_ids, history_is_output=history_is_output)
     out = sample(logits, sampling, flags)
-    k = SAMPLING_VARIANTS["full"].num_top_logprobs
+    k = SAMPLER_PATHS["full"].num_top_logprobs
     if flags.num_top_logprobs < k:
         rows = logits.shape[0]
         out = dataclasses.replace(out, top_logprob_ids=jnp.zeros((rows, k), jnp.int32),

@@ -28,9 +28,15 @@ is the smallest prefix whose mass reaches ``top_p``; ties at the cut keep the lo
 Min-p needs no sort: ``p_i >= min_p * p_max`` is ``logit_i >= max_logit + log(min_p)``,
 unchanged by the renormalization after top-k/top-p.
 
-Host helpers: ``SamplingTensors.neutral(num_seqs, history_len, num_banned)`` gives numpy
-arrays with every feature off (padding rows stay like that) to fill per row, and
-``SamplingFlags.needed_for(tensors, num_top_logprobs)`` the smallest flags that serve them.
+Host helper: ``SamplingTensors.neutral(num_seqs, history_len, num_banned)`` gives numpy
+arrays with every feature off (padding rows stay like that) to fill per row.
+
+Which sampling type is which (``jaxinfer.sampling_params`` has the host-side two):
+``SamplingParams`` is what a client asks for, per request; ``SequenceSampling`` one sample's
+share of it (seed, token budget, banned ids); ``SamplingTensors`` (here) those settings as
+arrays, one row per token a step samples; ``SamplingFlags`` (here) the static stages a sampler
+program compiles (the runner's "basic" and "full" sampler paths); ``SamplerOutput`` (here)
+the sampled ids and their logprobs.
 """
 
 from __future__ import annotations
@@ -42,7 +48,6 @@ import jax.numpy as jnp
 import numpy as np
 
 GREEDY_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS: below it a row is greedy
-MAX_TOP_LOGPROBS = 20
 
 
 @jax.tree_util.register_dataclass
@@ -94,22 +99,7 @@ class SamplingFlags:
     any_banned: bool = False  # some row has banned_ids
     any_random: bool = False  # some row has temperature >= 1e-5; if False every row is greedy
     any_truncation: bool = False  # some random row uses top-k, top-p or min-p
-    num_top_logprobs: int = 0  # K in 0..20; the runner may always compile 20 and slice on the host
-
-    @classmethod
-    def needed_for(cls, tensors: SamplingTensors, num_top_logprobs: int = 0) -> SamplingFlags:
-        """The smallest flags that sample ``tensors`` (numpy arrays) exactly; for the host."""
-        t = jax.tree.map(np.asarray, tensors)
-        is_random = t.temperature >= GREEDY_TEMPERATURE
-        truncates = (t.top_k > 0) | (t.top_p < 1.0) | (t.min_p > 0.0)
-        penalizes = (t.repetition_penalty != 1.0) | (t.presence_penalty != 0.0) | (t.frequency_penalty != 0.0)
-        return cls(
-            any_penalties=bool(np.any(penalizes)),
-            any_banned=bool(np.any(t.banned_ids >= 0)),
-            any_random=bool(np.any(is_random)),
-            any_truncation=bool(np.any(is_random & truncates)),
-            num_top_logprobs=num_top_logprobs,
-        )
+    num_top_logprobs: int = 0  # K in 0..20; the runner always compiles 20 and slices on the host
 
 
 @jax.tree_util.register_dataclass

@@ -1,8 +1,24 @@
-"""SamplingParams: how to sample one request's output, with vLLM's names and defaults."""
+"""SamplingParams: how to sample one request's output, with vLLM's names and defaults; and
+SequenceSampling: what one sample (one ``Sequence``) of such a request runs with.
+
+The sampling-related types, from the client to the device:
+
+- ``SamplingParams`` (here): what a client asked for, per request (validated on construction).
+- ``SequenceSampling`` (here): one sample's share of it: the request's params plus the seed,
+  token budget and banned ids of that sample. The engine attaches one to each ``Sequence``.
+- ``SamplingTensors`` (``jaxinfer.sampling``): the same settings as device arrays, one row per
+  sampled token of a step, packed by ``jaxinfer.input_batch``.
+- ``SamplingFlags`` (``jaxinfer.sampling``): static switches compiled into a sampler program;
+  the runner's two sampler paths ("basic", "full") are two sets of them.
+- ``SamplerOutput`` (``jaxinfer.sampling``): what the sampler returns: token ids and logprobs.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+
+from jaxinfer.errors import RequestError
 
 MAX_TOP_LOGPROBS = 20
 FLOAT32_MAX = 3.4028234663852886e38  # the sampler's arrays are float32
@@ -45,41 +61,75 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        def need(ok: bool, field: str, message: str) -> None:
-            if not ok:
-                raise ValueError(f"{field} {message}, got {getattr(self, field)!r}")
+        """Raise ``RequestError`` naming the first field out of range, and its (lower, upper) bounds."""
 
-        need(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
+        def need(ok: bool, field: str, message: str, limit: object = None) -> None:
+            if not ok:
+                raise RequestError(f"{field} {message}, got {getattr(self, field)!r}", field=field, limit=limit)
+
+        need(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1", (1, None))
         # The device holds these in float32: a larger value would arrive as inf there.
         need(_is_number(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX, "temperature",
-             f"must be in [0, {FLOAT32_MAX:.4g}]")
-        need(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        need(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k", "must be -1, 0 (off) or >= 1")
-        need(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        need(_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
-        need(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
+             f"must be in [0, {FLOAT32_MAX:.4g}]", (0, FLOAT32_MAX))
+        need(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", (0, 1))
+        need(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k", "must be -1, 0 (off) or >= 1",
+             (-1, None))
+        need(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", (0, 1))
+        need(_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
+             "must be in [-2, 2]", (-2, 2))
+        need(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
+             "must be in [-2, 2]", (-2, 2))
         need(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= FLOAT32_MAX, "repetition_penalty",
-             f"must be in (0, {FLOAT32_MAX:.4g}]")
-        need(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63), "seed", "must be an integer in [0, 2**63)")
+             f"must be in (0, {FLOAT32_MAX:.4g}]", (0, FLOAT32_MAX))
+        need(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63), "seed",
+             "must be an integer in [0, 2**63)", (0, 2**63 - 1))
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        need(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
-        need(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens", "must be >= 1")
-        need(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        need(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0",
+             (0, None))
+        need(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+             "must be >= 1", (1, None))
+        need(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be >= 0", (0, None))
         if self.max_tokens is not None:
-            need(self.min_tokens <= self.max_tokens, "min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+            need(self.min_tokens <= self.max_tokens, "min_tokens", f"must be <= max_tokens ({self.max_tokens})",
+                 (0, self.max_tokens))
         need(
             self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
-            "logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}",
+            "logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}", (0, MAX_TOP_LOGPROBS),
         )
         need(
             self.prompt_logprobs is None
             or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
-            "prompt_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}",
+            "prompt_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}", (0, MAX_TOP_LOGPROBS),
         )
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0
+
+@dataclasses.dataclass(frozen=True)
+class SequenceSampling:
+    """What one sample of a request runs with (opaque to the scheduler and allocator)."""
+
+    params: SamplingParams
+    seed: int  # this sample's own seed: the request's, or derived from it for n > 1
+    max_tokens: int  # max_tokens, capped by the context left after the prompt
+    index: int = 0  # which of the request's n samples
+    # Ids the sample may not produce before min_tokens: see banned_before_min_tokens.
+    banned_before_min_tokens: tuple[int, ...] = ()
+
+    @functools.cached_property
+    def needs_full_sampler(self) -> bool:
+        """Whether the "full" sampler path must serve this sample: the "basic" one serves only
+        greedy and plain temperature sampling. Asked once per step per sequence, so cached."""
+        params = self.params
+        return (
+            params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            or params.logprobs is not None
+            or params.min_tokens > 0
+            or (params.temperature > 0 and (params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0))
+        )
+
+
+def banned_before_min_tokens(params: SamplingParams, eos_ids: frozenset[int]) -> tuple[int, ...]:
+    """Token ids a sample may not produce before ``min_tokens``: EOS (unless ignored) and the stop ids, sorted."""
+    return tuple(sorted((set() if params.ignore_eos else set(eos_ids)) | set(params.stop_token_ids)))
 
 
 def _is_int(x) -> bool:

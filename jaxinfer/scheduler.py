@@ -15,7 +15,8 @@ generated tokens as a prefill. No new sequence is admitted in a step that preemp
 The engine's step, with async scheduling (step n+1 prepared while the device runs step n):
 
     schedule = scheduler.schedule(now)      # a plain value; empty + wait_until: sleep, retry
-    runner.launch(schedule)                 # item.seq.token_ids[start:start + n] are the inputs
+    packed = runner.prepare(schedule, ...)  # item.seq.token_ids[start:start + n] are the inputs
+    runner.execute(packed.inputs)           # dispatched; the device runs it while the host goes on
     scheduler.postprocess(schedule)         # advance num_computed_tokens, register full pages
     for item in schedule.items:             # only these sample a token this step
         if item.samples_token: item.seq.append_token(PLACEHOLDER_TOKEN)
@@ -44,7 +45,6 @@ class SchedulerConfig:
     # Nothing running: wait up to this long after the oldest waiting arrival to batch more
     # arrivals into the first step. 0 disables.
     max_wait_s: float = 0.002
-    chunked_prefill: bool = True
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
@@ -59,11 +59,6 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}): each running sequence decodes one token per step"
             )
-        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
-                f">= max_model_len ({self.max_model_len}), or a long prompt never fits a step"
-            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +69,6 @@ class ScheduledSeq:
     # The chunk reaches the end of the sequence's known tokens, so the step samples its next
     # token from the last row's logits. False for all but the last chunk of a prefill.
     samples_token: bool
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The step's input tokens for this sequence; a placeholder means "the device's last sample"."""
-        return self.seq.token_ids[self.start_position : self.start_position + self.num_new_tokens]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,9 +114,6 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def add(self, seq: Sequence) -> None:
         if seq.status is not SequenceStatus.WAITING or seq.page_table:
             raise ValueError(f"only a new waiting sequence can be added, got {seq}")
@@ -135,14 +122,6 @@ class Scheduler:
                 f"sequence {seq.seq_id} has {seq.num_tokens} tokens > max_model_len {self.config.max_model_len}"
             )
         self.waiting.append(seq)
-
-    def abort(self, key: int | str) -> list[Sequence]:
-        """Finish every sequence with this ``seq_id`` (int) or ``request_id`` (str); frees pages at once."""
-        attribute = "seq_id" if isinstance(key, int) else "request_id"
-        seqs = [seq for seq in (*self.running, *self.waiting) if getattr(seq, attribute) == key]
-        for seq in seqs:
-            self.finish(seq, "abort")
-        return seqs
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Free ``seq``'s pages and drop it, waiting or running; a no-op on a finished sequence.
@@ -215,8 +194,6 @@ class Scheduler:
             if seq.num_tokens > self.config.max_model_len:
                 raise RuntimeError(f"the engine must finish sequences at max_model_len: {seq}")
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if num_new < seq.num_uncomputed_tokens and not self.config.chunked_prefill:
-                continue
             while not self.allocator.allocate_slots(seq, num_new):
                 victim = next(s for s in reversed(self.running) if s is seq or s.seq_id not in scheduled_ids)
                 self._preempt(victim)
@@ -248,8 +225,6 @@ class Scheduler:
             num_cached = self.allocator.num_cached_prefix_tokens(seq)
             num_remaining = seq.num_tokens - num_cached
             num_new = min(num_remaining, budget)
-            if num_new < num_remaining and not self.config.chunked_prefill:
-                break
             if not self.allocator.allocate_prompt(seq, num_new):
                 break  # out of pages: later arrivals do not overtake (FCFS)
             self.waiting.popleft()

@@ -50,7 +50,7 @@ class Sequence:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + generated
         self.num_prompt_tokens = len(prompt_token_ids)
-        # Opaque to the scheduler and allocator: the engine's sampling parameters.
+        # Opaque to the scheduler and allocator: the engine's SequenceSampling (jaxinfer.sampling_params).
         self.sampling = sampling
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = SequenceStatus.WAITING
@@ -79,28 +79,12 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
-    def generated_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def last_token_id(self) -> int:
-        return self.token_ids[-1]
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
     @property
-    def is_prefill_done(self) -> bool:
-        return self.num_computed_tokens >= self.num_prompt_tokens
-
-    @property
     def has_placeholder(self) -> bool:
         return self._num_placeholders > 0
-
-    def num_pages_needed(self, page_size: int) -> int:
-        """Pages to hold the K/V of every token now in the sequence."""
-        return -(-len(self.token_ids) // page_size)
 
     def append_token(self, token_id: int) -> None:
         """Append a sampled token, or ``PLACEHOLDER_TOKEN`` for one still on the device."""
@@ -117,15 +101,12 @@ class Sequence:
         self.token_ids[index] = token_id
         self._num_placeholders -= 1
 
-    def drop_placeholders(self) -> int:
-        """Remove trailing placeholders (samples in flight for a finished sequence); return how many."""
-        num_dropped = 0
+    def drop_placeholders(self) -> None:
+        """Remove trailing placeholders (samples in flight for a finished sequence)."""
         # The prompt holds no placeholders, so this never pops into it.
         while self.token_ids[-1] == PLACEHOLDER_TOKEN:
             self.token_ids.pop()
-            num_dropped += 1
-        self._num_placeholders -= num_dropped
-        return num_dropped
+            self._num_placeholders -= 1
 
     def __repr__(self) -> str:
         return (

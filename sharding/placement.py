@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxinfer.checkpoint import LoadedModel
+from jaxinfer.loaded_model import LoadedModel
 from sharding.heads import head_layout, pad_weights, padded_config
 from sharding.mesh import TP
 from sharding.rules import cache_sharding, replicated, weight_shardings

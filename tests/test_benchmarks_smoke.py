@@ -159,3 +159,26 @@ def test_kernel_ncu_report_reads_bytes_per_launch(tmp_path):
     assert result["launches"] == 3 and result["kv_bytes"] == counted
     assert abs(result["read_over_counted_kv"] - 1.02) < 1e-3  # the median launch
     assert result["dram_write_bytes_median"] == 140.5e3
+
+
+def test_loader_memory_loads_a_sharded_bf16_checkpoint_in_a_child_process(tmp_path):
+    from safetensors import safe_open
+
+    out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
+    stdout = run_script([BENCHMARKS / "loader_memory.py", "--shape", "tiny", "--out", out, "--checkpoint", checkpoint,
+                         "--shard-gb", "0.0001", "--tree", REPO], tmp_path)
+    results = json.loads((out / "loader_memory.json").read_text())
+    assert results["num_files"] >= 2
+    (run,) = results["runs"]
+    assert run["jaxinfer_file"] == str(REPO / "jaxinfer" / "__init__.py")
+    assert run["weight_dtypes"] == ["bfloat16"] and run["load_s"] > 0
+    assert 0 < run["rss_before_load_gib"] <= run["peak_rss_gib"]
+    assert "peak RSS" in stdout
+    # The files the script writes by hand read back with the safetensors package, as the index says.
+    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
+    found = {}
+    for file in sorted(set(index["weight_map"].values())):
+        with safe_open(str(checkpoint / file), framework="numpy") as f:
+            found.update({name: file for name in f.keys()})
+            assert {str(f.get_tensor(name).dtype) for name in f.keys()} == {"bfloat16"}
+    assert found == index["weight_map"]

@@ -183,7 +183,8 @@ def test_penalties_match_a_plain_loop_over_the_whole_sequence(tiny, llm):
 
     from jaxinfer.batch import build_step_batch
     from jaxinfer.kv_cache import create_kv_cache
-    from jaxinfer.model import forward_all_logits
+
+    from .all_logits import forward_all_logits
 
     prompt = random_prompts(1, seed=21, low=20, high=21)[0]
     rep, presence, frequency = 1.8, 0.7, 0.4
@@ -221,16 +222,16 @@ def test_no_step_program_branches_on_a_device_value(llm):
     # On the GPU a conditional copies its predicate to the host and waits for it, so a
     # lax.cond anywhere in a step made every dispatch block until the device got there (the
     # H200 idled half of each decode step). Every program a step runs must be branch-free.
-    from jaxinfer.runner import SAMPLING_VARIANTS
+    from jaxinfer.runner import SAMPLER_PATHS
 
     runner = llm.engine.runner
     for num_tokens, num_seqs, pages in runner.buckets.all():
-        fn, args, kwargs = runner._step_call(runner._empty_inputs(num_tokens, num_seqs, pages))
+        fn, args, kwargs = runner._step_call(runner.empty_inputs(num_tokens, num_seqs, pages))
         with runner.placement.context():
             assert "stablehlo.case" not in fn.lower(*args, **kwargs).as_text()
-        for variant in SAMPLING_VARIANTS:
-            args, kwargs = runner._sampler_call(runner._empty_inputs(num_tokens, num_seqs, pages, variant))
-            assert "stablehlo.case" not in runner._sampler.lower(*args, **kwargs).as_text(), variant
+        for path in SAMPLER_PATHS:
+            args, kwargs = runner._sampler_call(runner.empty_inputs(num_tokens, num_seqs, pages, path))
+            assert "stablehlo.case" not in runner._sampler.lower(*args, **kwargs).as_text(), path
 
 
 def test_llm_close_frees_weights_and_cache_and_refuses_to_generate():

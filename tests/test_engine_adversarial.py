@@ -16,11 +16,13 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.batch import build_step_batch
 from jaxinfer.checkpoint import load_model
 from jaxinfer.detokenizer import Detokenizer
+from jaxinfer.errors import PromptTooLongError, RequestError, RequestIdInUseError
 from jaxinfer.kv_cache import create_kv_cache
-from jaxinfer.model import forward_all_logits
-from jaxinfer.runner import MAX_BANNED, default_buckets
+from jaxinfer.input_batch import MAX_BANNED
+from jaxinfer.runner import default_buckets
 from jaxinfer.sequence import SequenceStatus
 
+from .all_logits import forward_all_logits
 from .conftest import FIXTURES
 
 MAX_MODEL_LEN = 48
@@ -400,8 +402,9 @@ def test_eos_ignore_eos_min_tokens_and_max_tokens(reference, tight):
 def test_too_many_ids_to_ban_for_min_tokens_is_refused(reference):
     engine = reference.engine
     many = list(range(MAX_BANNED + 1))
-    with pytest.raises(ValueError, match="min_tokens"):
+    with pytest.raises(RequestError, match="min_tokens") as refused:
         engine.validate([1, 2, 3], SamplingParams(stop_token_ids=many, min_tokens=2))
+    assert (refused.value.field, refused.value.limit) == ("min_tokens", MAX_BANNED)
     engine.validate([1, 2, 3], SamplingParams(stop_token_ids=many))  # without min_tokens nothing is banned
     engine.validate([1, 2, 3], SamplingParams(stop_token_ids=[1, 1, 2], min_tokens=2))
 
@@ -610,3 +613,31 @@ def test_streamed_outputs_are_snapshots(shared):
     lengths = [len(out.outputs[0].token_ids) for out in outputs]
     assert lengths == sorted(lengths) and lengths[0] < lengths[-1] == 6  # each kept as it was when yielded
     assert all(len(out.outputs[0].logprobs) == n for out, n in zip(outputs, lengths))
+
+
+def test_refusals_are_typed_and_name_the_field_and_the_limit(reference):
+    engine = reference.engine
+    vocab = engine.model_config.vocab_size
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    refusals = [
+        (lambda: engine.add_request("empty", [], greedy), RequestError, "prompt", 1),
+        (lambda: engine.add_request("oov", [1, vocab], greedy), RequestError, "prompt", vocab),
+        (lambda: engine.add_request("long", [1] * MAX_MODEL_LEN, greedy), PromptTooLongError, "prompt",
+         MAX_MODEL_LEN - 1),
+        (lambda: engine.add_request("stop-oov", [1], SamplingParams(stop_token_ids=[vocab])), RequestError,
+         "stop_token_ids", vocab),
+        (lambda: engine.score_prompt([1] * (MAX_MODEL_LEN + 1), 1), PromptTooLongError, "prompt", MAX_MODEL_LEN),
+        (lambda: engine.score_prompt([1, 2, 3], 21), RequestError, "prompt_logprobs", (0, 20)),
+    ]
+    for refuse, error_type, field, limit in refusals:
+        with pytest.raises(error_type) as refused:
+            refuse()
+        assert (refused.value.field, refused.value.limit) == (field, limit), refused.value
+        assert isinstance(refused.value, ValueError)  # callers that caught ValueError still do
+    assert not engine.has_unfinished_requests()  # nothing refused was queued
+
+    engine.add_request("twice", [1, 2, 3], greedy)
+    with pytest.raises(RequestIdInUseError) as refused:
+        engine.add_request("twice", [4, 5], greedy)
+    assert refused.value.field == "request_id" and refused.value.code == "duplicate_request_id"
+    assert drain(engine)["twice"].outputs[0].finish_reason == "length"

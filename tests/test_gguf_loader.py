@@ -2,6 +2,7 @@
 
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
@@ -157,6 +158,19 @@ def test_qk_permutation_is_undone_exactly(tmp_path):
 def test_requested_dtype(tmp_path):
     ckpt = read_gguf(write_gguf(tmp_path / "m.gguf", hf_weights(), Q.Q8_0), dtype=np.float16)
     assert ckpt.tensors["model.layers.0.mlp.up_proj.weight"].dtype == np.float16
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q4_1])
+def test_bf16_tensors_are_dequantized_a_slice_of_rows_at_a_time(tmp_path, monkeypatch, qtype):
+    """Slices of one row give the whole tensor's dequantization, rounded once to bf16."""
+    monkeypatch.setattr(gguf_loader, "_DEQUANTIZE_SLICE_BYTES", 1)
+    weights = hf_weights(tied=False)
+    ckpt = read_gguf(write_gguf(tmp_path / "m.gguf", weights, qtype), dtype=ml_dtypes.bfloat16)
+    for name, w in weights.items():
+        got = ckpt.tensors[name]
+        assert got.dtype == ml_dtypes.bfloat16, name
+        np.testing.assert_array_equal(got.view(np.uint16), roundtrip(w, qtype).astype(ml_dtypes.bfloat16).view(np.uint16),
+                                      err_msg=name)
 
 
 def test_qwen2_bias_is_read_without_unpermuting(tmp_path):

@@ -18,8 +18,8 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.batch import build_step_batch
 from jaxinfer.checkpoint import load_model
 from jaxinfer.kv_cache import create_kv_cache
-from jaxinfer.model import forward_all_logits
 
+from .all_logits import forward_all_logits
 from .conftest import FIXTURES, GOLDEN
 
 # float32 on both sides; the difference is summation order (XLA vs torch) over ~1e2-1e3 terms.

@@ -22,8 +22,8 @@ import pytest
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.batch import build_step_batch
 from jaxinfer.kv_cache import create_kv_cache
-from jaxinfer.model import forward_all_logits
 
+from .all_logits import forward_all_logits
 from .test_model_golden import ATOL, PAGE_SIZE, RTOL, TINY, _golden, _model
 
 KERNELS = ["pallas_gpu_interpret", "pallas_tpu_interpret"]

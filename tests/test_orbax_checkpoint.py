@@ -22,9 +22,10 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.checkpoint import LoadedModel, load_model
+from jaxinfer.checkpoint import load_model
 from jaxinfer.cli import main
 from jaxinfer.config import ModelConfig
+from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.orbax_checkpoint import MARKER, hf_config, restore, save
 from jaxinfer.params import is_spec, param_specs
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import ragged_paged_attention_gpu, ragged_paged_attention_reference
-from pallas_kernels.paged_attention.cases import make_case
+from tests.attention_cases import make_case
 from pallas_kernels.paged_attention.work_tiles import plan_work_tiles
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -112,7 +112,7 @@ def _prototype_decode_case(seed, seqs, **kw):
 
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_mosaic_gpu_prototype_matches_reference(num_splits):
-    from pallas_kernels.paged_attention.mosaic_gpu_prototype import paged_decode_attention_mosaic_gpu
+    from benchmarks.mosaic_gpu_prototype import paged_decode_attention_mosaic_gpu
     from pallas_kernels.paged_attention.reference import attend_reference
 
     # Mid-page ends, one exactly on a page boundary, an empty slot, GQA 4.
@@ -130,7 +130,7 @@ def test_mosaic_gpu_prototype_matches_reference(num_splits):
 
 def test_mosaic_gpu_prototype_lowers_for_hopper_from_cpu():
     """Runs Mosaic GPU's lowering and layout inference (sm_90) without a GPU."""
-    from pallas_kernels.paged_attention.mosaic_gpu_prototype import paged_decode_attention_mosaic_gpu
+    from benchmarks.mosaic_gpu_prototype import paged_decode_attention_mosaic_gpu
 
     spec = jax.ShapeDtypeStruct
     pages = spec((8, 64, 32, 128), jnp.bfloat16)

@@ -10,7 +10,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.paged_attention import ragged_paged_attention_reference, ragged_paged_attention_tpu
-from pallas_kernels.paged_attention.cases import make_case
+from tests.attention_cases import make_case
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 

@@ -1,7 +1,7 @@
 """Prompt logprobs (vLLM's ``SamplingParams.prompt_logprobs``, OpenAI's legacy echo + logprobs).
 
-The scorer is checked against ``log_softmax`` of :func:`~jaxinfer.model.forward_all_logits` over
-the whole prompt; the engine, ``LLM`` and the server (through the official ``openai`` client)
+The scorer is checked against ``log_softmax`` of the model's logits at every row of the whole
+prompt (``tests/all_logits.py``); the engine, ``LLM`` and the server (through the official ``openai`` client)
 are checked to return what the scorer computes, in their formats, without changing generation.
 All on the tiny Llama-3 fixture in float32, on CPU.
 """
@@ -22,9 +22,9 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.batch import build_step_batch
 from jaxinfer.checkpoint import load_model
 from jaxinfer.kv_cache import create_kv_cache
-from jaxinfer.model import forward_all_logits
 from jaxinfer.prompt_logprobs import PromptScorer, bucket_for, prompt_logprob_sum
 
+from .all_logits import forward_all_logits
 from .conftest import FIXTURES
 from .fake_engine import FakeEngine, RunningServer
 

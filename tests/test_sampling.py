@@ -35,11 +35,24 @@ def _tensors(num_seqs, history_len=0, num_banned=0, **rows):
     return dataclasses.replace(t, **fields)
 
 
+def _fewest_flags(t, num_top_logprobs=0):
+    """The fewest stages that sample the rows of ``t`` exactly: each flag off skips a stage that is
+    the identity for every row, so the tokens must equal those of every stage on."""
+    is_random = t.temperature >= 1e-5
+    truncates = (t.top_k > 0) | (t.top_p < 1.0) | (t.min_p > 0.0)
+    penalizes = (t.repetition_penalty != 1.0) | (t.presence_penalty != 0.0) | (t.frequency_penalty != 0.0)
+    return SamplingFlags(
+        any_penalties=bool(penalizes.any()), any_banned=bool((t.banned_ids >= 0).any()),
+        any_random=bool(is_random.any()), any_truncation=bool((is_random & truncates).any()),
+        num_top_logprobs=num_top_logprobs,
+    )
+
+
 def _frequencies(logits_row, num_samples, **params):
     """Sample one row ``num_samples`` times with seeds 0.. and count each token."""
     logits = np.tile(np.asarray(logits_row, np.float32), (num_samples, 1))
     t = _tensors(num_samples, seed=np.arange(num_samples), **params)
-    out = _sample(logits, t, SamplingFlags.needed_for(t))
+    out = _sample(logits, t, _fewest_flags(t))
     return np.bincount(np.asarray(out.token_ids), minlength=logits.shape[1])
 
 
@@ -173,7 +186,7 @@ def test_banned_ids_are_never_chosen():
     logits = np.tile(np.array([5.0, 4.0, 3.0, 0.0, -1.0], np.float32), (200, 1))
     banned = np.array([0, 2, -1], np.int32)
     t = _tensors(200, num_banned=3, banned_ids=banned, temperature=[0.0] + [2.0] * 199, seed=np.arange(200))
-    tokens = np.asarray(_sample(logits, t, SamplingFlags.needed_for(t)).token_ids)
+    tokens = np.asarray(_sample(logits, t, _fewest_flags(t)).token_ids)
     assert tokens[0] == 1  # greedy falls back to the best allowed token
     assert not np.isin(tokens, [0, 2]).any()
     assert set(tokens[1:]) == {1, 3, 4}
@@ -199,7 +212,7 @@ def _sequence(row, position, batch_size, flags, num_steps=25, vocab=300):
         t.history_ids[position] = -1
         t.history_ids[position, : min(step, 8)] = tokens[-8:]
         t.history_is_output[position, : min(step, 8)] = True
-        tokens.append(int(np.asarray(_sample(logits, t, flags or SamplingFlags.needed_for(t)).token_ids)[position]))
+        tokens.append(int(np.asarray(_sample(logits, t, flags or _fewest_flags(t)).token_ids)[position]))
     return tokens
 
 
@@ -216,8 +229,7 @@ def test_flags_only_skip_stages_no_row_needs():
     rng = np.random.default_rng(4)
     logits = rng.normal(size=(16, 40)).astype(np.float32) * 2
     t = _tensors(16, temperature=np.r_[np.zeros(8), rng.uniform(0.5, 2, 8)], seed=np.arange(16))
-    minimal = _sample(logits, t, SamplingFlags.needed_for(t))
-    assert SamplingFlags.needed_for(t) == SamplingFlags(any_random=True)
+    minimal = _sample(logits, t, SamplingFlags(any_random=True))  # the runner's "basic" path
     full = _sample(logits, t, dataclasses.replace(ALL_ON, num_top_logprobs=3))
     np.testing.assert_array_equal(minimal.token_ids, full.token_ids)
     np.testing.assert_array_equal(minimal.logprobs, full.logprobs)
@@ -228,7 +240,7 @@ def test_logprobs_are_raw_log_softmax():
     logits = rng.normal(size=(10, 64)).astype(np.float32) * 3
     t = _tensors(10, history_len=4, temperature=0.8, top_k=10, repetition_penalty=1.5, seed=np.arange(10))
     t.history_ids[:] = logits.argsort(axis=1)[:, -4:]
-    out = _sample(logits, t, dataclasses.replace(SamplingFlags.needed_for(t), num_top_logprobs=5))
+    out = _sample(logits, t, _fewest_flags(t, num_top_logprobs=5))
     raw = _log_softmax(logits)
     tokens = np.asarray(out.token_ids)
     np.testing.assert_allclose(out.logprobs, raw[np.arange(10), tokens], rtol=1e-5, atol=1e-5)

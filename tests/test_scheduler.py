@@ -107,9 +107,19 @@ class FakeEngine:
                 self.scheduler.finish(seq, "length")
         return schedule
 
+    def has_work(self):
+        return bool(self.scheduler.num_waiting or self.scheduler.num_running)
+
+    def abort(self, request_id):
+        """The engine's abort: finish every sample of the request, whatever its state."""
+        seqs = [seq for seq in self.seqs if seq.request_id == request_id and not seq.is_finished]
+        for seq in seqs:
+            self.scheduler.finish(seq, "abort")
+        return seqs
+
     def run(self, max_steps=10_000):
         for _ in range(max_steps):
-            if not (self.scheduler.has_work() or self.in_flight):
+            if not (self.has_work() or self.in_flight):
                 return
             self.step()
         raise AssertionError("did not finish")
@@ -135,7 +145,7 @@ def test_budget_is_respected_and_decodes_come_first():
     assert [(i.seq.seq_id, i.num_new_tokens) for i in schedule.items] == [(0, 1), (1, 1), (2, 6)]
     assert schedule.num_batched_tokens == 8
     assert [i.samples_token for i in schedule.items] == [True, True, False]
-    while engine.scheduler.has_work():
+    while engine.has_work():
         assert engine.step().num_batched_tokens <= 8
 
 
@@ -148,14 +158,6 @@ def test_chunked_prefill_splits_a_long_prompt():
     ]
     engine.run()
     assert engine.seqs[0].token_ids == reference_run(range(1, 21), 2)
-
-
-def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
-    engine = FakeEngine(make_scheduler(max_num_batched_tokens=32, chunked_prefill=False))
-    engine.add(make_seq(0, range(1, 21)), 3)
-    engine.add(make_seq(1, range(1, 21)), 3)
-    assert [i.seq.seq_id for i in engine.step().items] == [0]
-    assert [(i.seq.seq_id, i.num_new_tokens) for i in engine.step().items] == [(0, 1), (1, 20 - 16)]
 
 
 def test_max_num_seqs_caps_the_batch():
@@ -207,12 +209,12 @@ def test_abort_frees_pages_at_once():
     allocator = engine.scheduler.allocator
     assert allocator.num_used_pages > 0
     schedule = engine.scheduler.schedule(1e9)
-    aborted = engine.scheduler.abort("a") + engine.scheduler.abort(2)
+    aborted = engine.abort("a") + engine.abort("b")
     engine.scheduler.postprocess(schedule)  # the step in flight still completes
     assert sorted(seq.seq_id for seq in aborted) == [0, 1, 2]
     assert all(seq.finish_reason == "abort" and seq.page_table == [] for seq in aborted)
     assert allocator.num_used_pages == 0 and allocator.usage == 0.0
-    assert not engine.scheduler.has_work()
+    assert not engine.has_work()
     check_allocator_invariants(allocator, [])
 
 
@@ -283,21 +285,19 @@ def test_config_rejects_impossible_shapes():
     with pytest.raises(ValueError):
         make_scheduler(num_pages=5, max_model_len=32)  # 8 pages per sequence, 4 usable
     with pytest.raises(ValueError):
-        make_scheduler(max_num_batched_tokens=8, max_model_len=32, chunked_prefill=False)
-    with pytest.raises(ValueError):
         make_scheduler().add(make_seq(0, range(40)))
 
 
 @pytest.mark.parametrize(
-    "seed, is_async, caching, chunked",
-    [(0, False, True, True), (1, True, True, True), (2, True, False, True), (3, False, True, False)],
+    "seed, is_async, caching",
+    [(0, False, True), (1, True, True), (2, True, False), (3, False, True)],
 )
-def test_random_workload_keeps_invariants_and_outputs(seed, is_async, caching, chunked):
+def test_random_workload_keeps_invariants_and_outputs(seed, is_async, caching):
     rng = random.Random(seed)
     engine = FakeEngine(
         make_scheduler(
-            num_pages=17, max_num_seqs=6, max_num_batched_tokens=32 if chunked else 40, max_model_len=40,
-            enable_prefix_caching=caching, chunked_prefill=chunked,
+            num_pages=17, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=40,
+            enable_prefix_caching=caching,
         ),
         is_async,
     )
@@ -315,7 +315,7 @@ def test_random_workload_keeps_invariants_and_outputs(seed, is_async, caching, c
                 expected[num_seqs] = reference_run(prompt, max_tokens)
                 num_seqs += 1
         elif choice < 0.3 and engine.seqs:
-            for seq in scheduler.abort(rng.choice(engine.seqs).request_id):
+            for seq in engine.abort(rng.choice(engine.seqs).request_id):
                 expected.pop(seq.seq_id)
         else:
             schedule = engine.step()

@@ -66,8 +66,9 @@ def test_padded_model_computes_the_same_logits():
 
     from jaxinfer.batch import build_step_batch
     from jaxinfer.kv_cache import create_kv_cache
-    from jaxinfer.model import forward_all_logits
     from sharding.heads import head_layout, pad_weights, padded_config
+
+    from .all_logits import forward_all_logits
 
     model = tiny_9_3_model()
     batch = build_step_batch([(PROMPTS[0], 0, [1]), (PROMPTS[1], 0, [2, 3])], num_tokens=32, num_seqs=2,
@@ -124,7 +125,7 @@ def _multi_device_checks() -> dict:
     from jaxinfer import LLM, SamplingParams
     from jaxinfer.batch import build_step_batch
     from jaxinfer.kv_cache import create_kv_cache
-    from jaxinfer.model import forward_all_logits
+    from jaxinfer.model import forward
     from sharding.mesh import make_mesh
     from sharding.placement import StepPlacement, shard_model
 
@@ -139,7 +140,9 @@ def _multi_device_checks() -> dict:
     report["tokens"]["reference"] = tokens(LLM(loaded=model, **LLM_OPTIONS))
     batch = build_step_batch([(PROMPTS[0], 0, [1]), (PROMPTS[3], 0, [2, 3, 4])], num_tokens=64, num_seqs=2,
                              pages_per_seq=4)
-    step = jax.jit(forward_all_logits, static_argnums=(3, 4), donate_argnums=(1,))
+    # Logits at every row, not just each sequence's last (this runs as a script: no tests package).
+    batch = dataclasses.replace(batch, logits_indices=np.arange(64, dtype=np.int32))
+    step = jax.jit(forward, static_argnums=(3, 4), donate_argnums=(1,))
     expected, _ = step(model.weights, create_kv_cache(model.config, 8, 16, jnp.float32), batch, model.config,
                        "reference")
     for tp in TP_SIZES:
@@ -156,7 +159,7 @@ def _multi_device_checks() -> dict:
     # The engine's real step at tp=8: compiled HLO, donation, the cache's sharding after the step.
     llm = LLM(loaded=model, tensor_parallel_size=8, **LLM_OPTIONS)
     runner = llm.engine.runner
-    inputs = runner._empty_inputs(32, 4, 8)
+    inputs = runner.empty_inputs(32, 4, 8)
     step, args, kwargs = runner._step_call(inputs)  # the jitted step and its arguments, as execute() calls it
     with runner.placement.context():
         compiled = step.lower(*args, **kwargs).compile()
@@ -182,14 +185,15 @@ def _multi_device_checks() -> dict:
 def test_graph_options_respect_only_the_users_own_graph_kinds(monkeypatch):
     """A user's ``--xla_gpu_enable_command_buffer=`` wins; other options that merely share the
     prefix (``..._va_remapping`` in newer XLAs) must not switch the multi-GPU graph kinds off."""
-    from sharding import overlap
+    from jaxinfer import compile_options
 
-    monkeypatch.setattr(overlap.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(compile_options.jax, "default_backend", lambda: "gpu")
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer_va_remapping=true")
-    assert overlap.graph_options(2) == {"xla_gpu_enable_command_buffer": overlap.GRAPHS_WITH_COLLECTIVES}
+    expected = {"xla_gpu_enable_command_buffer": compile_options.GRAPHS_WITH_COLLECTIVES}
+    assert compile_options.graph_options(2) == expected
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")
-    assert overlap.graph_options(2) == {}
-    assert overlap.graph_options(1) == {}
+    assert compile_options.graph_options(2) == {}
+    assert compile_options.graph_options(1) == {}
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ the command line, a notebook, a test), ``waitress_server`` (the WSGI server and 
 ``responses`` (response bodies), ``engine_loop`` (the engine's thread: the in-process
 ``jaxinfer.engine_client.EngineClient``), ``admission`` (the bounded waiting queue),
 ``metrics``/``device_metrics`` (Prometheus), ``request_timing``, ``json_logging``, ``tracing``
-(OpenTelemetry), ``errors``.
+(OpenTelemetry), ``errors``; the Batch API's ``batch_routes``, ``batch_runner`` and
+``batch_line_requests`` (over the stores of ``jaxinfer.batch_api``).
 """
 
 from jaxinfer.server.app import create_app

@@ -19,11 +19,13 @@ import re
 import time
 import uuid
 
-from flask import Flask, Response, current_app, g, request
+from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
+from jaxinfer.batch_api.store import BatchStore
 from jaxinfer.engine_client import EngineClient
 from jaxinfer.server.app_state import EXTENSION_KEY, AppState, app_state
+from jaxinfer.server.batch_routes import batch_routes
 from jaxinfer.server.completion_routes import completion_routes
 from jaxinfer.server.device_metrics import DeviceCollector
 from jaxinfer.server.errors import APIError, body_too_large, internal_error
@@ -35,14 +37,17 @@ from jaxinfer.server.tracing import Tracer
 logger = logging.getLogger("jaxinfer.server")
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024  # POST /v1/files: batch input files are large
 OPEN_PATHS = {"/health", "/live", "/metrics"}  # probes and scrapers need no API key
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 def create_app(client: EngineClient, served_model_name: str, metrics: ServerMetrics | None = None,
                api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               tracer_provider=None) -> Flask:
-    """The OpenAI-compatible app over ``client``; ``metrics`` None turns ``/metrics`` off.
+               tracer_provider=None, batch_store: BatchStore | None = None,
+               max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Flask:
+    """The OpenAI-compatible app over ``client``; ``metrics`` None turns ``/metrics`` off, ``batch_store``
+    None the Files and Batch API.
 
     ``max_body_bytes`` is checked here too (413), for WSGI servers other than the one
     :mod:`jaxinfer.server.waitress_server` configures, which answers before the app is called.
@@ -52,7 +57,8 @@ def create_app(client: EngineClient, served_model_name: str, metrics: ServerMetr
     if metrics is not None:
         metrics.registry.register(DeviceCollector())
     app.extensions[EXTENSION_KEY] = AppState(client, served_model_name, metrics, api_key, Tracer(tracer_provider),
-                                             started=int(time.time()))
+                                             started=int(time.time()), batch_store=batch_store,
+                                             max_file_bytes=max_file_bytes)
     app.before_request(assign_request_id_and_check_api_key)
     app.after_request(tag_and_log_response)
     app.register_error_handler(APIError, api_error_response)
@@ -61,6 +67,8 @@ def create_app(client: EngineClient, served_model_name: str, metrics: ServerMetr
     app.register_error_handler(Exception, unexpected_error_response)
     for routes in (completion_routes, model_routes, probe_routes):
         app.register_blueprint(routes)
+    if batch_store is not None:
+        app.register_blueprint(batch_routes)
     return app
 
 
@@ -91,8 +99,8 @@ def api_error_response(e: APIError) -> Response:
 
 
 def body_too_large_response(e: RequestEntityTooLarge) -> Response:
-    # The same answer waitress_server.JSONErrorTask gives, naming the limit.
-    return api_error_response(body_too_large(current_app.config["MAX_CONTENT_LENGTH"]))
+    # The same answer waitress_server.JSONErrorTask gives, naming the limit (this path's: uploads have their own).
+    return api_error_response(body_too_large(request.max_content_length))
 
 
 def http_error_response(e: HTTPException) -> Response:

@@ -11,6 +11,7 @@ import dataclasses
 
 from flask import current_app
 
+from jaxinfer.batch_api.store import BatchStore
 from jaxinfer.engine_client import EngineClient
 from jaxinfer.server.errors import APIError
 from jaxinfer.server.metrics import ServerMetrics
@@ -28,6 +29,8 @@ class AppState:
     api_key: str | None  # None: no Authorization needed
     tracer: Tracer
     started: int  # Unix time the app was made: the model card's "created"
+    batch_store: BatchStore | None = None  # None: no /v1/files or /v1/batches
+    max_file_bytes: int = 0  # upload limit of POST /v1/files
 
 
 def app_state() -> AppState:

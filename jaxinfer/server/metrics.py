@@ -87,6 +87,9 @@ class ServerMetrics:
         for reason in ("queue_full", "draining", "not_ready", "engine_dead"):
             rejected.labels(model_name, reason)  # exported as 0 before the first refusal
         self.healthy = gauge("server_healthy", "1 while the server is ready to serve, else 0.")
+        self.batch_lines_pending = gauge("batch_lines_pending", "Batch API lines of unfinished batches not yet answered.")
+        self.batch_lines_completed = counter("batch_lines_completed", "Batch API lines answered with status 200.")
+        self.batch_lines_failed = counter("batch_lines_failed", "Batch API lines written to an error file.")
 
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)

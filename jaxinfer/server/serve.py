@@ -20,7 +20,9 @@ from jaxinfer.engine_args import add_engine_arguments, engine_options_from_args
 from jaxinfer.engine_config import EngineConfig
 from jaxinfer.server.admission import (DEFAULT_MAX_WAITING_PROMPT_TOKENS, DEFAULT_MAX_WAITING_REQUESTS,
                                        DEFAULT_RETRY_AFTER_S, AdmissionConfig)
-from jaxinfer.server.app import DEFAULT_MAX_BODY_BYTES
+from jaxinfer.batch_api import open_batch_store
+from jaxinfer.batch_api.sqlite_store import DEFAULT_LEASE_S
+from jaxinfer.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_FILE_BYTES
 from jaxinfer.server.background import BackgroundServer
 from jaxinfer.server.json_logging import configure_logging
 from jaxinfer.server.tracing import otlp_tracer_provider
@@ -58,6 +60,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       help="multi-host: host:port of process 0 (jax.distributed); every process gets the same flags")
     a("--num-processes", type=int, default=1, help="multi-host: number of processes")
     a("--process-id", type=int, default=0, help="multi-host: this process's index; 0 serves HTTP")
+    a("--batch-db", default=None,
+      help="SQLite file of the Batch API's files and jobs (default: batches.sqlite3 in jaxinfer's cache directory)")
+    a("--batch-redis", default=None,
+      help="redis://host:port/db: keep Batch API files and jobs in Redis, one queue for several servers")
+    a("--batch-lease-s", type=float, default=DEFAULT_LEASE_S,
+      help="seconds a dead server's batch work stays claimed before another server (or its restart) takes it")
+    a("--max-file-bytes", type=int, default=DEFAULT_MAX_FILE_BYTES,
+      help="upload size limit of POST /v1/files (413 past it)")
 
 
 def default_served_name(model: str) -> str:
@@ -112,6 +122,7 @@ def run_server(args: argparse.Namespace, engine_factory=build_engine) -> int:
     threads = args.server_threads or default_server_threads(args)
     admission = AdmissionConfig(args.max_waiting_requests, args.max_waiting_prompt_tokens, args.retry_after)
     tracer_provider = otlp_tracer_provider(args.otlp_traces_endpoint) if args.otlp_traces_endpoint else None
+    batch_store = open_batch_store(args.batch_db, args.batch_redis, args.batch_lease_s)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -121,6 +132,7 @@ def run_server(args: argparse.Namespace, engine_factory=build_engine) -> int:
         served_model_name=served, host=args.host, port=args.port, api_key=args.api_key, admission=admission,
         threads=threads, max_body_bytes=args.max_body_bytes, tracer_provider=tracer_provider,
         max_model_len=args.max_model_len or 131072,
+        batch_store=batch_store, max_file_bytes=args.max_file_bytes,
     )
     loop, server = http.loop, http.server
     logger.info("listening (loading the model)", extra={"host": args.host, "port": server.effective_port,
@@ -129,7 +141,9 @@ def run_server(args: argparse.Namespace, engine_factory=build_engine) -> int:
         engine = engine_factory(args)
     except Exception:
         logger.exception("could not load the engine")
+        http.batch_runner.stop()
         server.close()
+        batch_store.close()
         return 1
     if not stop.is_set():
         http.start(engine)
@@ -137,6 +151,7 @@ def run_server(args: argparse.Namespace, engine_factory=build_engine) -> int:
     while not stop.wait(0.5):
         pass
     logger.info("draining", extra={"in_flight": loop.num_in_flight(), "timeout_s": args.drain_timeout})
+    http.batch_runner.stop()  # its lines in flight are left unrecorded: they run again after a restart
     loop.drain(args.drain_timeout)
     if getattr(args, "num_processes", 1) > 1 and loop.engine is not None:  # the loop thread has stopped
         from jaxinfer import distributed
@@ -147,6 +162,7 @@ def run_server(args: argparse.Namespace, engine_factory=build_engine) -> int:
     while server.task_dispatcher.active_count and time.monotonic() < deadline:
         time.sleep(0.05)
     server.close()
+    batch_store.close()
     if tracer_provider is not None:
         tracer_provider.shutdown()
     logger.info("stopped")

@@ -82,7 +82,8 @@ def otlp_tracer_provider(endpoint: str, service_name: str = "jaxinfer"):
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError:
         logger.warning("an OTLP traces endpoint is set but opentelemetry-sdk and "
-                       "opentelemetry-exporter-otlp-proto-http are not installed; tracing is off")
+                       "opentelemetry-exporter-otlp-proto-http are not installed; tracing is off "
+                       "(pip install 'jaxinfer[tracing]')")
         return None
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))

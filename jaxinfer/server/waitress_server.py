@@ -11,15 +11,18 @@ waitress answers some requests itself, before the app is called: a body past
 counting a chunked body as it arrives), headers past its limit, malformed HTTP. Its answer is a
 plain-text page; :class:`JSONErrorTask` writes OpenAI's JSON error shape instead, so every
 oversized body, of any size, gets a JSON 413 and the connection is closed without reading the rest.
+A few paths (file uploads) have a larger limit of their own (:class:`PathLimitParser`).
 """
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 
 from waitress import create_server
 from waitress.channel import HTTPChannel
+from waitress.parser import HTTPRequestParser
 from waitress.task import ErrorTask
 from waitress.utilities import RequestEntityTooLarge
 
@@ -32,8 +35,8 @@ class JSONErrorTask(ErrorTask):
     def execute(self):
         error = self.request.error  # a waitress.utilities.Error: code, reason, body
         if isinstance(error, RequestEntityTooLarge):
-            # waitress refuses a body of max_request_body_size bytes or more.
-            api_error = body_too_large(self.channel.adj.max_request_body_size - 1)
+            # waitress refuses a body of max_request_body_size bytes or more (this request's path's).
+            api_error = body_too_large(self.request.adj.max_request_body_size - 1)
         else:
             api_error = APIError(error.code, f"{error.reason}: {error.body}",
                                  code=error.reason.lower().replace(" ", "_"))
@@ -45,12 +48,32 @@ class JSONErrorTask(ErrorTask):
         self.write(body)
 
 
+class PathLimitParser(HTTPRequestParser):
+    """waitress's request parser, with a body limit per path (``path_body_limits``, set per server).
+
+    waitress reads ``adj.max_request_body_size`` once the headers are parsed (against
+    Content-Length) and as a chunked body arrives, so a request whose path has its own limit gets
+    its own copy of the adjustments with that limit, before any of its body is read.
+    """
+
+    path_body_limits: dict[str, int] = {}
+
+    def parse_header(self, header_plus):
+        super().parse_header(header_plus)
+        limit = self.path_body_limits.get(self.path)
+        if limit is not None:
+            self.adj = copy.copy(self.adj)
+            self.adj.max_request_body_size = limit + 1
+
+
 class JSONErrorChannel(HTTPChannel):
     error_task_class = JSONErrorTask
 
 
-def create_waitress_server(app, host: str, port: int, threads: int, max_body_bytes: int):
-    """A waitress server for ``app`` on ``host:port`` (port 0: a free one), not yet running."""
+def create_waitress_server(app, host: str, port: int, threads: int, max_body_bytes: int,
+                           path_body_limits: dict[str, int] | None = None):
+    """A waitress server for ``app`` on ``host:port`` (port 0: a free one), not yet running;
+    ``path_body_limits`` maps a path to its own body limit in place of ``max_body_bytes``."""
     server = create_server(
         app, host=host, port=port, threads=threads,
         connection_limit=threads + 64,
@@ -62,7 +85,9 @@ def create_waitress_server(app, host: str, port: int, threads: int, max_body_byt
     )
     # create_server takes no channel class; one listening socket gives one TcpWSGIServer, whose
     # accept makes each connection's channel from this attribute.
-    server.channel_class = JSONErrorChannel
+    # Classes made per server, so each server's per-path limits are its own.
+    parser = type("ServerPathLimitParser", (PathLimitParser,), {"path_body_limits": dict(path_body_limits or {})})
+    server.channel_class = type("ServerJSONErrorChannel", (JSONErrorChannel,), {"parser_class": parser})
     return server
 
 

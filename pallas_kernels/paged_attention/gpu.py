@@ -58,6 +58,7 @@ from pallas_kernels.paged_attention import work_tiles as wt
 from pallas_kernels.paged_attention.block_sizes import BlockSizes, gpu_block_sizes
 from pallas_kernels.paged_attention.reference import write_kv_reference
 from pallas_kernels.paged_attention.validation import check_inputs
+from pallas_kernels.precision import matmul_precision
 
 # Finite, so that max() over a fully masked row stays finite and exp() never sees inf - inf.
 _MASK_VALUE = -1e30
@@ -178,7 +179,8 @@ def attend_gpu(
     # Flattening pages is a bitcast: row page * page_size + r is token r of that page.
     k_flat = k_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
     v_flat = v_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
-    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    # HIGHEST makes Triton's dot IEEE float32 for float32 inputs; at the default it rounds them to TF32.
+    precision = matmul_precision(q.dtype)
 
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
@@ -213,7 +215,8 @@ def attend_gpu(
     )(tiles.meta, page_tables, q, k_flat, v_flat, *out_init)
     if splits == 1:
         return results[0][:num_tokens]
-    return wt.combine_splits(results[0][:, :num_tokens], results[1][:, :num_tokens]).astype(q.dtype)
+    out = wt.combine_splits(results[0][:, :num_tokens], results[1][:, :num_tokens], precision=precision)
+    return out.astype(q.dtype)
 
 
 def _split_init_refs(kernel, *refs, num_init: int):

@@ -36,6 +36,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.precision import matmul_precision
+
 
 def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
     """Index of the sequence each packed token belongs to; padding tokens get ``num_seqs``."""
@@ -116,6 +118,8 @@ def attend_reference(
     seq, position = token_positions(cu_q_lens, kv_lens, num_tokens)
     safe_seq = jnp.minimum(seq, page_tables.shape[0] - 1)
     kv_position = jnp.arange(max_kv_len, dtype=jnp.int32)
+    # From q's dtype, not the float32 the operands are cast to: bfloat16 attention keeps JAX's default.
+    precision = matmul_precision(q.dtype)
 
     def one_token(args):
         q_t, seq_t, position_t = args  # [Hq, D], (), ()
@@ -123,7 +127,7 @@ def attend_reference(
         k = k_pages[:, pages].reshape(num_kv_heads, max_kv_len, head_dim).astype(jnp.float32)
         v = v_pages[:, pages].reshape(num_kv_heads, max_kv_len, head_dim).astype(jnp.float32)
         qg = q_t.reshape(num_kv_heads, group, head_dim).astype(jnp.float32)
-        scores = jnp.einsum("hgd,hld->hgl", qg, k) * sm_scale
+        scores = jnp.einsum("hgd,hld->hgl", qg, k, precision=precision) * sm_scale
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
         visible = kv_position <= position_t  # padding (position -1) sees nothing
@@ -136,7 +140,7 @@ def attend_reference(
         denom = jnp.sum(weights, axis=-1, keepdims=True)
         # where(), not multiplication by a zero weight: NaN in unused pages must not leak.
         v = jnp.where(visible[None, :, None], v, 0.0)
-        out = jnp.einsum("hgl,hld->hgd", weights, v) / jnp.where(denom > 0, denom, 1.0)
+        out = jnp.einsum("hgl,hld->hgd", weights, v, precision=precision) / jnp.where(denom > 0, denom, 1.0)
         return out.reshape(num_q_heads, head_dim).astype(q.dtype)
 
     return jax.lax.map(one_token, (q, safe_seq, position), batch_size=min(tokens_per_chunk, num_tokens))

@@ -31,6 +31,7 @@ from pallas_kernels.paged_attention import work_tiles as wt
 from pallas_kernels.paged_attention.block_sizes import BlockSizes, tpu_block_sizes
 from pallas_kernels.paged_attention.reference import write_kv_reference
 from pallas_kernels.paged_attention.validation import check_inputs
+from pallas_kernels.precision import matmul_precision
 
 _MASK_VALUE = -1e30
 
@@ -56,7 +57,7 @@ def _attention_kernel(
     v_buf,
     sems,  # DMA semaphores [2 (K, V), 2 (buffer slot)]
     *, sm_scale: float, soft_cap: float | None, sliding_window: int | None,
-    pages_per_seq: int, pages_per_step: int, group_padded: int,
+    pages_per_seq: int, pages_per_step: int, group_padded: int, precision,
 ):
     tile, kv_head = pl.program_id(0), pl.program_id(1)
     _, page_size, head_dim = k_buf.shape[1:]
@@ -117,7 +118,8 @@ def _attention_kernel(
         k = k_buf[slot].reshape(block_kv, head_dim)
         v = v_buf[slot].reshape(block_kv, head_dim)
         kv_pos = i * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)  # [1, BK]
-        scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                 preferred_element_type=jnp.float32)
         scores = scores * sm_scale  # [rows, BK]
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
@@ -131,7 +133,7 @@ def _attention_kernel(
         denom = denom * correction + jnp.sum(weights, axis=1, keepdims=True)
         v_pos = i * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
         v = jnp.where(v_pos < kv_end, v, jnp.zeros_like(v))  # unfetched rows hold stale data
-        pv = lax.dot_general(weights.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+        pv = lax.dot_general(weights.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                              preferred_element_type=jnp.float32)
         return acc * correction + pv, new_max, denom
 
@@ -163,6 +165,8 @@ def attend_tpu(
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
         pages_per_seq=page_tables.shape[1], pages_per_step=pages_per_step, group_padded=group_padded,
+        # HIGHEST asks Mosaic for a float32 contraction (contract_precision<fp32>) instead of its default.
+        precision=matmul_precision(q.dtype),
     )
     tile_spec = pl.BlockSpec((None, None, rows, head_dim), lambda w, h, *_: (w, h, 0, 0))
     buffer = pltpu.VMEM((2, pages_per_step, page_size, head_dim), k_pages.dtype)

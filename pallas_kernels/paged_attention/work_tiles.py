@@ -101,11 +101,15 @@ def scatter_output_tiles(
     return out.reshape(num_tokens, num_q_heads, head_dim)
 
 
-def combine_splits(out_splits: jax.Array, lse_splits: jax.Array) -> jax.Array:
-    """Merge flash-decoding partial results: [P, ...rows, D] normalised outputs and [P, ...rows] log-sum-exps."""
+def combine_splits(out_splits: jax.Array, lse_splits: jax.Array, *, precision) -> jax.Array:
+    """Merge flash-decoding partial results: [P, ...rows, D] normalised outputs and [P, ...rows] log-sum-exps.
+
+    The partials are float32 whatever the model's dtype, so the caller passes the precision its
+    own dtype calls for (``pallas_kernels.precision.matmul_precision``) for the weighted sum.
+    """
     lse_max = jnp.max(lse_splits, axis=0)
     lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
     weight = jnp.exp(lse_splits - lse_max)  # empty splits have lse -inf: weight 0
     total = jnp.sum(weight, axis=0)
-    out = jnp.einsum("p...,p...d->...d", weight, out_splits)
+    out = jnp.einsum("p...,p...d->...d", weight, out_splits, precision=precision)
     return out / jnp.where(total > 0, total, 1.0)[..., None]

@@ -1,4 +1,4 @@
-"""Random ragged batches over a paged cache, shared by the kernel tests and the benchmark.
+"""Random ragged batches over a paged cache, shared by the kernel tests and the kernel benchmarks.
 
 Every cache row that no sequence owns (free pages, the tail of a last page, the rows
 this step writes) is NaN, so any stray read shows up as NaN in the output.

@@ -1,10 +1,10 @@
 """PROTOTYPE, not used by the engine: paged decode attention in Pallas with the Mosaic GPU lowering.
 
 Built only to choose the GPU lowering by measurement (issue 3, deliverable 2): it is
-timed against the Pallas-Triton kernel (``gpu.py``) by ``benchmarks/kernel_lowering_choice.py``
+timed against the Pallas-Triton kernel (``pallas_kernels/paged_attention/gpu.py``) by ``kernel_lowering_choice.py``
 at three decode shapes. It serves decode batches only (one query per sequence slot:
 ``q [B, Hq, D]``, sequence ``b``'s query is ``q[b]``), bf16/f16, GQA with ``Hq / Hkv <= 64``,
-``head_dim`` a multiple of 64, over the cache layout of ``reference.py``.
+``head_dim`` a multiple of 64, over the cache layout of ``pallas_kernels/paged_attention/reference.py``.
 
 How it maps to Hopper. One program (one warpgroup, ``plgpu.kernel``) serves one sequence,
 one KV head and one KV split (flash-decoding). ``plgpu.emit_pipeline`` walks the split's
@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.paged_attention import work_tiles as wt
+from pallas_kernels.precision import matmul_precision
 
 _ROWS = 64  # wgmma M for one warpgroup
 _MASK_VALUE = -1e30  # finite: an empty split keeps a finite max and a zero output
@@ -192,4 +193,4 @@ def paged_decode_attention_mosaic_gpu(
     lse = lse[..., :group].reshape(num_splits, batch, num_q_heads)
     if num_splits == 1:
         return out[0].astype(q.dtype)
-    return wt.combine_splits(out, lse).astype(q.dtype)
+    return wt.combine_splits(out, lse, precision=matmul_precision(q.dtype)).astype(q.dtype)

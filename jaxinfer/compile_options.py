@@ -1,21 +1,17 @@
-"""Hiding tensor-parallel communication behind computation: the options, chosen per phase.
+"""Compiler options for the step programs, chosen per phase, and the jit wrapper that applies them.
 
 Each layer of a tp-sharded model ends its attention and its MLP with a row-parallel matmul
 whose partial sums XLA all-reduces; the next layer needs the sum, so by default the
-all-reduce is exposed. Two ways to hide it, both measured by ``benchmarks/tensor_parallel.py``:
-
-- ``"xla"``: XLA's latency-hiding scheduler and windowed einsums (GPU compiler options,
-  :data:`XLA_OVERLAP_OPTIONS`), set per compiled program, so prefill and decode programs can
-  differ. It reorders independent work around collectives and splits all-gather/reduce-scatter
-  einsums into ring steps; it does not split an all-reduce whose matmul feeds it directly.
-- collective matmul (:func:`reduce_scatter_matmul`): the matmul split into ``tp`` row chunks;
-  each chunk's partial sum travels round a ring (``ppermute``) while the next chunk is
-  multiplied, leaving the output reduce-scattered; an all-gather (or the next layer's
-  all-gather matmul) completes it. Measured in isolation on the MLP's down projection at
-  Llama-3.1-8B shapes by the benchmark; not yet wired into the model (see docs/SHARDING.md).
+all-reduce is exposed. XLA's latency-hiding scheduler and windowed einsums (GPU compiler
+options, :data:`XLA_OVERLAP_OPTIONS`) can hide some of it: they reorder independent work
+around collectives and split all-gather/reduce-scatter einsums into ring steps; they do not
+split an all-reduce whose matmul feeds it directly. The options are set per compiled
+program (:class:`PhasedJit`), so prefill and decode programs can differ; measured by
+``benchmarks/tensor_parallel.py`` beside the ring collective matmul
+(``sharding.collective_matmul``).
 
 Decode steps move [B, E] activations (a few hundred KB): the all-reduce is latency-bound, and
-splitting it only adds latency, so both options default to off for decode; prefill defaults
+splitting it only adds latency, so the options default to off for decode; prefill defaults
 to off as well until the GPU numbers say otherwise.
 """
 
@@ -25,7 +21,6 @@ import dataclasses
 import os
 
 import jax
-import jax.numpy as jnp
 
 # GPU compiler options for overlapped programs (other platforms accept and ignore them).
 XLA_OVERLAP_OPTIONS = {
@@ -72,30 +67,6 @@ class OverlapConfig:
         options = dict(XLA_OVERLAP_OPTIONS) if getattr(self, phase) else {}
         options.update(self.extra)
         return options or None
-
-
-def reduce_scatter_matmul(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
-    """Inside ``shard_map``: ``psum_scatter(x @ w)`` over rows, as a ring of ``ppermute`` steps.
-
-    x: [T, K/n] (this shard's columns), w: [K/n, N] (its rows); returns [T/n, N], rows
-    ``i*T/n:(i+1)*T/n`` of the full sum on shard ``i``. Step ``s`` multiplies the row chunk whose
-    partial sum arrives next while the previous one is in flight, so the transfer of each
-    chunk overlaps the matmul of the next.
-    """
-    n = jax.lax.axis_size(axis_name)
-    index = jax.lax.axis_index(axis_name)
-    rows = x.shape[0] // n
-    ring = [(i, (i + 1) % n) for i in range(n)]
-
-    def partial(chunk):  # [T/n, N]: this shard's contribution to row chunk ``chunk``
-        block = jax.lax.dynamic_slice_in_dim(x, chunk * rows, rows, axis=0)
-        return jnp.einsum("tk,kn->tn", block, w, preferred_element_type=jnp.float32)
-
-    # The partial sum of chunk c starts on shard c+1, visits every shard, and ends on shard c.
-    acc = partial((index - 1) % n)
-    for step in range(1, n):
-        acc = jax.lax.ppermute(acc, axis_name, ring) + partial((index - 1 - step) % n)
-    return acc.astype(x.dtype)
 
 
 class PhasedJit:

@@ -1,0 +1,142 @@
+"""Step inputs: how the scheduler's ``Schedule`` becomes the host arrays of one device step.
+
+The engine decides *what* runs (a ``Schedule``: which tokens of which sequences); this module
+packs *how* they run: the padded bucket, the ragged token batch (``StepBatch``), one row of
+sampling parameters per sampled token (``SamplingTensors``), and for async scheduling where
+an input token is still on the device (``prev_rows``). ``ModelRunner.prepare`` calls
+:func:`pack_step` with the runner's buckets.
+
+A step scores rows, not sequences. The sampler's output has one row per token it samples,
+and :class:`PackedStep` names the sequence that owns each row (``sampled``); whoever reads
+the output (the engine's output processor, the next step's placeholders) goes through that
+list and never assumes one row per sequence. Today a sequence whose chunk reaches its end
+samples exactly one token, at its own sequence slot; a sequence that puts several rows into
+a step (draft tokens to verify) would add one entry per row, in order, and the last row of
+a sequence is the one its next placeholder reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxinfer.batch import StepBatch, build_step_batch
+from jaxinfer.page_allocator import SCRATCH_PAGE
+from jaxinfer.sampling import SamplingTensors
+from jaxinfer.scheduler import Schedule
+from jaxinfer.sequence import PLACEHOLDER_TOKEN, Sequence
+
+# Width of a row's banned-id list (the ids banned before min_tokens); the engine refuses a
+# request that needs more.
+MAX_BANNED = 16
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """Host-side arrays of one step, sent to the device together."""
+
+    batch: StepBatch
+    sampling: SamplingTensors
+    prev_rows: np.ndarray  # [T] int32: row of the previous step's sampled tokens to use, or -1
+    sampler_path: str  # "basic" or "full": which sampler program runs (runner.SAMPLER_PATHS)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedStep:
+    """A step's inputs and which sequence owns each row of its sampled tokens."""
+
+    inputs: StepInputs
+    # (sequence, row of the sampler output) per token the step samples, in row order.
+    sampled: list[tuple[Sequence, int]]
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether a sampled row asked for logprobs (only the "full" path computes them)."""
+        return self.inputs.sampler_path == "full" and any(
+            seq.sampling.params.logprobs is not None for seq, _ in self.sampled
+        )
+
+    def last_row_of_each_seq(self) -> dict[int, int]:
+        """``seq_id -> row`` of each sequence's last sampled token: what its next placeholder reads."""
+        return {seq.seq_id: row for seq, row in self.sampled}
+
+
+def pack_step(schedule: Schedule, buckets, previous: PackedStep | None, vocab_size: int) -> PackedStep:
+    """The inputs of ``schedule``'s step, padded to the smallest of ``buckets`` (a ``runner.Buckets``)
+    that fits; ``previous`` is the step still on the device, whose samples fill placeholders."""
+    items = schedule.items
+    num_tokens = sum(item.num_new_tokens for item in items)
+    max_pages = max(len(item.seq.page_table) for item in items)
+    t_bucket, b_bucket, p_bucket = buckets.pick(num_tokens, len(items), max_pages)
+    is_full = any(item.seq.sampling.needs_full_sampler for item in items)
+    sampling = SamplingTensors.neutral(b_bucket, 0, MAX_BANNED)
+    # A placeholder input is read on the device from the previous step's sample (prev_rows).
+    prev_rows = np.full(t_bucket, -1, np.int32)
+    previous_rows = previous.last_row_of_each_seq() if previous is not None else {}
+    chunks, sampled, token_row = [], [], 0
+    sample_rows, temperatures, seeds, steps = [], [], [], []
+    for b, item in enumerate(items):
+        seq, start, n = item.seq, item.start_position, item.num_new_tokens
+        if n == 1:  # a decode: its input is usually the placeholder of the step in flight
+            token = seq.token_ids[start]
+            if token == PLACEHOLDER_TOKEN:
+                prev_rows[token_row] = previous_rows[seq.seq_id]
+                token = 0
+            tokens = (token,)
+        else:
+            tokens = seq.token_ids[start : start + n]
+            if seq.has_placeholder:
+                for j, token in enumerate(tokens):
+                    if token == PLACEHOLDER_TOKEN:
+                        prev_rows[token_row + j] = previous_rows[seq.seq_id]
+                tokens = [max(t, 0) for t in tokens]
+        chunks.append((tokens, start, seq.page_table))
+        token_row += n
+        if item.samples_token:  # one token, from the logits of this sequence's slot b
+            sampled.append((seq, b))
+            sample_rows.append(b)
+            temperatures.append(seq.sampling.params.temperature)
+            seeds.append(seq.sampling.seed)
+            steps.append(seq.num_generated_tokens)
+            if is_full:
+                _fill_full_sampling_row(sampling, b, seq, vocab_size)
+    sampling.temperature[sample_rows] = temperatures
+    sampling.seed[sample_rows] = seeds
+    sampling.step[sample_rows] = steps
+    batch = build_step_batch(
+        chunks, num_tokens=t_bucket, num_seqs=b_bucket, pages_per_seq=p_bucket, padding_page=SCRATCH_PAGE
+    )
+    return PackedStep(StepInputs(batch, sampling, prev_rows, "full" if is_full else "basic"), sampled)
+
+
+def empty_step_inputs(num_tokens: int, num_seqs: int, pages_per_seq: int, sampler_path: str = "basic") -> StepInputs:
+    """Inputs of a step of the given bucket that computes nothing: for warm-up and as a template."""
+    batch = StepBatch(
+        token_ids=np.zeros(num_tokens, np.int32),
+        positions=np.zeros(num_tokens, np.int32),
+        cu_q_lens=np.zeros(num_seqs + 1, np.int32),
+        kv_lens=np.zeros(num_seqs, np.int32),
+        page_tables=np.full((num_seqs, pages_per_seq), SCRATCH_PAGE, np.int32),
+        logits_indices=np.zeros(num_seqs, np.int32),
+    )
+    sampling = SamplingTensors.neutral(num_seqs, 0, MAX_BANNED)  # no history: see token_history
+    return StepInputs(batch, sampling, np.full(num_tokens, -1, np.int32), sampler_path)
+
+
+def _fill_full_sampling_row(sampling: SamplingTensors, row: int, seq: Sequence, vocab_size: int) -> None:
+    """``row``'s fields of the "full" sampler (the basic ones are filled for all rows at once)."""
+    settings = seq.sampling
+    params = settings.params
+    # top_k at or past the vocabulary keeps every token, as off (0) does; it is also how a
+    # huge top_k (>= 2**31) never reaches the int32 array.
+    sampling.top_k[row] = params.top_k if 0 < params.top_k < vocab_size else 0
+    sampling.top_p[row] = params.top_p
+    sampling.min_p[row] = params.min_p
+    sampling.repetition_penalty[row] = params.repetition_penalty
+    sampling.presence_penalty[row] = params.presence_penalty
+    sampling.frequency_penalty[row] = params.frequency_penalty
+    sampling.num_prompt_tokens[row] = seq.num_prompt_tokens
+    if seq.num_generated_tokens < params.min_tokens:
+        banned = settings.banned_before_min_tokens  # the engine checked it fits MAX_BANNED
+        sampling.banned_ids[row, : len(banned)] = banned

@@ -1,0 +1,88 @@
+"""Packing a Schedule into step inputs, checked by hand on small schedules (no model, no device)."""
+
+import numpy as np
+
+from jaxinfer.input_batch import MAX_BANNED, PackedStep, pack_step
+from jaxinfer.runner import Buckets
+from jaxinfer.sampling_params import SamplingParams, SequenceSampling
+from jaxinfer.scheduler import Schedule, ScheduledSeq
+from jaxinfer.sequence import PLACEHOLDER_TOKEN, Sequence
+
+BUCKETS = Buckets(num_tokens=(8, 16), num_seqs=(4,), pages_per_seq=(2, 4))
+VOCAB = 100
+
+
+def make_seq(seq_id, prompt, generated=(), params=None, seed=0, banned=()):
+    sampling = SequenceSampling(params or SamplingParams(temperature=0), seed, max_tokens=50,
+                                banned_before_min_tokens=banned)
+    seq = Sequence(seq_id, f"r{seq_id}", prompt, sampling=sampling)
+    for token in generated:
+        seq.append_token(token)
+    seq.page_table = [10 + seq_id, 20 + seq_id][: -(-seq.num_tokens // 16)]
+    return seq
+
+
+def decode(seq):
+    return ScheduledSeq(seq, 1, seq.num_tokens - 1, samples_token=True)
+
+
+def chunk(seq, start, num_new):
+    return ScheduledSeq(seq, num_new, start, samples_token=start + num_new == seq.num_tokens)
+
+
+def schedule_of(*items):
+    return Schedule(tuple(items), (), sum(item.num_new_tokens for item in items))
+
+
+def test_a_decode_reads_its_placeholder_from_the_previous_steps_row():
+    a = make_seq(0, [5, 6, 7], generated=[8, PLACEHOLDER_TOKEN], params=SamplingParams(temperature=0.5), seed=11)
+    b = make_seq(1, [1, 2, 3, 4, 5, 6])
+    previous = PackedStep(inputs=None, sampled=[(b, 0), (a, 3)])  # a sampled at row 3 last step
+    packed = pack_step(schedule_of(decode(a), chunk(b, 0, 4)), BUCKETS, previous, VOCAB)
+    inputs = packed.inputs
+    assert inputs.batch.num_tokens == 8 and inputs.batch.num_seqs == 4
+    assert inputs.batch.token_ids.tolist() == [0, 1, 2, 3, 4, 0, 0, 0]  # the placeholder is sent as 0
+    assert inputs.prev_rows.tolist() == [3, -1, -1, -1, -1, -1, -1, -1]  # ... and read from row 3
+    assert inputs.batch.positions[:5].tolist() == [4, 0, 1, 2, 3]
+    assert inputs.batch.page_tables[:2, :1].tolist() == [[10], [11]]
+    # Only a's chunk reaches its end: one sampled row, at a's slot; b's prefill samples nothing.
+    assert [(seq.seq_id, row) for seq, row in packed.sampled] == [(0, 0)]
+    assert inputs.sampler_path == "basic" and not packed.wants_logprobs
+    assert inputs.sampling.temperature.tolist() == [0.5, 0, 0, 0]
+    assert inputs.sampling.seed.tolist() == [11, 0, 0, 0]
+    assert inputs.sampling.step.tolist() == [2, 0, 0, 0]  # tokens generated before this one
+
+
+def test_a_recomputed_prefill_reads_every_placeholder_it_holds():
+    # Preempted with a sample in flight: the recompute chunk ends in a placeholder.
+    seq = make_seq(0, [1, 2, 3], generated=[4, PLACEHOLDER_TOKEN])
+    previous = PackedStep(inputs=None, sampled=[(seq, 2)])
+    packed = pack_step(schedule_of(chunk(seq, 0, 5)), BUCKETS, previous, VOCAB)
+    assert packed.inputs.batch.token_ids[:5].tolist() == [1, 2, 3, 4, 0]
+    assert packed.inputs.prev_rows[:5].tolist() == [-1, -1, -1, -1, 2]
+    assert packed.last_row_of_each_seq() == {0: 0}
+
+
+def test_one_row_needing_the_full_sampler_takes_the_step_there():
+    plain = make_seq(0, [1, 2])
+    top_k = make_seq(1, [3], params=SamplingParams(temperature=1.0, top_k=VOCAB + 5, top_p=0.9, logprobs=2))
+    held = make_seq(2, [4], params=SamplingParams(temperature=0, min_tokens=2), banned=(2, 7))
+    done_holding = make_seq(3, [5], generated=[9, 9], params=SamplingParams(temperature=0, min_tokens=2), banned=(2,))
+    items = [chunk(plain, 0, 2), chunk(top_k, 0, 1), chunk(held, 0, 1), chunk(done_holding, 0, 3)]
+    packed = pack_step(schedule_of(*items), BUCKETS, None, VOCAB)
+    sampling = packed.inputs.sampling
+    assert packed.inputs.sampler_path == "full" and packed.wants_logprobs
+    assert sampling.top_k.tolist() == [0, 0, 0, 0]  # past the vocabulary: off
+    assert sampling.top_p.tolist() == [1.0, np.float32(0.9), 1.0, 1.0]
+    assert sampling.banned_ids.shape == (4, MAX_BANNED)
+    assert sampling.banned_ids[2, :3].tolist() == [2, 7, -1]  # before min_tokens: banned
+    assert (sampling.banned_ids[[0, 1, 3]] == -1).all()  # min_tokens reached: nothing banned
+    assert sampling.num_prompt_tokens.tolist() == [2, 1, 1, 1]
+
+
+def test_buckets_grow_with_the_step():
+    seqs = [make_seq(i, list(range(1, 31))) for i in range(3)]
+    packed = pack_step(schedule_of(*(chunk(s, 0, 5) for s in seqs)), BUCKETS, None, VOCAB)
+    assert (packed.inputs.batch.num_tokens, packed.inputs.batch.page_tables.shape) == (16, (4, 2))
+    assert packed.inputs.batch.cu_q_lens.tolist() == [0, 5, 10, 15, 15]
+    assert packed.sampled == []
