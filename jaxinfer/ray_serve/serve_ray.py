@@ -70,9 +70,6 @@ def add_serve_ray_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace, accelerator: str) -> RayServeConfig:
     """The deployments' sizes for ``args`` on a cluster of ``accelerator`` s ("gpu", "tpu" or "cpu")."""
-    if args.data_parallel_size != 1:
-        raise ValueError("under Ray, data parallelism is replicas: use --min-replicas/--max-replicas, "
-                         "not --data-parallel-size")
     engine_config = EngineConfig(**engine_options_from_args(args))
     tp = args.tensor_parallel_size
     return RayServeConfig(
@@ -92,6 +89,11 @@ def config_from_args(args: argparse.Namespace, accelerator: str) -> RayServeConf
 
 
 def model_spec_from_args(args: argparse.Namespace) -> ModelSpec:
+    """One replica's engine; raises ValueError for flags that have no meaning per replica (before
+    any cluster is started)."""
+    if args.data_parallel_size != 1:
+        raise ValueError("under Ray, data parallelism is replicas: use --min-replicas/--max-replicas, "
+                         "not --data-parallel-size")
     return ModelSpec(args.model, args.dtype, EngineConfig(**engine_options_from_args(args)), args.tensor_parallel_size)
 
 
@@ -117,8 +119,8 @@ def build_app(args: dict):
     if unknown:
         raise ValueError(f"unknown args {sorted(unknown)}; use the serve-ray flags' names, e.g. min_replicas")
     vars(namespace).update(args)
-    return build_application(model_spec_from_args(namespace),
-                             config_from_args(namespace, cluster_accelerator(namespace.accelerator)))
+    spec = model_spec_from_args(namespace)
+    return build_application(spec, config_from_args(namespace, cluster_accelerator(namespace.accelerator)))
 
 
 def run_serve_ray(args: argparse.Namespace) -> int:
@@ -128,13 +130,14 @@ def run_serve_ray(args: argparse.Namespace) -> int:
 
     from jaxinfer.ray_serve.application import build_application
 
+    spec = model_spec_from_args(args)
     if args.ray_address is None:
         for name, value in {**LOW_LATENCY_ENV, "RAY_USAGE_STATS_ENABLED": "0"}.items():
             os.environ.setdefault(name, value)
     ray.init(address=args.ray_address, include_dashboard=False)
     config = config_from_args(args, cluster_accelerator(args.accelerator))
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_application(model_spec_from_args(args), config), name=APP_NAME, route_prefix="/")
+    serve.run(build_application(spec, config), name=APP_NAME, route_prefix="/")
     print(f"serving {config.served_model_name} at http://{args.host}:{args.port}/v1", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
