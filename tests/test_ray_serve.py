@@ -205,7 +205,8 @@ def completion(base_url: str, prompt, max_tokens: int) -> tuple[int, dict]:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_autoscaling_follows_the_queue_up_and_down(base_url, app_cleanup):
-    """1 -> 2 replicas while requests wait, back to 1 once the queue is empty; every request answered."""
+    """1 -> 2 replicas while requests wait, back to 1 once the queue is empty (a client still
+    sending); every request answered."""
     deploy(functools.partial(FakeEngine, max_num_seqs=2, step_delay=0.05), max_num_seqs=2, min_replicas=1,
            max_replicas=2, max_waiting_per_replica=1, upscale_delay_s=0.5, downscale_delay_s=3,
            look_back_period_s=1, metrics_interval_s=0.25, graceful_shutdown_timeout_s=60)
@@ -225,13 +226,24 @@ def test_autoscaling_follows_the_queue_up_and_down(base_url, app_cleanup):
     for c in clients:
         c.join(timeout=120)
     load_s = time.monotonic() - start
+    # One client goes on, one request at a time (nothing waits), while a replica is removed.
+    scaled_down = threading.Event()
+
+    def trickle() -> None:
+        while not scaled_down.is_set():
+            results.append(completion(base_url, "a trickle", max_tokens))
+
+    trickle_client = threading.Thread(target=trickle)
+    trickle_client.start()
     scale_down_s = wait_for(lambda: num_engine_replicas() == (1, 1), 60, "the scale down")
+    scaled_down.set()
+    trickle_client.join(timeout=30)
     failed = [(status, body) for status, body in results
               if status != 200 or body["usage"]["completion_tokens"] != max_tokens]
     print(f"\nautoscaling: 1->2 decided after {scale_decided_s:.1f} s, second replica running after "
           f"{scale_up_s:.1f} s; load took {load_s:.1f} s; back to 1 replica {scale_down_s:.1f} s after the load; "
           f"{len(failed)} of {len(results)} requests failed")
-    assert len(results) == 30 and not failed
+    assert len(results) > 30 and not failed
 
 
 def prefix_hit_rate(base_url: str, router: str) -> float:
