@@ -7,8 +7,10 @@
 Both serve the same model with the same engine settings on the CPU (``JAX_PLATFORMS=cpu``).
 Each request is a streaming ``/v1/completions`` of a short fixed prompt (``max_tokens`` 4);
 TTFT is measured at the client, from sending the request to its first SSE chunk carrying
-text. The first ``--warmup`` requests of each server are not counted. Writes
-DIR/ray_overhead.{json,md}.
+text. The first ``--warmup`` requests of each server are not counted. Ray runs Serve's
+low-latency path as ``jaxinfer serve-ray`` does (``serve_ray.LOW_LATENCY_ENV``), unless the
+environment says otherwise (``RAY_SERVE_ENABLE_HA_PROXY=0 RAY_SERVE_ENABLE_DIRECT_INGRESS=0
+RAY_SERVE_THROUGHPUT_OPTIMIZED=0``: Serve's default proxy). Writes DIR/ray_overhead.{json,md}.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from jaxinfer.engine_config import EngineConfig  # noqa: E402
 from jaxinfer.ray_serve.config import ModelSpec, RayServeConfig  # noqa: E402
+from jaxinfer.ray_serve.serve_ray import LOW_LATENCY_ENV  # noqa: E402
 
 NAME = "ray_overhead"
 SERVED_NAME = "model"
@@ -77,6 +80,8 @@ def measure_ray(spec: ModelSpec, num_requests: int, warmup: int) -> list[float]:
     from jaxinfer.ray_serve.application import build_application
 
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    for name, value in LOW_LATENCY_ENV.items():  # read by the Ray processes ray.init starts
+        os.environ.setdefault(name, value)
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:

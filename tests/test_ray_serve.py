@@ -3,7 +3,8 @@ shedding, disconnects and autoscaling through the fake engine; prefix-aware rout
 round robin with the tiny model.
 
 One Ray cluster (loopback, no dashboard, no usage stats, 2 logical CPUs, Serve's low-latency
-path as ``jaxinfer serve-ray`` starts it) serves every test in turn; each test deploys its own application at "/" and deletes it.
+path as ``jaxinfer serve-ray`` starts it) serves every test in turn; each test deploys its own
+application at "/" and deletes it.
 """
 
 import functools
@@ -178,7 +179,8 @@ def test_routes_stream_shed_load_and_abort_on_disconnect(base_url, app_cleanup):
                                kwargs={"json": {"model": MODEL, "prompt": "a dog", "max_tokens": 2}, "timeout": 60})
     waiting.start()
     wait_for(lambda: sum(s.get("server_num_requests_waiting", 0) for s in engine_stats()) == 1, 20, "a waiting request")
-    shed = requests.post(base_url + "/v1/completions", timeout=30, json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+    shed = requests.post(base_url + "/v1/completions", timeout=30,
+                         json={"model": MODEL, "prompt": "x", "max_tokens": 2})
     assert shed.status_code == 503 and shed.headers["Retry-After"] == "3"
     assert shed.json()["error"]["code"] == "queue_full"
 

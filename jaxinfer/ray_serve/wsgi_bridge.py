@@ -8,9 +8,10 @@ do, added here:
   Serve's direct ingress (HAProxy into the replica's own HTTP server) does not cancel: it sends
   ``http.disconnect``, which the bridge then watches for once the body is read
   (``watch_disconnect_messages``; behind Serve's Python proxy a ``receive`` after the body
-  answers ``http.disconnect`` at once, so there the cancel is the only signal). On a cancel, a2wsgi would stop forwarding chunks while its WSGI thread blocks forever on a full
-  send queue, and the engine request would run to its end. Here the WSGI call is shielded from
-  that cancellation: it runs on, its remaining chunks are dropped, and the disconnect is reported to
+  answers ``http.disconnect`` at once, so there the cancel is the only signal). On a cancel,
+  a2wsgi would stop forwarding chunks while its WSGI thread blocks forever on a full send queue,
+  and the engine request would run to its end. Here the WSGI call is shielded from that
+  cancellation: it runs on, its remaining chunks are dropped, and the disconnect is reported to
   the routes through ``environ["waitress.client_disconnected"]``, the callable the completion
   routes already poll (``completion_routes._Call``), so they abort the engine requests within
   their poll interval (0.2 s) and return, freeing the thread.
