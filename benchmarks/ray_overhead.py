@@ -7,10 +7,9 @@
 Both serve the same model with the same engine settings on the CPU (``JAX_PLATFORMS=cpu``).
 Each request is a streaming ``/v1/completions`` of a short fixed prompt (``max_tokens`` 4);
 TTFT is measured at the client, from sending the request to its first SSE chunk carrying
-text. The first ``--warmup`` requests of each server are not counted. Ray runs Serve's
-low-latency path as ``jaxinfer serve-ray`` does (``serve_ray.LOW_LATENCY_ENV``), unless the
-environment says otherwise (``RAY_SERVE_ENABLE_HA_PROXY=0 RAY_SERVE_ENABLE_DIRECT_INGRESS=0
-RAY_SERVE_THROUGHPUT_OPTIMIZED=0``: Serve's default proxy). Writes DIR/ray_overhead.{json,md}.
+text. The first ``--warmup`` requests of each server are not counted. ``--low-latency`` runs
+Ray as ``jaxinfer serve-ray --low-latency`` does (``serve_ray.LOW_LATENCY_ENV``). Writes
+DIR/ray_overhead.{json,md}.
 """
 
 from __future__ import annotations
@@ -73,15 +72,15 @@ def measure_direct(spec: ModelSpec, num_requests: int, warmup: int) -> list[floa
         return ttfts(server.base_url, num_requests, warmup)
 
 
-def measure_ray(spec: ModelSpec, num_requests: int, warmup: int) -> list[float]:
+def measure_ray(spec: ModelSpec, num_requests: int, warmup: int, low_latency: bool) -> list[float]:
     import ray
     from ray import serve
 
     from jaxinfer.ray_serve.application import build_application
 
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    for name, value in LOW_LATENCY_ENV.items():  # read by the Ray processes ray.init starts
-        os.environ.setdefault(name, value)
+    if low_latency:
+        os.environ.update(LOW_LATENCY_ENV)  # read by the Ray processes ray.init starts
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
@@ -107,12 +106,13 @@ def main() -> None:
     parser.add_argument("--model", default=str(REPO / "tests" / "fixtures" / "tiny-llama3"))
     parser.add_argument("--num-requests", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--low-latency", action="store_true", help="Serve's HAProxy path (docs/RAY.md)")
     args = parser.parse_args()
     print("command:", " ".join(sys.argv), flush=True)
     spec = ModelSpec(args.model, "float32", EngineConfig(max_num_seqs=4, max_model_len=512))
     direct = summary(measure_direct(spec, args.num_requests, args.warmup))
-    through_ray = summary(measure_ray(spec, args.num_requests, args.warmup))
-    result = {"model": args.model, "direct": direct, "ray": through_ray,
+    through_ray = summary(measure_ray(spec, args.num_requests, args.warmup, args.low_latency))
+    result = {"model": args.model, "low_latency": args.low_latency, "direct": direct, "ray": through_ray,
               "median_overhead_ms": through_ray["median_ms"] - direct["median_ms"]}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{NAME}.json").write_text(json.dumps(result, indent=2))

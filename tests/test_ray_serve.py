@@ -2,9 +2,10 @@
 shedding, disconnects and autoscaling through the fake engine; prefix-aware routing against
 round robin with the tiny model.
 
-One Ray cluster (loopback, no dashboard, no usage stats, 2 logical CPUs, Serve's low-latency
-path as ``jaxinfer serve-ray`` starts it) serves every test in turn; each test deploys its own
-application at "/" and deletes it.
+One Ray cluster (loopback, no dashboard, no usage stats, 2 logical CPUs) serves every test in
+turn; each test deploys its own application at "/" and deletes it. It runs Serve's default
+proxy: the low-latency path (``serve-ray --low-latency``) binds HAProxy's stats and metrics ports
+on every interface, at fixed numbers.
 """
 
 import functools
@@ -30,7 +31,6 @@ from jaxinfer.ray_serve.application import ENGINE_DEPLOYMENT, build_application 
 from jaxinfer.ray_serve.autoscaling import KV_CACHE_USAGE, NUM_REQUESTS_WAITING, QueueAutoscalingPolicy  # noqa: E402
 from jaxinfer.ray_serve.config import ModelSpec, RayServeConfig  # noqa: E402
 from jaxinfer.ray_serve.remote_client import sum_replica_stats  # noqa: E402
-from jaxinfer.ray_serve.serve_ray import LOW_LATENCY_ENV  # noqa: E402
 from jaxinfer.server.admission import AdmissionConfig  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
 from tests.fake_engine import TINY_LLAMA3, FakeEngine  # noqa: E402
@@ -41,7 +41,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::F
 APP = "jaxinfer"
 MODEL = "tiny"
 RAY_ENV = {
-    **LOW_LATENCY_ENV,  # what serve-ray runs with
     "RAY_USAGE_STATS_ENABLED": "0",
     # Replicas are new processes: they import tests.fake_engine and reuse the compilation cache.
     "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
@@ -174,7 +173,8 @@ def test_routes_stream_shed_load_and_abort_on_disconnect(base_url, app_cleanup):
     running = requests.post(base_url + "/v1/completions", stream=True, timeout=30,
                             json={"model": MODEL, "prompt": "the cat sat", "max_tokens": 400, "stream": True})
     assert running.status_code == 200
-    next(running.iter_lines())
+    running_lines = running.iter_lines()  # kept: a line iterator collected mid-stream closes the connection
+    next(running_lines)
     waiting = threading.Thread(target=requests.post, args=(base_url + "/v1/completions",),
                                kwargs={"json": {"model": MODEL, "prompt": "a dog", "max_tokens": 2}, "timeout": 60})
     waiting.start()

@@ -13,8 +13,6 @@ metrics); ``/health`` and ``/live`` answer for the ingress.
 
 from __future__ import annotations
 
-import os
-
 from jaxinfer.ray_serve.remote_client import RemoteEngineClient
 from jaxinfer.ray_serve.wsgi_bridge import WSGIBridge
 from jaxinfer.server.app import create_app
@@ -28,9 +26,7 @@ class OpenAIIngress:
         client = RemoteEngineClient(engine_handle, description["tokenizer"], description["max_model_len"],
                                     max_streams=num_threads, retry_after_s=retry_after_s)
         app = create_app(client, served_model_name, metrics=None, api_key=api_key, max_body_bytes=max_body_bytes)
-        # Serve reads this variable when the cluster starts; it is inherited by the replicas.
-        is_direct_ingress = os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1"
-        self._asgi_app = WSGIBridge(app, num_threads, watch_disconnect_messages=is_direct_ingress)
+        self._asgi_app = WSGIBridge(app, num_threads)
 
     def __serve_build_asgi_app__(self):
         return self._asgi_app

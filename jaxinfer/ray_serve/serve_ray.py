@@ -24,11 +24,11 @@ from jaxinfer.server.app import DEFAULT_MAX_BODY_BYTES
 from jaxinfer.server.serve import default_served_name
 
 APP_NAME = "jaxinfer"
-# Serve's low-latency path (docs/RAY.md, benchmarks/results/ray_overhead.cpu.md: the median TTFT
-# overhead fell from 21 to 7 ms): HAProxy sends HTTP straight into the ingress replica, and
-# Serve's system code shares the replica's event loop. The router keeps its own loop: the
-# ingress calls handles from its WSGI threads. Read when the cluster starts, so applied to a
-# cluster this command starts; set them on `ray start` for one it joins.
+# Serve's low-latency path (--low-latency; docs/RAY.md, benchmarks/results/ray_overhead.cpu.md:
+# the median TTFT overhead fell from 21 to 7 ms): HAProxy sends HTTP straight into the ingress
+# replica, and Serve's system code shares the replica's event loop. The router keeps its own
+# loop: the ingress calls handles from its WSGI threads. Ray reads them when the cluster starts,
+# so they apply to a cluster this command starts; set them on `ray start` for one it joins.
 LOW_LATENCY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
                    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
 
@@ -63,6 +63,9 @@ def add_serve_ray_arguments(parser: argparse.ArgumentParser) -> None:
     r("--look-back-period", type=float, default=15.0, help="seconds the replicas' metrics are averaged over")
     r("--metrics-interval", type=float, default=2.0, help="seconds between a replica's metric pushes")
     r("--router", choices=ROUTERS, default="prefix", help="how calls pick an engine replica")
+    r("--low-latency", action="store_true",
+      help="Serve's HAProxy with direct ingress and its throughput-optimized mode (a cluster this command starts); "
+           "HAProxy also listens on *:8404 (stats) and *:9101 (metrics)")
     r("--ingress-threads", type=int, default=None,
       help="HTTP calls in flight per ingress replica (default: every engine replica's max ongoing + Serve's queue)")
     r("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
@@ -132,7 +135,7 @@ def run_serve_ray(args: argparse.Namespace) -> int:
 
     spec = model_spec_from_args(args)
     if args.ray_address is None:
-        for name, value in {**LOW_LATENCY_ENV, "RAY_USAGE_STATS_ENABLED": "0"}.items():
+        for name, value in {**(LOW_LATENCY_ENV if args.low_latency else {}), "RAY_USAGE_STATS_ENABLED": "0"}.items():
             os.environ.setdefault(name, value)
     ray.init(address=args.ray_address, include_dashboard=False)
     config = config_from_args(args, cluster_accelerator(args.accelerator))

@@ -4,13 +4,11 @@ a2wsgi runs each request's WSGI call in a thread of its pool and forwards the ch
 yields to ASGI ``send`` as they come, so SSE streams through unchanged. Two things it does not
 do, added here:
 
-- **Disconnects.** When the HTTP client hangs up, Serve's proxy cancels the ingress's ASGI call.
-  Serve's direct ingress (HAProxy into the replica's own HTTP server) does not cancel: it sends
-  ``http.disconnect``, which the bridge then watches for once the body is read
-  (``watch_disconnect_messages``; behind Serve's Python proxy a ``receive`` after the body
-  answers ``http.disconnect`` at once, so there the cancel is the only signal). On a cancel,
-  a2wsgi would stop forwarding chunks while its WSGI thread blocks forever on a full send queue,
-  and the engine request would run to its end. Here the WSGI call is shielded from that
+- **Disconnects.** When the HTTP client hangs up, Serve's proxy cancels the ingress's ASGI call;
+  Serve's direct ingress (HAProxy into the replica's own HTTP server) sends ``http.disconnect``
+  instead, which the bridge watches for once the body is read. On a cancel, a2wsgi would stop
+  forwarding chunks while its WSGI thread blocks forever on a full send queue, and the engine
+  request would run to its end. Here the WSGI call is shielded from that
   cancellation: it runs on, its remaining chunks are dropped, and the disconnect is reported to
   the routes through ``environ["waitress.client_disconnected"]``, the callable the completion
   routes already poll (``completion_routes._Call``), so they abort the engine requests within
@@ -35,9 +33,8 @@ _SCOPE_KEY = "jaxinfer.client_gone"  # the request's threading.Event, carried in
 class WSGIBridge:
     """An ASGI app serving ``wsgi_app`` from ``num_threads`` threads; see the module docstring."""
 
-    def __init__(self, wsgi_app, num_threads: int, watch_disconnect_messages: bool):
+    def __init__(self, wsgi_app, num_threads: int):
         self._wsgi_app = wsgi_app
-        self._watch_disconnect_messages = watch_disconnect_messages
         self._middleware = WSGIMiddleware(self._with_disconnect_flag, workers=num_threads)
 
     async def __call__(self, scope, receive, send) -> None:
@@ -67,15 +64,14 @@ class WSGIBridge:
 
         call = asyncio.ensure_future(self._middleware({**scope, _SCOPE_KEY: client_gone}, receive_body,
                                                       send_until_gone))
-        watcher = asyncio.ensure_future(watch_for_disconnect()) if self._watch_disconnect_messages else None
+        watcher = asyncio.ensure_future(watch_for_disconnect())
         try:
             await asyncio.shield(call)
         except asyncio.CancelledError:
             client_gone.set()  # the WSGI call runs on in the background until the route returns
             raise
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            watcher.cancel()
 
     def _with_disconnect_flag(self, environ, start_response):
         environ[DISCONNECTED_KEY] = environ["asgi.scope"][_SCOPE_KEY].is_set
