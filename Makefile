@@ -19,7 +19,7 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), "jaxinfer needs Python >= 3.12; set PYTHON=/path/to/python3.12"'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,ray]'
 	touch $@
 
 install: $(BIN)/.installed

@@ -1,4 +1,4 @@
-"""The ``jaxinfer`` command line: generate, fetch, serve, estimate, convert, models."""
+"""The ``jaxinfer`` command line: generate, fetch, serve, serve-ray, estimate, convert, models."""
 
 from __future__ import annotations
 
@@ -97,6 +97,11 @@ def _missing_server_dependency(error: ImportError) -> int:
     return 2
 
 
+def _missing_ray_dependency(error: ImportError) -> int:
+    print(f"jaxinfer serve-ray needs the ray extra ({error}): pip install 'jaxinfer[ray]'", file=sys.stderr)
+    return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxinfer", description="JAX inference engine for Llama-family models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -126,6 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
         s.set_defaults(func=run_server)
     except ImportError as e:
         s.set_defaults(func=lambda args, e=e: _missing_server_dependency(e))
+
+    r = sub.add_parser("serve-ray", help="serve through Ray Serve: autoscaled engine replicas, prefix-aware routing")
+    try:  # ray[serve] and a2wsgi are needed only here
+        from jaxinfer.ray_serve.serve_ray import add_serve_ray_arguments, run_serve_ray
+
+        add_serve_ray_arguments(r)
+        r.set_defaults(func=run_serve_ray)
+    except ImportError as e:
+        r.set_defaults(func=lambda args, e=e: _missing_ray_dependency(e))
 
     e = sub.add_parser("estimate", help="how many tokens / requests fit in the KV cache of a device")
     e.add_argument("--model", default="smollm2-135m-instruct", help="built-in name, HF directory (config.json) or .gguf")

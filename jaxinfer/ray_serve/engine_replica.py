@@ -1,0 +1,95 @@
+"""EngineReplica: one engine behind an :class:`~jaxinfer.server.engine_loop.EngineLoop`, as a Ray Serve deployment.
+
+Each replica builds its engine (``build_engine``, e.g. :class:`~jaxinfer.ray_serve.config.ModelSpec`),
+compiles it, and serves the ingress's :class:`~jaxinfer.ray_serve.remote_client.RemoteEngineClient`:
+
+- ``generate``/``score`` are streaming methods (``handle.options(stream=True)``): the first item
+  is the admission verdict (:mod:`jaxinfer.ray_serve.wire`), then every output of the call, read
+  from the loop's ``OutputStream`` in a thread of ``stream_readers`` (one per stream in flight:
+  ``OutputStream.get`` blocks) so the replica's event loop never blocks. A call Serve cancels
+  (its caller died, or gave up) aborts its engine requests, which frees their pages.
+- ``abort`` reaches every replica (the ingress broadcasts it); ids a replica does not hold are ignored.
+- ``record_autoscaling_stats`` is Ray Serve's custom-metrics hook: the queue and the KV cache
+  usage that :class:`~jaxinfer.ray_serve.autoscaling.QueueAutoscalingPolicy` scales on.
+- ``check_health`` fails once the engine died, so Serve replaces the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from jaxinfer.engine_client import EngineRequest, OutputStream, ServiceUnavailable
+from jaxinfer.outputs import RequestOutput
+from jaxinfer.ray_serve import wire
+from jaxinfer.ray_serve.autoscaling import KV_CACHE_USAGE, NUM_REQUESTS_WAITING
+from jaxinfer.server.admission import AdmissionConfig
+from jaxinfer.server.engine_loop import EngineLoop
+
+logger = logging.getLogger("jaxinfer.ray_serve")
+
+POLL_S = 0.2  # how long a stream reader waits before checking whether its call was cancelled
+
+
+class EngineReplica:
+    def __init__(self, build_engine: Callable[[], object], admission: AdmissionConfig, max_streams: int):
+        """``max_streams``: the deployment's ``max_ongoing_requests``, the most calls streaming at once."""
+        self.loop = EngineLoop(admission)
+        self.loop.start(build_engine(), warmup=True)
+        self._stream_readers = ThreadPoolExecutor(max_streams, thread_name_prefix="engine-stream")
+
+    def describe(self) -> dict:
+        """What the ingress needs before it parses requests: the tokenizer and the context length."""
+        return {"tokenizer": self.loop.tokenizer, "max_model_len": self.loop.max_model_len}
+
+    async def generate(self, requests: list[EngineRequest]):
+        async for item in self._stream(requests, is_scoring=False):
+            yield item
+
+    async def score(self, requests: list[EngineRequest]):
+        async for item in self._stream(requests, is_scoring=True):
+            yield item
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.loop.abort(request_ids)
+
+    def stats(self) -> dict:
+        return self.loop.stats()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        stats = self.loop.stats()
+        return {NUM_REQUESTS_WAITING: stats["server_num_requests_waiting"],
+                KV_CACHE_USAGE: stats.get("kv_cache_usage", 0.0)}
+
+    def check_health(self) -> None:
+        if self.loop.state == "dead":
+            raise RuntimeError("the engine failed; this replica must be replaced")
+
+    def __del__(self):
+        self.loop.stop()
+
+    async def _stream(self, requests: list[EngineRequest], is_scoring: bool):
+        try:
+            stream = self.loop.score(requests) if is_scoring else self.loop.generate(requests)
+        except ServiceUnavailable as e:
+            yield wire.Unavailable.from_error(e)
+            return
+        yield wire.Admitted()
+        num_ended = 0
+        try:
+            while num_ended < len(requests):
+                item = await self._next(stream)
+                if item is None:
+                    continue
+                # Each request ends with one item: its finished output, or its error.
+                if not isinstance(item, RequestOutput) or item.finished:
+                    num_ended += 1
+                yield wire.encode(item, stream.timings)
+        finally:
+            if num_ended < len(requests):  # cancelled: nobody reads these outputs any more
+                self.loop.abort(stream.request_ids)
+
+    async def _next(self, stream: OutputStream):
+        return await asyncio.get_running_loop().run_in_executor(self._stream_readers, stream.get, POLL_S)
