@@ -129,6 +129,3 @@ def init_random(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, out_sha
     arrays = [program(spec, sharding)(k) for spec, sharding, k in zip(leaves, shardings, keys)]
     return jax.tree.unflatten(treedef, arrays)
 
-
-def num_params(weights: Weights) -> int:
-    return sum(x.size for x in jax.tree.leaves(weights))
