@@ -164,7 +164,7 @@ def ragged_paged_attention_reference(
 
     Shapes are in the module docstring. ``out`` has ``q``'s shape and dtype; rows of
     padding tokens are zero. Materialises every sequence's full page range, so it is
-    the oracle and the CPU path, not a fast GPU path.
+    the oracle, not a fast path (the CPU runs ``cpu.py``, whose work follows each token's context).
     """
     k_pages, v_pages = write_kv_reference(k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
     out = attend_reference(
