@@ -1,4 +1,4 @@
-"""Plain-JAX ragged paged attention: the oracle for every kernel and the CPU path of the engine.
+"""Plain-JAX ragged paged attention: the oracle for every kernel (the engine's CPU path is `cpu.py`).
 
 Cache layout (owned by this package, shared by every backend and by the model)
 ------------------------------------------------------------------------------
