@@ -8,7 +8,7 @@
 from jaxinfer.errors import PromptTooLongError, RequestError
 from jaxinfer.llm import LLM
 from jaxinfer.outputs import CompletionOutput, RequestOutput
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "PromptTooLongError", "RequestError"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "PromptTooLongError", "RequestError"]
 __version__ = "0.1.0"

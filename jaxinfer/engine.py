@@ -174,6 +174,11 @@ class Engine:
                 f"more than the {MAX_BANNED} supported",
                 field="min_tokens", limit=MAX_BANNED,
             )
+        # Accepted by SamplingParams (the API's shape), not yet applied by the sampler: refuse
+        # rather than silently return unconstrained output.
+        for field in ("logit_bias", "bad_words", "structured_outputs"):
+            if getattr(params, field):
+                raise RequestError(f"{field} is not supported yet", field=field)
 
     def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request, freeing its pages now; its last output (finish

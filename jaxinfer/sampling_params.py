@@ -22,6 +22,51 @@ from jaxinfer.errors import RequestError
 
 MAX_TOP_LOGPROBS = 20
 FLOAT32_MAX = 3.4028234663852886e38  # the sampler's arrays are float32
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on a request's output, vLLM's ``StructuredOutputsParams``: exactly one of
+
+    - ``json``: a JSON schema (a dict, or its JSON text) the output must validate against;
+    - ``regex``: a regular expression the whole output must match;
+    - ``choice``: a list of strings, the output being exactly one of them;
+    - ``grammar``: a grammar in Lark/EBNF syntax (llguidance's dialect);
+    - ``json_object=True``: any JSON object (OpenAI's ``response_format={"type": "json_object"}``).
+
+    The output is valid by construction: each step only tokens the grammar allows can be
+    sampled, and EOS only where the grammar accepts (``jaxinfer.structured_output``).
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            found = ", ".join(kinds) or "none"
+            raise RequestError(f"structured_outputs needs exactly one of json, regex, choice, grammar, "
+                               f"json_object; got {found}", field="structured_outputs")
+        field = f"structured_outputs.{kinds[0]}"
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise RequestError(f"{field} must be a JSON schema object or its JSON text", field=field)
+        if self.regex is not None and not (isinstance(self.regex, str) and self.regex):
+            raise RequestError(f"{field} must be a non-empty string", field=field)
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar.strip()):
+            raise RequestError(f"{field} must be a non-empty grammar", field=field)
+        if self.choice is not None and not (self.choice and all(isinstance(c, str) and c for c in self.choice)):
+            raise RequestError(f"{field} must be a non-empty list of non-empty strings", field=field)
+
+    def kinds(self) -> list[str]:
+        """Which constraints are set (valid params have exactly one)."""
+        values = {"json": self.json, "regex": self.regex, "choice": self.choice, "grammar": self.grammar}
+        return [name for name, value in values.items() if value is not None] + (["json_object"] if self.json_object else [])
 
 
 @dataclasses.dataclass
@@ -52,12 +97,23 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Token id -> a bias in [-100, 100] added to its logit before sampling (OpenAI's meaning).
+    logit_bias: dict[int, float] | None = None
+    # Words (strings) the output may never contain: their token sequences are banned (vLLM's).
+    bad_words: list[str] | None = None
+    # A grammar the output must follow (JSON schema, regex, choice, Lark grammar).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.logit_bias, dict):
+            # JSON object keys arrive as strings ("50256"): accept them as the ids they spell.
+            self.logit_bias = {_int_key(k): v for k, v in self.logit_bias.items()}
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self.validate()
 
     def validate(self) -> None:
@@ -101,6 +157,17 @@ class SamplingParams:
             or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
             "prompt_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}", (0, MAX_TOP_LOGPROBS),
         )
+        need(self.logit_bias is None or (
+            isinstance(self.logit_bias, dict)
+            and all(_is_int(k) and k >= 0 for k in self.logit_bias)
+            and all(_is_number(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in self.logit_bias.values())),
+            "logit_bias", f"must map token ids >= 0 to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            (-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS))
+        need(self.bad_words is None or (isinstance(self.bad_words, list)
+                                        and all(isinstance(w, str) and w for w in self.bad_words)),
+             "bad_words", "must be a list of non-empty strings")
+        need(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs", "must be a StructuredOutputsParams")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +197,13 @@ class SequenceSampling:
 def banned_before_min_tokens(params: SamplingParams, eos_ids: frozenset[int]) -> tuple[int, ...]:
     """Token ids a sample may not produce before ``min_tokens``: EOS (unless ignored) and the stop ids, sorted."""
     return tuple(sorted((set() if params.ignore_eos else set(eos_ids)) | set(params.stop_token_ids)))
+
+
+def _int_key(key):
+    """A logit_bias key as an int where it spells one ("42" -> 42); anything else unchanged, for validate."""
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    return key
 
 
 def _is_int(x) -> bool:

@@ -70,3 +70,22 @@ def test_banned_before_min_tokens_is_eos_and_stop_ids_unless_eos_is_ignored():
     assert banned_before_min_tokens(SamplingParams(stop_token_ids=[7, 2]), eos) == (2, 7, 9)
     assert banned_before_min_tokens(SamplingParams(stop_token_ids=[7], ignore_eos=True), eos) == (7,)
     assert banned_before_min_tokens(SamplingParams(ignore_eos=True), eos) == ()
+
+
+def test_structured_outputs_params_need_exactly_one_constraint():
+    from jaxinfer import StructuredOutputsParams
+
+    assert StructuredOutputsParams(choice=["yes", "no"]).choice == ("yes", "no")
+    assert StructuredOutputsParams(json_object=True).kinds() == ["json_object"]
+    for bad in ({}, {"regex": "a+", "choice": ["a"]}, {"choice": []}, {"regex": ""}, {"json": 3}):
+        with pytest.raises(RequestError, match="structured_outputs"):
+            StructuredOutputsParams(**bad)
+
+
+def test_logit_bias_keys_may_be_json_strings_and_values_are_bounded():
+    assert SamplingParams(logit_bias={"42": 5, 7: -100}).logit_bias == {42: 5, 7: -100}
+    for bad in ({"x": 1}, {1: 101}, {-1: 0}, {1: float("nan")}):
+        with pytest.raises(RequestError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(RequestError, match="bad_words"):
+        SamplingParams(bad_words=[""])
