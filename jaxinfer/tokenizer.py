@@ -62,9 +62,10 @@ class Tokenizer:
             **self.special_tokens, **extra,
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> list[int]:
+        """``extra``: more template variables, such as ``tools``."""
         # The template already places BOS where the model expects it, as transformers assumes.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra), add_special_tokens=False)
 
     @classmethod
     def from_hf_dir(cls, path: str | Path, extra_eos_ids: Sequence[int] = ()) -> "Tokenizer":

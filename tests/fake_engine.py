@@ -243,6 +243,8 @@ class RunningServer(BackgroundServer):
     """A real waitress server on a free loopback port, serving ``engine`` in this process."""
 
     def __init__(self, engine, api_key: str | None = None, admission=None, threads: int = 96,
-                 max_body_bytes: int = 1 << 20, tracer_provider=None, served_model_name: str = "tiny-llama3"):
+                 max_body_bytes: int = 1 << 20, tracer_provider=None, served_model_name: str = "tiny-llama3",
+                 tool_call_parser: str | None = None):
         super().__init__(engine, served_model_name=served_model_name, api_key=api_key, admission=admission,
-                         threads=threads, max_body_bytes=max_body_bytes, tracer_provider=tracer_provider)
+                         threads=threads, max_body_bytes=max_body_bytes, tracer_provider=tracer_provider,
+                         tool_call_parser=tool_call_parser)

@@ -224,7 +224,12 @@ def test_unusual_but_valid_chat_fields_and_messages(client, server):
 
 
 @pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", {"logit_bias": {"5": 100}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"100000": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"a": 1}}, "logit_bias"),
+    ("/v1/completions", {"bad_words": [""]}, "bad_words"),
+    ("/v1/completions", {"response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/completions", {"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/completions", {"best_of": 3, "n": 2}, "best_of"),
     ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
@@ -253,8 +258,8 @@ def test_unusual_but_valid_chat_fields_and_messages(client, server):
     ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ("/v1/chat/completions", {"chat_template": "{{ 7 * 7 }}"}, "chat_template"),
     ("/v1/chat/completions", {"chat_template_kwargs": {"chat_template": "x"}}, "chat_template"),
     ("/v1/chat/completions", {"messages": []}, "messages"),

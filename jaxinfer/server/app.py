@@ -45,7 +45,7 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 def create_app(client: EngineClient, served_model_name: str, metrics: ServerMetrics | None = None,
                api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                tracer_provider=None, batch_store: BatchStore | None = None,
-               max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Flask:
+               max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, tool_call_parser: str | None = None) -> Flask:
     """The OpenAI-compatible app over ``client``; ``metrics`` None turns ``/metrics`` off, ``batch_store``
     None the Files and Batch API.
 
@@ -58,7 +58,7 @@ def create_app(client: EngineClient, served_model_name: str, metrics: ServerMetr
         metrics.registry.register(DeviceCollector())
     app.extensions[EXTENSION_KEY] = AppState(client, served_model_name, metrics, api_key, Tracer(tracer_provider),
                                              started=int(time.time()), batch_store=batch_store,
-                                             max_file_bytes=max_file_bytes)
+                                             max_file_bytes=max_file_bytes, tool_call_parser=tool_call_parser)
     app.before_request(assign_request_id_and_check_api_key)
     app.after_request(tag_and_log_response)
     app.register_error_handler(APIError, api_error_response)

@@ -31,6 +31,7 @@ class AppState:
     started: int  # Unix time the app was made: the model card's "created"
     batch_store: BatchStore | None = None  # None: no /v1/files or /v1/batches
     max_file_bytes: int = 0  # upload limit of POST /v1/files
+    tool_call_parser: str | None = None  # --tool-call-parser; None: chosen from the chat template
 
 
 def app_state() -> AppState:

@@ -110,8 +110,11 @@ def _generate(kind: str) -> Response:
     state = app_state()
     client = ready_client()
     body = protocol.parse_json_body(request.get_data(cache=False))
-    parse = protocol.parse_chat if kind == "chat" else protocol.parse_completion
-    parsed = parse(body, client.tokenizer, client.max_model_len, state.served_model_name)
+    if kind == "chat":
+        parsed = protocol.parse_chat(body, client.tokenizer, client.max_model_len, state.served_model_name,
+                                     state.tool_call_parser)
+    else:
+        parsed = protocol.parse_completion(body, client.tokenizer, client.max_model_len, state.served_model_name)
     call_id = uuid.uuid4().hex
     requests = [EngineRequest(f"{call_id}-{i}", p.token_ids, params, prompt=p.text, log_id=g.request_id)
                 for i, (p, params) in enumerate(zip(parsed.prompts, parsed.params))]

@@ -13,13 +13,17 @@ import math
 import re
 from typing import Any
 
-from jaxinfer.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from jaxinfer.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, StructuredOutputsParams
 from jaxinfer.server.errors import APIError, bad_request
+from jaxinfer.server.structured_requests import constraint_fields, structured_outputs
+from jaxinfer.server.tool_requests import (ToolRequest, choose_parser, message_tool_fields, parse_tool_request,
+                                           template_inputs)
 from jaxinfer.tokenizer import ChatTemplateError
 
 MAX_N = 64
 MAX_PROMPTS = 64  # prompts in one /v1/completions call
 MAX_STOP = 16
+MAX_BAD_WORDS = 128
 CHAT_ROLES = {"system", "user", "assistant", "developer", "tool"}
 
 
@@ -43,6 +47,7 @@ class ParsedRequest:
     # answers at once; params carry max_tokens 1 only because SamplingParams requires >= 1).
     score_only: bool = False
     prompt_logprobs: int | None = None  # completions: vLLM's prompt_logprobs field, returned per choice
+    tools: ToolRequest | None = None  # chat with tools offered (not "none"): outputs are parsed for calls
 
 
 _MISSING = object()
@@ -161,8 +166,6 @@ def _common_params(body: dict, vocab_size: int) -> dict:
     best_of = field(body, "best_of", "int", None)
     if best_of is not None and best_of != n:
         raise bad_request("'best_of' is not supported (only best_of == n)", param="best_of")
-    if body.get("logit_bias"):
-        raise bad_request("'logit_bias' is not supported", param="logit_bias")
     stop_token_ids = body.get("stop_token_ids")
     return dict(
         n=n,
@@ -180,7 +183,41 @@ def _common_params(body: dict, vocab_size: int) -> dict:
         min_tokens=field(body, "min_tokens", "int", 0),
         skip_special_tokens=field(body, "skip_special_tokens", "bool", True),
         include_stop_str_in_output=field(body, "include_stop_str_in_output", "bool", False),
+        logit_bias=_logit_bias(body, vocab_size),
+        bad_words=_bad_words(body),
+        structured_outputs=structured_outputs(body),
     )
+
+
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias``: token id (a JSON key, so a string) -> bias; ids in the vocabulary.
+    The bias range is SamplingParams' to check."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise bad_request("'logit_bias' must be an object mapping token ids to biases", param="logit_bias")
+    out = {}
+    for key, value in bias.items():
+        token = key if isinstance(key, int) else (int(key) if isinstance(key, str) and key.isdigit() else None)
+        if token is None or not 0 <= token < vocab_size:
+            raise bad_request(f"'logit_bias' key {key!r} is not a token id in [0, {vocab_size})"[:200],
+                              param="logit_bias")
+        out[token] = value
+    return out or None
+
+
+def _bad_words(body: dict) -> list[str] | None:
+    words = body.get("bad_words")
+    if words is None:
+        return None
+    if isinstance(words, str):
+        words = [words]
+    if not isinstance(words, list) or not all(isinstance(w, str) and w for w in words):
+        raise bad_request("'bad_words' must be a list of non-empty strings", param="bad_words")
+    if len(words) > MAX_BAD_WORDS:
+        raise bad_request(f"'bad_words' may hold at most {MAX_BAD_WORDS} strings, got {len(words)}", param="bad_words")
+    return words or None
 
 
 def _seed(body: dict) -> int | None:
@@ -346,28 +383,31 @@ def parse_messages(body: dict) -> list[dict]:
             raise bad_request(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}"[:300],
                               param=f"messages[{i}].role")
         # "developer" is OpenAI's newer name for "system"; checkpoint templates know "system".
-        out.append({"role": "system" if role == "developer" else role, "content": _message_content(m, i)})
+        out.append({"role": "system" if role == "developer" else role, "content": _message_content(m, i),
+                    **message_tool_fields(m, i)})
     return out
 
 
-def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                tool_request: ToolRequest | None = None) -> list[int]:
+    """The prompt's token ids: ``messages`` (and the offered tools) through the model's template."""
+    messages, extra = template_inputs(tokenizer.chat_template, messages, tool_request)
     try:
-        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **extra)
     except ChatTemplateError as e:
         raise bad_request(str(e)[:500], param="messages") from None
 
 
-def parse_chat(body: dict, tokenizer, max_model_len: int, served_model_name: str) -> ParsedRequest:
+def parse_chat(body: dict, tokenizer, max_model_len: int, served_model_name: str,
+               tool_call_parser: str | None = None) -> ParsedRequest:
+    """A chat request; ``tool_call_parser`` (``--tool-call-parser``) names the call format of a
+    template that renders tools (else its markers tell)."""
     model = check_model(body, served_model_name)
     kwargs = body.get("chat_template_kwargs")
     if body.get("chat_template") is not None or (isinstance(kwargs, dict) and "chat_template" in kwargs):
         raise bad_request("request-supplied chat templates are not accepted; the model's own template is used",
                           param="chat_template")
-    if body.get("tools") or body.get("functions"):
-        raise bad_request("tool calling is not supported", param="tools")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
+    tool_request = parse_tool_request(body, choose_parser(tokenizer.chat_template, tool_call_parser))
     stream = field(body, "stream", "bool", False)
     include_usage = _stream_options(body, stream)
     want_logprobs = field(body, "logprobs", "bool", False)
@@ -379,13 +419,31 @@ def parse_chat(body: dict, tokenizer, max_model_len: int, served_model_name: str
             raise bad_request(f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}",
                               param="top_logprobs")
     common = _common_params(body, tokenizer.vocab_size)
+    if tool_request is not None:
+        common = _with_tool_constraint(common, tool_request, body)
     max_tokens = _max_tokens(body, None)
     messages = parse_messages(body)
     add_generation_prompt = field(body, "add_generation_prompt", "bool", True)
-    token_ids = encode_chat(tokenizer, messages, add_generation_prompt)
+    token_ids = encode_chat(tokenizer, messages, add_generation_prompt, tool_request)
     if not token_ids:
         raise bad_request("the messages render to an empty prompt", param="messages")
     params = _sampling_params(dict(common, logprobs=(top_logprobs or 0) if want_logprobs else None,
                                    max_tokens=_fit_context(len(token_ids), max_tokens, max_model_len, "messages")))
     return ParsedRequest("chat", model, [Prompt(token_ids, None)], [params], stream, include_usage,
-                         top_logprobs=(top_logprobs or 0) if want_logprobs else None)
+                         top_logprobs=(top_logprobs or 0) if want_logprobs else None, tools=tool_request)
+
+
+def _with_tool_constraint(common: dict, tool_request: ToolRequest, body: dict) -> dict:
+    """``common`` with the grammar that enforces ``tool_choice`` (required or named), and special
+    tokens kept in the text when the call format's marker is one."""
+    grammar = tool_request.grammar()
+    if grammar is not None and common["structured_outputs"] is not None:
+        other = constraint_fields(body)[0]
+        raise bad_request(f"'tool_choice' {tool_request.choice!r} and '{other}' both constrain the output; "
+                          "send only one of them", param="tool_choice")
+    common = dict(common)
+    if grammar is not None:
+        common["structured_outputs"] = StructuredOutputsParams(grammar=grammar)
+    if tool_request.parser.needs_special_tokens:
+        common["skip_special_tokens"] = False
+    return common

@@ -3,6 +3,11 @@
 The engine reports cumulative text and token ids per sample; :class:`ResponseBuilder` keeps how
 much of each choice it has sent, so a stream chunk carries only the new part. Choice index is
 ``prompt_index * n + sample_index``, as OpenAI numbers them.
+
+A chat request that offered tools has its text read by the tool-call parser of the model's format
+(:mod:`jaxinfer.tool_parsers`): calls become ``message.tool_calls`` (streamed: ``delta.tool_calls``,
+the name first, then argument fragments) and a choice that ended on them says
+``finish_reason: "tool_calls"``; text around them stays ``content``.
 """
 
 from __future__ import annotations
@@ -11,9 +16,11 @@ import functools
 import json
 import re
 import time
+import uuid
 
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.server.protocol import ParsedRequest
+from jaxinfer.tool_parsers import StreamingToolParser, ToolCall, ToolCallDelta
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -36,6 +43,16 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+def tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _finish_reason(finish_reason: str | None, num_calls: int) -> str | None:
+    # A choice that stopped (EOS or a stop string) after calling tools ended to have them run;
+    # one cut off by max_tokens stays "length", as OpenAI reports it.
+    return "tool_calls" if num_calls and finish_reason == "stop" else finish_reason
+
+
 class ResponseBuilder:
     def __init__(self, parsed: ParsedRequest, response_id: str, tokenizer):
         self.parsed = parsed
@@ -50,6 +67,8 @@ class ResponseBuilder:
         self._role_sent: set[int] = set()
         self._last: dict[int, RequestOutput] = {}
         self._prompt_texts: dict[int, str] = {}
+        self._tool_streams: dict[int, StreamingToolParser] = {}  # per choice, with tools
+        self._tool_call_ids: dict[tuple[int, int], str] = {}  # (choice, call index) -> id
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -186,7 +205,11 @@ class ResponseBuilder:
                 logprobs = self._echo_logprobs(prompt_index, out, logprobs)
             if sample.finish_reason:
                 self._finished.add(index)
-            if self.is_chat:
+            if self.is_chat and self.parsed.tools is not None:
+                choice = self._tool_choice_chunk(index, sample.text[:text_end], sample.finish_reason, first, logprobs)
+                if choice is None:
+                    continue
+            elif self.is_chat:
                 message = {"content": delta}
                 if first:
                     message = {"role": "assistant", "content": delta}
@@ -202,6 +225,40 @@ class ResponseBuilder:
             self._role_sent.add(index)
             events.append(sse(self._envelope([choice], chunk=True)))
         return events
+
+    def _tool_choice_chunk(self, index: int, text: str, finish_reason: str | None, first: bool,
+                           logprobs: dict | None) -> dict | None:
+        """A stream chunk's choice for a request with tools: new content and call deltas; None when
+        there is nothing to send (the new text is held back, it may start a call)."""
+        stream = self._tool_streams.setdefault(index, StreamingToolParser(self.parsed.tools.parser))
+        content, deltas = stream.feed(text, is_final=finish_reason is not None)
+        message: dict = {"role": "assistant", "content": content} if first else ({"content": content} if content else {})
+        if deltas:
+            message["tool_calls"] = [self._tool_call_delta(index, d) for d in deltas]
+        if not (message or logprobs or finish_reason):
+            return None
+        return {"index": index, "delta": message, "logprobs": logprobs,
+                "finish_reason": _finish_reason(finish_reason, stream.num_calls)}
+
+    def _tool_call_delta(self, index: int, delta: ToolCallDelta) -> dict:
+        if delta.name is None:
+            return {"index": delta.index, "function": {"arguments": delta.arguments}}
+        call_id = self._tool_call_ids.setdefault((index, delta.index), tool_call_id())
+        return {"index": delta.index, "id": call_id, "type": "function",
+                "function": {"name": delta.name, "arguments": delta.arguments}}
+
+    def _chat_choice(self, index: int, sample: CompletionOutput, logprobs: dict | None) -> dict:
+        """A whole response's chat choice; with tools, the calls parsed out of the text."""
+        message = {"role": "assistant", "content": sample.text}
+        calls: list[ToolCall] = []
+        if self.parsed.tools is not None:
+            content, calls = self.parsed.tools.parser.parse(sample.text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": [
+                    {"id": tool_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in calls]}
+        return {"index": index, "message": message, "logprobs": logprobs,
+                "finish_reason": _finish_reason(sample.finish_reason, len(calls))}
 
     def _envelope(self, choices: list[dict], chunk: bool, usage: dict | None = None) -> dict:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.is_chat else "text_completion"
@@ -232,8 +289,7 @@ class ResponseBuilder:
                 if self._wants_echo_logprobs():
                     logprobs = self._echo_logprobs(prompt_index, outputs[prompt_index], logprobs)
                 if self.is_chat:
-                    choices.append({"index": index, "message": {"role": "assistant", "content": sample.text},
-                                    "logprobs": logprobs, "finish_reason": sample.finish_reason})
+                    choices.append(self._chat_choice(index, sample, logprobs))
                 else:
                     choice = {"index": index, "text": echo_text + sample.text, "logprobs": logprobs,
                               "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason}

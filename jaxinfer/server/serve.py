@@ -26,6 +26,7 @@ from jaxinfer.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_FILE_BYTES
 from jaxinfer.server.background import BackgroundServer
 from jaxinfer.server.json_logging import configure_logging
 from jaxinfer.server.tracing import otlp_tracer_provider
+from jaxinfer.tool_parsers import PARSERS
 
 logger = logging.getLogger("jaxinfer.server")
 
@@ -68,6 +69,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       help="seconds a dead server's batch work stays claimed before another server (or its restart) takes it")
     a("--max-file-bytes", type=int, default=DEFAULT_MAX_FILE_BYTES,
       help="upload size limit of POST /v1/files (413 past it)")
+    a("--tool-call-parser", default=None, choices=sorted(PARSERS),
+      help="the format the model writes tool calls in (default: from the chat template's markers; "
+           "a template without tools is taught the hermes format)")
 
 
 def default_served_name(model: str) -> str:
@@ -132,7 +136,7 @@ def run_server(args: argparse.Namespace, engine_factory=build_engine) -> int:
         served_model_name=served, host=args.host, port=args.port, api_key=args.api_key, admission=admission,
         threads=threads, max_body_bytes=args.max_body_bytes, tracer_provider=tracer_provider,
         max_model_len=args.max_model_len or 131072,
-        batch_store=batch_store, max_file_bytes=args.max_file_bytes,
+        batch_store=batch_store, max_file_bytes=args.max_file_bytes, tool_call_parser=args.tool_call_parser,
     )
     loop, server = http.loop, http.server
     logger.info("listening (loading the model)", extra={"host": args.host, "port": server.effective_port,
