@@ -11,7 +11,9 @@ most ``max_num_seqs`` requests, keeps the rest waiting, and counts pages of ``pa
 so tests can check that aborts free them. Hooks: ``step_delay`` (seconds per step),
 ``before_step`` (called at the start of each step, e.g. to wait on a ``threading.Event``) and
 ``fail_on_step`` (the step number whose call raises) and ``fail_on_prompt`` (a prompt whose
-``add_request`` raises).
+``add_request`` raises). ``script(prompt_token_ids, params) -> str``, when given, replaces the echo:
+every sample generates that text's tokens and then stops (``finish_reason`` "stop", as at EOS); it
+may raise ``RequestError`` to refuse the request as the engine would (a grammar it cannot compile).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class _Request:
     metrics: FakeRequestMetrics
     samples: list[CompletionOutput]
     prompt_logprobs: list | None = None
+    scripted: bool = False  # source is a scripted reply, generated once, then "stop"
 
     @property
     def finished(self) -> bool:
@@ -79,7 +82,7 @@ def load_tiny_tokenizer() -> tuple[Tokenizer, ModelConfig]:
 class FakeEngine:
     def __init__(self, max_model_len: int = 256, max_num_seqs: int = 8, page_size: int = 16,
                  num_pages_total: int = 1024, step_delay: float = 0.0, before_step=None,
-                 fail_on_step: int | None = None, fail_on_prompt: str | None = None):
+                 fail_on_step: int | None = None, fail_on_prompt: str | None = None, script=None):
         self.tokenizer, self.model_config = load_tiny_tokenizer()
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -89,6 +92,7 @@ class FakeEngine:
         self.before_step = before_step
         self.fail_on_step = fail_on_step
         self.fail_on_prompt = fail_on_prompt
+        self.script = script
         self.num_steps = 0
         self.waiting: list[_Request] = []
         self.running: list[_Request] = []
@@ -121,6 +125,9 @@ class FakeEngine:
             raise PromptTooLongError(f"{p} prompt tokens + max_tokens {max_tokens} exceed max_model_len "
                                      f"{self.max_model_len}", field="max_tokens", limit=self.max_model_len - p)
         source = [t for t in prompt_token_ids if t not in self._special] or [prompt_token_ids[-1]]
+        scripted = self.script is not None
+        if scripted:
+            source = self.tokenizer.encode(self.script(list(prompt_token_ids), params), add_special_tokens=False)
         samples = [CompletionOutput(index=s, text="", token_ids=[], cumulative_logprob=None,
                                     logprobs=[] if params.logprobs is not None else None)
                    for s in range(params.n)]
@@ -128,7 +135,7 @@ class FakeEngine:
         prompt_logprobs = (None if params.prompt_logprobs is None
                            else self.score_prompt(prompt_token_ids, params.prompt_logprobs))
         self.waiting.append(_Request(request_id, prompt, list(prompt_token_ids), source, params,
-                                     max_tokens, metrics, samples, prompt_logprobs))
+                                     max_tokens, metrics, samples, prompt_logprobs, scripted))
 
     def score_prompt(self, prompt_token_ids: list[int], num_top: int) -> list:
         """The engine's prompt logprobs, by the rule in the module docstring."""
@@ -195,7 +202,7 @@ class FakeEngine:
 
     def _generate_one(self, req: _Request, sample: CompletionOutput) -> None:
         i = len(sample.token_ids)
-        token = req.source[(i + sample.index) % len(req.source)]
+        token = req.source[i % len(req.source)] if req.scripted else req.source[(i + sample.index) % len(req.source)]
         sample.token_ids.append(token)
         logprob = -0.1 * (i + 1)
         sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + logprob
@@ -212,6 +219,8 @@ class FakeEngine:
                 return
         if can_stop and token in params.stop_token_ids:
             sample.finish_reason, sample.stop_reason = "stop", token
+        elif req.scripted and len(sample.token_ids) == len(req.source):
+            sample.finish_reason = "stop"
         elif len(sample.token_ids) >= req.max_tokens:
             sample.finish_reason = "length"
 

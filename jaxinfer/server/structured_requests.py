@@ -49,6 +49,10 @@ def structured_outputs(body: dict) -> StructuredOutputsParams | None:
         kwargs = {GUIDED_FIELDS[name]: body[name]}
     if "json" in kwargs:
         kwargs["json"] = _schema(kwargs["json"], name)
+    if "choice" in kwargs and not isinstance(kwargs["choice"], list):
+        # A string is iterable too: "yes" would become the choices "y", "e", "s".
+        field = "structured_outputs.choice" if name == "structured_outputs" else name
+        raise bad_request(f"'{field}' must be a list of strings", param=field)
     try:
         return StructuredOutputsParams(**kwargs)
     except RequestError as e:
