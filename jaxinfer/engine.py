@@ -12,6 +12,12 @@
    conditions; the scheduler finishes the sequences that stopped, freeing their pages.
 4. The requests that changed are collected as ``RequestOutput``s; finished ones are dropped.
 
+A request under a grammar (``structured_outputs``) waits outside the scheduler until its grammar
+is compiled (on the compiler's threads); a step that samples for constrained sequences has the
+runner call back, once the forward is dispatched, for the grammar's token bitmask: the host
+waits for the previous step's tokens of those sequences, advances their matchers and fills the
+mask while the device computes (``jaxinfer.structured_output``, docs/STRUCTURED_OUTPUT.md).
+
 Repetition/presence/frequency penalties read each sequence's history from token pages on
 the device (``jaxinfer.token_history``), so they run under async scheduling too.
 """
@@ -23,10 +29,14 @@ import hashlib
 import itertools
 import time
 
+import numpy as np
+
+from jaxinfer.bad_words import MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS, bad_words_token_ids
 from jaxinfer.engine_config import EngineConfig
 from jaxinfer.errors import PromptTooLongError, RequestError, RequestIdInUseError
 from jaxinfer.input_batch import MAX_BANNED, PackedStep
 from jaxinfer.loaded_model import LoadedModel
+from jaxinfer.logit_bias import MAX_LOGIT_BIAS_IDS
 from jaxinfer.output_processor import OutputProcessor, RequestState, fetch_samples
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.page_allocator import PageAllocator
@@ -35,7 +45,8 @@ from jaxinfer.runner import ModelRunner, enable_persistent_compilation_cache
 from jaxinfer.sampling import SamplerOutput
 from jaxinfer.sampling_params import SamplingParams, SequenceSampling, banned_before_min_tokens
 from jaxinfer.scheduler import Schedule, Scheduler, SchedulerConfig
-from jaxinfer.sequence import PLACEHOLDER_TOKEN, Sequence
+from jaxinfer.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+from jaxinfer.structured_output import GrammarCompiler, GrammarMatchers, check_grammar, guidance_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +89,12 @@ class Engine:
         )
         self.eos_ids = frozenset(model.tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
         self.output_processor = OutputProcessor(self.eos_ids)
+        vocab_size = model.config.vocab_size
+        # The llguidance tokenizer is built on the compiler's thread, at the first grammar.
+        self.grammar_compiler = GrammarCompiler(lambda: guidance_tokenizer(self.tokenizer, vocab_size, self.eos_ids))
+        self.grammars = GrammarMatchers(min(self.tokenizer.vocab_size, vocab_size), vocab_size, self.eos_ids)
+        self._grammar_advanced: LaunchedStep | None = None  # the launched step whose tokens the matchers consumed
+        self.grammar_mask_seconds = 0.0  # host time filling structured-output bitmasks
         self._requests: dict[str, RequestState] = {}
         self._seq_request: dict[int, RequestState] = {}
         self._seq_ids = itertools.count()
@@ -120,19 +137,27 @@ class Engine:
         base_seed = params.seed if params.seed is not None else int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:4], "little")
         max_tokens = min(params.max_tokens or self.max_model_len, self.max_model_len - len(prompt_token_ids))
         banned = banned_before_min_tokens(params, self.eos_ids)
+        bad_words = bad_words_token_ids(params.bad_words, self.tokenizer) if params.bad_words else ()
         seqs = [
             Sequence(
                 next(self._seq_ids), request_id, prompt_token_ids, arrival_time=arrival,
-                sampling=SequenceSampling(params, _derive_seed(base_seed, index, params.n), max_tokens, index, banned),
+                sampling=SequenceSampling(params, _derive_seed(base_seed, index, params.n), max_tokens, index, banned,
+                                          bad_words),
             )
             for index in range(params.n)
         ]
         request = RequestState(request_id, prompt, list(prompt_token_ids), params, seqs, self.tokenizer, arrival,
                                final_only, prompt_logprobs)
         self._requests[request_id] = request
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammar_compiler.submit(params.structured_outputs)
         for seq in seqs:
             self._seq_request[seq.seq_id] = request
-            self.scheduler.add(seq)
+            if grammar is None:
+                self.scheduler.add(seq)
+            else:  # scheduled once its grammar is compiled (step)
+                self.grammars.add(seq, grammar)
         self.prompt_tokens_total += len(prompt_token_ids)
 
     def score_prompt(self, prompt_token_ids: list[int], num_top: int) -> PromptLogprobs:
@@ -174,11 +199,25 @@ class Engine:
                 f"more than the {MAX_BANNED} supported",
                 field="min_tokens", limit=MAX_BANNED,
             )
-        # Accepted by SamplingParams (the API's shape), not yet applied by the sampler: refuse
-        # rather than silently return unconstrained output.
-        for field in ("logit_bias", "bad_words", "structured_outputs"):
-            if getattr(params, field):
-                raise RequestError(f"{field} is not supported yet", field=field)
+        # logit_bias and bad words travel to the device in fixed-width lists.
+        if params.logit_bias:
+            if len(params.logit_bias) > MAX_LOGIT_BIAS_IDS:
+                raise RequestError(f"logit_bias has {len(params.logit_bias)} entries, more than the "
+                                   f"{MAX_LOGIT_BIAS_IDS} supported", field="logit_bias", limit=MAX_LOGIT_BIAS_IDS)
+            if any(t >= vocab for t in params.logit_bias):
+                raise RequestError(f"logit_bias token ids must be in [0, {vocab})", field="logit_bias", limit=vocab)
+        if params.bad_words:
+            sequences = bad_words_token_ids(params.bad_words, self.tokenizer)
+            if len(sequences) > MAX_BAD_WORD_SEQUENCES:
+                raise RequestError(
+                    f"bad_words needs {len(sequences)} token sequences (each word alone and after a space), "
+                    f"more than the {MAX_BAD_WORD_SEQUENCES} supported", field="bad_words", limit=MAX_BAD_WORD_SEQUENCES)
+            longest = max(len(ids) for ids in sequences)
+            if longest > MAX_BAD_WORD_TOKENS:
+                raise RequestError(f"a bad word is {longest} tokens long, more than the {MAX_BAD_WORD_TOKENS} "
+                                   f"supported", field="bad_words", limit=MAX_BAD_WORD_TOKENS)
+        if params.structured_outputs is not None:
+            check_grammar(params.structured_outputs)  # unsupported schema keywords: named here
 
     def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request, freeing its pages now; its last output (finish
@@ -188,7 +227,7 @@ class Engine:
         if request is None or request.is_finished:
             return False
         for seq in request.seqs:
-            self.scheduler.finish(seq, "abort")
+            self._finish(seq, "abort")
         self._aborted.append(request)
         return True
 
@@ -198,6 +237,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, launch, process the previous step's tokens, collect: the outputs of the
         requests that changed (aborted ones included)."""
+        self._admit_compiled_grammars()
         changed = {request.request_id: request for request in self._aborted}
         self._aborted.clear()
         schedule = self.scheduler.schedule()
@@ -210,6 +250,8 @@ class Engine:
             self._process(previous, changed)
         elif schedule.wait_until is not None:  # nothing to do yet: gather arrivals for the first step
             time.sleep(max(0.0, schedule.wait_until - time.monotonic()))
+        elif schedule.is_empty and self.grammars.num_waiting:  # only grammars to wait for
+            self.grammars.wait(timeout=0.05)
         return self._collect(changed)
 
     def stats(self) -> dict:
@@ -229,7 +271,48 @@ class Engine:
             # Prompt scoring compiles per prompt-length bucket on first use (jaxinfer.prompt_logprobs).
             num_prompt_scoring_programs=len(self.prompt_scorer.buckets_compiled),
             last_step_num_tokens=self.last_step_num_tokens,
+            grammar_compilations=self.grammar_compiler.num_compiled,
+            grammar_cache_hits=self.grammar_compiler.num_cache_hits,
+            num_waiting_for_grammar=self.grammars.num_waiting,
+            grammar_mask_seconds=self.grammar_mask_seconds,
         )
+
+    def _admit_compiled_grammars(self) -> None:
+        """Hand the sequences whose grammar is compiled to the scheduler; a grammar that failed to
+        build aborts its request."""
+        for seq, error in self.grammars.take_ready():
+            request = self._seq_request.get(seq.seq_id)
+            if error is None:
+                self.scheduler.add(seq)
+            elif request is not None and not request.is_finished:
+                for sibling in request.seqs:
+                    self._finish(sibling, "abort")
+                self._aborted.append(request)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """Finish ``seq``, whether the scheduler holds it or it still waits for its grammar."""
+        if self.grammars.is_waiting(seq):
+            self.grammars.drop(seq)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        else:
+            self.scheduler.finish(seq, reason)
+
+    def _grammar_bitmask(self, packed: PackedStep, in_flight: LaunchedStep | None):
+        """The runner's callback for a "masked" step: runs once the forward is dispatched."""
+
+        def fill() -> np.ndarray:
+            if in_flight is not None and self._grammar_advanced is not in_flight:
+                wait_start = time.monotonic()
+                tokens = np.asarray(in_flight.sampler_output.token_ids)  # the previous step's samples
+                self.device_wait_seconds += time.monotonic() - wait_start
+                self.grammars.advance(in_flight.packed.sampled, tokens)
+                self._grammar_advanced = in_flight
+            fill_start = time.monotonic()
+            bitmask = self.grammars.fill_bitmask(packed.sampled, packed.inputs.batch.num_seqs)
+            self.grammar_mask_seconds += time.monotonic() - fill_start
+            return bitmask
+
+        return fill
 
     def _launch(self, schedule: Schedule, in_flight: LaunchedStep | None) -> LaunchedStep:
         """Pack and dispatch ``schedule``'s step, then account for it as if done (the device
@@ -242,7 +325,8 @@ class Engine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         dispatch_start = time.monotonic()
-        sampler_output = self.runner.execute(packed.inputs)
+        token_bitmask = self._grammar_bitmask(packed, in_flight) if packed.inputs.sampler_path == "masked" else None
+        sampler_output = self.runner.execute(packed.inputs, token_bitmask)
         self.dispatch_seconds += time.monotonic() - dispatch_start
         self.num_tokens_computed += schedule.num_batched_tokens
         self.last_step_num_tokens = schedule.num_batched_tokens
@@ -257,7 +341,14 @@ class Engine:
         wait_start = time.monotonic()
         fetched = fetch_samples(launched.sampler_output, with_logprobs=launched.packed.wants_logprobs)
         self.device_wait_seconds += time.monotonic() - wait_start
+        if self._grammar_advanced is not launched:  # not yet consumed by a bitmask callback
+            self.grammars.advance(launched.packed.sampled, fetched.token_ids)
+        self._grammar_advanced = None
         stops = self.output_processor.process(launched.packed.sampled, fetched, self._seq_request, changed)
+        stopping = {seq.seq_id for seq, _ in stops}
+        # A grammar that consumed EOS ends its sequence even under ignore_eos: nothing may follow.
+        stops += [(seq, "stop") for seq, _ in launched.packed.sampled
+                  if seq.seq_id not in stopping and not seq.is_finished and self.grammars.is_done(seq)]
         for seq, reason in stops:
             self.scheduler.finish(seq, reason)
 
@@ -272,6 +363,7 @@ class Engine:
         self._requests.pop(request.request_id, None)
         for seq in request.seqs:
             self._seq_request.pop(seq.seq_id, None)
+            self.grammars.drop(seq)
 
 
 def _derive_seed(base_seed: int, index: int, n: int) -> int:

@@ -21,7 +21,9 @@ import dataclasses
 
 import numpy as np
 
+from jaxinfer.bad_words import MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS, fill_bad_words_row
 from jaxinfer.batch import StepBatch, build_step_batch
+from jaxinfer.logit_bias import MAX_LOGIT_BIAS_IDS, fill_logit_bias_row
 from jaxinfer.page_allocator import SCRATCH_PAGE
 from jaxinfer.sampling import SamplingTensors
 from jaxinfer.scheduler import Schedule
@@ -39,7 +41,9 @@ class StepInputs:
     batch: StepBatch
     sampling: SamplingTensors
     prev_rows: np.ndarray  # [T] int32: row of the previous step's sampled tokens to use, or -1
-    sampler_path: str  # "basic" or "full": which sampler program runs (runner.SAMPLER_PATHS)
+    # "basic", "full" or "masked" (full + a structured-output token bitmask): which sampler
+    # program runs (runner.SAMPLER_PATHS)
+    sampler_path: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +57,7 @@ class PackedStep:
     @property
     def wants_logprobs(self) -> bool:
         """Whether a sampled row asked for logprobs (only the "full" path computes them)."""
-        return self.inputs.sampler_path == "full" and any(
+        return self.inputs.sampler_path != "basic" and any(
             seq.sampling.params.logprobs is not None for seq, _ in self.sampled
         )
 
@@ -70,7 +74,11 @@ def pack_step(schedule: Schedule, buckets, previous: PackedStep | None, vocab_si
     max_pages = max(len(item.seq.page_table) for item in items)
     t_bucket, b_bucket, p_bucket = buckets.pick(num_tokens, len(items), max_pages)
     is_full = any(item.seq.sampling.needs_full_sampler for item in items)
-    sampling = SamplingTensors.neutral(b_bucket, 0, MAX_BANNED)
+    # A constrained row needs the grammar's bitmask, which only the "masked" path takes.
+    is_masked = any(item.seq.sampling.params.structured_outputs is not None for item in items)
+    sampler_path = "masked" if is_masked else "full" if is_full else "basic"
+    is_full = sampler_path != "basic"
+    sampling = neutral_sampling(b_bucket, sampler_path)
     # A placeholder input is read on the device from the previous step's sample (prev_rows).
     prev_rows = np.full(t_bucket, -1, np.int32)
     previous_rows = previous.last_row_of_each_seq() if previous is not None else {}
@@ -107,7 +115,7 @@ def pack_step(schedule: Schedule, buckets, previous: PackedStep | None, vocab_si
     batch = build_step_batch(
         chunks, num_tokens=t_bucket, num_seqs=b_bucket, pages_per_seq=p_bucket, padding_page=SCRATCH_PAGE
     )
-    return PackedStep(StepInputs(batch, sampling, prev_rows, "full" if is_full else "basic"), sampled)
+    return PackedStep(StepInputs(batch, sampling, prev_rows, sampler_path), sampled)
 
 
 def empty_step_inputs(num_tokens: int, num_seqs: int, pages_per_seq: int, sampler_path: str = "basic") -> StepInputs:
@@ -120,8 +128,18 @@ def empty_step_inputs(num_tokens: int, num_seqs: int, pages_per_seq: int, sample
         page_tables=np.full((num_seqs, pages_per_seq), SCRATCH_PAGE, np.int32),
         logits_indices=np.zeros(num_seqs, np.int32),
     )
-    sampling = SamplingTensors.neutral(num_seqs, 0, MAX_BANNED)  # no history: see token_history
+    sampling = neutral_sampling(num_seqs, sampler_path)
     return StepInputs(batch, sampling, np.full(num_tokens, -1, np.int32), sampler_path)
+
+
+def neutral_sampling(num_seqs: int, sampler_path: str) -> SamplingTensors:
+    """The neutral sampling rows of a step on ``sampler_path``: logit bias and bad-word lists have
+    their fixed widths on the full paths and none on "basic", whose program never reads them.
+    No history: the device gathers it (jaxinfer.token_history)."""
+    if sampler_path == "basic":
+        return SamplingTensors.neutral(num_seqs, 0, MAX_BANNED)
+    return SamplingTensors.neutral(num_seqs, 0, MAX_BANNED, MAX_LOGIT_BIAS_IDS,
+                                   (MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS))
 
 
 def _fill_full_sampling_row(sampling: SamplingTensors, row: int, seq: Sequence, vocab_size: int) -> None:
@@ -140,3 +158,7 @@ def _fill_full_sampling_row(sampling: SamplingTensors, row: int, seq: Sequence, 
     if seq.num_generated_tokens < params.min_tokens:
         banned = settings.banned_before_min_tokens  # the engine checked it fits MAX_BANNED
         sampling.banned_ids[row, : len(banned)] = banned
+    if params.logit_bias:
+        fill_logit_bias_row(sampling.logit_bias_ids, sampling.logit_bias_values, row, params.logit_bias)
+    if settings.bad_words_token_ids:
+        fill_bad_words_row(sampling.bad_word_ids, row, settings.bad_words_token_ids)

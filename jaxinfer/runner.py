@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxinfer.bad_words import gather_output_tail
 from jaxinfer.compile_options import PhasedJit, graph_options
 from jaxinfer.input_batch import PackedStep, StepInputs, empty_step_inputs, pack_step
 from jaxinfer.kv_cache import create_kv_cache
@@ -40,19 +41,21 @@ from jaxinfer.model import forward
 from jaxinfer.sampling import SamplerOutput, SamplingFlags, sample
 from jaxinfer.sampling_params import MAX_TOP_LOGPROBS
 from jaxinfer.scheduler import Schedule
+from jaxinfer.structured_output.bitmask import allocate_bitmask, bitmask_width
 from jaxinfer.token_history import gather_history, write_tokens
 from sharding.placement import StepPlacement
 
 logger = logging.getLogger(__name__)
 
-# Two sampler paths, each its own small program per sequence bucket, chosen by the host per
+# Three sampler paths, each its own small program per sequence bucket, chosen by the host per
 # step: "basic" serves greedy and plain temperature sampling; "full" adds penalties, bans
-# (min_tokens), top-k/top-p/min-p and 20 top logprobs.
-SAMPLER_PATHS = {
-    "basic": SamplingFlags(any_random=True),
-    "full": SamplingFlags(any_penalties=True, any_banned=True, any_random=True, any_truncation=True,
-                          num_top_logprobs=MAX_TOP_LOGPROBS),
-}
+# (min_tokens), logit_bias, bad words, top-k/top-p/min-p and 20 top logprobs; "masked" is
+# "full" plus a structured-output token bitmask, an extra input filled on the host while the
+# forward runs (docs/STRUCTURED_OUTPUT.md says why it is its own program).
+_FULL_FLAGS = SamplingFlags(any_penalties=True, any_banned=True, any_random=True, any_truncation=True,
+                            num_top_logprobs=MAX_TOP_LOGPROBS, any_logit_bias=True, any_bad_words=True)
+SAMPLER_PATHS = {"basic": SamplingFlags(any_random=True), "full": _FULL_FLAGS, "masked": _FULL_FLAGS}
+MASKED_SAMPLER_PATH = "masked"
 
 
 def enable_persistent_compilation_cache() -> None:
@@ -186,7 +189,7 @@ class ModelRunner:
         self.warmup_done = False
 
     def warm_up(self, use_tqdm: bool = True, num_threads: int | None = None) -> float:
-        """Compile every bucket's forward and every sequence bucket's two samplers now; returns seconds spent.
+        """Compile every bucket's forward and every sequence bucket's samplers (one per path) now; returns seconds spent.
 
         Programs are compiled ahead of time on ``num_threads`` threads (XLA releases the GIL
         while it compiles, and the programs are independent), then each is run once.
@@ -228,7 +231,11 @@ class ModelRunner:
                                       sharding=self.placement.replicated)
         packed, packing = pack_host_arrays(_sampler_tree(inputs))
         packed = jax.device_put(packed, self.placement.replicated)
-        return (logits, self.token_pages, packed), {"packing": packing, "sampler_path": inputs.sampler_path}
+        bitmask = None
+        if inputs.sampler_path == MASKED_SAMPLER_PATH:
+            bitmask = jax.ShapeDtypeStruct((inputs.batch.num_seqs, bitmask_width(self.config.vocab_size)), jnp.int32,
+                                           sharding=self.placement.replicated)
+        return (logits, self.token_pages, packed, bitmask), {"packing": packing, "sampler_path": inputs.sampler_path}
 
     def _sampler_shapes(self) -> list[tuple[int, int, int]]:
         """One bucket (tokens, sequences, pages) per (sequences, pages): the samplers depend on
@@ -240,7 +247,7 @@ class ModelRunner:
 
     @property
     def num_programs(self) -> int:
-        """Programs compiled at warm-up: one forward per bucket, two samplers per sequence bucket."""
+        """Programs compiled at warm-up: one forward per bucket, a sampler per path per sequence bucket."""
         return len(self.buckets.all()) + len(SAMPLER_PATHS) * len(self._sampler_shapes())
 
     def _num_compiled(self) -> int:
@@ -273,14 +280,24 @@ class ModelRunner:
     def is_observed(self) -> bool:
         return self._input_observer is not None
 
-    def execute(self, inputs: StepInputs) -> SamplerOutput:
-        """Dispatch one step (asynchronously: nothing here waits for the device); returns the sampler output."""
+    def execute(self, inputs: StepInputs, token_bitmask: Callable[[], np.ndarray] | None = None) -> SamplerOutput:
+        """Dispatch one step (asynchronously: nothing here waits for the device); returns the sampler output.
+
+        ``token_bitmask`` (the "masked" path): called after the forward is dispatched, so the
+        host computes the structured-output mask [B, ceil(V/32)] while the device runs the
+        forward; it may wait for the previous step's tokens. Without it every id is allowed.
+        """
         if self._input_observer is not None:
             self._input_observer(inputs)
         fn, args, kwargs, (sampler_packed, sampler_packing) = self._calls(inputs)
         with self.placement.context():
             (logits, self.token_pages), self.cache = fn(*args, **kwargs)
-            out = self._sampler(logits, self.token_pages, sampler_packed, packing=sampler_packing,
+            bitmask = None
+            if inputs.sampler_path == MASKED_SAMPLER_PATH:
+                host_mask = (token_bitmask() if token_bitmask is not None
+                             else allocate_bitmask(inputs.batch.num_seqs, self.config.vocab_size))
+                bitmask = jax.device_put(host_mask, self.placement.replicated)
+            out = self._sampler(logits, self.token_pages, sampler_packed, bitmask, packing=sampler_packing,
                                 sampler_path=inputs.sampler_path)
         self.last_sampled = out.token_ids_padded
         return out.sampler
@@ -362,15 +379,21 @@ def _forward_step(weights, cache, token_pages, packed, last_sampled, *, config, 
     return (logits, token_pages), cache
 
 
-def _sample_step(logits, token_pages, packed, *, packing, sampler_path, num_padded):
-    """One token per row of ``logits`` on the ``sampler_path`` path; both paths return the same shapes."""
+def _sample_step(logits, token_pages, packed, token_bitmask, *, packing, sampler_path, num_padded):
+    """One token per row of ``logits`` on the ``sampler_path`` path; every path returns the same shapes.
+    ``token_bitmask``: [B, ceil(V/32)] int32 on the "masked" path, else None."""
     sampling, page_tables, kv_lens = unpack_device_arrays(packed, packing)
     flags = SAMPLER_PATHS[sampler_path]
     if flags.any_penalties:
         # The penalties' history comes from the device's token pages, not the host.
         history_ids, history_is_output = gather_history(token_pages, page_tables, kv_lens, sampling.num_prompt_tokens)
         sampling = dataclasses.replace(sampling, history_ids=history_ids, history_is_output=history_is_output)
-    out = sample(logits, sampling, flags)
+    if flags.any_bad_words:
+        # Compared with the last tokens on the device: the host may not know them yet.
+        tail = gather_output_tail(token_pages, page_tables, kv_lens, sampling.num_prompt_tokens,
+                                  sampling.bad_word_ids.shape[2] - 1)
+        sampling = dataclasses.replace(sampling, bad_word_tail=tail)
+    out = sample(logits, sampling, flags, token_bitmask)
     k = SAMPLER_PATHS["full"].num_top_logprobs
     if flags.num_top_logprobs < k:
         rows = logits.shape[0]

@@ -11,7 +11,9 @@ Order of operations (vLLM's)::
     raw logits --(logprobs / top logprobs are read here, from log_softmax of the raw logits)
       -> repetition penalty (tokens seen in prompt or output)
       -> frequency and presence penalties (output tokens only)
-      -> bans (``banned_ids`` set to -inf; the host uses them for min_tokens)
+      -> logit_bias (``jaxinfer.logit_bias``)
+      -> bans (``banned_ids`` set to -inf; the host uses them for min_tokens), bad words
+         (``jaxinfer.bad_words``), and the grammar's token bitmask (``jaxinfer.structured_output``)
       -> greedy rows (temperature < 1e-5): argmax here
       -> temperature -> top-k -> top-p (on the top-k renormalized distribution) -> min-p
       -> sample: Gumbel-max over the kept tokens
@@ -47,6 +49,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.bad_words import bad_word_bans
+from jaxinfer.logit_bias import apply_logit_bias
+from jaxinfer.structured_output.bitmask import apply_token_bitmask
+
 GREEDY_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS: below it a row is greedy
 
 
@@ -70,10 +76,16 @@ class SamplingTensors:
     # [B] i32: the engine's runner builds history_ids/history_is_output on the device from its
     # token pages (jaxinfer.token_history) and needs where each row's output starts.
     num_prompt_tokens: jax.Array = None
+    logit_bias_ids: jax.Array = None  # [B, N] i32, padded with -1 (jaxinfer.logit_bias)
+    logit_bias_values: jax.Array = None  # [B, N] f32
+    bad_word_ids: jax.Array = None  # [B, S, L] i32, right-aligned, padded with -1 (jaxinfer.bad_words)
+    bad_word_tail: jax.Array = None  # [B, L-1] i32: each row's last tokens, gathered on the device
 
     @classmethod
-    def neutral(cls, num_seqs: int, history_len: int = 0, num_banned: int = 0) -> SamplingTensors:
+    def neutral(cls, num_seqs: int, history_len: int = 0, num_banned: int = 0, num_logit_bias: int = 0,
+                bad_words_shape: tuple[int, int] = (0, 0)) -> SamplingTensors:
         """Numpy arrays for ``num_seqs`` greedy rows with every feature off, to fill on the host."""
+        num_sequences, sequence_len = bad_words_shape
         return cls(
             temperature=np.zeros(num_seqs, np.float32),
             top_k=np.zeros(num_seqs, np.int32),
@@ -88,6 +100,10 @@ class SamplingTensors:
             history_is_output=np.zeros((num_seqs, history_len), bool),
             banned_ids=np.full((num_seqs, num_banned), -1, np.int32),
             num_prompt_tokens=np.zeros(num_seqs, np.int32),
+            logit_bias_ids=np.full((num_seqs, num_logit_bias), -1, np.int32),
+            logit_bias_values=np.zeros((num_seqs, num_logit_bias), np.float32),
+            bad_word_ids=np.full((num_seqs, num_sequences, sequence_len), -1, np.int32),
+            bad_word_tail=np.full((num_seqs, max(sequence_len - 1, 0)), -2, np.int32),
         )
 
 
@@ -100,6 +116,8 @@ class SamplingFlags:
     any_random: bool = False  # some row has temperature >= 1e-5; if False every row is greedy
     any_truncation: bool = False  # some random row uses top-k, top-p or min-p
     num_top_logprobs: int = 0  # K in 0..20; the runner always compiles 20 and slices on the host
+    any_logit_bias: bool = False  # some row has logit_bias
+    any_bad_words: bool = False  # some row has bad words (bad_word_tail filled on the device)
 
 
 @jax.tree_util.register_dataclass
@@ -191,8 +209,13 @@ def _top_k_in_pieces(x: jax.Array, k: int, piece: int = 16) -> tuple[jax.Array, 
     return jnp.concatenate(values, axis=1), jnp.concatenate(ids, axis=1)
 
 
-def sample(logits: jax.Array, tensors: SamplingTensors, flags: SamplingFlags) -> SamplerOutput:
-    """Sample one token per row of ``logits`` [B, V]; see the module docstring for the order."""
+def sample(logits: jax.Array, tensors: SamplingTensors, flags: SamplingFlags,
+           token_bitmask: jax.Array | None = None) -> SamplerOutput:
+    """Sample one token per row of ``logits`` [B, V]; see the module docstring for the order.
+
+    ``token_bitmask``: [B, ceil(V/32)] int32, the ids each row may sample (structured output;
+    all ones for an unconstrained row), or None.
+    """
     raw = logits.astype(jnp.float32)  # [B, V]
     vocab_size = raw.shape[1]
     log_normalizer = jax.nn.logsumexp(raw, axis=1)  # [B]
@@ -201,8 +224,15 @@ def sample(logits: jax.Array, tensors: SamplingTensors, flags: SamplingFlags) ->
         processed = raw
         if flags.any_penalties:
             processed = apply_penalties(processed, tensors)
+        if flags.any_logit_bias:
+            processed = apply_logit_bias(processed, tensors.logit_bias_ids, tensors.logit_bias_values)
         if flags.any_banned:
             processed = jnp.where(_token_mask(tensors.banned_ids, vocab_size), -jnp.inf, processed)
+        if flags.any_bad_words:
+            processed = jnp.where(bad_word_bans(tensors.bad_word_ids, tensors.bad_word_tail, vocab_size),
+                                  -jnp.inf, processed)
+        if token_bitmask is not None:
+            processed = apply_token_bitmask(processed, token_bitmask)
 
     token_ids = jnp.argmax(processed, axis=1).astype(jnp.int32)  # greedy rows keep this
     if flags.any_random:

@@ -180,6 +180,8 @@ class SequenceSampling:
     index: int = 0  # which of the request's n samples
     # Ids the sample may not produce before min_tokens: see banned_before_min_tokens.
     banned_before_min_tokens: tuple[int, ...] = ()
+    # The token sequences of params.bad_words (jaxinfer.bad_words.bad_words_token_ids).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @functools.cached_property
     def needs_full_sampler(self) -> bool:
@@ -190,6 +192,7 @@ class SequenceSampling:
             params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
             or params.logprobs is not None
             or params.min_tokens > 0
+            or bool(params.logit_bias) or bool(self.bad_words_token_ids)
             or (params.temperature > 0 and (params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0))
         )
 
