@@ -200,6 +200,9 @@ def test_engine_refusing_a_grammar_is_a_400_naming_the_field(server, script):
      "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]}, "tools[0].function.parameters"),
     ({"functions": [{"name": "f"}]}, "functions"),
+    ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}}}], "tool_choice": "required"},
+     "tools[1].function.parameters"),
     ({"response_format": {"type": "json_object"}, "guided_json": {"type": "object"}}, "guided_json"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": "{not json"}}},
      "response_format.json_schema.schema"),

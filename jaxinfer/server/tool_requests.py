@@ -16,6 +16,9 @@ import dataclasses
 import json
 import re
 
+from jaxinfer.errors import RequestError
+from jaxinfer.sampling_params import StructuredOutputsParams
+from jaxinfer.structured_output.grammar import check_grammar
 from jaxinfer.tool_parsers import PARSERS, ToolParser, get_parser, parser_for_template, template_supports_tools
 from jaxinfer.tool_parsers.grammar import tool_call_grammar
 from jaxinfer.tool_parsers.prompt import messages_for_plain_template
@@ -43,7 +46,21 @@ class ToolRequest:
         functions = [t["function"] for t in self.tools]
         if self.choice == "function":
             functions = [f for f in functions if f["name"] == self.function_name]
+        _check_parameters(self.tools, {f["name"] for f in functions})
         return tool_call_grammar(self.parser.name, functions, self.parallel and self.choice == "required")
+
+
+def _check_parameters(tools: list[dict], names: set[str]) -> None:
+    """400 naming the tool whose parameters schema the grammar cannot enforce: the engine would
+    name only the grammar the tools became."""
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        if function["name"] in names and function.get("parameters"):
+            try:
+                check_grammar(StructuredOutputsParams(json=function["parameters"]))
+            except RequestError as e:
+                where = f"tools[{i}].function.parameters"
+                raise bad_request(str(e).replace("structured_outputs.json", where), param=where) from None
 
 
 def choose_parser(template: str | None, configured: str | None) -> ToolParser:
