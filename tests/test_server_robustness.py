@@ -36,7 +36,8 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "top_k", "min_p", "stop", "stop_token_ids", "stream", "stream_options", "logprobs", "top_logprobs",
           "echo", "seed", "ignore_eos", "min_tokens", "repetition_penalty", "presence_penalty", "tokens",
           "chat_template", "chat_template_kwargs", "response_format", "tools", "best_of", "logit_bias",
-          "add_special_tokens", "add_generation_prompt", "skip_special_tokens", "suffix"]
+          "add_special_tokens", "add_generation_prompt", "skip_special_tokens", "suffix", "tool_choice",
+          "parallel_tool_calls", "structured_outputs", "guided_json", "guided_choice", "bad_words"]
 GOOD = {"model": "tiny-llama3", "prompt": "the cat sat", "messages": [{"role": "user", "content": "hi there"}],
         "max_tokens": 3, "tokens": [1, 2, 3]}
 field_values = st.one_of(json_values, st.integers(-5, 70), st.sampled_from([None, 0, 1, -1, "", [], {}, True]),

@@ -9,6 +9,8 @@ import jsonschema
 import openai
 import pytest
 import requests
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from jaxinfer.errors import RequestError
 from jaxinfer.sampling_params import StructuredOutputsParams
@@ -114,7 +116,8 @@ def test_auto_parses_free_text_and_none_leaves_tools_out(client, server, script)
 
 
 def test_streamed_tool_calls_arrive_in_fragments(client, server, script):
-    script.reply = "Checking.\n" + WEATHER_CALL + '\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
+    time_call = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
+    script.reply = "Checking.\n" + WEATHER_CALL + "\n" + time_call
     chunks = list(client.chat.completions.create(model=server.model, messages=USER, tools=TOOLS,
                                                  tool_choice="auto", stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -190,6 +193,7 @@ def test_engine_refusing_a_grammar_is_a_400_naming_the_field(server, script):
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "get_time"}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"tools": {"type": "function"}}, "tools"),
@@ -319,3 +323,34 @@ def test_parse_logit_bias_checks_the_vocabulary():
         protocol.parse_chat(body, TOKENIZER, 4096, "m")
     parsed = protocol.parse_chat({"messages": USER, "logit_bias": {"3": -1}}, TOKENIZER, 4096, "m")
     assert parsed.params[0].logit_bias == {3: -1}
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=6),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                        max_size=3), max_leaves=6)
+functions = st.fixed_dictionaries({}, optional={"name": st.sampled_from(["f", "get_time", "a b", ""]) | json_values,
+                                               "description": json_values,
+                                               "parameters": st.sampled_from([{"type": "object"}, {}]) | json_values})
+tool_lists = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "x"])},
+                                            optional={"function": functions | json_values}), max_size=3)
+calls = st.lists(st.fixed_dictionaries({}, optional={
+    "id": json_values, "type": json_values,
+    "function": st.fixed_dictionaries({}, optional={"name": st.just("f") | json_values,
+                                                    "arguments": st.sampled_from(['{"a": 1}', "{}", "[", ""])
+                                                    | json_values})}), max_size=2)
+messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool", "system"])},
+                                          optional={"content": st.none() | st.text(max_size=8),
+                                                    "tool_calls": calls | json_values,
+                                                    "tool_call_id": json_values}), min_size=1, max_size=3)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(tools=tool_lists | json_values, choice=st.sampled_from(["auto", "required", "none"]) | json_values
+       | st.fixed_dictionaries({"type": st.just("function"), "function": json_values}),
+       messages=messages, template=st.sampled_from(["plain", "qwen"]))
+def test_fuzzed_tool_fields_are_answered_or_refused_never_a_crash(tools, choice, messages, template):
+    tokenizer = dataclasses.replace(TOKENIZER, chat_template=QWEN25_STYLE if template == "qwen" else SMOLLM2)
+    try:
+        protocol.parse_chat({"messages": messages, "tools": tools, "tool_choice": choice}, tokenizer, 8192, "m")
+    except APIError as e:
+        assert e.status == 400 and e.param, e

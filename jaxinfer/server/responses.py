@@ -232,7 +232,9 @@ class ResponseBuilder:
         there is nothing to send (the new text is held back, it may start a call)."""
         stream = self._tool_streams.setdefault(index, StreamingToolParser(self.parsed.tools.parser))
         content, deltas = stream.feed(text, is_final=finish_reason is not None)
-        message: dict = {"role": "assistant", "content": content} if first else ({"content": content} if content else {})
+        message: dict = {"content": content} if content or first else {}
+        if first:
+            message = {"role": "assistant", **message}
         if deltas:
             message["tool_calls"] = [self._tool_call_delta(index, d) for d in deltas]
         if not (message or logprobs or finish_reason):

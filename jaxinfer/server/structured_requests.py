@@ -71,7 +71,8 @@ def _response_format(fmt) -> dict:
         raise bad_request("'response_format.json_schema' must be an object with a 'schema'",
                           param="response_format.json_schema")
     if spec.get("name") is not None and not isinstance(spec["name"], str):
-        raise bad_request("'response_format.json_schema.name' must be a string", param="response_format.json_schema.name")
+        raise bad_request("'response_format.json_schema.name' must be a string",
+                          param="response_format.json_schema.name")
     schema = spec.get("schema")
     if schema is None:  # OpenAI allows a name alone: any JSON object then
         return {"json_object": True}
@@ -84,7 +85,8 @@ def _structured_outputs_field(value) -> dict:
     kwargs = {k: value[k] for k in STRUCTURED_OUTPUTS_KINDS if value.get(k) is not None}
     if "json_object" in kwargs:
         if not isinstance(kwargs["json_object"], bool):
-            raise bad_request("'structured_outputs.json_object' must be a boolean", param="structured_outputs.json_object")
+            raise bad_request("'structured_outputs.json_object' must be a boolean",
+                              param="structured_outputs.json_object")
         if not kwargs["json_object"]:
             del kwargs["json_object"]  # false: no constraint of that kind
     return kwargs

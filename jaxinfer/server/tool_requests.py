@@ -95,7 +95,8 @@ def parse_tool_request(body: dict, parser: ToolParser) -> ToolRequest | None:
         return ToolRequest(tools, choice or "auto", None, parallel, parser)
     if choice == "none":
         return None
-    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str)):
         raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or "
                           "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
@@ -126,7 +127,8 @@ def _tools(tools) -> list[dict]:
         if function.get("description") is not None and not isinstance(function["description"], str):
             raise bad_request(f"{where}.function.description must be a string", param=f"{where}.function.description")
         parameters = function.get("parameters")
-        if parameters is not None and not (isinstance(parameters, dict) and parameters.get("type", "object") == "object"):
+        is_object_schema = isinstance(parameters, dict) and parameters.get("type", "object") == "object"
+        if parameters is not None and not is_object_schema:
             raise bad_request(f"{where}.function.parameters must be a JSON schema of an object "
                               "({'type': 'object', 'properties': {...}})", param=f"{where}.function.parameters")
         kept = {k: function[k] for k in ("name", "description", "parameters") if function.get(k) is not None}

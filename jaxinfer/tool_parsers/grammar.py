@@ -28,8 +28,8 @@ def _functions(functions: list[dict], argument_key: str) -> list[str]:
     rules = []
     for i, function in enumerate(functions):
         schema = function.get("parameters") or NO_PARAMETERS
-        rules.append(f'fn_{i}: {_literal(json.dumps({"name": function["name"]})[:-1] + f", {json.dumps(argument_key)}: ")}'
-                     f' args_{i} "}}"')
+        prefix = f'{{"name": {json.dumps(function["name"])}, {json.dumps(argument_key)}: '
+        rules.append(f'fn_{i}: {_literal(prefix)} args_{i} "}}"')
         rules.append(f"args_{i}: %json {json.dumps(schema)}")
     return ["call_body: " + " | ".join(f"fn_{i}" for i in range(len(functions)))] + rules
 
