@@ -3,10 +3,12 @@ chat template knows no tools) behind the server, through the ``openai`` SDK, wit
 grammar-constrained sampler. Calls and JSON are valid by construction, whatever the model's skill."""
 
 import json
+import re
 
 import jsonschema
 import openai
 import pytest
+import requests
 
 from jaxinfer import LLM
 from jaxinfer.server.background import BackgroundServer
@@ -113,3 +115,22 @@ def test_unsupported_schema_keyword_is_a_400(client):
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
                 "type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}}})
     assert e.value.body["param"] == "structured_outputs.json"
+
+
+def test_regex_logit_bias_and_bad_words_reach_the_sampler(client, server):
+    r = client.completions.create(model="smollm2-135m-instruct", prompt="My phone number is", max_tokens=12,
+                                  temperature=1.0, seed=3, extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"})
+    assert r.choices[0].finish_reason == "stop"
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", r.choices[0].text), r.choices[0].text
+    greedy = client.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
+                                       max_tokens=4, temperature=0, logprobs=0)
+    first = greedy.choices[0].logprobs.tokens[0]
+    tokens = requests.post(server.base_url + "/tokenize", json={"prompt": first, "add_special_tokens": False},
+                           timeout=30).json()["tokens"]
+    biased = client.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is", max_tokens=4,
+                                       temperature=0, logprobs=0, logit_bias={str(tokens[0]): -100})
+    assert biased.choices[0].logprobs.tokens[0] != first
+    word = greedy.choices[0].text.split()[0]
+    banned = client.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is", max_tokens=4,
+                                       temperature=0, extra_body={"bad_words": [word]})
+    assert word not in banned.choices[0].text
