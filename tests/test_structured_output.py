@@ -173,11 +173,41 @@ def test_a_complete_grammar_ends_the_sample_even_under_ignore_eos(tiny_llm):
         assert output.outputs[0].text in ("yes", "no") and output.outputs[0].finish_reason == "stop"
 
 
-def test_unconstrained_rows_are_bit_for_bit_unaffected(tiny_llm):
+@pytest.mark.parametrize("path", ["basic", "full"])
+def test_the_sampler_leaves_all_ones_rows_bit_for_bit(path):
+    """Same logits, with and without a bitmask whose first rows allow everything: those rows'
+    tokens and logprobs are identical to the bit; the constrained row samples only allowed ids."""
+    from jaxinfer.runner import SAMPLER_PATHS
+    from jaxinfer.sampling import SamplingTensors, sample
+
+    rng = np.random.default_rng(0)
+    vocab_size, num_rows = 300, 4
+    logits = jnp.asarray(rng.standard_normal((num_rows, vocab_size)).astype(np.float32) * 3)
+    tensors = SamplingTensors.neutral(num_rows, 0, 2, 2, (2, 3))
+    tensors.temperature[:] = [0.0, 1.0, 0.8, 1.0]
+    tensors.seed[:] = [1, 2, 3, 4]
+    tensors.top_p[:] = 0.95
+    bitmask = allocate_bitmask(num_rows, vocab_size)
+    bitmask[3] = rng.integers(-2**31, 2**31, size=bitmask.shape[1], dtype=np.int64).astype(np.int32)
+    flags = SAMPLER_PATHS[path]
+    plain = sample(logits, tensors, flags)
+    masked = sample(logits, tensors, flags, jnp.asarray(bitmask))
+    for field in ("token_ids", "logprobs", "top_logprob_ids", "top_logprob_values"):
+        np.testing.assert_array_equal(np.asarray(getattr(masked, field))[:3], np.asarray(getattr(plain, field))[:3])
+    token = int(masked.token_ids[3])
+    assert (bitmask[3, token // 32] >> (token % 32)) & 1
+
+
+@pytest.mark.parametrize("extra", [{}, {"top_p": 0.9, "logprobs": 2}], ids=["basic", "full"])
+def test_unconstrained_rows_are_bit_for_bit_unaffected(tiny_llm, extra):
     """A batch mixing constrained and unconstrained requests samples the unconstrained ones
-    exactly as a batch without the constrained ones does (the "masked" sampler path vs "basic")."""
+    exactly as a batch without the constrained ones does: "basic_masked" vs "basic" sampler
+    paths, and "full_masked" vs "full" when a row needs the full sampler. (Same tokens; their
+    logprobs may differ in the last bits, as for any change of batch bucket: the forward's
+    shapes differ, which the sampler-level test above rules out as the mask's doing.)"""
     plain = [SamplingParams(temperature=t, seed=s, max_tokens=10, ignore_eos=True)
              for t, s in [(0.0, 0), (1.0, 1), (0.7, 2), (1.3, 3)]]
+    plain[1] = SamplingParams(**{**plain[1].__dict__, **extra})
     prompts = [[11 + i, 23, 5 * i + 1] for i in range(len(plain))]
     alone = tiny_llm.generate(prompts, plain, use_tqdm=False)
     mixed_prompts = prompts + [[4, 4], [6, 6, 6]]
@@ -188,12 +218,12 @@ def test_unconstrained_rows_are_bit_for_bit_unaffected(tiny_llm):
 
 
 def test_json_schemas_validate_on_the_default_model(default_llm):
-    """Three samples of each schema, in one batch: each parses and validates (or was cut by max_tokens)."""
+    """Two samples of each schema, in one batch: each parses and validates (or was cut by max_tokens)."""
     prompts, params = [], []
     for index, schema in enumerate(SCHEMAS):
-        for sample in range(3):
+        for sample in range(2):
             prompts.append(f"Reply with a JSON object following this schema: {json.dumps(schema)}\n")
-            params.append(SamplingParams(temperature=1.0, max_tokens=100, seed=10 * index + sample,
+            params.append(SamplingParams(temperature=1.0, max_tokens=80, seed=10 * index + sample,
                                          structured_outputs=StructuredOutputsParams(json=schema)))
     outputs = default_llm.generate(prompts, params, use_tqdm=False)
     validated = 0
@@ -202,7 +232,7 @@ def test_json_schemas_validate_on_the_default_model(default_llm):
             continue  # a long string cut by max_tokens: partial by design
         jsonschema.validate(json.loads(output.outputs[0].text), param.structured_outputs.json)
         validated += 1
-    assert validated >= 6, [o.outputs[0].text for o in outputs]
+    assert validated >= 4, [o.outputs[0].text for o in outputs]
     assert default_llm.engine.stats()["num_compilations_after_warmup"] == 0
 
 
