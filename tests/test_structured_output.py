@@ -255,3 +255,23 @@ def test_two_hundred_schema_samples_all_validate(default_llm):
             jsonschema.validate(json.loads(output.outputs[0].text), schema)
             samples += 1
     assert samples >= 200
+
+
+def test_padded_vocabulary_ids_are_never_allowed(tiny):
+    """A model vocabulary larger than the tokenizer's (padded rows): no grammar allows those ids,
+    even one that allows any text, and unconstrained rows of the same step allow everything."""
+    from jaxinfer.sequence import Sequence
+    from jaxinfer.structured_output import GrammarMatchers
+
+    model_vocab = 1000  # the tiny tokenizer has 512 ids
+    compiler = GrammarCompiler(lambda: guidance_tokenizer(tiny.tokenizer, model_vocab, [511]))
+    matchers = GrammarMatchers(tiny.tokenizer.vocab_size, model_vocab, [511])
+    constrained_seq, free_seq = Sequence(0, "a", [1]), Sequence(1, "b", [1])
+    matchers.add(constrained_seq, compiler.submit(StructuredOutputsParams(regex=r"(.|\n)*")))
+    compiler_done = matchers._waiting[0][1].result(timeout=30)
+    assert compiler_done is not None and [s.seq_id for s, e in matchers.take_ready()] == [0]
+    bitmask = matchers.fill_bitmask([(constrained_seq, 2), (free_seq, 0)], 3)
+    allowed = np.asarray(apply_token_bitmask(jnp.zeros((3, model_vocab)), jnp.asarray(bitmask))) == 0
+    assert allowed[0].all() and allowed[1].all()  # rows without a grammar
+    assert not allowed[2, 512:].any() and allowed[2, :512].sum() > 400
+    compiler.shutdown()
