@@ -41,7 +41,7 @@ from jaxinfer.output_processor import OutputProcessor, RequestState, fetch_sampl
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.page_allocator import PageAllocator
 from jaxinfer.prompt_logprobs import PromptLogprobs, PromptScorer
-from jaxinfer.runner import ModelRunner, enable_persistent_compilation_cache
+from jaxinfer.runner import MASKED_SAMPLER_PATHS, ModelRunner, enable_persistent_compilation_cache
 from jaxinfer.sampling import SamplerOutput
 from jaxinfer.sampling_params import SamplingParams, SequenceSampling, banned_before_min_tokens
 from jaxinfer.scheduler import Schedule, Scheduler, SchedulerConfig
@@ -298,7 +298,7 @@ class Engine:
             self.scheduler.finish(seq, reason)
 
     def _grammar_bitmask(self, packed: PackedStep, in_flight: LaunchedStep | None):
-        """The runner's callback for a "masked" step: runs once the forward is dispatched."""
+        """The runner's callback for a step on a "_masked" sampler path: runs once the forward is dispatched."""
 
         def fill() -> np.ndarray:
             if in_flight is not None and self._grammar_advanced is not in_flight:
@@ -325,7 +325,8 @@ class Engine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         dispatch_start = time.monotonic()
-        token_bitmask = self._grammar_bitmask(packed, in_flight) if packed.inputs.sampler_path == "masked" else None
+        is_masked = packed.inputs.sampler_path in MASKED_SAMPLER_PATHS
+        token_bitmask = self._grammar_bitmask(packed, in_flight) if is_masked else None
         sampler_output = self.runner.execute(packed.inputs, token_bitmask)
         self.dispatch_seconds += time.monotonic() - dispatch_start
         self.num_tokens_computed += schedule.num_batched_tokens

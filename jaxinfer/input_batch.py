@@ -41,8 +41,8 @@ class StepInputs:
     batch: StepBatch
     sampling: SamplingTensors
     prev_rows: np.ndarray  # [T] int32: row of the previous step's sampled tokens to use, or -1
-    # "basic", "full" or "masked" (full + a structured-output token bitmask): which sampler
-    # program runs (runner.SAMPLER_PATHS)
+    # "basic" or "full", "_masked" when it takes a structured-output token bitmask: which
+    # sampler program runs (runner.SAMPLER_PATHS)
     sampler_path: str
 
 
@@ -57,7 +57,7 @@ class PackedStep:
     @property
     def wants_logprobs(self) -> bool:
         """Whether a sampled row asked for logprobs (only the "full" path computes them)."""
-        return self.inputs.sampler_path != "basic" and any(
+        return is_full_path(self.inputs.sampler_path) and any(
             seq.sampling.params.logprobs is not None for seq, _ in self.sampled
         )
 
@@ -74,10 +74,9 @@ def pack_step(schedule: Schedule, buckets, previous: PackedStep | None, vocab_si
     max_pages = max(len(item.seq.page_table) for item in items)
     t_bucket, b_bucket, p_bucket = buckets.pick(num_tokens, len(items), max_pages)
     is_full = any(item.seq.sampling.needs_full_sampler for item in items)
-    # A constrained row needs the grammar's bitmask, which only the "masked" path takes.
+    # A constrained row needs the grammar's bitmask, which only the "_masked" paths take.
     is_masked = any(item.seq.sampling.params.structured_outputs is not None for item in items)
-    sampler_path = "masked" if is_masked else "full" if is_full else "basic"
-    is_full = sampler_path != "basic"
+    sampler_path = ("full" if is_full else "basic") + ("_masked" if is_masked else "")
     sampling = neutral_sampling(b_bucket, sampler_path)
     # A placeholder input is read on the device from the previous step's sample (prev_rows).
     prev_rows = np.full(t_bucket, -1, np.int32)
@@ -132,11 +131,16 @@ def empty_step_inputs(num_tokens: int, num_seqs: int, pages_per_seq: int, sample
     return StepInputs(batch, sampling, np.full(num_tokens, -1, np.int32), sampler_path)
 
 
+def is_full_path(sampler_path: str) -> bool:
+    """Whether ``sampler_path`` is "full" or its masked twin."""
+    return sampler_path.startswith("full")
+
+
 def neutral_sampling(num_seqs: int, sampler_path: str) -> SamplingTensors:
     """The neutral sampling rows of a step on ``sampler_path``: logit bias and bad-word lists have
-    their fixed widths on the full paths and none on "basic", whose program never reads them.
-    No history: the device gathers it (jaxinfer.token_history)."""
-    if sampler_path == "basic":
+    their fixed widths on the full paths and none on the basic ones, whose programs never read
+    them. No history: the device gathers it (jaxinfer.token_history)."""
+    if not is_full_path(sampler_path):
         return SamplingTensors.neutral(num_seqs, 0, MAX_BANNED)
     return SamplingTensors.neutral(num_seqs, 0, MAX_BANNED, MAX_LOGIT_BIAS_IDS,
                                    (MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS))

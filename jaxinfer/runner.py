@@ -47,15 +47,16 @@ from sharding.placement import StepPlacement
 
 logger = logging.getLogger(__name__)
 
-# Three sampler paths, each its own small program per sequence bucket, chosen by the host per
-# step: "basic" serves greedy and plain temperature sampling; "full" adds penalties, bans
-# (min_tokens), logit_bias, bad words, top-k/top-p/min-p and 20 top logprobs; "masked" is
-# "full" plus a structured-output token bitmask, an extra input filled on the host while the
-# forward runs (docs/STRUCTURED_OUTPUT.md says why it is its own program).
+# Sampler paths, each its own small program per sequence bucket, chosen by the host per step:
+# "basic" serves greedy and plain temperature sampling; "full" adds penalties, bans
+# (min_tokens), logit_bias, bad words, top-k/top-p/min-p and 20 top logprobs. Each has a
+# "_masked" twin taking a structured-output token bitmask, an extra input filled on the host
+# while the forward runs (docs/STRUCTURED_OUTPUT.md: why twins rather than a mask always there).
+_BASIC_FLAGS = SamplingFlags(any_random=True)
 _FULL_FLAGS = SamplingFlags(any_penalties=True, any_banned=True, any_random=True, any_truncation=True,
                             num_top_logprobs=MAX_TOP_LOGPROBS, any_logit_bias=True, any_bad_words=True)
-SAMPLER_PATHS = {"basic": SamplingFlags(any_random=True), "full": _FULL_FLAGS, "masked": _FULL_FLAGS}
-MASKED_SAMPLER_PATH = "masked"
+SAMPLER_PATHS = {"basic": _BASIC_FLAGS, "full": _FULL_FLAGS, "basic_masked": _BASIC_FLAGS, "full_masked": _FULL_FLAGS}
+MASKED_SAMPLER_PATHS = frozenset({"basic_masked", "full_masked"})
 
 
 def enable_persistent_compilation_cache() -> None:
@@ -232,7 +233,7 @@ class ModelRunner:
         packed, packing = pack_host_arrays(_sampler_tree(inputs))
         packed = jax.device_put(packed, self.placement.replicated)
         bitmask = None
-        if inputs.sampler_path == MASKED_SAMPLER_PATH:
+        if inputs.sampler_path in MASKED_SAMPLER_PATHS:
             bitmask = jax.ShapeDtypeStruct((inputs.batch.num_seqs, bitmask_width(self.config.vocab_size)), jnp.int32,
                                            sharding=self.placement.replicated)
         return (logits, self.token_pages, packed, bitmask), {"packing": packing, "sampler_path": inputs.sampler_path}
@@ -283,7 +284,7 @@ class ModelRunner:
     def execute(self, inputs: StepInputs, token_bitmask: Callable[[], np.ndarray] | None = None) -> SamplerOutput:
         """Dispatch one step (asynchronously: nothing here waits for the device); returns the sampler output.
 
-        ``token_bitmask`` (the "masked" path): called after the forward is dispatched, so the
+        ``token_bitmask`` (a "_masked" path): called after the forward is dispatched, so the
         host computes the structured-output mask [B, ceil(V/32)] while the device runs the
         forward; it may wait for the previous step's tokens. Without it every id is allowed.
         """
@@ -293,7 +294,7 @@ class ModelRunner:
         with self.placement.context():
             (logits, self.token_pages), self.cache = fn(*args, **kwargs)
             bitmask = None
-            if inputs.sampler_path == MASKED_SAMPLER_PATH:
+            if inputs.sampler_path in MASKED_SAMPLER_PATHS:
                 host_mask = (token_bitmask() if token_bitmask is not None
                              else allocate_bitmask(inputs.batch.num_seqs, self.config.vocab_size))
                 bitmask = jax.device_put(host_mask, self.placement.replicated)
@@ -381,7 +382,7 @@ def _forward_step(weights, cache, token_pages, packed, last_sampled, *, config, 
 
 def _sample_step(logits, token_pages, packed, token_bitmask, *, packing, sampler_path, num_padded):
     """One token per row of ``logits`` on the ``sampler_path`` path; every path returns the same shapes.
-    ``token_bitmask``: [B, ceil(V/32)] int32 on the "masked" path, else None."""
+    ``token_bitmask``: [B, ceil(V/32)] int32 on a "_masked" path, else None."""
     sampling, page_tables, kv_lens = unpack_device_arrays(packed, packing)
     flags = SAMPLER_PATHS[sampler_path]
     if flags.any_penalties:

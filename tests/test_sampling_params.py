@@ -58,6 +58,7 @@ def test_the_edges_of_each_range_are_accepted():
         (dict(temperature=0, frequency_penalty=-0.1), True),
         (dict(temperature=0, logprobs=0), True),
         (dict(temperature=0, min_tokens=1), True),
+        (dict(temperature=0, logit_bias={5: 1.0}), True),
     ],
 )
 def test_the_basic_sampler_path_serves_greedy_and_plain_temperature_only(kwargs, needs_full):
