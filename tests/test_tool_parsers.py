@@ -149,17 +149,34 @@ FUNCTIONS = [{"name": "get_weather", "parameters": {"type": "object", "propertie
     ("mistral", False, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "X", "unit": "celsius"}}]', True),
 ])
 def test_tool_call_grammar_accepts_exactly_the_calls(name, parallel, text, accepted):
+    matcher, tokenizer = matcher_for(tool_call_grammar(name, FUNCTIONS, parallel))
+    consumed = matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False))
+    assert (consumed and not matcher.is_error() and matcher.is_accepting()) == accepted
+    if accepted:  # and what the grammar produces, the format's parser reads back
+        _, calls = get_parser(name).parse(text)
+        assert calls and all(c.name in {"get_weather", "now"} for c in calls)
+
+
+def test_mistral_grammar_writes_the_marker_as_its_special_token():
+    # The tiny tokenizer has no [TOOL_CALLS]: another special token of it stands in for the marker.
+    _, tokenizer = matcher_for('start: "x"')
+    marker = tokenizer.token_to_id("<|start_header_id|>")
+    grammar = tool_call_grammar("mistral", FUNCTIONS, False, marker_token_id=marker)
+    body = tokenizer.encode('[{"name": "now", "arguments": {}}]', add_special_tokens=False)
+    matcher, _ = matcher_for(grammar)
+    assert matcher.consume_tokens([marker] + body) and matcher.is_accepting()
+    matcher, _ = matcher_for(grammar)  # the marker spelled as text is not it
+    assert not matcher.consume_tokens(tokenizer.encode("[TOOL_CALLS]", add_special_tokens=False)[:1])
+
+
+def matcher_for(lark: str):
+    """An llguidance matcher of ``lark`` over the tiny test tokenizer, and that tokenizer."""
     llguidance = pytest.importorskip("llguidance")
     from tests.fake_engine import load_tiny_tokenizer
 
     tokenizer, _ = load_tiny_tokenizer()
     lltok = llguidance.LLTokenizer(tokenizer.tokenizer.to_str(), n_vocab=tokenizer.vocab_size,
                                    eos_token=tokenizer.eos_token_ids[0])
-    grammar = llguidance.grammar_from("lark", tool_call_grammar(name, FUNCTIONS, parallel))
+    grammar = llguidance.grammar_from("lark", lark)
     assert llguidance.LLMatcher.validate_grammar(grammar) == ""
-    matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
-    consumed = matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False))
-    assert (consumed and not matcher.is_error() and matcher.is_accepting()) == accepted
-    if accepted:  # and what the grammar produces, the format's parser reads back
-        _, calls = get_parser(name).parse(text)
-        assert calls and all(c.name in {"get_weather", "now"} for c in calls)
+    return llguidance.LLMatcher(lltok, grammar, log_level=0), tokenizer

@@ -407,7 +407,9 @@ def parse_chat(body: dict, tokenizer, max_model_len: int, served_model_name: str
     if body.get("chat_template") is not None or (isinstance(kwargs, dict) and "chat_template" in kwargs):
         raise bad_request("request-supplied chat templates are not accepted; the model's own template is used",
                           param="chat_template")
-    tool_request = parse_tool_request(body, choose_parser(tokenizer.chat_template, tool_call_parser))
+    parser = choose_parser(tokenizer.chat_template, tool_call_parser)
+    marker_id = tokenizer.token_to_id(parser.marker_token) if parser.marker_token else None
+    tool_request = parse_tool_request(body, parser, marker_id)
     stream = field(body, "stream", "bool", False)
     include_usage = _stream_options(body, stream)
     want_logprobs = field(body, "logprobs", "bool", False)

@@ -37,6 +37,7 @@ class ToolRequest:
     function_name: str | None  # the function that tool_choice names
     parallel: bool  # parallel_tool_calls: more than one call allowed
     parser: ToolParser
+    marker_token_id: int | None = None  # the parser's marker as one token of this tokenizer, if it is
 
     def grammar(self) -> str | None:
         """The grammar that enforces the choice: None for "auto"; one call of the named function;
@@ -47,7 +48,8 @@ class ToolRequest:
         if self.choice == "function":
             functions = [f for f in functions if f["name"] == self.function_name]
         _check_parameters(self.tools, {f["name"] for f in functions})
-        return tool_call_grammar(self.parser.name, functions, self.parallel and self.choice == "required")
+        return tool_call_grammar(self.parser.name, functions, self.parallel and self.choice == "required",
+                                 self.marker_token_id)
 
 
 def _check_parameters(tools: list[dict], names: set[str]) -> None:
@@ -71,7 +73,7 @@ def choose_parser(template: str | None, configured: str | None) -> ToolParser:
     return get_parser(configured) if configured else parser_for_template(template)
 
 
-def parse_tool_request(body: dict, parser: ToolParser) -> ToolRequest | None:
+def parse_tool_request(body: dict, parser: ToolParser, marker_token_id: int | None = None) -> ToolRequest | None:
     """The request's tools and choice; None when it offers none or chose "none"."""
     if body.get("functions") is not None or body.get("function_call") is not None:
         raise bad_request("'functions' and 'function_call' are deprecated; use 'tools' and 'tool_choice'",
@@ -92,7 +94,7 @@ def parse_tool_request(body: dict, parser: ToolParser) -> ToolRequest | None:
     tools = _tools(tools)
     names = [t["function"]["name"] for t in tools]
     if choice is None or choice in ("auto", "required"):
-        return ToolRequest(tools, choice or "auto", None, parallel, parser)
+        return ToolRequest(tools, choice or "auto", None, parallel, parser, marker_token_id)
     if choice == "none":
         return None
     function = choice.get("function") if isinstance(choice, dict) else None
@@ -103,7 +105,7 @@ def parse_tool_request(body: dict, parser: ToolParser) -> ToolRequest | None:
     if name not in names:
         raise bad_request(f"'tool_choice' names the function {name!r}, which is not in 'tools' ({names})"[:300],
                           param="tool_choice")
-    return ToolRequest(tools, "function", name, parallel, parser)
+    return ToolRequest(tools, "function", name, parallel, parser, marker_token_id)
 
 
 def _tools(tools) -> list[dict]:

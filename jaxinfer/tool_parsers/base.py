@@ -85,8 +85,13 @@ class ToolParser:
     name: ClassVar[str]
     # Strings whose presence in a chat template's source says the model writes this format.
     template_markers: ClassVar[tuple[str, ...]]
-    # The format's marker is a special token, which the detokenizer must keep in the text.
-    needs_special_tokens: ClassVar[bool] = False
+    # The format's marker when it is one special token, which the detokenizer must then keep in
+    # the text and a grammar can name by id.
+    marker_token: ClassVar[str | None] = None
+
+    @property
+    def needs_special_tokens(self) -> bool:
+        return self.marker_token is not None
 
     def scan(self, text: str, is_final: bool) -> Scan:
         raise NotImplementedError

@@ -47,19 +47,26 @@ def llama3_json_grammar(functions: list[dict], parallel: bool) -> str:
     return "\n".join([start, *_functions(functions, "parameters")]) + "\n"
 
 
-def mistral_grammar(functions: list[dict], parallel: bool) -> str:
-    """``[TOOL_CALLS][{"name": ..., "arguments": ...}, ...]`` (the marker spelled as text)."""
+def mistral_grammar(functions: list[dict], parallel: bool, marker_token_id: int | None = None) -> str:
+    """``[TOOL_CALLS][{"name": ..., "arguments": ...}, ...]``. The marker is the tokenizer's own
+    special token when it has one (``marker_token_id``: llguidance's ``<[id]>``), as the model was
+    trained to write it; else it is spelled as text."""
     items = 'call_body (", " call_body)*' if parallel else "call_body"
-    start = f'start: {_literal(MARKER + "[")} {items} "]"'
+    marker = _literal(MARKER) if marker_token_id is None else f"<[{marker_token_id}]>"
+    start = f'start: {marker} "[" {items} "]"'
     return "\n".join([start, *_functions(functions, "arguments")]) + "\n"
 
 
 GRAMMARS = {"hermes": hermes_grammar, "llama3_json": llama3_json_grammar, "mistral": mistral_grammar}
 
 
-def tool_call_grammar(parser_name: str, functions: list[dict], parallel: bool) -> str:
+def tool_call_grammar(parser_name: str, functions: list[dict], parallel: bool,
+                      marker_token_id: int | None = None) -> str:
     """The grammar of calls to ``functions`` (OpenAI ``function`` objects: ``name``, ``parameters``)
-    in the format ``parser_name`` reads."""
+    in the format ``parser_name`` reads; ``marker_token_id``: the id of the format's marker when it
+    is one special token (Mistral's ``[TOOL_CALLS]``)."""
     if not functions:
         raise ValueError("a tool-call grammar needs at least one function")
+    if parser_name == "mistral":
+        return mistral_grammar(functions, parallel, marker_token_id)
     return GRAMMARS[parser_name](functions, parallel)

@@ -15,7 +15,7 @@ MARKER = "[TOOL_CALLS]"
 class MistralParser(ToolParser):
     name = "mistral"
     template_markers = (MARKER,)
-    needs_special_tokens = True
+    marker_token = MARKER
 
     def scan(self, text: str, is_final: bool) -> Scan:
         first = text.find(MARKER)
