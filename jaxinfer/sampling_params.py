@@ -46,7 +46,8 @@ class StructuredOutputsParams:
     json_object: bool = False
 
     def __post_init__(self) -> None:
-        if self.choice is not None:
+        # A bare string is not a list of choices (tuple("yes") would be its letters).
+        if self.choice is not None and not isinstance(self.choice, str):
             object.__setattr__(self, "choice", tuple(self.choice))
         kinds = self.kinds()
         if len(kinds) != 1:
@@ -60,7 +61,7 @@ class StructuredOutputsParams:
             raise RequestError(f"{field} must be a non-empty string", field=field)
         if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar.strip()):
             raise RequestError(f"{field} must be a non-empty grammar", field=field)
-        if self.choice is not None and not (self.choice and all(isinstance(c, str) and c for c in self.choice)):
+        if self.choice is not None and not (isinstance(self.choice, tuple) and self.choice and all(isinstance(c, str) and c for c in self.choice)):
             raise RequestError(f"{field} must be a non-empty list of non-empty strings", field=field)
 
     def kinds(self) -> list[str]:

@@ -78,7 +78,7 @@ def test_structured_outputs_params_need_exactly_one_constraint():
 
     assert StructuredOutputsParams(choice=["yes", "no"]).choice == ("yes", "no")
     assert StructuredOutputsParams(json_object=True).kinds() == ["json_object"]
-    for bad in ({}, {"regex": "a+", "choice": ["a"]}, {"choice": []}, {"regex": ""}, {"json": 3}):
+    for bad in ({}, {"regex": "a+", "choice": ["a"]}, {"choice": []}, {"choice": "yes"}, {"regex": ""}, {"json": 3}):
         with pytest.raises(RequestError, match="structured_outputs"):
             StructuredOutputsParams(**bad)
 
