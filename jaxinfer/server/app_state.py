@@ -31,6 +31,9 @@ class AppState:
     started: int  # Unix time the app was made: the model card's "created"
     batch_store: BatchStore | None = None  # None: no /v1/files or /v1/batches
     max_file_bytes: int = 0  # upload limit of POST /v1/files
+    # How long a batch's "24h" completion window really lasts; None: 24 h. Shorter only for tests
+    # and debugging (--batch-window-s): clients still send "24h", as OpenAI's API requires.
+    batch_window_s: float | None = None
 
 
 def app_state() -> AppState:

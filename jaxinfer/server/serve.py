@@ -68,6 +68,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       help="seconds a dead server's batch work stays claimed before another server (or its restart) takes it")
     a("--max-file-bytes", type=int, default=DEFAULT_MAX_FILE_BYTES,
       help="upload size limit of POST /v1/files (413 past it)")
+    a("--batch-window-s", type=float, default=None,
+      help="testing/debugging: how many seconds a batch's \"24h\" completion window lasts before it expires")
 
 
 def default_served_name(model: str) -> str:
@@ -132,7 +134,7 @@ def run_server(args: argparse.Namespace, engine_factory=build_engine) -> int:
         served_model_name=served, host=args.host, port=args.port, api_key=args.api_key, admission=admission,
         threads=threads, max_body_bytes=args.max_body_bytes, tracer_provider=tracer_provider,
         max_model_len=args.max_model_len or 131072,
-        batch_store=batch_store, max_file_bytes=args.max_file_bytes,
+        batch_store=batch_store, max_file_bytes=args.max_file_bytes, batch_window_s=args.batch_window_s,
     )
     loop, server = http.loop, http.server
     logger.info("listening (loading the model)", extra={"host": args.host, "port": server.effective_port,
