@@ -9,6 +9,8 @@ on every interface, at fixed numbers.
 """
 
 import functools
+import io
+import json
 import os
 import pickle
 import socket
@@ -77,8 +79,9 @@ def base_url():
 
 
 def deploy(build_engine, **config) -> None:
+    """Deploys the application; without the Batch API unless ``batch_store`` is given (one replica fewer)."""
     config = RayServeConfig(MODEL, **{"max_num_seqs": 8, "num_cpus_per_replica": 0, "ingress_num_cpus": 0,
-                                      "ingress_threads": 64, **config})
+                                      "batch_num_cpus": 0, "ingress_threads": 64, "batch_store": None, **config})
     serve.run(build_application(build_engine, config), name=APP, route_prefix="/")
 
 
@@ -196,6 +199,126 @@ def test_routes_stream_shed_load_and_abort_on_disconnect(base_url, app_cleanup):
                       json={"model": MODEL, "prompt": "the cat sat", "max_tokens": 400})
     whole_seconds = wait_for(lambda: all(s.get("num_running", 0) == 0 for s in engine_stats()), 8, "the abort")
     print(f"\ndisconnect -> engine request gone in {seconds:.2f} s (streamed), {whole_seconds:.2f} s (whole)")
+
+
+@pytest.mark.timeout(240)
+def test_serves_queue_full_is_a_503_with_retry_after(base_url, app_cleanup):
+    """Past the replica's max_ongoing_requests (1 running + 1 waiting) Serve queues one call
+    (max_queued_requests=1); the next is refused by Serve itself (BackPressureError), and leaves
+    as the routes' 503 queue_full with Retry-After, not a 500."""
+    deploy(functools.partial(FakeEngine, max_num_seqs=1, step_delay=0.05, max_model_len=1024), max_num_seqs=1,
+           admission=AdmissionConfig(max_waiting_requests=1, retry_after_s=4), max_queued_requests=1)
+    streams = []
+
+    def start_stream():
+        r = requests.post(base_url + "/v1/completions", stream=True, timeout=60,
+                          json={"model": MODEL, "prompt": "the cat sat", "max_tokens": 400, "stream": True})
+        streams.append(r)
+
+    try:
+        start_stream()  # runs
+        queued = [threading.Thread(target=start_stream) for _ in range(2)]  # waits in the replica, then in Serve
+        queued[0].start()
+        wait_for(lambda: sum(s.get("server_num_requests_waiting", 0) for s in engine_stats()) == 1, 20,
+                 "a waiting request")
+        queued[1].start()
+        time.sleep(2)  # the third call is in Serve's handle queue now (it cannot be seen from here)
+        shed = requests.post(base_url + "/v1/completions", timeout=30,
+                             json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert shed.status_code == 503, shed.text
+        assert shed.headers["Retry-After"] == "4" and shed.json()["error"]["code"] == "queue_full"
+        assert "Serve's queue is full" in shed.json()["error"]["message"]  # Serve's refusal, not the replica's
+        metrics = requests.get(base_url + "/metrics", timeout=30).text
+        assert 'jaxinfer:request_rejected_total{model_name="tiny",reason="queue_full"} 1.0' in metrics
+    finally:
+        for r in streams:
+            r.close()
+        for t in queued:
+            t.join(timeout=30)
+        for r in streams:
+            r.close()
+
+
+def merged_value(text: str, name: str, **labels) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and labels.items() <= sample.labels.items())
+
+
+@pytest.mark.timeout(300)
+def test_batch_api_and_metrics_through_the_ray_ingress(base_url, app_cleanup, tmp_path):
+    """The Batch API round trip through the openai SDK against the Ray ingress (one batch-runner
+    replica owning the SQLite file; lines run on the engine replicas), and /metrics: the engine
+    replicas' metrics merged, every name deploy/ uses exported."""
+    import openai
+
+    from jaxinfer.ray_serve.config import BatchStoreOptions
+    from jaxinfer.server.batch_runner import BatchRunnerConfig
+    from tests.deploy_metrics import exported_metric_names, metric_names_used_in_deploy
+
+    deploy(functools.partial(FakeEngine, max_num_seqs=4, max_model_len=256), max_num_seqs=4, min_replicas=2,
+           max_replicas=2, batch_store=BatchStoreOptions(db_path=str(tmp_path / "batches.db")),
+           batch_runner=BatchRunnerConfig(poll_s=0.01, housekeeping_s=0.1), max_file_bytes=1 << 20)
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    bodies = {f"l{i}": {"model": MODEL, "prompt": f"the cat sat {i}", "max_tokens": 3} for i in range(6)}
+    lines = [{"custom_id": cid, "method": "POST", "url": "/v1/completions", "body": body} for cid, body in bodies.items()]
+    content = "".join(json.dumps(line) + "\n" for line in lines) + "not json\n"
+    uploaded = client.files.create(file=("input.jsonl", io.BytesIO(content.encode())), purpose="batch")
+    assert client.files.content(uploaded.id).content == content.encode()
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    assert batch.status == "validating" and batch.request_counts.total == 7 and batch.request_counts.failed == 1
+    wait_for(lambda: client.batches.retrieve(batch.id).status == "completed", 60, "the batch")
+    batch = client.batches.retrieve(batch.id)
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (6, 1)
+    assert [b.id for b in client.batches.list(limit=5)] == [batch.id]
+    out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(o["custom_id"] for o in out) == sorted(bodies)
+    for o in out:  # each line answered as its endpoint answers over HTTP
+        direct = requests.post(base_url + "/v1/completions", json=bodies[o["custom_id"]], timeout=30).json()
+        assert o["response"]["body"]["choices"] == direct["choices"] and o["response"]["body"]["usage"] == direct["usage"]
+    [error] = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
+    assert error["error"]["code"] == "invalid_json_line"
+
+    text = requests.get(base_url + "/metrics", timeout=30).text
+    assert metric_names_used_in_deploy() - exported_metric_names(text) == set()
+    # 6 batch lines and 6 direct requests ran on the two engine replicas: their counters add up here.
+    assert merged_value(text, "jaxinfer:request_success_total") == 12
+    assert merged_value(text, "jaxinfer:time_to_first_token_seconds_count") == 12
+    assert merged_value(text, "jaxinfer:batch_lines_completed_total") == 6
+    assert merged_value(text, "jaxinfer:batch_lines_failed_total") == 1
+    assert merged_value(text, "jaxinfer:kv_cache_usage_perc") == 0 and merged_value(text, "jaxinfer:server_healthy") == 1
+    assert text.count("# TYPE jaxinfer:num_requests_waiting gauge") == 1
+
+
+def test_merged_metrics_sum_counters_average_kv_and_keep_devices_per_replica():
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    from jaxinfer.ray_serve.metrics import merge_families
+
+    def replica(hits: float, kv: float, waiting: float, gpu_util: float) -> list:
+        counter = CounterMetricFamily("jaxinfer:prefix_cache_hits", "hits", labels=["model_name"])
+        counter.add_metric(["m"], hits)
+        families = [counter]
+        for name, value in (("kv_cache_usage_perc", kv), ("num_requests_waiting", waiting), ("server_healthy", 1)):
+            gauge = GaugeMetricFamily("jaxinfer:" + name, name, labels=["model_name"])
+            gauge.add_metric(["m"], value)
+            families.append(gauge)
+        gpu = GaugeMetricFamily("jaxinfer:gpu_utilization_perc", "gpu", labels=["gpu"])
+        gpu.add_metric(["0"], gpu_util)
+        return families + [gpu]
+
+    ingress = replica(0, 0, 0, 0.99)  # the ingress runs no engine: its device and KV samples are not the engines'
+    ingress[3].samples[0] = ingress[3].samples[0]._replace(value=0)  # and says whether it is healthy
+    merged = {f.name: f for f in merge_families(ingress, {"a": replica(5, 0.2, 1, 0.5), "b": replica(7, 0.6, 2, 0.7)},
+                                                [])}
+    value = {name: [(s.labels, s.value) for s in f.samples] for name, f in merged.items()}
+    assert value["jaxinfer:prefix_cache_hits"] == [({"model_name": "m"}, 12)]
+    assert value["jaxinfer:num_requests_waiting"] == [({"model_name": "m"}, 3)]
+    assert value["jaxinfer:kv_cache_usage_perc"] == [({"model_name": "m"}, pytest.approx(0.4))]
+    assert value["jaxinfer:server_healthy"] == [({"model_name": "m"}, 0)]
+    assert value["jaxinfer:gpu_utilization_perc"] == [({"gpu": "0", "replica": "a"}, 0.5),
+                                                      ({"gpu": "0", "replica": "b"}, 0.7)]
 
 
 def completion(base_url: str, prompt, max_tokens: int) -> tuple[int, dict]:

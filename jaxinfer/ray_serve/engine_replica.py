@@ -12,6 +12,9 @@ compiles it, and serves the ingress's :class:`~jaxinfer.ray_serve.remote_client.
 - ``record_autoscaling_stats`` is Ray Serve's custom-metrics hook: the queue and the KV cache
   usage that :class:`~jaxinfer.ray_serve.autoscaling.QueueAutoscalingPolicy` scales on.
 - ``check_health`` fails once the engine died, so Serve replaces the replica.
+- ``metric_families`` returns the replica's engine metrics (a ``ServerMetrics`` fed by its loop,
+  the same families ``server.py`` exports), which the ingress's ``/metrics`` merges
+  (:mod:`jaxinfer.ray_serve.metrics`).
 """
 
 from __future__ import annotations
@@ -21,12 +24,16 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+from ray import serve
+
 from jaxinfer.engine_client import EngineRequest, OutputStream, ServiceUnavailable
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.ray_serve import wire
 from jaxinfer.ray_serve.autoscaling import KV_CACHE_USAGE, NUM_REQUESTS_WAITING
 from jaxinfer.server.admission import AdmissionConfig
+from jaxinfer.server.device_metrics import DeviceCollector
 from jaxinfer.server.engine_loop import EngineLoop
+from jaxinfer.server.metrics import ServerMetrics
 
 logger = logging.getLogger("jaxinfer.ray_serve")
 
@@ -34,10 +41,16 @@ POLL_S = 0.2  # how long a stream reader waits before checking whether its call 
 
 
 class EngineReplica:
-    def __init__(self, build_engine: Callable[[], object], admission: AdmissionConfig, max_streams: int):
+    def __init__(self, build_engine: Callable[[], object], admission: AdmissionConfig, max_streams: int,
+                 served_model_name: str):
         """``max_streams``: the deployment's ``max_ongoing_requests``, the most calls streaming at once."""
-        self.loop = EngineLoop(admission)
-        self.loop.start(build_engine(), warmup=True)
+        engine = build_engine()
+        # The engine's metrics, as server.py keeps them; the ingress's /metrics merges every replica's.
+        self.metrics = ServerMetrics(served_model_name, engine.max_model_len)
+        self.metrics.registry.register(DeviceCollector())
+        self.loop = EngineLoop(admission, self.metrics)
+        self.loop.start(engine, warmup=True)
+        self._replica_id = serve.get_replica_context().replica_tag
         self._stream_readers = ThreadPoolExecutor(max_streams, thread_name_prefix="engine-stream")
 
     def describe(self) -> dict:
@@ -57,6 +70,12 @@ class EngineReplica:
 
     def stats(self) -> dict:
         return self.loop.stats()
+
+    def metric_families(self) -> dict:
+        """This replica's id and its metric families (``jaxinfer.ray_serve.metrics`` merges them)."""
+        self.metrics.set_state(self.loop.state)
+        self.metrics.server_waiting.set(self.loop.stats()["server_num_requests_waiting"])
+        return {"replica": self._replica_id, "families": list(self.metrics.registry.collect())}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         stats = self.loop.stats()
