@@ -31,7 +31,7 @@ from jaxinfer.model_registry import default_cache_dir  # noqa: E402
 from jaxinfer.ray_serve import wire  # noqa: E402
 from jaxinfer.ray_serve.application import ENGINE_DEPLOYMENT, build_application  # noqa: E402
 from jaxinfer.ray_serve.autoscaling import KV_CACHE_USAGE, NUM_REQUESTS_WAITING, QueueAutoscalingPolicy  # noqa: E402
-from jaxinfer.ray_serve.config import ModelSpec, RayServeConfig  # noqa: E402
+from jaxinfer.ray_serve.config import NUM_CONTROL_SLOTS, ModelSpec, RayServeConfig  # noqa: E402
 from jaxinfer.ray_serve.remote_client import sum_replica_stats  # noqa: E402
 from jaxinfer.server.admission import AdmissionConfig  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
@@ -203,39 +203,42 @@ def test_routes_stream_shed_load_and_abort_on_disconnect(base_url, app_cleanup):
 
 @pytest.mark.timeout(240)
 def test_serves_queue_full_is_a_503_with_retry_after(base_url, app_cleanup):
-    """Past the replica's max_ongoing_requests (1 running + 1 waiting) Serve queues one call
-    (max_queued_requests=1); the next is refused by Serve itself (BackPressureError), and leaves
-    as the routes' 503 queue_full with Retry-After, not a 500."""
-    deploy(functools.partial(FakeEngine, max_num_seqs=1, step_delay=0.05, max_model_len=1024), max_num_seqs=1,
+    """Serve's own queue: when every replica holds max_ongoing_requests calls, Serve queues
+    max_queued_requests more (1 here), and refuses the next itself (BackPressureError); it leaves as
+    the routes' 503 queue_full with Retry-After, not a 500. To fill the replica's slots with calls
+    its admission does not refuse, the config understates the engine's max_num_seqs (1, the fake
+    runs 16): the replica takes 1 + 1 + NUM_CONTROL_SLOTS calls, all of them running."""
+    deploy(functools.partial(FakeEngine, max_num_seqs=16, step_delay=0.05, max_model_len=1024), max_num_seqs=1,
            admission=AdmissionConfig(max_waiting_requests=1, retry_after_s=4), max_queued_requests=1)
+    capacity = 2 + NUM_CONTROL_SLOTS
     streams = []
 
     def start_stream():
         r = requests.post(base_url + "/v1/completions", stream=True, timeout=60,
                           json={"model": MODEL, "prompt": "the cat sat", "max_tokens": 400, "stream": True})
-        streams.append(r)
+        lines = r.iter_lines()  # kept: a line iterator collected mid-stream closes the connection
+        next(lines)  # its first token: it no longer counts as waiting for the admission
+        streams.append((r, lines))
 
+    queued = threading.Thread(target=start_stream)
     try:
-        start_stream()  # runs
-        queued = [threading.Thread(target=start_stream) for _ in range(2)]  # waits in the replica, then in Serve
-        queued[0].start()
-        wait_for(lambda: sum(s.get("server_num_requests_waiting", 0) for s in engine_stats()) == 1, 20,
-                 "a waiting request")
-        queued[1].start()
-        time.sleep(2)  # the third call is in Serve's handle queue now (it cannot be seen from here)
+        for _ in range(capacity):  # one at a time: each runs before the next arrives
+            start_stream()
+        assert all(r.status_code == 200 for r, _ in streams)
+        queued.start()
+        time.sleep(2)  # this call waits in Serve's handle queue (nothing answers it yet)
+        assert len(streams) == capacity
         shed = requests.post(base_url + "/v1/completions", timeout=30,
                              json={"model": MODEL, "prompt": "x", "max_tokens": 2})
         assert shed.status_code == 503, shed.text
         assert shed.headers["Retry-After"] == "4" and shed.json()["error"]["code"] == "queue_full"
         assert "Serve's queue is full" in shed.json()["error"]["message"]  # Serve's refusal, not the replica's
-        metrics = requests.get(base_url + "/metrics", timeout=30).text
-        assert 'jaxinfer:request_rejected_total{model_name="tiny",reason="queue_full"} 1.0' in metrics
     finally:
-        for r in streams:
-            r.close()
-        for t in queued:
-            t.join(timeout=30)
-        for r in streams:
+        for r, _ in list(streams):
+            r.close()  # the clients hang up: their engine requests are aborted, the queued call runs
+        if queued.is_alive():
+            queued.join(timeout=60)
+        for r, _ in list(streams):
             r.close()
 
 
@@ -410,7 +413,8 @@ def test_serve_config_yaml_builds_the_application():
     engine = app._bound_deployment.init_args[0]._bound_deployment  # the ingress's first argument
     assert engine.name == ENGINE_DEPLOYMENT
     assert engine._deployment_config.autoscaling_config.max_replicas == 4
-    # The CPU default max_num_seqs (16) plus the waiting limit: the engine's queue forms inside the replica.
-    assert engine._deployment_config.max_ongoing_requests == 16 + 256
+    # The CPU default max_num_seqs (16) plus the waiting limit: the engine's queue forms inside the
+    # replica; plus the control calls' slots.
+    assert engine._deployment_config.max_ongoing_requests == 16 + 256 + NUM_CONTROL_SLOTS
     with pytest.raises(ValueError, match="unknown args"):
         build_app({"min_replica": 1, "accelerator": "cpu"})

@@ -3,10 +3,10 @@
 Every value is explicit here and derives from the engine's own limits, so the queue forms where
 the autoscaler can see it:
 
-- an engine replica takes ``max_ongoing_requests = max_num_seqs + max_waiting_requests`` calls:
-  the engine runs ``max_num_seqs`` and its admission queue holds the rest, whose length the
-  replica reports (with fewer, the calls would wait in Serve's handle queue instead and the
-  replica's queue would never grow);
+- an engine replica takes ``max_ongoing_requests = max_num_seqs + max_waiting_requests + 4``
+  calls: the engine runs ``max_num_seqs`` and its admission queue holds the rest, whose length
+  the replica reports (with fewer, the calls would wait in Serve's handle queue instead and the
+  replica's queue would never grow); the 4 are for control calls (:data:`NUM_CONTROL_SLOTS`);
 - past that, Serve's own queue holds ``max_queued_requests`` calls per deployment, then answers
   503 (``queue_full``, with ``Retry-After``);
 - the ingress holds a WSGI thread per call in flight: every replica's ``max_ongoing_requests``,
@@ -27,6 +27,11 @@ from jaxinfer.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_FILE_BYTES
 from jaxinfer.server.batch_runner import BatchRunnerConfig
 
 NUM_PROBE_THREADS = 16  # ingress threads kept for /health, /v1/models and the like under load
+# Calls an engine replica takes beyond its engine's running and waiting requests: Serve holds
+# every call, broadcasts included, behind a replica's max_ongoing_requests, so without these the
+# control calls (abort, stats, /metrics) would wait for a full replica's next free slot. An engine
+# call that takes one of them is refused by the replica's admission at once (503 queue_full).
+NUM_CONTROL_SLOTS = 4
 ROUTERS = ("prefix", "round-robin", "power-of-two")
 
 
@@ -116,7 +121,7 @@ class RayServeConfig:
 
     @property
     def engine_max_ongoing_requests(self) -> int:
-        return self.max_num_seqs + self.admission.max_waiting_requests
+        return self.max_num_seqs + self.admission.max_waiting_requests + NUM_CONTROL_SLOTS
 
     def ingress_threads_needed(self) -> int:
         return (self.ingress_threads or
