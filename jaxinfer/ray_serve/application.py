@@ -53,7 +53,7 @@ def build_application(build_engine: Callable[[], object], config: RayServeConfig
         # Serve's own 503 past max_queued_requests carries Retry-After natively (Ray 2.60's
         # BackpressureConfig); the ingress turns it into the routes' OpenAI-shaped 503 with the same header.
         backpressure_config=BackpressureConfig(retry_after_s=config.admission.retry_after_s),
-    ).bind(build_engine, config.admission, config.engine_max_ongoing_requests, config.served_model_name)
+    ).bind(build_engine, config.admission, config.served_model_name)
     batch_runner = None
     if config.batch_store is not None:
         batch_runner = serve.deployment(BatchRunnerReplica).options(

@@ -47,6 +47,7 @@ class RemoteEngineClient:
         self.max_model_len = max_model_len
         self.state = "ready"  # Serve routes to a replica only once its engine is compiled
         self._handle = engine_handle
+        self._streaming_handle = engine_handle.options(stream=True)  # made once: options() copies the handle
         self._retry_after_s = retry_after_s
         self._stream_pumps = ThreadPoolExecutor(max_streams, thread_name_prefix="engine-call")
         self._stats_lock = threading.Lock()
@@ -80,7 +81,7 @@ class RemoteEngineClient:
 
     def _call(self, method: str, requests: list[EngineRequest]) -> OutputStream:
         try:
-            responses = getattr(self._handle.options(stream=True), method).remote(requests)
+            responses = getattr(self._streaming_handle, method).remote(requests)
             verdict = next(responses)
         except BackPressureError as e:  # Serve's queue (max_queued_requests) is full: 503, not 500
             raise QueueFullError(f"every engine replica is busy and Serve's queue is full ({e}); retry later",
