@@ -124,6 +124,45 @@ def test_wire_keeps_what_pickle_loses():
     assert type(unavailable) is QueueFullError and unavailable.retry_after_s == 2.5
 
 
+def test_wsgi_bridge_sends_every_chunk_in_order_to_a_slow_client():
+    """The bridge's responder hands chunks to the event loop without waiting for each; a client
+    slower than the app still gets every chunk, in order (the app waits once the buffer is full)."""
+    import asyncio
+
+    from jaxinfer.ray_serve.wsgi_bridge import MAX_BUFFERED_CHUNKS, WSGIBridge
+
+    num_chunks = 3 * MAX_BUFFERED_CHUNKS
+
+    def app(environ, start_response):
+        name = environ["wsgi.input"].read()
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return (b"%s %d," % (name, i) for i in range(num_chunks))
+
+    async def serve_one() -> list[dict]:
+        bridge, sent = WSGIBridge(app, num_threads=2), []
+        inbox = [{"type": "http.request", "body": b"c", "more_body": False}]
+
+        async def receive():
+            if inbox:
+                return inbox.pop(0)
+            await asyncio.sleep(3600)  # the client stays
+
+        async def send(message):
+            await asyncio.sleep(0.002)  # a slow client
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"", "headers": [],
+                 "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1), "scheme": "http",
+                 "http_version": "1.1", "root_path": ""}
+        await bridge(scope, receive, send)
+        return sent
+
+    sent = asyncio.run(serve_one())
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    assert b"".join(m["body"] for m in sent[1:]) == b"".join(b"c %d," % i for i in range(num_chunks))
+    assert not sent[-1].get("more_body", False) and all(m["more_body"] for m in sent[1:-1])
+
+
 def autoscaling_context(n: int, waiting: list[float], kv: list[float], queued: float = 0.0, max_replicas: int = 4):
     ids = [f"replica-{i}" for i in range(n)]
     return types.SimpleNamespace(
@@ -250,18 +289,28 @@ def merged_value(text: str, name: str, **labels) -> float:
 
 
 @pytest.mark.timeout(300)
-def test_batch_api_and_metrics_through_the_ray_ingress(base_url, app_cleanup, tmp_path):
-    """The Batch API round trip through the openai SDK against the Ray ingress (one batch-runner
-    replica owning the SQLite file; lines run on the engine replicas), and /metrics: the engine
-    replicas' metrics merged, every name deploy/ uses exported."""
+@pytest.mark.parametrize("store", ["sqlite", pytest.param("redis", marks=pytest.mark.slow)])
+def test_batch_api_and_metrics_through_the_ray_ingress(base_url, app_cleanup, tmp_path, store, request):
+    """The Batch API round trip through the openai SDK against the Ray ingress (SQLite: one
+    batch-runner replica owning the file; Redis: two runners on one stream, the ingress opening
+    Redis itself; lines run on the engine replicas), and /metrics: the engine replicas' metrics
+    merged, every name deploy/ uses exported."""
     import openai
 
     from jaxinfer.ray_serve.config import BatchStoreOptions
     from jaxinfer.server.batch_runner import BatchRunnerConfig
     from tests.deploy_metrics import exported_metric_names, metric_names_used_in_deploy
 
+    if store == "redis":
+        from tests.redis_server import RedisServer
+
+        redis = RedisServer(tmp_path)
+        request.addfinalizer(lambda: (serve.delete(APP), redis.stop()))  # the runners stop before Redis does
+        store_options = BatchStoreOptions(redis_url=redis.url, num_runners=2)
+    else:
+        store_options = BatchStoreOptions(db_path=str(tmp_path / "batches.db"))
     deploy(functools.partial(FakeEngine, max_num_seqs=4, max_model_len=256), max_num_seqs=4, min_replicas=2,
-           max_replicas=2, batch_store=BatchStoreOptions(db_path=str(tmp_path / "batches.db")),
+           max_replicas=2, batch_store=store_options,
            batch_runner=BatchRunnerConfig(poll_s=0.01, housekeeping_s=0.1), max_file_bytes=1 << 20)
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=30)
     bodies = {f"l{i}": {"model": MODEL, "prompt": f"the cat sat {i}", "max_tokens": 3} for i in range(6)}
