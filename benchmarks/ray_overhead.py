@@ -61,6 +61,8 @@ def ttft(session, base_url: str) -> float:
         for line in r.iter_lines():
             if first is None and line.startswith(b"data: {") and json.loads(line[6:])["choices"][0]["text"]:
                 first = time.perf_counter() - start
+    if first is None:  # an error event, or no text at all: not a TTFT sample
+        raise RuntimeError(f"{base_url}: the stream carried no text")
     return first
 
 
