@@ -34,6 +34,7 @@ logger = logging.getLogger("jaxinfer.ray_serve")
 
 ABORT_TIMEOUT_S = 5.0
 STATS_MAX_AGE_S = 0.1
+STATS_TIMEOUT_S = 10.0
 
 
 class RemoteEngineClient:
@@ -77,7 +78,7 @@ class RemoteEngineClient:
 
     def replica_stats(self) -> list[dict]:
         """Each engine replica's ``EngineLoop.stats()``."""
-        return self._handle.broadcast("stats").results()
+        return self._handle.broadcast("stats").results(timeout_s=STATS_TIMEOUT_S)
 
     def _call(self, method: str, requests: list[EngineRequest]) -> OutputStream:
         try:
