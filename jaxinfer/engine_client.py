@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 from jaxinfer.errors import RequestError
 from jaxinfer.outputs import RequestOutput
@@ -92,9 +92,16 @@ class OutputStream:
         # Per request id, filled as requests finish, by clients that time them (traces read it).
         self.timings: dict = {}
         self._queue: queue.Queue = queue.Queue()
+        # Called after each put, from the putting thread: a reader on an event loop sets it to be
+        # woken (asyncio) instead of blocking a thread in get(). Items put before it was set are
+        # in the queue already: such a reader looks there after setting it.
+        self.on_put: Callable[[], None] | None = None
 
     def put(self, item: StreamItem) -> None:
         self._queue.put(item)
+        on_put = self.on_put
+        if on_put is not None:
+            on_put()
 
     def get(self, timeout: float) -> StreamItem | None:
         """The next item, or None after ``timeout`` seconds."""

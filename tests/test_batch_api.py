@@ -26,10 +26,10 @@ MAX_FILE_BYTES = 64 * 1024
 FAST_RUNNER = BatchRunnerConfig(poll_s=0.005, housekeeping_s=0.05)
 
 
-def start_server(tmp_path, **engine_kw) -> BackgroundServer:
+def start_server(tmp_path, batch_window_s=None, **engine_kw) -> BackgroundServer:
     return BackgroundServer(FakeEngine(max_model_len=256, **engine_kw), served_model_name=MODEL, threads=8,
                             max_body_bytes=MAX_BODY_BYTES, batch_store=SQLiteBatchStore(tmp_path / "batches.db"),
-                            max_file_bytes=MAX_FILE_BYTES, batch_runner=FAST_RUNNER)
+                            max_file_bytes=MAX_FILE_BYTES, batch_runner=FAST_RUNNER, batch_window_s=batch_window_s)
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +227,31 @@ def test_cancel_stops_a_batch_and_keeps_what_was_done(tmp_path):
         assert client.batches.cancel(batch.id).status == "cancelled"  # cancelling again changes nothing
         time.sleep(0.2)
         assert server.loop.num_in_flight() == 0  # the runner aborted its lines
+
+
+def test_a_batch_not_done_within_its_window_expires(tmp_path):
+    """The server's window is 1 s (a test option; clients still send "24h"): lines not run by then
+    land in the error file as batch_expired, the answered ones stay in the output file."""
+    with start_server(tmp_path, batch_window_s=1, step_delay=0.02) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=10)
+        content = jsonl([line(f"l{i}", {"prompt": "a b c", "max_tokens": 20}) for i in range(40)])  # ~2 s of work
+        uploaded = client.files.create(file=("input.jsonl", io.BytesIO(content)), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+        assert batch.expires_at - batch.created_at <= 2
+        deadline = time.monotonic() + 20
+        while (batch := client.batches.retrieve(batch.id)).status not in ("expired", "completed"):
+            assert time.monotonic() < deadline, batch
+            time.sleep(0.05)
+        counts = batch.request_counts
+        assert batch.status == "expired" and batch.expired_at >= batch.expires_at and batch.completed_at is None
+        assert counts.total == 40 and counts.completed + counts.failed == 40 and counts.failed > 0
+        out, errors = file_lines(client, batch.output_file_id), file_lines(client, batch.error_file_id)
+        assert len(out) == counts.completed and all(o["response"]["status_code"] == 200 for o in out)
+        assert len(errors) == counts.failed
+        assert {e["error"]["code"] for e in errors} == {"batch_expired"} and all(e["response"] is None for e in errors)
+        assert {o["custom_id"] for o in out + errors} == {f"l{i}" for i in range(40)}
+        time.sleep(0.2)
+        assert server.loop.num_in_flight() == 0  # the lines running at expiry were aborted
 
 
 def test_metrics_count_batch_lines(client, server):

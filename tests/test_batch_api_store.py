@@ -2,6 +2,7 @@
 workers and pass to another once a worker stops renewing them, files built from the results.
 And the runner's priority rule, against a client whose queue the test sets."""
 
+import json
 import time
 
 import pytest
@@ -48,12 +49,13 @@ def open_store(request, tmp_path):
         store.close()
 
 
-def add_batch(store, num_lines: int, extra: bytes = b"") -> BatchRecord:
+def add_batch(store, num_lines: int, extra: bytes = b"", expires_at: int | None = None) -> BatchRecord:
     content = b"".join(b'{"custom_id": "c%d", "method": "POST", "url": "/v1/completions", "body": {"prompt": "p"}}\n'
                        % i for i in range(num_lines)) + extra
     file = FileRecord(new_id("file"), "in.jsonl", "batch", len(content), now_s())
     store.add_file(file, content)
-    batch = BatchRecord(new_id("batch"), "/v1/completions", file.id, "24h", now_s())
+    batch = BatchRecord(new_id("batch"), "/v1/completions", file.id, "24h", now_s(),
+                        expires_at=now_s() + 3600 if expires_at is None else expires_at)
     store.add_batch(batch, parse_input_file(batch.id, content, batch.endpoint))
     return batch
 
@@ -124,6 +126,30 @@ def test_cancel_stops_claims_and_finalizes_with_what_was_done(open_store):
     assert (done.status, done.completed, done.error_file_id) == ("cancelled", 1, None)
     assert len(store.read_file(done.output_file_id).splitlines()) == 1
     assert store.cancel_batch(batch.id).status == "cancelled"
+
+
+def test_a_batch_past_its_window_expires_and_its_unanswered_lines_fail_as_batch_expired(open_store):
+    store = open_store()
+    batch = add_batch(store, 4, extra=b"not json\n", expires_at=int(time.time()) + 2)
+    running = add_batch(store, 1)  # its window is open: untouched
+    lines = [line for line in store.claim_lines("w1", 10, set()) if line.batch_id == batch.id]
+    assert answer(store, "w1", lines[0]) and answer(store, "w1", lines[1])
+    assert store.finalize_batches("w1") == []  # two lines left, the window still open
+    time.sleep(max(0.0, batch.expires_at - time.time()) + 0.1)
+    assert store.finalize_batches("w1") == [batch.id]
+    assert not answer(store, "w1", lines[2])  # the line still running when it expired is not recorded
+    done = store.get_batch(batch.id)
+    assert (done.status, done.total, done.completed, done.failed) == ("expired", 5, 2, 3)
+    assert done.expired_at >= done.expires_at and done.completed_at is None
+    body = done.to_openai()
+    assert body["expired_at"] == done.expired_at and body["expires_at"] == batch.expires_at
+    assert len(store.read_file(done.output_file_id).splitlines()) == 2
+    errors = [json.loads(x) for x in store.read_file(done.error_file_id).splitlines()]
+    assert sorted(e["custom_id"] for e in errors if e["error"]["code"] == "batch_expired") == ["c2", "c3"]
+    assert [e["error"]["code"] for e in errors].count("invalid_json_line") == 1
+    assert all(e["response"] is None for e in errors)
+    assert store.get_batch(running.id).status == "in_progress"
+    assert store.finalize_batches("w1") == [] and store.num_pending_lines() == 1
 
 
 def test_list_pages_newest_first(open_store):

@@ -9,6 +9,8 @@ on every interface, at fixed numbers.
 """
 
 import functools
+import io
+import json
 import os
 import pickle
 import socket
@@ -29,7 +31,7 @@ from jaxinfer.model_registry import default_cache_dir  # noqa: E402
 from jaxinfer.ray_serve import wire  # noqa: E402
 from jaxinfer.ray_serve.application import ENGINE_DEPLOYMENT, build_application  # noqa: E402
 from jaxinfer.ray_serve.autoscaling import KV_CACHE_USAGE, NUM_REQUESTS_WAITING, QueueAutoscalingPolicy  # noqa: E402
-from jaxinfer.ray_serve.config import ModelSpec, RayServeConfig  # noqa: E402
+from jaxinfer.ray_serve.config import NUM_CONTROL_SLOTS, ModelSpec, RayServeConfig  # noqa: E402
 from jaxinfer.ray_serve.remote_client import sum_replica_stats  # noqa: E402
 from jaxinfer.server.admission import AdmissionConfig  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
@@ -77,8 +79,9 @@ def base_url():
 
 
 def deploy(build_engine, **config) -> None:
+    """Deploys the application; without the Batch API unless ``batch_store`` is given (one replica fewer)."""
     config = RayServeConfig(MODEL, **{"max_num_seqs": 8, "num_cpus_per_replica": 0, "ingress_num_cpus": 0,
-                                      "ingress_threads": 64, **config})
+                                      "batch_num_cpus": 0, "ingress_threads": 64, "batch_store": None, **config})
     serve.run(build_application(build_engine, config), name=APP, route_prefix="/")
 
 
@@ -119,6 +122,45 @@ def test_wire_keeps_what_pickle_loses():
     assert timing is None and isinstance(wire.decode(wire.encode(EngineFault("x"), {}))[0], EngineFault)
     unavailable = pickle.loads(pickle.dumps(wire.Unavailable.from_error(QueueFullError("full", 2.5)))).to_error()
     assert type(unavailable) is QueueFullError and unavailable.retry_after_s == 2.5
+
+
+def test_wsgi_bridge_sends_every_chunk_in_order_to_a_slow_client():
+    """The bridge's responder hands chunks to the event loop without waiting for each; a client
+    slower than the app still gets every chunk, in order (the app waits once the buffer is full)."""
+    import asyncio
+
+    from jaxinfer.ray_serve.wsgi_bridge import MAX_BUFFERED_CHUNKS, WSGIBridge
+
+    num_chunks = 3 * MAX_BUFFERED_CHUNKS
+
+    def app(environ, start_response):
+        name = environ["wsgi.input"].read()
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return (b"%s %d," % (name, i) for i in range(num_chunks))
+
+    async def serve_one() -> list[dict]:
+        bridge, sent = WSGIBridge(app, num_threads=2), []
+        inbox = [{"type": "http.request", "body": b"c", "more_body": False}]
+
+        async def receive():
+            if inbox:
+                return inbox.pop(0)
+            await asyncio.sleep(3600)  # the client stays
+
+        async def send(message):
+            await asyncio.sleep(0.002)  # a slow client
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"", "headers": [],
+                 "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1), "scheme": "http",
+                 "http_version": "1.1", "root_path": ""}
+        await bridge(scope, receive, send)
+        return sent
+
+    sent = asyncio.run(serve_one())
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    assert b"".join(m["body"] for m in sent[1:]) == b"".join(b"c %d," % i for i in range(num_chunks))
+    assert not sent[-1].get("more_body", False) and all(m["more_body"] for m in sent[1:-1])
 
 
 def autoscaling_context(n: int, waiting: list[float], kv: list[float], queued: float = 0.0, max_replicas: int = 4):
@@ -196,6 +238,139 @@ def test_routes_stream_shed_load_and_abort_on_disconnect(base_url, app_cleanup):
                       json={"model": MODEL, "prompt": "the cat sat", "max_tokens": 400})
     whole_seconds = wait_for(lambda: all(s.get("num_running", 0) == 0 for s in engine_stats()), 8, "the abort")
     print(f"\ndisconnect -> engine request gone in {seconds:.2f} s (streamed), {whole_seconds:.2f} s (whole)")
+
+
+@pytest.mark.timeout(240)
+def test_serves_queue_full_is_a_503_with_retry_after(base_url, app_cleanup):
+    """Serve's own queue: when every replica holds max_ongoing_requests calls, Serve queues
+    max_queued_requests more (1 here), and refuses the next itself (BackPressureError); it leaves as
+    the routes' 503 queue_full with Retry-After, not a 500. To fill the replica's slots with calls
+    its admission does not refuse, the config understates the engine's max_num_seqs (1, the fake
+    runs 16): the replica takes 1 + 1 + NUM_CONTROL_SLOTS calls, all of them running."""
+    deploy(functools.partial(FakeEngine, max_num_seqs=16, step_delay=0.05, max_model_len=1024), max_num_seqs=1,
+           admission=AdmissionConfig(max_waiting_requests=1, retry_after_s=4), max_queued_requests=1)
+    capacity = 2 + NUM_CONTROL_SLOTS
+    streams = []
+
+    def start_stream():
+        r = requests.post(base_url + "/v1/completions", stream=True, timeout=60,
+                          json={"model": MODEL, "prompt": "the cat sat", "max_tokens": 400, "stream": True})
+        lines = r.iter_lines()  # kept: a line iterator collected mid-stream closes the connection
+        next(lines)  # its first token: it no longer counts as waiting for the admission
+        streams.append((r, lines))
+
+    queued = threading.Thread(target=start_stream)
+    try:
+        for _ in range(capacity):  # one at a time: each runs before the next arrives
+            start_stream()
+        assert all(r.status_code == 200 for r, _ in streams)
+        queued.start()
+        time.sleep(2)  # this call waits in Serve's handle queue (nothing answers it yet)
+        assert len(streams) == capacity
+        shed = requests.post(base_url + "/v1/completions", timeout=30,
+                             json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert shed.status_code == 503, shed.text
+        assert shed.headers["Retry-After"] == "4" and shed.json()["error"]["code"] == "queue_full"
+        assert "Serve's queue is full" in shed.json()["error"]["message"]  # Serve's refusal, not the replica's
+    finally:
+        for r, _ in list(streams):
+            r.close()  # the clients hang up: their engine requests are aborted, the queued call runs
+        if queued.is_alive():
+            queued.join(timeout=60)
+        for r, _ in list(streams):
+            r.close()
+
+
+def merged_value(text: str, name: str, **labels) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and labels.items() <= sample.labels.items())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("store", ["sqlite", pytest.param("redis", marks=pytest.mark.slow)])
+def test_batch_api_and_metrics_through_the_ray_ingress(base_url, app_cleanup, tmp_path, store, request):
+    """The Batch API round trip through the openai SDK against the Ray ingress (SQLite: one
+    batch-runner replica owning the file; Redis: two runners on one stream, the ingress opening
+    Redis itself; lines run on the engine replicas), and /metrics: the engine replicas' metrics
+    merged, every name deploy/ uses exported."""
+    import openai
+
+    from jaxinfer.ray_serve.config import BatchStoreOptions
+    from jaxinfer.server.batch_runner import BatchRunnerConfig
+    from tests.deploy_metrics import exported_metric_names, metric_names_used_in_deploy
+
+    if store == "redis":
+        from tests.redis_server import RedisServer
+
+        redis = RedisServer(tmp_path)
+        request.addfinalizer(lambda: (serve.delete(APP), redis.stop()))  # the runners stop before Redis does
+        store_options = BatchStoreOptions(redis_url=redis.url, num_runners=2)
+    else:
+        store_options = BatchStoreOptions(db_path=str(tmp_path / "batches.db"))
+    deploy(functools.partial(FakeEngine, max_num_seqs=4, max_model_len=256), max_num_seqs=4, min_replicas=2,
+           max_replicas=2, batch_store=store_options,
+           batch_runner=BatchRunnerConfig(poll_s=0.01, housekeeping_s=0.1), max_file_bytes=1 << 20)
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    bodies = {f"l{i}": {"model": MODEL, "prompt": f"the cat sat {i}", "max_tokens": 3} for i in range(6)}
+    lines = [{"custom_id": cid, "method": "POST", "url": "/v1/completions", "body": body} for cid, body in bodies.items()]
+    content = "".join(json.dumps(line) + "\n" for line in lines) + "not json\n"
+    uploaded = client.files.create(file=("input.jsonl", io.BytesIO(content.encode())), purpose="batch")
+    assert client.files.content(uploaded.id).content == content.encode()
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    assert batch.status == "validating" and batch.request_counts.total == 7 and batch.request_counts.failed == 1
+    wait_for(lambda: client.batches.retrieve(batch.id).status == "completed", 60, "the batch")
+    batch = client.batches.retrieve(batch.id)
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (6, 1)
+    assert [b.id for b in client.batches.list(limit=5)] == [batch.id]
+    out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(o["custom_id"] for o in out) == sorted(bodies)
+    for o in out:  # each line answered as its endpoint answers over HTTP
+        direct = requests.post(base_url + "/v1/completions", json=bodies[o["custom_id"]], timeout=30).json()
+        assert o["response"]["body"]["choices"] == direct["choices"] and o["response"]["body"]["usage"] == direct["usage"]
+    [error] = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
+    assert error["error"]["code"] == "invalid_json_line"
+
+    text = requests.get(base_url + "/metrics", timeout=30).text
+    assert metric_names_used_in_deploy() - exported_metric_names(text) == set()
+    # 6 batch lines and 6 direct requests ran on the two engine replicas: their counters add up here.
+    assert merged_value(text, "jaxinfer:request_success_total") == 12
+    assert merged_value(text, "jaxinfer:time_to_first_token_seconds_count") == 12
+    assert merged_value(text, "jaxinfer:batch_lines_completed_total") == 6
+    assert merged_value(text, "jaxinfer:batch_lines_failed_total") == 1
+    assert merged_value(text, "jaxinfer:kv_cache_usage_perc") == 0 and merged_value(text, "jaxinfer:server_healthy") == 1
+    assert text.count("# TYPE jaxinfer:num_requests_waiting gauge") == 1
+
+
+def test_merged_metrics_sum_counters_average_kv_and_keep_devices_per_replica():
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    from jaxinfer.ray_serve.metrics import merge_families
+
+    def replica(hits: float, kv: float, waiting: float, gpu_util: float) -> list:
+        counter = CounterMetricFamily("jaxinfer:prefix_cache_hits", "hits", labels=["model_name"])
+        counter.add_metric(["m"], hits)
+        families = [counter]
+        for name, value in (("kv_cache_usage_perc", kv), ("num_requests_waiting", waiting), ("server_healthy", 1)):
+            gauge = GaugeMetricFamily("jaxinfer:" + name, name, labels=["model_name"])
+            gauge.add_metric(["m"], value)
+            families.append(gauge)
+        gpu = GaugeMetricFamily("jaxinfer:gpu_utilization_perc", "gpu", labels=["gpu"])
+        gpu.add_metric(["0"], gpu_util)
+        return families + [gpu]
+
+    ingress = replica(0, 0, 0, 0.99)  # the ingress runs no engine: its device and KV samples are not the engines'
+    ingress[3].samples[0] = ingress[3].samples[0]._replace(value=0)  # and says whether it is healthy
+    merged = {f.name: f for f in merge_families(ingress, {"a": replica(5, 0.2, 1, 0.5), "b": replica(7, 0.6, 2, 0.7)},
+                                                [])}
+    value = {name: [(s.labels, s.value) for s in f.samples] for name, f in merged.items()}
+    assert value["jaxinfer:prefix_cache_hits"] == [({"model_name": "m"}, 12)]
+    assert value["jaxinfer:num_requests_waiting"] == [({"model_name": "m"}, 3)]
+    assert value["jaxinfer:kv_cache_usage_perc"] == [({"model_name": "m"}, pytest.approx(0.4))]
+    assert value["jaxinfer:server_healthy"] == [({"model_name": "m"}, 0)]
+    assert value["jaxinfer:gpu_utilization_perc"] == [({"gpu": "0", "replica": "a"}, 0.5),
+                                                      ({"gpu": "0", "replica": "b"}, 0.7)]
 
 
 def completion(base_url: str, prompt, max_tokens: int) -> tuple[int, dict]:
@@ -287,7 +462,8 @@ def test_serve_config_yaml_builds_the_application():
     engine = app._bound_deployment.init_args[0]._bound_deployment  # the ingress's first argument
     assert engine.name == ENGINE_DEPLOYMENT
     assert engine._deployment_config.autoscaling_config.max_replicas == 4
-    # The CPU default max_num_seqs (16) plus the waiting limit: the engine's queue forms inside the replica.
-    assert engine._deployment_config.max_ongoing_requests == 16 + 256
+    # The CPU default max_num_seqs (16) plus the waiting limit: the engine's queue forms inside the
+    # replica; plus the control calls' slots.
+    assert engine._deployment_config.max_ongoing_requests == 16 + 256 + NUM_CONTROL_SLOTS
     with pytest.raises(ValueError, match="unknown args"):
         build_app({"min_replica": 1, "accelerator": "cpu"})

@@ -12,7 +12,8 @@ import time
 import uuid
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
-COMPLETION_WINDOW_S = {"24h": 24 * 3600}
+COMPLETION_WINDOW_S = {"24h": 24 * 3600}  # what clients may send, as OpenAI: only "24h"
+BATCH_EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
 # A batch is one of these; the runner only works on the active ones.
 ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 TERMINAL_STATUSES = ("completed", "failed", "cancelled", "expired")
@@ -60,6 +61,10 @@ class BatchRecord:
     failed_at: int | None = None
     cancelling_at: int | None = None
     cancelled_at: int | None = None
+    # When the window closes (set on creation; None only in records stored before expiry existed):
+    # a batch still running then becomes "expired", its unanswered lines in the error file.
+    expires_at: int | None = None
+    expired_at: int | None = None
 
     def to_openai(self) -> dict:
         return {
@@ -67,9 +72,9 @@ class BatchRecord:
             "input_file_id": self.input_file_id, "completion_window": self.completion_window,
             "status": self.status, "output_file_id": self.output_file_id, "error_file_id": self.error_file_id,
             "created_at": self.created_at, "in_progress_at": self.in_progress_at,
-            "expires_at": self.created_at + COMPLETION_WINDOW_S[self.completion_window],
+            "expires_at": self.expires_at or self.created_at + COMPLETION_WINDOW_S[self.completion_window],
             "finalizing_at": self.finalizing_at, "completed_at": self.completed_at, "failed_at": self.failed_at,
-            "expired_at": None, "cancelling_at": self.cancelling_at, "cancelled_at": self.cancelled_at,
+            "expired_at": self.expired_at, "cancelling_at": self.cancelling_at, "cancelled_at": self.cancelled_at,
             "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed},
             "metadata": self.metadata,
         }

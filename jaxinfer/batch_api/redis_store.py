@@ -22,7 +22,7 @@ import json
 import redis
 
 from jaxinfer.batch_api.records import BatchRecord, ClaimedLine, FileRecord, InputLine, now_s
-from jaxinfer.batch_api.result_lines import result_files
+from jaxinfer.batch_api.result_lines import expired_line, result_files
 from jaxinfer.batch_api.store import result_file_ids
 
 GROUP = "batch-runners"
@@ -50,18 +50,31 @@ if status == 'validating' or status == 'in_progress' then
   redis.call('HSET', KEYS[1], 'status', 'cancelling', 'cancelling_at', ARGV[1])
 end
 """
-# KEYS: batch hash. ARGV: now. Every line answered: "finalizing".
+# KEYS: batch hash. ARGV: now. Every line answered, or the window closed: "finalizing" (no result is
+# recorded any more); closed with lines unanswered: expired_at set too.
 _BEGIN_FINALIZE = """
-local b = redis.call('HMGET', KEYS[1], 'status', 'total', 'completed', 'failed', 'in_progress_at')
-if (b[1] == 'validating' or b[1] == 'in_progress') and tonumber(b[2]) == tonumber(b[3]) + tonumber(b[4]) then
+local b = redis.call('HMGET', KEYS[1], 'status', 'total', 'completed', 'failed', 'in_progress_at', 'expires_at')
+if b[1] ~= 'validating' and b[1] ~= 'in_progress' then return end
+local answered = tonumber(b[2]) == tonumber(b[3]) + tonumber(b[4])
+local expires_at = tonumber(b[6])
+local expired = not answered and expires_at ~= nil and expires_at <= tonumber(ARGV[1])
+if answered or expired then
   redis.call('HSET', KEYS[1], 'status', 'finalizing', 'finalizing_at', ARGV[1])
   if b[5] == 'null' then redis.call('HSET', KEYS[1], 'in_progress_at', ARGV[1]) end
+  if expired then redis.call('HSET', KEYS[1], 'expired_at', ARGV[1]) end
 end
+"""
+# KEYS: results hash, batch hash. ARGV: line number, its batch_expired result. Counted once.
+_EXPIRE_LINE = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then redis.call('HINCRBY', KEYS[2], 'failed', 1) end
 """
 # KEYS: batch hash, active set. ARGV: batch id, now, output file id, error file id (JSON values).
 _END_FINALIZE = """
 local status = redis.call('HGET', KEYS[1], 'status')
-if status == 'finalizing' then
+local expired_at = redis.call('HGET', KEYS[1], 'expired_at')
+if status == 'finalizing' and expired_at and expired_at ~= 'null' then
+  redis.call('HSET', KEYS[1], 'status', 'expired')
+elseif status == 'finalizing' then
   redis.call('HSET', KEYS[1], 'status', 'completed', 'completed_at', ARGV[2])
 elseif status == 'cancelling' then
   redis.call('HSET', KEYS[1], 'status', 'cancelled', 'cancelled_at', ARGV[2])
@@ -92,6 +105,7 @@ class RedisBatchStore:
         self._cancel = self._redis.register_script(_CANCEL)
         self._begin_finalize = self._redis.register_script(_BEGIN_FINALIZE)
         self._end_finalize = self._redis.register_script(_END_FINALIZE)
+        self._expire_line = self._redis.register_script(_EXPIRE_LINE)
 
     def _batch_key(self, batch_id: str, part: str = "") -> str:
         return f"{self.prefix}batch:{batch_id}{part}"
@@ -185,8 +199,11 @@ class RedisBatchStore:
             batch_id = raw_id.decode()
             key = self._batch_key(batch_id)
             self._begin_finalize(keys=[key], args=[now_s()])
-            if self._redis.hget(key, "status") not in (b"finalizing", b"cancelling"):
+            status, expired_at = self._redis.hmget(key, "status", "expired_at")
+            if status not in (b"finalizing", b"cancelling"):
                 continue
+            if status == b"finalizing" and expired_at not in (None, b"null"):
+                self._expire_unanswered(batch_id)
             stored = self._redis.hgetall(self._batch_key(batch_id, ":results"))
             results = [json.loads(stored[k]) for k in sorted(stored, key=int)]
             file_ids = []
@@ -198,6 +215,15 @@ class RedisBatchStore:
             if self._end_finalize(keys=[key, self.prefix + "active"], args=[batch_id, now_s(), *file_ids]):
                 done.append(batch_id)
         return done
+
+    def _expire_unanswered(self, batch_id: str) -> None:
+        """Give each unanswered line its ``batch_expired`` error-file line (idempotent: HSETNX)."""
+        results_key = self._batch_key(batch_id, ":results")
+        answered = set(self._redis.hkeys(results_key))
+        for index, raw in self._redis.hgetall(self._batch_key(batch_id, ":lines")).items():
+            if index not in answered:
+                result = expired_line(batch_id, int(index), json.loads(raw)["custom_id"])
+                self._expire_line(keys=[results_key, self._batch_key(batch_id)], args=[int(index), json.dumps(result)])
 
     def num_pending_lines(self) -> int:
         pending = 0

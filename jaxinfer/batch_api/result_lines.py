@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from jaxinfer.batch_api.records import InputLine
+from jaxinfer.batch_api.records import BATCH_EXPIRED_MESSAGE, InputLine
 
 MAX_LINES = 50_000  # as OpenAI
 
@@ -47,6 +47,13 @@ def refusal_line(batch_id: str, index: int, custom_id: str | None, message: str,
     line_id, _ = line_ids(batch_id, index)
     return {"id": line_id, "custom_id": custom_id, "response": None,
             "error": {"code": code, "message": message, "param": param}}
+
+
+def expired_line(batch_id: str, index: int, custom_id: str | None) -> dict:
+    """A line its batch's completion window closed on before it ran (error file, OpenAI's ``batch_expired``)."""
+    line_id, _ = line_ids(batch_id, index)
+    return {"id": line_id, "custom_id": custom_id, "response": None,
+            "error": {"code": "batch_expired", "message": BATCH_EXPIRED_MESSAGE, "param": None}}
 
 
 def is_error(result: dict) -> bool:

@@ -17,7 +17,7 @@ import threading
 import time
 
 from jaxinfer.batch_api.records import BatchRecord, ClaimedLine, FileRecord, InputLine, now_s
-from jaxinfer.batch_api.result_lines import result_files
+from jaxinfer.batch_api.result_lines import expired_line, result_files
 from jaxinfer.batch_api.store import result_file_ids
 
 DEFAULT_LEASE_S = 30.0
@@ -171,20 +171,26 @@ class SQLiteBatchStore:
         with self._lock:
             ready = self._db.execute(
                 "SELECT id FROM batches b WHERE (lease_owner = ? OR lease_owner IS NULL OR lease_expires_at < ?) "
-                "AND (status IN ('cancelling', 'finalizing') OR (status IN (?, ?) AND NOT EXISTS "
-                "(SELECT 1 FROM lines WHERE batch_id = b.id AND result IS NULL)))",
-                (worker_id, now, *_RUNNING)).fetchall()
+                "AND (status IN ('cancelling', 'finalizing') OR (status IN (?, ?) AND (NOT EXISTS "
+                "(SELECT 1 FROM lines WHERE batch_id = b.id AND result IS NULL) "
+                "OR json_extract(record, '$.expires_at') <= ?)))",
+                (worker_id, now, *_RUNNING, now)).fetchall()
         return [batch_id for (batch_id,) in ready if self._finalize(batch_id)]
 
     def _finalize(self, batch_id: str) -> bool:
-        # "finalizing" is committed first, so a batch whose files are being written says so; a worker
-        # killed here leaves it "finalizing", and the next finalize_batches call finishes it.
+        # "finalizing" is committed first, so a batch whose files are being written says so (and no
+        # result is recorded any more); a worker killed here leaves it "finalizing", and the next
+        # finalize_batches call finishes it. A batch whose window closed with lines unanswered is
+        # marked expired (expired_at) in the same step: its remaining lines will not run.
         with self._write() as db:
             batch = _load(*db.execute("SELECT record, status, completed, failed FROM batches WHERE id = ?",
                                       (batch_id,)).fetchone())
             if batch.status in _RUNNING:
                 batch.status, batch.finalizing_at = "finalizing", now_s()
                 batch.in_progress_at = batch.in_progress_at or batch.finalizing_at
+                if batch.expires_at is not None and batch.expires_at <= time.time() and db.execute(
+                        "SELECT 1 FROM lines WHERE batch_id = ? AND result IS NULL", (batch_id,)).fetchone():
+                    batch.expired_at = batch.finalizing_at
                 db.execute("UPDATE batches SET record = ?, status = ? WHERE id = ?",
                            (_dump(batch), batch.status, batch_id))
         with self._write() as db:
@@ -192,6 +198,9 @@ class SQLiteBatchStore:
                                       (batch_id,)).fetchone())
             if batch.status not in ("finalizing", "cancelling"):
                 return False
+            if batch.status == "finalizing" and batch.expired_at is not None:
+                batch.failed += self._expire_lines(db, batch_id)
+                db.execute("UPDATE batches SET failed = ? WHERE id = ?", (batch.failed, batch_id))
             results = [json.loads(r) for (r,) in db.execute(
                 "SELECT result FROM lines WHERE batch_id = ? AND result IS NOT NULL ORDER BY line_index",
                 (batch_id,))]
@@ -203,11 +212,23 @@ class SQLiteBatchStore:
                     setattr(batch, f"{kind}_file_id", file_id)
             if batch.status == "cancelling":
                 batch.status, batch.cancelled_at = "cancelled", now
+            elif batch.expired_at is not None:
+                batch.status = "expired"
             else:
                 batch.status, batch.completed_at = "completed", now
             db.execute("UPDATE batches SET record = ?, status = ?, lease_owner = NULL WHERE id = ?",
                        (_dump(batch), batch.status, batch_id))
         return True
+
+    @staticmethod
+    def _expire_lines(db: sqlite3.Connection, batch_id: str) -> int:
+        """Give each unanswered line its ``batch_expired`` error-file line; returns how many."""
+        unanswered = db.execute("SELECT line_index, custom_id FROM lines WHERE batch_id = ? AND result IS NULL",
+                                (batch_id,)).fetchall()
+        db.executemany("UPDATE lines SET result = ?, is_error = 1 WHERE batch_id = ? AND line_index = ?",
+                       [(json.dumps(expired_line(batch_id, index, custom_id)), batch_id, index)
+                        for index, custom_id in unanswered])
+        return len(unanswered)
 
     def num_pending_lines(self) -> int:
         with self._lock:

@@ -5,7 +5,9 @@ Modules: ``serve_ray`` (the command line and ``build_app`` for ``serve run``), `
 deployments, bound), ``ingress`` (the OpenAI routes of ``server.py``) over ``wsgi_bridge`` (the
 Flask app as ASGI, disconnects included) and ``remote_client`` (the ingress's ``EngineClient``),
 ``engine_replica`` (one ``EngineLoop`` per replica), ``wire`` (what crosses between them),
-``autoscaling`` (``QueueAutoscalingPolicy``) and ``prefix_router`` (``PrefixAwareRouter``).
+``autoscaling`` (``QueueAutoscalingPolicy``), ``prefix_router`` (``PrefixAwareRouter``),
+``batch_replica`` (the Batch API's runner deployment and the ingress's view of its store) and
+``metrics`` (``/metrics`` merged over the replicas).
 
 Importing this package does not import Ray; its modules do.
 """

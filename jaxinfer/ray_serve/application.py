@@ -6,6 +6,8 @@
                              | handle.options(stream=True).generate(...)   routed by PrefixAwareRouter
                              v
                            EngineReplica x [min_replicas, max_replicas]    QueueAutoscalingPolicy
+                             ^ the same handle and router, at low priority
+                           BatchRunnerReplica (Batch API: SQLite owner x 1, or Redis consumers x N)
 
 ``jaxinfer serve-ray`` and ``serve run deploy/ray/serve_config.yaml`` build it from flags
 (:mod:`jaxinfer.ray_serve.serve_ray`).
@@ -16,16 +18,18 @@ from __future__ import annotations
 from typing import Callable
 
 from ray import serve
-from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, BackpressureConfig, RequestRouterConfig
 
 from jaxinfer.ray_serve.autoscaling import QueueAutoscalingPolicy
+from jaxinfer.ray_serve.batch_replica import BatchRunnerReplica
 from jaxinfer.ray_serve.config import RayServeConfig
 from jaxinfer.ray_serve.engine_replica import EngineReplica
-from jaxinfer.ray_serve.ingress import OpenAIIngress
+from jaxinfer.ray_serve.ingress import IngressOptions, OpenAIIngress
 from jaxinfer.ray_serve.prefix_router import PrefixAwareRouter
 
 ENGINE_DEPLOYMENT = "JaxinferEngine"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
+BATCH_DEPLOYMENT = "JaxinferBatchRunner"
 # Serve's access log writes lines per call on each hop; the routes log each request once already.
 QUIET_LOGGING = {"enable_access_log": False}
 ROUTER_CLASSES = {
@@ -46,7 +50,19 @@ def build_application(build_engine: Callable[[], object], config: RayServeConfig
         request_router_config=request_router_config(config),
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
         logging_config=QUIET_LOGGING,
-    ).bind(build_engine, config.admission, config.engine_max_ongoing_requests)
+        # Serve's own 503 past max_queued_requests carries Retry-After natively (Ray 2.60's
+        # BackpressureConfig); the ingress turns it into the routes' OpenAI-shaped 503 with the same header.
+        backpressure_config=BackpressureConfig(retry_after_s=config.admission.retry_after_s),
+    ).bind(build_engine, config.admission, config.served_model_name)
+    batch_runner = None
+    if config.batch_store is not None:
+        batch_runner = serve.deployment(BatchRunnerReplica).options(
+            name=BATCH_DEPLOYMENT,
+            num_replicas=config.batch_store.num_runners,
+            ray_actor_options={"num_cpus": config.batch_num_cpus},
+            logging_config=QUIET_LOGGING,
+        ).bind(engine, config.batch_store, config.served_model_name, config.batch_runner,
+               config.admission.retry_after_s)
     num_threads = config.ingress_threads_needed()
     ingress = serve.deployment(serve.ingress()(OpenAIIngress)).options(
         name=INGRESS_DEPLOYMENT,
@@ -54,8 +70,9 @@ def build_application(build_engine: Callable[[], object], config: RayServeConfig
         max_ongoing_requests=num_threads,
         logging_config=QUIET_LOGGING,
     )
-    return ingress.bind(engine, config.served_model_name, num_threads, config.admission.retry_after_s,
-                        config.api_key, config.max_body_bytes)
+    return ingress.bind(engine, batch_runner, IngressOptions(
+        config.served_model_name, num_threads, config.admission.retry_after_s, config.api_key,
+        config.max_body_bytes, config.max_file_bytes, config.batch_store, config.batch_window_s))
 
 
 def engine_actor_options(config: RayServeConfig) -> dict:

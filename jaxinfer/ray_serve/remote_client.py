@@ -14,12 +14,14 @@ picks the replica:
 - ``abort`` is broadcast: the client does not know which replica holds a request, and a replica
   ignores ids it does not hold. The aborted requests' streams end as the contract says (their
   final outputs come back through the still-open calls).
-- ``stats`` sums the replicas' counters (``kv_cache_usage`` is their mean).
+- ``stats`` sums the replicas' counters (``kv_cache_usage`` is their mean), cached for 0.1 s.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ray.serve.exceptions import BackPressureError
@@ -31,6 +33,8 @@ from jaxinfer.tokenizer import Tokenizer
 logger = logging.getLogger("jaxinfer.ray_serve")
 
 ABORT_TIMEOUT_S = 5.0
+STATS_MAX_AGE_S = 0.1
+STATS_TIMEOUT_S = 10.0
 
 
 class RemoteEngineClient:
@@ -44,8 +48,12 @@ class RemoteEngineClient:
         self.max_model_len = max_model_len
         self.state = "ready"  # Serve routes to a replica only once its engine is compiled
         self._handle = engine_handle
+        self._streaming_handle = engine_handle.options(stream=True)  # made once: options() copies the handle
         self._retry_after_s = retry_after_s
         self._stream_pumps = ThreadPoolExecutor(max_streams, thread_name_prefix="engine-call")
+        self._stats_lock = threading.Lock()
+        self._stats: dict | None = None
+        self._stats_at = 0.0
 
     def generate(self, requests: list[EngineRequest]) -> OutputStream:
         return self._call("generate", requests)
@@ -60,21 +68,29 @@ class RemoteEngineClient:
             logger.exception("could not abort requests", extra={"request_ids": request_ids})
 
     def stats(self) -> dict:
-        return sum_replica_stats(self.replica_stats())
+        """The replicas' summed stats, at most ``STATS_MAX_AGE_S`` old: the batch runner asks before
+        each line it submits, and each answer is a broadcast to every replica."""
+        now = time.monotonic()
+        with self._stats_lock:
+            if self._stats is None or now - self._stats_at > STATS_MAX_AGE_S:
+                self._stats, self._stats_at = sum_replica_stats(self.replica_stats()), now
+            return self._stats
 
     def replica_stats(self) -> list[dict]:
         """Each engine replica's ``EngineLoop.stats()``."""
-        return self._handle.broadcast("stats").results()
+        return self._handle.broadcast("stats").results(timeout_s=STATS_TIMEOUT_S)
 
     def _call(self, method: str, requests: list[EngineRequest]) -> OutputStream:
         try:
-            responses = getattr(self._handle.options(stream=True), method).remote(requests)
+            responses = getattr(self._streaming_handle, method).remote(requests)
             verdict = next(responses)
-        except BackPressureError as e:
+        except BackPressureError as e:  # Serve's queue (max_queued_requests) is full: 503, not 500
             raise QueueFullError(f"every engine replica is busy and Serve's queue is full ({e}); retry later",
-                                 self._retry_after_s) from None
+                                 e.retry_after_s or self._retry_after_s) from None
         if isinstance(verdict, wire.Unavailable):
             raise verdict.to_error()
+        with self._stats_lock:
+            self._stats = None  # the next reading counts this call
         stream = OutputStream([r.request_id for r in requests])
         self._stream_pumps.submit(_pump, responses, stream)
         return stream

@@ -17,10 +17,11 @@ import threading
 
 from jaxinfer.engine_args import add_engine_arguments, engine_options_from_args
 from jaxinfer.engine_config import EngineConfig
-from jaxinfer.ray_serve.config import ROUTERS, ModelSpec, RayServeConfig
+from jaxinfer.batch_api.sqlite_store import DEFAULT_LEASE_S
+from jaxinfer.ray_serve.config import ROUTERS, BatchStoreOptions, ModelSpec, RayServeConfig
 from jaxinfer.server.admission import (DEFAULT_MAX_WAITING_PROMPT_TOKENS, DEFAULT_MAX_WAITING_REQUESTS,
                                        DEFAULT_RETRY_AFTER_S, AdmissionConfig)
-from jaxinfer.server.app import DEFAULT_MAX_BODY_BYTES
+from jaxinfer.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_FILE_BYTES
 from jaxinfer.server.serve import default_served_name
 
 APP_NAME = "jaxinfer"
@@ -69,6 +70,20 @@ def add_serve_ray_arguments(parser: argparse.ArgumentParser) -> None:
     r("--ingress-threads", type=int, default=None,
       help="HTTP calls in flight per ingress replica (default: every engine replica's max ongoing + Serve's queue)")
     r("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    b = parser.add_argument_group("batch", "the Files and Batch API under Ray (docs/RAY.md)").add_argument
+    b("--batch-db", default=None,
+      help="SQLite file of the Batch API, owned by one batch-runner replica (default: batches.sqlite3 in "
+           "jaxinfer's cache directory on that replica's node)")
+    b("--batch-redis", default=None,
+      help="redis://host:port/db: the Batch API's queue in Redis, shared by every ingress and batch runner")
+    b("--batch-runners", type=int, default=1, help="batch-runner replicas (more than 1 needs --batch-redis)")
+    b("--batch-lease-s", type=float, default=DEFAULT_LEASE_S,
+      help="seconds a dead runner's batch work stays claimed before another runner takes it")
+    b("--max-file-bytes", type=int, default=DEFAULT_MAX_FILE_BYTES,
+      help="upload size limit of POST /v1/files (413 past it)")
+    b("--batch-window-s", type=float, default=None,
+      help="testing/debugging: how many seconds a batch's \"24h\" completion window lasts before it expires")
+    b("--no-batch-api", action="store_true", help="serve no /v1/files or /v1/batches (no batch-runner replica)")
 
 
 def config_from_args(args: argparse.Namespace, accelerator: str) -> RayServeConfig:
@@ -88,6 +103,9 @@ def config_from_args(args: argparse.Namespace, accelerator: str) -> RayServeConf
         look_back_period_s=args.look_back_period, metrics_interval_s=args.metrics_interval, router=args.router,
         page_size=engine_config.for_platform(accelerator).page_size,
         ingress_threads=args.ingress_threads, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        batch_store=None if args.no_batch_api else BatchStoreOptions(
+            args.batch_db, args.batch_redis, args.batch_lease_s, args.batch_runners),
+        max_file_bytes=args.max_file_bytes, batch_window_s=args.batch_window_s,
     )
 
 

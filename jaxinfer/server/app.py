@@ -45,20 +45,24 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 def create_app(client: EngineClient, served_model_name: str, metrics: ServerMetrics | None = None,
                api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                tracer_provider=None, batch_store: BatchStore | None = None,
-               max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, tool_call_parser: str | None = None) -> Flask:
+               max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, tool_call_parser: str | None = None,
+               batch_window_s: float | None = None) -> Flask:
     """The OpenAI-compatible app over ``client``; ``metrics`` None turns ``/metrics`` off, ``batch_store``
-    None the Files and Batch API.
+    None the Files and Batch API (``batch_window_s``: how long a batch's "24h" window lasts, for tests).
 
     ``max_body_bytes`` is checked here too (413), for WSGI servers other than the one
     :mod:`jaxinfer.server.waitress_server` configures, which answers before the app is called.
     """
+    if batch_window_s is not None and not batch_window_s > 0:
+        raise ValueError(f"batch_window_s must be positive, got {batch_window_s}")
     app = Flask("jaxinfer.server")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     if metrics is not None:
         metrics.registry.register(DeviceCollector())
     app.extensions[EXTENSION_KEY] = AppState(client, served_model_name, metrics, api_key, Tracer(tracer_provider),
                                              started=int(time.time()), batch_store=batch_store,
-                                             max_file_bytes=max_file_bytes, tool_call_parser=tool_call_parser)
+                                             max_file_bytes=max_file_bytes, tool_call_parser=tool_call_parser,
+                                             batch_window_s=batch_window_s)
     app.before_request(assign_request_id_and_check_api_key)
     app.after_request(tag_and_log_response)
     app.register_error_handler(APIError, api_error_response)

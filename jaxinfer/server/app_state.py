@@ -32,6 +32,9 @@ class AppState:
     batch_store: BatchStore | None = None  # None: no /v1/files or /v1/batches
     max_file_bytes: int = 0  # upload limit of POST /v1/files
     tool_call_parser: str | None = None  # --tool-call-parser; None: chosen from the chat template
+    # How long a batch's "24h" completion window really lasts; None: 24 h. Shorter only for tests
+    # and debugging (--batch-window-s): clients still send "24h", as OpenAI's API requires.
+    batch_window_s: float | None = None
 
 
 def app_state() -> AppState:

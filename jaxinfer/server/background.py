@@ -47,6 +47,7 @@ class BackgroundServer:
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         batch_runner: BatchRunnerConfig | None = None,
         tool_call_parser: str | None = None,
+        batch_window_s: float | None = None,
     ):
         """Listen on ``host:port`` (port 0: a free one) and, given an ``engine``, serve it; returns once ready.
 
@@ -60,7 +61,7 @@ class BackgroundServer:
         self.app = create_app(self.loop, served_model_name, self.metrics, api_key=api_key,
                               max_body_bytes=max_body_bytes, tracer_provider=tracer_provider,
                               batch_store=batch_store, max_file_bytes=max_file_bytes,
-                              tool_call_parser=tool_call_parser)
+                              tool_call_parser=tool_call_parser, batch_window_s=batch_window_s)
         self.server = create_waitress_server(self.app, host, port, threads, max_body_bytes,
                                              path_body_limits={FILES_PATH: max_file_bytes} if batch_store else None)
         # The runner waits for the engine to be ready by itself, so it starts with the HTTP server.

@@ -4,12 +4,16 @@ Uploads (``POST /v1/files``, multipart, purpose ``batch``) may be larger than an
 their limit is ``--max-file-bytes`` (waitress and Flask both apply it to this path only). Creating
 a batch checks the input file as a whole (JSONL, at most 50,000 lines) and the endpoint, then
 stores it with its lines; the :class:`~jaxinfer.server.batch_runner.BatchRunner` runs them. The
-output and error files are ordinary files (``GET /v1/files/{id}/content``).
+output and error files are ordinary files (``GET /v1/files/{id}/content``). A batch still
+running when its completion window closes (``expires_at``) becomes ``expired``: the runner's
+finalizing pass gives its unanswered lines ``batch_expired`` error lines (OpenAI's semantics).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import time
 
 from flask import Blueprint, Response, request
 
@@ -87,7 +91,10 @@ def create_batch() -> Response:
     content = _store().read_file(input_file_id)
     if content is None:
         raise bad_request(f"no file {input_file_id!r}", param="input_file_id")
-    batch = BatchRecord(new_id("batch"), endpoint, input_file_id, window, now_s(), metadata)
+    # The window is "24h" for clients; a server started with a shorter one (tests, debugging) enforces that.
+    window_s = app_state().batch_window_s or COMPLETION_WINDOW_S[window]
+    batch = BatchRecord(new_id("batch"), endpoint, input_file_id, window, now_s(), metadata,
+                        expires_at=math.ceil(time.time() + window_s))
     try:
         lines = parse_input_file(batch.id, content, endpoint)
     except InputFileError as e:

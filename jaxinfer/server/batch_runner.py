@@ -3,7 +3,8 @@
 It reaches the engine only through the :class:`~jaxinfer.engine_client.EngineClient` the HTTP
 routes use, at low priority: a line is submitted only while fewer than ``max_waiting_requests``
 requests (interactive or batch) wait for their first token, and at most ``max_lines_in_flight``
-lines run at once. The engine schedules first come first served, so an interactive request that
+lines run at once (with a client over several engine replicas, as under Ray, the waiting
+limit is per replica). The engine schedules first come first served, so an interactive request that
 arrives finds at most that many batch requests ahead of it in the queue, while the batch fills
 whatever room the engine has left.
 
@@ -122,13 +123,16 @@ class BatchRunner:
     def _queue_is_short(self) -> bool:
         stats = self.client.stats()
         waiting = max(stats.get("num_waiting", 0), stats.get("server_num_requests_waiting", 0))
-        return waiting < self.config.max_waiting_requests
+        # A client over several engine replicas (Ray) sums their queues: the limit is per replica.
+        return waiting < self.config.max_waiting_requests * stats.get("num_replicas", 1)
 
     def _submit(self) -> None:
-        while len(self._running) < self.config.max_lines_in_flight and self._queue_is_short():
+        while len(self._running) < self.config.max_lines_in_flight:
+            if not self._claimed and time.monotonic() < self._next_claim_at:
+                return  # nothing to submit: the engine's stats are not even read
+            if not self._queue_is_short():
+                return
             if not self._claimed:
-                if time.monotonic() < self._next_claim_at:
-                    return
                 held = {line.key for line in self._held()}
                 room = self.config.max_lines_in_flight - len(self._running)
                 self._claimed = self.store.claim_lines(self.worker_id, room, held)

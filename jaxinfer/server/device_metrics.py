@@ -32,6 +32,8 @@ _NVML = [
      lambda nvml, h: nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0),
     ("gpu_memory_used_bytes", "GPU memory in use (NVML).", lambda nvml, h: nvml.nvmlDeviceGetMemoryInfo(h).used),
 ]
+# Every family this collector declares (the Ray ingress keeps their samples apart per engine replica).
+FAMILY_NAMES = frozenset(PREFIX + name for name, *_ in _JAX_MEMORY + _NVML)
 
 logger = logging.getLogger("jaxinfer.server")
 

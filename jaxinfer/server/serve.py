@@ -72,6 +72,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--tool-call-parser", default=None, choices=sorted(PARSERS),
       help="the format the model writes tool calls in (default: from the chat template's markers; "
            "a template without tools is taught the hermes format)")
+    a("--batch-window-s", type=float, default=None,
+      help="testing/debugging: how many seconds a batch's \"24h\" completion window lasts before it expires")
 
 
 def default_served_name(model: str) -> str:
@@ -137,6 +139,7 @@ def run_server(args: argparse.Namespace, engine_factory=build_engine) -> int:
         threads=threads, max_body_bytes=args.max_body_bytes, tracer_provider=tracer_provider,
         max_model_len=args.max_model_len or 131072,
         batch_store=batch_store, max_file_bytes=args.max_file_bytes, tool_call_parser=args.tool_call_parser,
+        batch_window_s=args.batch_window_s,
     )
     loop, server = http.loop, http.server
     logger.info("listening (loading the model)", extra={"host": args.host, "port": server.effective_port,
