@@ -217,6 +217,10 @@ class Engine:
                 raise RequestError(f"a bad word is {longest} tokens long, more than the {MAX_BAD_WORD_TOKENS} "
                                    f"supported", field="bad_words", limit=MAX_BAD_WORD_TOKENS)
         if params.structured_outputs is not None:
+            if params.min_tokens > 0:
+                # Before min_tokens EOS is banned, but a complete grammar allows nothing else.
+                raise RequestError("min_tokens cannot be combined with structured_outputs", field="min_tokens",
+                                   limit=0)
             check_grammar(params.structured_outputs)  # unsupported schema keywords: named here
 
     def abort(self, request_id: str) -> bool:

@@ -122,6 +122,9 @@ def test_engine_refuses_an_unsupported_schema(tiny_llm):
     with pytest.raises(RequestError, match="'unevaluatedProperties'"):
         tiny_llm.engine.add_request("bad-schema", [1, 2], constrained(json={"type": "object", "unevaluatedProperties": False}))
     assert not tiny_llm.engine.has_unfinished_requests()
+    with pytest.raises(RequestError) as error:
+        tiny_llm.engine.validate([1, 2], SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+")))
+    assert error.value.field == "min_tokens"
 
 
 def test_grammar_cache_is_keyed_by_the_constraint(tiny):
