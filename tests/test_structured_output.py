@@ -278,3 +278,37 @@ def test_padded_vocabulary_ids_are_never_allowed(tiny):
     assert allowed[0].all() and allowed[1].all()  # rows without a grammar
     assert not allowed[2, 512:].any() and allowed[2, :512].sum() > 400
     compiler.shutdown()
+
+
+def test_a_request_waiting_for_its_grammar_stalls_no_one_and_can_be_aborted(tiny_llm):
+    """While a grammar compiles, the other requests' steps go on; once compiled, the request runs."""
+    import concurrent.futures
+
+    engine = tiny_llm.engine
+    real_submit = engine.grammar_compiler.submit
+    slow = concurrent.futures.Future()  # a compilation that has not finished
+    engine.grammar_compiler.submit = lambda constraint: slow
+    try:
+        engine.add_request("waits", [3, 4], constrained(regex="[a-z]{3}", max_tokens=8))
+        engine.add_request("aborted", [3, 5], constrained(regex="[a-z]{3}", max_tokens=8))
+        engine.add_request("free", [5, 6], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    finally:
+        engine.grammar_compiler.submit = real_submit
+    assert engine.abort("aborted")
+    finished = {}
+    for _ in range(50):
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        if "free" in finished:
+            break
+    assert len(finished["free"].outputs[0].token_ids) == 6
+    assert finished["aborted"].outputs[0].finish_reason == "abort"
+    assert "waits" not in finished and engine.stats()["num_waiting_for_grammar"] == 1
+    slow.set_result(real_submit(StructuredOutputsParams(regex="[a-z]{3}")).result(timeout=30))
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert re.fullmatch("[a-z]{3}", finished["waits"].outputs[0].text)
+    assert engine.stats()["num_waiting_for_grammar"] == 0
