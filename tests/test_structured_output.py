@@ -270,9 +270,10 @@ def test_padded_vocabulary_ids_are_never_allowed(tiny):
     compiler = GrammarCompiler(lambda: guidance_tokenizer(tiny.tokenizer, model_vocab, [511]))
     matchers = GrammarMatchers(tiny.tokenizer.vocab_size, model_vocab, [511])
     constrained_seq, free_seq = Sequence(0, "a", [1]), Sequence(1, "b", [1])
-    matchers.add(constrained_seq, compiler.submit(StructuredOutputsParams(regex=r"(.|\n)*")))
-    compiler_done = matchers._waiting[0][1].result(timeout=30)
-    assert compiler_done is not None and [s.seq_id for s, e in matchers.take_ready()] == [0]
+    template = compiler.submit(StructuredOutputsParams(regex=r"(.|\n)*"))
+    matchers.add(constrained_seq, template)
+    template.result(timeout=30)
+    assert [(s.seq_id, e) for s, e in matchers.take_ready()] == [(0, None)]
     bitmask = matchers.fill_bitmask([(constrained_seq, 2), (free_seq, 0)], 3)
     allowed = np.asarray(apply_token_bitmask(jnp.zeros((3, model_vocab)), jnp.asarray(bitmask))) == 0
     assert allowed[0].all() and allowed[1].all()  # rows without a grammar

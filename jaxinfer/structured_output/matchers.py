@@ -72,6 +72,10 @@ class GrammarMatchers:
     def is_constrained(self, seq: Sequence) -> bool:
         return seq.seq_id in self._matchers
 
+    def matcher_of(self, seq: Sequence) -> llguidance.LLMatcher | None:
+        """``seq``'s matcher (None while its grammar compiles, or without one)."""
+        return self._matchers.get(seq.seq_id)
+
     def drop(self, seq: Sequence) -> None:
         """Forget ``seq`` (finished or aborted), waiting or not."""
         self._waiting.pop(seq.seq_id, None)
