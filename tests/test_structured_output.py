@@ -157,6 +157,7 @@ def test_lark_grammar_and_json_object(tiny_llm):
         assert re.fullmatch(r"\([0-9]{1,3}(,[0-9]{1,3})*\)", text), text
     outputs = tiny_llm.generate([[7, 8]] * 3, constrained(json_object=True, max_tokens=64), use_tqdm=False)
     for output in outputs:
+        assert "\n" not in output.outputs[0].text  # json.dumps's layout, no free whitespace to ramble in
         if output.outputs[0].finish_reason == "stop":
             assert isinstance(json.loads(output.outputs[0].text), dict)
         else:  # cut by max_tokens: a prefix of an object

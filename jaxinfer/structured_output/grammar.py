@@ -20,6 +20,10 @@ from jaxinfer.sampling_params import StructuredOutputsParams
 
 # OpenAI's response_format {"type": "json_object"}: any JSON object.
 _ANY_JSON_OBJECT = {"type": "object"}
+# JSON is laid out as Python's json.dumps does ({"a": 1, "b": [1, 2]}): with flexible
+# whitespace (llguidance's default) a sampled model may emit newlines and indentation until
+# max_tokens cuts it, an invalid output. A schema's own "x-guidance" options override these.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # llguidance reports unsupported schema keywords as 'Unimplemented keys: ["if", "then"]'.
 _UNIMPLEMENTED = re.compile(r'Unimplemented keys?: \[([^\]]*)\]')
 
@@ -39,9 +43,9 @@ def grammar_text(constraint: StructuredOutputsParams) -> str:
     kind = constraint.kinds()[0]
     if kind == "json":
         schema = constraint.json if isinstance(constraint.json, dict) else _parse_json_schema(constraint.json)
-        return llguidance.LLMatcher.grammar_from_json_schema(schema)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_LAYOUT)
     if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema(_ANY_JSON_OBJECT)
+        return llguidance.LLMatcher.grammar_from_json_schema(_ANY_JSON_OBJECT, defaults=_JSON_LAYOUT)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(constraint.regex)
     if kind == "choice":
