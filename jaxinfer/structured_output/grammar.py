@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import re
 
-import llguidance
-
 from jaxinfer.errors import RequestError
 from jaxinfer.sampling_params import StructuredOutputsParams
 
@@ -40,6 +38,10 @@ def grammar_key(constraint: StructuredOutputsParams) -> str:
 
 def grammar_text(constraint: StructuredOutputsParams) -> str:
     """The llguidance grammar enforcing ``constraint`` (not yet checked: see :func:`check_grammar`)."""
+    # llguidance is imported on first use: an engine that never sees a grammar never loads it
+    # (and runs where it is not installed, as in the GPU machine's bare environment).
+    import llguidance
+
     kind = constraint.kinds()[0]
     if kind == "json":
         schema = constraint.json if isinstance(constraint.json, dict) else _parse_json_schema(constraint.json)
@@ -58,6 +60,8 @@ def check_grammar(constraint: StructuredOutputsParams) -> str:
     """The grammar of ``constraint``, or a ``RequestError`` naming what llguidance cannot enforce."""
     kind = constraint.kinds()[0]
     field = f"structured_outputs.{kind}"
+    import llguidance
+
     try:
         grammar = grammar_text(constraint)
     except ValueError as e:  # a schema that is not a JSON object
