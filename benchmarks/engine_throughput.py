@@ -20,6 +20,16 @@ then ``step`` until done), timed on the host's wall clock.
 - ``throughput-1k``: 1000 requests x 1000 in / 1000 out, all submitted at once (``--profile-steps N``:
   also a ``jax.profiler`` trace of N of its steady decode steps).
 - ``throughput-nano``: Qwen3-0.6B, 256 requests, lengths uniform in [100, 1024], seed 0.
+- ``throughput-1k-structured`` (``--structured-fraction F``): ``throughput-1k`` with a fraction
+  F of the requests (spread evenly) under a JSON schema (``structured_output_host.LONG_OUTPUT_SCHEMA``:
+  an object whose one string is at least 4,096 characters long), and its ratio to ``throughput-1k``
+  when both run. Random weights have no tokenizer, so the grammar uses ``--structured-tokenizer``'s
+  (SmolLM2's 49,152 ids by default; ``structured_output_host.py --export-tokenizer DIR`` writes one
+  small enough to carry); the model's other ids are padding the mask always disallows. EOS is
+  ignored as in ``throughput-1k``, but a grammar that completes ends its request early with EOS
+  (there is no valid token after it), which would make the constrained run do less work: the
+  schema cannot complete within 1,000 tokens, so every request still makes its full output (the
+  run checks it), and the masks are the costly in-string kind throughout.
 
 Writes DIR/engine_throughput.{json,md,log}, after each workload (a run cut short keeps
 what it measured).
@@ -45,7 +55,7 @@ from common import Log, header, measure_ceilings, random_model, random_prompts, 
 
 from jaxinfer.engine import Engine, EngineConfig  # noqa: E402
 from jaxinfer.memory import num_pages_for_device, pages_for, weight_bytes  # noqa: E402
-from jaxinfer.sampling_params import SamplingParams  # noqa: E402
+from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 NAME = "engine_throughput"
 
@@ -73,11 +83,20 @@ def build_engine(model, *, max_model_len, max_num_seqs, max_num_batched_tokens, 
                     "num_programs": programs, "compile_seconds": seconds}
 
 
-def run_requests(engine, prompts, output_lens, tag, capture=None):
-    """Submit everything at once and step until done; per-request metrics and a per-step log."""
+def run_requests(engine, prompts, output_lens, tag, capture=None, structured_fraction=0.0):
+    """Submit everything at once and step until done; per-request metrics and a per-step log.
+
+    ``structured_fraction``: that share of the requests, spread evenly, run under
+    ``LONG_OUTPUT_SCHEMA`` (a JSON schema that cannot complete within their output).
+    """
+    from structured_output_host import LONG_OUTPUT_SCHEMA
+
+    constraint = StructuredOutputsParams(json=LONG_OUTPUT_SCHEMA)
     for i, (prompt, n) in enumerate(zip(prompts, output_lens)):
-        engine.add_request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=int(n), ignore_eos=True, temperature=0.0),
-                           final_only=True)  # offline generation, as LLM.generate does
+        is_structured = int((i + 1) * structured_fraction) > int(i * structured_fraction)
+        params = SamplingParams(max_tokens=int(n), ignore_eos=True, temperature=0.0,
+                                structured_outputs=constraint if is_structured else None)
+        engine.add_request(f"{tag}-{i}", prompt, params, final_only=True)  # offline generation, as LLM.generate does
     steps, finished = [], {}
     wait_before = engine.device_wait_seconds
     tokens_before = engine.stats()["generation_tokens_total"]
@@ -91,13 +110,13 @@ def run_requests(engine, prompts, output_lens, tag, capture=None):
                   f"waiting {engine.scheduler.num_waiting}", flush=True)
             next_report += 15.0
         t0 = time.perf_counter()
-        wait0, dispatch0 = engine.device_wait_seconds, engine.dispatch_seconds
+        wait0, dispatch0, mask0 = engine.device_wait_seconds, engine.dispatch_seconds, engine.grammar_mask_seconds
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
         steps.append({
             "wall": time.perf_counter() - t0, "wait": engine.device_wait_seconds - wait0,
-            "dispatch": engine.dispatch_seconds - dispatch0,
+            "dispatch": engine.dispatch_seconds - dispatch0, "mask": engine.grammar_mask_seconds - mask0,
             "num_tokens": engine.last_step_num_tokens, "num_running": engine.scheduler.num_running,
         })
         if capture is not None:
@@ -117,6 +136,7 @@ def run_requests(engine, prompts, output_lens, tag, capture=None):
         "device_wait_seconds": engine.device_wait_seconds - wait_before,
         "preemptions": engine.scheduler.num_preemptions,
         "compilations_after_warmup": engine.runner.num_compilations_after_warmup,
+        "grammar_mask_seconds": engine.grammar_mask_seconds,
     }, outputs, steps
 
 
@@ -217,10 +237,20 @@ class DecodeProfiler:
             self.active = True
 
 
-def throughput(engine, prompt_lens, output_lens, tag, log, profile: DecodeProfiler | None = None):
+def throughput(engine, prompt_lens, output_lens, tag, log, profile: DecodeProfiler | None = None,
+               structured_fraction: float = 0.0):
     rng = np.random.default_rng(0)
+    mask_before = engine.grammar_mask_seconds
     summary, _, steps = run_requests(engine, random_prompts(rng, prompt_lens, engine.model_config.vocab_size),
-                                     output_lens, tag, capture=profile)
+                                     output_lens, tag, capture=profile, structured_fraction=structured_fraction)
+    summary["grammar_mask_seconds"] = engine.grammar_mask_seconds - mask_before
+    if structured_fraction:
+        summary["structured_fraction"] = structured_fraction
+        # Host time filling masks, per step that had constrained rows (it overlaps the forward).
+        masked_steps = [s for s in steps if s["mask"] > 0]
+        if masked_steps:
+            summary["mask_fill_ms_p50"] = 1e3 * float(np.percentile([s["mask"] for s in masked_steps], 50))
+            summary["mask_fill_ms_p99"] = 1e3 * float(np.percentile([s["mask"] for s in masked_steps], 99))
     if profile is not None and profile.active:  # the run ended first
         jax.profiler.stop_trace()
     decode_steps = [s for s in steps if s["num_tokens"] == s["num_running"] and s["num_running"] > 0]
@@ -269,6 +299,10 @@ def markdown(results: dict) -> str:
         if key in w:
             s = w[key]
             lines.append(f"| {key} | {s['shape']} | {s['output_tokens_per_s']:.0f} output tok/s, {s['total_tokens_per_s']:.0f} total tok/s, {s['requests_per_s']:.2f} req/s | mean batch {s['mean_batch']:.0f}, {s['preemptions']} preemptions |")
+    if "throughput-1k-structured" in w:
+        s = w["throughput-1k-structured"]
+        goal = "≥ 90%" if s["structured_fraction"] >= 1.0 else "≥ 97% at 20%"
+        lines.append(f"| throughput-1k, {s['structured_fraction']:.0%} under a JSON schema | {s['shape']} | {s['output_tokens_per_s']:.0f} output tok/s; mask fill p50 {s.get('mask_fill_ms_p50', float('nan')):.2f} ms, p99 {s.get('mask_fill_ms_p99', float('nan')):.2f} ms a step | {s.get('ratio_to_unconstrained', float('nan')):.1%} of unconstrained (goal {goal}) |")
     lines += ["", "Engine settings per model:", ""]
     for shape, e in results.get("engines", {}).items():
         lines.append(f"- {shape}: " + ", ".join(f"{k} {v if not isinstance(v, float) else round(v, 1)}" for k, v in e.items()))
@@ -291,6 +325,10 @@ def main():
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages of every engine the run builds (default: sized from free memory)")
     parser.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (CPU smoke runs)")
     parser.add_argument("--resume", action="store_true", help="add to an existing results JSON in --out")
+    parser.add_argument("--structured-fraction", type=float, default=0.0,
+                        help="run throughput-1k-structured: this fraction of throughput-1k's requests under a JSON schema")
+    parser.add_argument("--structured-tokenizer", default="smollm2-135m-instruct",
+                        help="the grammar's tokenizer: a model name, GGUF or HF directory (structured_output_host.py --export-tokenizer)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="trace this many steady decode steps of throughput-1k (DIR/profile_throughput-1k_decode)")
     args = parser.parse_args()
@@ -315,6 +353,11 @@ def main():
     main_loads = [w for w in workloads if w != "throughput-nano"]
     if main_loads:
         model = random_model(args.shape)
+        if args.structured_fraction:
+            from structured_output_host import load_tokenizer
+
+            # Prompts are token ids and nothing is decoded for the results: only grammars use it.
+            model.tokenizer = load_tokenizer(args.structured_tokenizer)
         engine, engine_info = build_engine(
             model, max_model_len=2048, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             page_size=args.page_size, memory_utilization=args.memory_utilization, log=log, num_pages=args.num_pages,
@@ -355,6 +398,18 @@ def main():
                                       min_running=min(n, args.max_num_seqs) // 2) if args.profile_steps else None)
             w = throughput(engine, [length] * n, [length] * n, "throughput-1k", log, profile)
             results["workloads"]["throughput-1k"] = {"shape": args.shape, **w}
+            save()
+        if args.structured_fraction:
+            n, length = scaled(1000), scaled(1000)
+            w = throughput(engine, [length] * n, [length] * n, "throughput-1k-structured", log,
+                           structured_fraction=args.structured_fraction)
+            unconstrained = results["workloads"].get("throughput-1k", {}).get("output_tokens_per_s")
+            if unconstrained:
+                w["ratio_to_unconstrained"] = w["output_tokens_per_s"] / unconstrained
+            log(f"throughput-1k-structured ({args.structured_fraction:.0%}): {w['output_tokens_per_s']:.0f} output "
+                f"tok/s, {w.get('ratio_to_unconstrained', float('nan')):.1%} of unconstrained; mask fill p50 "
+                f"{w.get('mask_fill_ms_p50', float('nan')):.2f} ms, p99 {w.get('mask_fill_ms_p99', float('nan')):.2f} ms")
+            results["workloads"]["throughput-1k-structured"] = {"shape": args.shape, **w}
             save()
         del engine, model
         gc.collect()

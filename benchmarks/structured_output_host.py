@@ -141,7 +141,7 @@ def main():
             bitmask = np.empty((args.batch, (vocab + 31) // 32), np.int32)
             t0 = time.perf_counter()
             for seq, row in sampled:
-                llguidance_numpy.fill_next_token_bitmask(matchers._matchers[seq.seq_id], bitmask, row)
+                llguidance_numpy.fill_next_token_bitmask(matchers.matcher_of(seq), bitmask, row)
             serial_ms.append(1e3 * (time.perf_counter() - t0))
         else:
             t0 = time.perf_counter()

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.errors import RequestError
 from jaxinfer.tokenizer import Tokenizer
 
 MAX_BAD_WORD_SEQUENCES = 16  # per request: two per word (with and without a leading space)
@@ -43,6 +44,18 @@ def bad_words_token_ids(words: list[str], tokenizer: Tokenizer) -> tuple[tuple[i
             if ids and ids not in sequences:
                 sequences.append(ids)
     return tuple(sequences)
+
+
+def check_bad_words(sequences: tuple[tuple[int, ...], ...]) -> None:
+    """A ``RequestError`` unless the token sequences of a request's bad words fit a row."""
+    if len(sequences) > MAX_BAD_WORD_SEQUENCES:
+        raise RequestError(f"bad_words needs {len(sequences)} token sequences (each word alone and after a space), "
+                           f"more than the {MAX_BAD_WORD_SEQUENCES} supported", field="bad_words",
+                           limit=MAX_BAD_WORD_SEQUENCES)
+    longest = max((len(ids) for ids in sequences), default=0)
+    if longest > MAX_BAD_WORD_TOKENS:
+        raise RequestError(f"a bad word is {longest} tokens long, more than the {MAX_BAD_WORD_TOKENS} supported",
+                           field="bad_words", limit=MAX_BAD_WORD_TOKENS)
 
 
 def fill_bad_words_row(array: np.ndarray, row: int, sequences: tuple[tuple[int, ...], ...]) -> None:

@@ -31,12 +31,12 @@ import time
 
 import numpy as np
 
-from jaxinfer.bad_words import MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS, bad_words_token_ids
+from jaxinfer.bad_words import bad_words_token_ids, check_bad_words
 from jaxinfer.engine_config import EngineConfig
 from jaxinfer.errors import PromptTooLongError, RequestError, RequestIdInUseError
 from jaxinfer.input_batch import MAX_BANNED, PackedStep
 from jaxinfer.loaded_model import LoadedModel
-from jaxinfer.logit_bias import MAX_LOGIT_BIAS_IDS
+from jaxinfer.logit_bias import check_logit_bias
 from jaxinfer.output_processor import OutputProcessor, RequestState, fetch_samples
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.page_allocator import PageAllocator
@@ -201,22 +201,18 @@ class Engine:
             )
         # logit_bias and bad words travel to the device in fixed-width lists.
         if params.logit_bias:
-            if len(params.logit_bias) > MAX_LOGIT_BIAS_IDS:
-                raise RequestError(f"logit_bias has {len(params.logit_bias)} entries, more than the "
-                                   f"{MAX_LOGIT_BIAS_IDS} supported", field="logit_bias", limit=MAX_LOGIT_BIAS_IDS)
-            if any(t >= vocab for t in params.logit_bias):
-                raise RequestError(f"logit_bias token ids must be in [0, {vocab})", field="logit_bias", limit=vocab)
+            check_logit_bias(params.logit_bias, vocab)
         if params.bad_words:
-            sequences = bad_words_token_ids(params.bad_words, self.tokenizer)
-            if len(sequences) > MAX_BAD_WORD_SEQUENCES:
-                raise RequestError(
-                    f"bad_words needs {len(sequences)} token sequences (each word alone and after a space), "
-                    f"more than the {MAX_BAD_WORD_SEQUENCES} supported", field="bad_words", limit=MAX_BAD_WORD_SEQUENCES)
-            longest = max(len(ids) for ids in sequences)
-            if longest > MAX_BAD_WORD_TOKENS:
-                raise RequestError(f"a bad word is {longest} tokens long, more than the {MAX_BAD_WORD_TOKENS} "
-                                   f"supported", field="bad_words", limit=MAX_BAD_WORD_TOKENS)
+            check_bad_words(bad_words_token_ids(params.bad_words, self.tokenizer))
         if params.structured_outputs is not None:
+            if params.min_tokens > 0:
+                # Before min_tokens EOS is banned, but a complete grammar allows nothing else.
+                raise RequestError("min_tokens cannot be combined with structured_outputs", field="min_tokens",
+                                   limit=0)
+            if self.runner.is_observed:
+                # Other hosts replay each step's inputs (jaxinfer.distributed), not the bitmask.
+                raise RequestError("structured_outputs is not supported on a multi-host engine yet",
+                                   field="structured_outputs")
             check_grammar(params.structured_outputs)  # unsupported schema keywords: named here
 
     def abort(self, request_id: str) -> bool:

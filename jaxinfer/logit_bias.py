@@ -14,9 +14,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.errors import RequestError
+
 # Pairs per row. OpenAI accepts up to 300 entries; 64 keeps the full path's per-step inputs
 # small (512 bytes a row) and covers the usual uses (forcing or forbidding a few tokens).
 MAX_LOGIT_BIAS_IDS = 64
+
+
+def check_logit_bias(logit_bias: dict[int, float], vocab_size: int) -> None:
+    """A ``RequestError`` unless ``logit_bias`` fits a row and names ids in the vocabulary."""
+    if len(logit_bias) > MAX_LOGIT_BIAS_IDS:
+        raise RequestError(f"logit_bias has {len(logit_bias)} entries, more than the {MAX_LOGIT_BIAS_IDS} supported",
+                           field="logit_bias", limit=MAX_LOGIT_BIAS_IDS)
+    if any(t >= vocab_size for t in logit_bias):
+        raise RequestError(f"logit_bias token ids must be in [0, {vocab_size})", field="logit_bias", limit=vocab_size)
 
 
 def fill_logit_bias_row(ids: np.ndarray, values: np.ndarray, row: int, logit_bias: dict[int, float]) -> None:

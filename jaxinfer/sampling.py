@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.bad_words import bad_word_bans
+from jaxinfer.bad_words import NOT_OUTPUT, bad_word_bans
 from jaxinfer.logit_bias import apply_logit_bias
 from jaxinfer.structured_output.bitmask import apply_token_bitmask
 
@@ -103,7 +103,7 @@ class SamplingTensors:
             logit_bias_ids=np.full((num_seqs, num_logit_bias), -1, np.int32),
             logit_bias_values=np.zeros((num_seqs, num_logit_bias), np.float32),
             bad_word_ids=np.full((num_seqs, num_sequences, sequence_len), -1, np.int32),
-            bad_word_tail=np.full((num_seqs, max(sequence_len - 1, 0)), -2, np.int32),
+            bad_word_tail=np.full((num_seqs, max(sequence_len - 1, 0)), NOT_OUTPUT, np.int32),
         )
 
 

@@ -16,6 +16,7 @@ import sys
 from tests.conftest import REPO
 
 BENCHMARKS = REPO / "benchmarks"
+TINY_TOKENIZER = REPO / "tests" / "fixtures" / "tiny-llama3"
 sys.path.insert(0, str(BENCHMARKS))
 
 
@@ -35,7 +36,9 @@ def test_engine_throughput_workloads_complete(tmp_path):
     out = tmp_path / "engine"
     args = [BENCHMARKS / "engine_throughput.py", "--out", out, "--shape", "tiny", "--nano-shape", "tiny",
             "--scale", "0.01", "--workloads", "startup,throughput-1k,throughput-nano"]
-    run_script([*args, "--profile-steps", "2"], tmp_path)
+    # Half of throughput-1k's requests again, under a JSON schema (the tiny fixture's tokenizer).
+    run_script([*args, "--profile-steps", "2", "--structured-fraction", "0.5", "--structured-tokenizer", TINY_TOKENIZER],
+               tmp_path)
     run_script([*args[:-1], "startup", "--resume"], tmp_path)  # the cache the first run filled: warm
     assert list(out.glob("profile_throughput-1k_decode/plugins/profile/*/*.xplane.pb"))
     results = json.loads((out / "engine_throughput.json").read_text())
@@ -45,8 +48,11 @@ def test_engine_throughput_workloads_complete(tmp_path):
     for name in ("throughput-1k", "throughput-nano"):
         assert workloads[name]["compilations_after_warmup"] == 0
         assert workloads[name]["output_tokens"] > 0
+    structured = workloads["throughput-1k-structured"]
+    assert structured["compilations_after_warmup"] == 0 and structured["grammar_mask_seconds"] > 0
+    assert structured["output_tokens"] == workloads["throughput-1k"]["output_tokens"]
     markdown = (out / "engine_throughput.md").read_text()
-    assert "startup, warm cache" in markdown and "throughput-nano" in markdown
+    assert "startup, warm cache" in markdown and "throughput-nano" in markdown and "under a JSON schema" in markdown
 
 
 def test_tensor_parallel_smoke_with_profiles(tmp_path):
@@ -182,3 +188,13 @@ def test_loader_memory_loads_a_sharded_bf16_checkpoint_in_a_child_process(tmp_pa
             found.update({name: file for name in f.keys()})
             assert {str(f.get_tensor(name).dtype) for name in f.keys()} == {"bfloat16"}
     assert found == index["weight_map"]
+
+
+
+def test_structured_output_host_fill_completes(tmp_path):
+    """The host mask-fill benchmark, with the tiny fixture's tokenizer standing in for the default model's."""
+    host = tmp_path / "host"
+    run_script([BENCHMARKS / "structured_output_host.py", "--out", host, "--tokenizer", TINY_TOKENIZER,
+                "--vocab-size", "600", "--batch", "8", "--steps", "12"], tmp_path)
+    results = json.loads((host / "structured_output_host.json").read_text())
+    assert results["fill"]["p99_ms"] > 0 and results["batch"] == 8 and results["tokenizer_vocab"] == 512

@@ -122,6 +122,9 @@ def test_engine_refuses_an_unsupported_schema(tiny_llm):
     with pytest.raises(RequestError, match="'unevaluatedProperties'"):
         tiny_llm.engine.add_request("bad-schema", [1, 2], constrained(json={"type": "object", "unevaluatedProperties": False}))
     assert not tiny_llm.engine.has_unfinished_requests()
+    with pytest.raises(RequestError) as error:
+        tiny_llm.engine.validate([1, 2], SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+")))
+    assert error.value.field == "min_tokens"
 
 
 def test_grammar_cache_is_keyed_by_the_constraint(tiny):
@@ -154,6 +157,7 @@ def test_lark_grammar_and_json_object(tiny_llm):
         assert re.fullmatch(r"\([0-9]{1,3}(,[0-9]{1,3})*\)", text), text
     outputs = tiny_llm.generate([[7, 8]] * 3, constrained(json_object=True, max_tokens=64), use_tqdm=False)
     for output in outputs:
+        assert "\n" not in output.outputs[0].text  # json.dumps's layout, no free whitespace to ramble in
         if output.outputs[0].finish_reason == "stop":
             assert isinstance(json.loads(output.outputs[0].text), dict)
         else:  # cut by max_tokens: a prefix of an object
@@ -267,11 +271,46 @@ def test_padded_vocabulary_ids_are_never_allowed(tiny):
     compiler = GrammarCompiler(lambda: guidance_tokenizer(tiny.tokenizer, model_vocab, [511]))
     matchers = GrammarMatchers(tiny.tokenizer.vocab_size, model_vocab, [511])
     constrained_seq, free_seq = Sequence(0, "a", [1]), Sequence(1, "b", [1])
-    matchers.add(constrained_seq, compiler.submit(StructuredOutputsParams(regex=r"(.|\n)*")))
-    compiler_done = matchers._waiting[0][1].result(timeout=30)
-    assert compiler_done is not None and [s.seq_id for s, e in matchers.take_ready()] == [0]
+    template = compiler.submit(StructuredOutputsParams(regex=r"(.|\n)*"))
+    matchers.add(constrained_seq, template)
+    template.result(timeout=30)
+    assert [(s.seq_id, e) for s, e in matchers.take_ready()] == [(0, None)]
     bitmask = matchers.fill_bitmask([(constrained_seq, 2), (free_seq, 0)], 3)
     allowed = np.asarray(apply_token_bitmask(jnp.zeros((3, model_vocab)), jnp.asarray(bitmask))) == 0
     assert allowed[0].all() and allowed[1].all()  # rows without a grammar
     assert not allowed[2, 512:].any() and allowed[2, :512].sum() > 400
     compiler.shutdown()
+
+
+def test_a_request_waiting_for_its_grammar_stalls_no_one_and_can_be_aborted(tiny_llm):
+    """While a grammar compiles, the other requests' steps go on; once compiled, the request runs."""
+    import concurrent.futures
+
+    engine = tiny_llm.engine
+    real_submit = engine.grammar_compiler.submit
+    slow = concurrent.futures.Future()  # a compilation that has not finished
+    engine.grammar_compiler.submit = lambda constraint: slow
+    try:
+        engine.add_request("waits", [3, 4], constrained(regex="[a-z]{3}", max_tokens=8))
+        engine.add_request("aborted", [3, 5], constrained(regex="[a-z]{3}", max_tokens=8))
+        engine.add_request("free", [5, 6], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    finally:
+        engine.grammar_compiler.submit = real_submit
+    assert engine.abort("aborted")
+    finished = {}
+    for _ in range(50):
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        if "free" in finished:
+            break
+    assert len(finished["free"].outputs[0].token_ids) == 6
+    assert finished["aborted"].outputs[0].finish_reason == "abort"
+    assert "waits" not in finished and engine.stats()["num_waiting_for_grammar"] == 1
+    slow.set_result(real_submit(StructuredOutputsParams(regex="[a-z]{3}")).result(timeout=30))
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert re.fullmatch("[a-z]{3}", finished["waits"].outputs[0].text)
+    assert engine.stats()["num_waiting_for_grammar"] == 0

@@ -17,13 +17,13 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import threading
-from typing import Callable
-
-import llguidance
-import llguidance.numpy as llguidance_numpy
+from typing import TYPE_CHECKING, Callable
 
 from jaxinfer.sampling_params import StructuredOutputsParams
 from jaxinfer.structured_output.grammar import check_grammar, grammar_key
+
+if TYPE_CHECKING:
+    import llguidance
 
 
 class GrammarCompileError(RuntimeError):
@@ -68,6 +68,9 @@ class GrammarCompiler:
             return future
 
     def _compile(self, constraint: StructuredOutputsParams) -> llguidance.LLMatcher:
+        import llguidance
+        import llguidance.numpy as llguidance_numpy
+
         grammar = check_grammar(constraint)
         tokenizer = self.tokenizer
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)

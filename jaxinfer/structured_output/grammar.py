@@ -13,13 +13,15 @@ from __future__ import annotations
 import json
 import re
 
-import llguidance
-
 from jaxinfer.errors import RequestError
 from jaxinfer.sampling_params import StructuredOutputsParams
 
 # OpenAI's response_format {"type": "json_object"}: any JSON object.
 _ANY_JSON_OBJECT = {"type": "object"}
+# JSON is laid out as Python's json.dumps does ({"a": 1, "b": [1, 2]}): with flexible
+# whitespace (llguidance's default) a sampled model may emit newlines and indentation until
+# max_tokens cuts it, an invalid output. A schema's own "x-guidance" options override these.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # llguidance reports unsupported schema keywords as 'Unimplemented keys: ["if", "then"]'.
 _UNIMPLEMENTED = re.compile(r'Unimplemented keys?: \[([^\]]*)\]')
 
@@ -36,12 +38,16 @@ def grammar_key(constraint: StructuredOutputsParams) -> str:
 
 def grammar_text(constraint: StructuredOutputsParams) -> str:
     """The llguidance grammar enforcing ``constraint`` (not yet checked: see :func:`check_grammar`)."""
+    # llguidance is imported on first use: an engine that never sees a grammar never loads it
+    # (and runs where it is not installed, as in the GPU machine's bare environment).
+    import llguidance
+
     kind = constraint.kinds()[0]
     if kind == "json":
         schema = constraint.json if isinstance(constraint.json, dict) else _parse_json_schema(constraint.json)
-        return llguidance.LLMatcher.grammar_from_json_schema(schema)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_LAYOUT)
     if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema(_ANY_JSON_OBJECT)
+        return llguidance.LLMatcher.grammar_from_json_schema(_ANY_JSON_OBJECT, defaults=_JSON_LAYOUT)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(constraint.regex)
     if kind == "choice":
@@ -54,6 +60,8 @@ def check_grammar(constraint: StructuredOutputsParams) -> str:
     """The grammar of ``constraint``, or a ``RequestError`` naming what llguidance cannot enforce."""
     kind = constraint.kinds()[0]
     field = f"structured_outputs.{kind}"
+    import llguidance
+
     try:
         grammar = grammar_text(constraint)
     except ValueError as e:  # a schema that is not a JSON object

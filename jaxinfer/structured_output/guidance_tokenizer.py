@@ -10,11 +10,12 @@ ids past the tokenizer's own never appear in a mask (``bitmask.py`` clears them 
 
 from __future__ import annotations
 
-from typing import Iterable
-
-import llguidance
+from typing import TYPE_CHECKING, Iterable
 
 from jaxinfer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import llguidance
 
 
 def guidance_tokenizer(tokenizer: Tokenizer, model_vocab_size: int, eos_ids: Iterable[int]) -> llguidance.LLTokenizer:
@@ -22,6 +23,8 @@ def guidance_tokenizer(tokenizer: Tokenizer, model_vocab_size: int, eos_ids: Ite
 
     Costs ~0.2 s for a 49k vocabulary (the trie), so the compiler builds it once, on first use.
     """
+    import llguidance
+
     if tokenizer.vocab_size > model_vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
                          f"vocab_size {model_vocab_size}")

@@ -15,13 +15,14 @@ that consumed an end-of-sequence token is done: the engine finishes the sequence
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
-import llguidance
-import llguidance.numpy as llguidance_numpy
 import numpy as np
 
 from jaxinfer.sequence import Sequence
+if TYPE_CHECKING:
+    import llguidance
+
 from jaxinfer.structured_output.bitmask import ALL_ALLOWED, BITS_PER_WORD, bitmask_width, ids_below, set_only
 
 
@@ -34,7 +35,7 @@ class GrammarMatchers:
         boundary = tokenizer_vocab_size // BITS_PER_WORD
         # (word, its bits of real ids) when the last real id and padded ids share a word
         self._boundary_word = (boundary, real_ids[boundary]) if tokenizer_vocab_size % BITS_PER_WORD else None
-        self._executor = llguidance.LLExecutor()
+        self._executor = None  # llguidance's thread pool, made at the first fill
         self._waiting: dict[int, tuple[Sequence, concurrent.futures.Future]] = {}
         self._matchers: dict[int, llguidance.LLMatcher] = {}
         self._done: set[int] = set()  # sequences whose matcher consumed an end-of-sequence token
@@ -71,6 +72,10 @@ class GrammarMatchers:
 
     def is_constrained(self, seq: Sequence) -> bool:
         return seq.seq_id in self._matchers
+
+    def matcher_of(self, seq: Sequence) -> llguidance.LLMatcher | None:
+        """``seq``'s matcher (None while its grammar compiles, or without one)."""
+        return self._matchers.get(seq.seq_id)
 
     def drop(self, seq: Sequence) -> None:
         """Forget ``seq`` (finished or aborted), waiting or not."""
@@ -121,6 +126,11 @@ class GrammarMatchers:
         unconstrained[rows] = False
         bitmask[unconstrained] = ALL_ALLOWED
         if to_fill:
+            import llguidance
+            import llguidance.numpy as llguidance_numpy
+
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
             llguidance_numpy.fill_next_token_bitmask_par(self._executor, to_fill, bitmask)
         if rows and self._boundary_word is not None:
             # Padded ids past the tokenizer's never have a bit set by llguidance (they have no
