@@ -281,3 +281,26 @@ def test_calibrated_scales_map_the_largest_value_inside_e4m3():
     np.testing.assert_allclose(k, [20.0 / FP8_MAX, 4.0])
     assert (v > 0).all() and v[1] == pytest.approx(8.0 / FP8_MAX)
     assert storage_dtype("auto", jnp.bfloat16) == jnp.bfloat16 and storage_dtype("fp8", jnp.float32) == F8
+
+
+def test_calibration_reads_each_layers_largest_k_and_v(tiny):
+    from jaxinfer.batch import build_step_batch
+    from jaxinfer.kv_calibration import calibrate_kv_scales, kv_amax
+    from jaxinfer.model import forward
+
+    ids = tiny.tokenizer.encode(PROMPT)
+    num_pages = -(-len(ids) // 8)
+    k_amax, v_amax = kv_amax(tiny.weights, jnp.asarray(ids, jnp.int32), config=tiny.config, page_size=8)
+    # Oracle: the engine's own forward into a float32 cache, then the largest |value| of each layer's pages.
+    cache = create_kv_cache(tiny.config, num_pages + 1, 8, jnp.float32)
+    batch = build_step_batch([(ids, 0, list(range(1, num_pages + 1)))], num_tokens=32, num_seqs=1,
+                             pages_per_seq=num_pages)
+    _, cache = forward(tiny.weights, cache, jax.tree.map(jnp.asarray, batch), tiny.config, "reference")
+    np.testing.assert_allclose(k_amax, [float(jnp.max(jnp.abs(k))) for k in cache.k], rtol=1e-6)
+    np.testing.assert_allclose(v_amax, [float(jnp.max(jnp.abs(v))) for v in cache.v], rtol=1e-6)
+    # Calibrated on this text, no value of it comes near saturation (headroom 2: at most 224).
+    k_scale, v_scale = calibrate_kv_scales(tiny, [ids, ids[:5]])
+    np.testing.assert_allclose(k_scale * FP8_MAX / 2, k_amax, rtol=1e-6)
+    np.testing.assert_allclose(v_scale * FP8_MAX / 2, v_amax, rtol=1e-6)
+    with pytest.raises(ValueError, match="at least one non-empty sample"):
+        calibrate_kv_scales(tiny, [[]])
