@@ -104,6 +104,16 @@ def test_scaled_fp8_attention_equals_dequantize_then_attend(impl):
     assert 1e-3 < diff.max() < 0.3
 
 
+def test_the_dispatcher_saturates_what_it_writes():
+    case = make_case(8, [(2, 20)], num_q_heads=4, num_kv_heads=1, nan_fill=False)
+    k_new = case.k_new.at[0, 0, :4].set(jnp.asarray([1e6, -1e6, 500.0, -3.0]))
+    pages = case.k_pages.astype(F8)
+    _, k_pages, _ = paged_attention(case.q, k_new, case.v_new, pages, pages, _batch(case), sm_scale=case.sm_scale,
+                                    impl="reference", k_scale=jnp.float32(1.0), v_scale=jnp.float32(1.0))
+    row = np.asarray(k_pages[0, case.page_tables[0, 18 // PAGE_SIZE], 18 % PAGE_SIZE, :4], np.float32)
+    np.testing.assert_array_equal(row, [FP8_MAX, -FP8_MAX, FP8_MAX, -3.0])  # position 18: the first new token
+
+
 FP8_KERNEL_CASES = {
     "decode_gqa4_f32": ([(1, 37), (1, 16), (0, 0), (1, 64)], 8, 2, 64, jnp.float32, 0, dict(block_kv=32)),
     "mixed_chunked_bf16": ([(1, 50), (0, 0), (24, 80), (9, 9)], 8, 1, 128, jnp.bfloat16, 3, {}),
