@@ -26,20 +26,23 @@ from jaxinfer.kv_cache_dtype import kv_scales_from_amax
 from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.model import hidden_states
 from jaxinfer.params import Weights
+from jaxinfer.prompt_logprobs import bucket_for
 
 
 @functools.partial(jax.jit, static_argnames=("config", "page_size", "attention_impl"))
-def kv_amax(weights: Weights, token_ids: jax.Array, *, config: ModelConfig, page_size: int,
+def kv_amax(weights: Weights, token_ids: jax.Array, length: jax.Array, *, config: ModelConfig, page_size: int,
             attention_impl: str = "auto") -> tuple[jax.Array, jax.Array]:
     """Per-layer largest |K| and |V| (after RoPE and any k-norm, as the cache stores them) of one
-    sequence ``token_ids`` [T] from position 0: two [num_layers] float32 arrays."""
+    sequence, the first ``length`` of ``token_ids`` [T], from position 0: two [num_layers] float32
+    arrays. Tokens past ``length`` are padding (not written), so one program serves every length
+    up to T."""
     num_tokens = token_ids.shape[0]
     num_pages = -(-num_tokens // page_size)
     batch = StepBatch(
         token_ids=token_ids,
         positions=jnp.arange(num_tokens, dtype=jnp.int32),
-        cu_q_lens=jnp.asarray([0, num_tokens], jnp.int32),
-        kv_lens=jnp.asarray([num_tokens], jnp.int32),
+        cu_q_lens=jnp.stack([jnp.int32(0), length.astype(jnp.int32)]),
+        kv_lens=length.astype(jnp.int32)[None],
         page_tables=jnp.arange(1, num_pages + 1, dtype=jnp.int32)[None, :],  # page 0 is scratch
         logits_indices=jnp.asarray([num_tokens - 1], jnp.int32),
     )
@@ -62,7 +65,9 @@ def calibrate_kv_scales(model: LoadedModel, samples: list[list[int]], *, page_si
     k_amax = np.zeros(model.config.num_layers, np.float32)
     v_amax = np.zeros(model.config.num_layers, np.float32)
     for ids in samples:
-        k, v = jax.device_get(kv_amax(model.weights, jnp.asarray(ids, jnp.int32), config=model.config,
+        padded = np.zeros(bucket_for(len(ids)), np.int32)  # one program per power-of-two length
+        padded[:len(ids)] = ids
+        k, v = jax.device_get(kv_amax(model.weights, padded, np.int32(len(ids)), config=model.config,
                                       page_size=page_size))
         k_amax, v_amax = np.maximum(k_amax, k), np.maximum(v_amax, v)
     return kv_scales_from_amax(k_amax, v_amax, headroom=headroom)

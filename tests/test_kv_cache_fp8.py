@@ -301,7 +301,8 @@ def test_calibration_reads_each_layers_largest_k_and_v(tiny):
 
     ids = tiny.tokenizer.encode(PROMPT)
     num_pages = -(-len(ids) // 8)
-    k_amax, v_amax = kv_amax(tiny.weights, jnp.asarray(ids, jnp.int32), config=tiny.config, page_size=8)
+    padded = jnp.zeros(64, jnp.int32).at[:len(ids)].set(jnp.asarray(ids, jnp.int32))  # padding must not count
+    k_amax, v_amax = kv_amax(tiny.weights, padded, jnp.int32(len(ids)), config=tiny.config, page_size=8)
     # Oracle: the engine's own forward into a float32 cache, then the largest |value| of each layer's pages.
     cache = create_kv_cache(tiny.config, num_pages + 1, 8, jnp.float32)
     batch = build_step_batch([(ids, 0, list(range(1, num_pages + 1)))], num_tokens=32, num_seqs=1,
