@@ -10,6 +10,9 @@ free their arrays; shapes whose cache does not fit are skipped and reported.
 
     python3 benchmarks/kernel_attention.py --out DIR [--stages check,ceilings,decode,pages,prefill,copies]
 
+``--kv-dtype fp8``: the decode stages read float8_e4m3fn pages (bytes counted at 1 a value; our
+kernel and the reference only, the bundled kernel and cuDNN take no FP8 cache).
+
 Writes DIR/kernel_attention.json, .md and (when matplotlib is there) .png.
 """
 
@@ -95,14 +98,14 @@ def measure_ceilings():
     return {"hbm_read_tbs": read_tbs, "matmul_tflops": mm}
 
 
-def decode_inputs(batch, context, page_size, seed=0):
+def decode_inputs(batch, context, page_size, seed=0, kv_dtype=DTYPE):
     pages_per_seq = context // page_size
     num_pages = batch * pages_per_seq
     rng = np.random.default_rng(seed)
     # A random permutation: pages of one sequence are scattered, as after long serving.
     page_tables = jnp.asarray(rng.permutation(num_pages).reshape(batch, pages_per_seq).astype(np.int32))
     shape = (NUM_KV_HEADS, num_pages, page_size, HEAD_DIM)
-    k_pages, v_pages = pseudo_random(shape, 4), pseudo_random(shape, 5)
+    k_pages, v_pages = pseudo_random(shape, 4, kv_dtype), pseudo_random(shape, 5, kv_dtype)
     q = pseudo_random((batch, NUM_Q_HEADS, HEAD_DIM), 6, scale=2.0)
     kv_lens = jnp.full((batch,), context, jnp.int32)
     cu_q_lens = jnp.arange(batch + 1, dtype=jnp.int32)
@@ -144,19 +147,22 @@ def cudnn_step(q, k, v):  # q [B, 1, Hq, D], k/v [B, S, Hkv, D] contiguous
     return out.astype(q.dtype)
 
 
-def run_decode(ceil, batches, contexts, page_size, impls, results, save=lambda: None):
+def run_decode(ceil, batches, contexts, page_size, impls, results, save=lambda: None, kv_dtype=DTYPE):
+    kv_dtype = jnp.dtype(kv_dtype)
+    if kv_dtype.itemsize == 1:
+        impls = impls & {"ours", "reference"}  # the bundled kernel and cuDNN take no FP8 cache
     for context in contexts:
         save()
         for batch in batches:
-            kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
+            kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * kv_dtype.itemsize
             row = {"workload": "kernel-decode", "batch": batch, "context": context, "page_size": page_size,
-                   "kv_bytes": kv_bytes}
+                   "kv_bytes": kv_bytes, "kv_dtype": kv_dtype.name}
             if kv_bytes > CACHE_BUDGET_BYTES:
                 row["skipped"] = f"K/V {kv_bytes / 1e9:.0f} GB over the {CACHE_BUDGET_BYTES / 1e9:.0f} GB budget"
                 say(f"decode B={batch} ctx={context}: skipped ({row['skipped']})")
                 results.append(row)
                 continue
-            args = decode_inputs(batch, context, page_size)
+            args = decode_inputs(batch, context, page_size, kv_dtype=kv_dtype)
             q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens = args
             if "ours" in impls:
                 sizes = ours_sizes(batch, batch, context, page_size)
@@ -377,7 +383,8 @@ def write_outputs(out_dir, report):
         row_ceil = r.get("hbm_read_tbs", ceil.get("hbm_read_tbs"))
         ceil_ratio = f"{r['ours_tbs'] / row_ceil:.0%}" if "ours_tbs" in r and row_ceil else "–"
         ours_us = f"{r['ours_s'] * 1e6:.1f}" if "ours_s" in r else "–"
-        lines.append(f"| {r['page_size']} | {r['batch']} | {r['context']} | {ours_us} "
+        page = f"{r['page_size']} fp8" if r.get("kv_dtype") == "float8_e4m3fn" else r["page_size"]
+        lines.append(f"| {page} | {r['batch']} | {r['context']} | {ours_us} "
                      f"| {fmt(r, 'ours_tbs', '%.2f')} | {ceil_ratio} | {ratio('ours_tbs', 'bundled_tbs')} "
                      f"| {ratio('ours_tbs', 'cudnn_tbs')} | {fmt(r, 'bundled_tbs', '%.2f')} | {fmt(r, 'cudnn_tbs', '%.2f')} "
                      f"| {fmt(r, 'reference_tbs', '%.2f')} |")
@@ -430,7 +437,9 @@ def main():
     parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument("--contexts", default="1024,4096,16384,32768")
+    parser.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16", help="page dtype of the decode stages")
     args = parser.parse_args()
+    kv_dtype = {"bf16": DTYPE, "fp8": jnp.float8_e4m3fn}[args.kv_dtype]
     stages, impls = set(args.stages.split(",")), set(args.impls.split(","))
     device = jax.devices()[0]
     report = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "device": device.device_kind,
@@ -455,11 +464,12 @@ def main():
         if "decode" in stages:
             run_decode(report["ceilings"], [int(b) for b in args.batches.split(",")],
                        [int(c) for c in args.contexts.split(",")], args.page_size, impls, report["results"],
-                       save=lambda: write_outputs(args.out, report))
+                       save=lambda: write_outputs(args.out, report), kv_dtype=kv_dtype)
         if "pages" in stages:
             for page_size in (16, 32, 64, 128):
                 if page_size != args.page_size:
-                    run_decode(report["ceilings"], [1, 64], [4096, 32768], page_size, {"ours"}, report["results"])
+                    run_decode(report["ceilings"], [1, 64], [4096, 32768], page_size, {"ours"}, report["results"],
+                               kv_dtype=kv_dtype)
     finally:
         report["log"] = LOG
         write_outputs(args.out, report)

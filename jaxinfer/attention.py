@@ -4,6 +4,10 @@ The model calls :func:`paged_attention` and never names an implementation. ``imp
 chooses: ``"auto"`` picks the Pallas kernel for the platform being compiled for (GPU or
 TPU) and the context-bounded CPU path on a CPU; tests force ``"reference"``, ``"cpu"``, ``"pallas_gpu"``,
 ``"pallas_tpu"``, or their ``_interpret`` variants to run a kernel on the CPU.
+
+FP8 pages (``kv_cache_dtype="fp8"``) are scaled here, so that every kernel only converts the
+tiles it loads: the new K/V are quantized before the kernel writes them, ``k_scale`` is folded
+into q, and the output is multiplied by ``v_scale`` (the algebra is in ``jaxinfer.kv_cache_dtype``).
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
+from jaxinfer.kv_cache_dtype import is_fp8, quantize_to_fp8
 from pallas_kernels.paged_attention.cpu import ragged_paged_attention_cpu
 from pallas_kernels.paged_attention.reference import ragged_paged_attention_reference
 from sharding.rules import shard_over_heads
@@ -39,17 +45,29 @@ def resolve_impl(impl: str, platform: str | None = None, head_dim: int | None = 
     return "reference"
 
 
-def paged_attention(q, k_new, v_new, k_pages, v_pages, batch, *, sm_scale, sliding_window=None, impl="auto"):
+def paged_attention(q, k_new, v_new, k_pages, v_pages, batch, *, sm_scale, sliding_window=None, impl="auto",
+                    k_scale=None, v_scale=None):
     """Write ``k_new``/``v_new`` into the pages and attend; returns ``(out, k_pages, v_pages)``.
 
     q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; pages: [Hkv, P, S, D]; ``batch`` is a StepBatch.
+    ``k_scale``/``v_scale``: this layer's float32 scalars when the pages are FP8 (None: 1.0).
     """
     impl = resolve_impl(impl, head_dim=q.shape[-1])
     attend = functools.partial(_attend, impl=impl, sm_scale=sm_scale, sliding_window=sliding_window)
+    fp8 = is_fp8(k_pages.dtype)
+    if fp8:
+        k_scale = jnp.float32(1.0) if k_scale is None else k_scale
+        v_scale = jnp.float32(1.0) if v_scale is None else v_scale
+        k_new, v_new = quantize_to_fp8(k_new, k_scale), quantize_to_fp8(v_new, v_scale)  # [T, Hkv, D] e4m3
+        # q . (k_scale k_page) = (q k_scale) . k_page: the kernel reads the pages as stored.
+        q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
     # Under a tensor-parallel mesh each shard runs the kernel on its own heads (sharding.rules).
-    return shard_over_heads(attend)(
+    out, k_pages, v_pages = shard_over_heads(attend)(
         q, k_new, v_new, k_pages, v_pages, batch.page_tables, batch.cu_q_lens, batch.kv_lens
     )
+    if fp8:
+        out = (out.astype(jnp.float32) * v_scale).astype(out.dtype)  # softmax weights are linear in V
+    return out, k_pages, v_pages
 
 
 def _attend(*args, impl, sm_scale, sliding_window):

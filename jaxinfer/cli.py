@@ -63,10 +63,13 @@ def _estimate(args: argparse.Namespace) -> int:
     else:
         hf = json.loads((Path(path) / "config.json").read_text())
     config = ModelConfig.from_hf(hf)
-    bytes_per_element = {"float32": 4, "bfloat16": 2, "float8": 1}[args.kv_dtype]
+    weight_bytes = {"float32": 4, "bfloat16": 2}[args.dtype]
+    # "auto": the serving dtype's; the old --kv-dtype's names stay accepted.
+    kv_bytes = {"auto": weight_bytes, "fp8": 1, "fp8_e4m3": 1, "float8": 1, "bfloat16": 2, "float32": 4}
     result = estimate(
-        config, bytes_per_element=bytes_per_element, memory_bytes=int(args.memory_gib * 2**30),
+        config, bytes_per_element=weight_bytes, memory_bytes=int(args.memory_gib * 2**30),
         request_len=args.request_len, memory_utilization=args.memory_utilization,
+        kv_bytes_per_element=kv_bytes[args.kv_cache_dtype],
     )
     print(result)
     return 0
@@ -147,7 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--memory-utilization", type=float, default=PLATFORM_DEFAULTS["gpu"].memory_utilization,
                    help="fraction of the device for weights + KV cache (default: the engine's on an accelerator)")
     e.add_argument("--request-len", type=int, default=2048, help="tokens per request (prompt + output)")
-    e.add_argument("--kv-dtype", default="bfloat16", choices=["float32", "bfloat16", "float8"])
+    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the serving dtype: the weights' and an auto KV cache's (default bfloat16)")
+    e.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_cache_dtype", default="auto",
+                   choices=["auto", "fp8", "fp8_e4m3", "bfloat16", "float32", "float8"],
+                   help="KV page storage, as serve's --kv-cache-dtype: auto (the serving dtype) or fp8 "
+                        "(1 byte); --kv-dtype is the old name, and float32/bfloat16/float8 its old values")
     e.set_defaults(func=_estimate)
 
     c = sub.add_parser("convert", help="convert a model once into an Orbax checkpoint (fast, sharded loading)")

@@ -80,12 +80,14 @@ class Engine:
             model, num_pages=config.num_pages, page_size=config.page_size, max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             attention_impl=config.attention_impl, mesh=mesh, overlap=config.overlap,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         # Prompt logprobs run as their own program over the runner's (possibly sharded) weights,
         # never through the step programs: see jaxinfer.prompt_logprobs.
         self.prompt_scorer = PromptScorer(
             self.runner.model.weights, self.runner.config, page_size=config.page_size,
             attention_impl=config.attention_impl, placement=self.runner.placement,
+            kv_cache_dtype=config.kv_cache_dtype, kv_cache_scales=model.kv_cache_scales,
         )
         self.eos_ids = frozenset(model.tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
         self.output_processor = OutputProcessor(self.eos_ids)

@@ -12,6 +12,7 @@ import dataclasses
 
 from jaxinfer.attention import IMPLEMENTATIONS
 from jaxinfer.engine_config import PLATFORM_DEFAULTS, EngineConfig
+from jaxinfer.kv_cache_dtype import KV_CACHE_DTYPES, SUPPORTED_FP8_DEVICES
 
 # The fields a flag sets, named as the flags' destinations.
 ENGINE_FLAGS = tuple(field.name for field in dataclasses.fields(EngineConfig) if field.name != "overlap")
@@ -47,6 +48,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
       help="attention kernel (default auto: Pallas on GPU/TPU, the plain-JAX reference on CPU)")
     a("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
       help="prepare the next step on the host while the device runs this one (default: on)")
+    a("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+      help=f"KV page storage: auto (the model's dtype, the default) or fp8 (e4m3 with per-layer scales: twice "
+           f"the tokens of bf16; on {SUPPORTED_FP8_DEVICES})")
     a("--tensor-parallel-size", type=int, default=1, help="devices each model replica is split over")
     a("--data-parallel-size", type=int, default=1, help="model replicas, each with its own scheduler")
 

@@ -21,6 +21,7 @@ Defaults, by ``platform`` (``jax.default_backend()`` unless given):
 | ``async_scheduling`` | on | on | on |
 | ``attention_impl`` | ``"auto"``: reference | ``"auto"``: Pallas-Triton | ``"auto"``: Mosaic |
 | ``overlap`` | none | none | none |
+| ``kv_cache_dtype`` | ``"auto"`` (float32 pages) | ``"auto"`` (bfloat16 pages) | ``"auto"`` (bfloat16 pages) |
 
 Why:
 
@@ -48,6 +49,10 @@ Why:
   (``jaxinfer.attention.resolve_impl``); on a GPU the kernel needs a power-of-two ``head_dim``
   and falls back to the reference otherwise.
 - ``overlap``: tensor-parallel communication overlap (``jaxinfer.compile_options.OverlapConfig``) is opt-in.
+- ``kv_cache_dtype``: ``"auto"`` stores pages in the model's serving dtype; ``"fp8"`` (e4m3 with
+  per-layer scales, ``jaxinfer.kv_cache_dtype``) halves a bf16 cache and is opt-in, as in vLLM,
+  because it costs some accuracy (``benchmarks/results/kv_cache_accuracy.md``). A device
+  without FP8 refuses it when the config is resolved, before the cache is allocated.
 
 ``max_num_seqs`` and ``max_num_batched_tokens`` follow each other: a default ``max_num_seqs``
 is capped at the budget, and a default budget is raised to ``max_num_seqs``, because each
@@ -62,6 +67,8 @@ import dataclasses
 import jax
 
 from jaxinfer.attention import IMPLEMENTATIONS
+from jaxinfer.kv_cache_dtype import (KV_CACHE_DTYPES, check_kv_cache_dtype_supported, normalize_kv_cache_dtype,
+                                     storage_dtype)
 from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.memory import DEFAULT_MEMORY_UTILIZATION, num_pages_for_device, pages_for
 from sharding.mesh import tp_size
@@ -90,6 +97,7 @@ class EngineConfig:
     attention_impl: str | None = None
     async_scheduling: bool | None = None
     overlap: object = None  # jaxinfer.compile_options.OverlapConfig: tp communication overlap per phase
+    kv_cache_dtype: str | None = None  # "auto" (the serving dtype) or "fp8" (alias "fp8_e4m3")
 
     def __post_init__(self):
         # What can be checked field by field is checked as soon as it is given.
@@ -105,6 +113,9 @@ class EngineConfig:
         if self.attention_impl is not None and self.attention_impl not in IMPLEMENTATIONS:
             raise EngineConfigError(f"attention_impl {self.attention_impl!r} is not one of {IMPLEMENTATIONS}",
                                     field="attention_impl")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise EngineConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}",
+                                    field="kv_cache_dtype")
         if (self.max_num_seqs is not None and self.max_num_batched_tokens is not None
                 and self.max_num_batched_tokens < self.max_num_seqs):
             # Every running sequence needs a token of each step's budget: with fewer, the first
@@ -139,6 +150,9 @@ class EngineConfig:
         unchanged (checked against the model).
         """
         config = self.for_platform(platform)
+        check_kv_cache_dtype_supported(config.kv_cache_dtype)
+        kv_cache_dtype = normalize_kv_cache_dtype(config.kv_cache_dtype)
+        kv_bytes = storage_dtype(kv_cache_dtype, model.weights.embed.dtype).itemsize
         context = model.config.max_position_embeddings
         max_model_len = config.max_model_len or context
         if max_model_len > context:
@@ -152,7 +166,7 @@ class EngineConfig:
             # Each device holds its tensor-parallel shard of the (padded) KV heads.
             per_device = dataclasses.replace(model.config, num_kv_heads=model.config.num_kv_heads // tp_size(mesh))
             num_pages = max(min_pages, num_pages_for_device(
-                per_device, page_size=config.page_size, bytes_per_element=model.weights.embed.dtype.itemsize,
+                per_device, page_size=config.page_size, bytes_per_element=kv_bytes,
                 memory_utilization=config.memory_utilization,
             ))
         elif num_pages < min_pages:
@@ -160,7 +174,8 @@ class EngineConfig:
                 f"num_pages {num_pages} cannot hold one request of max_model_len {max_model_len}: it needs "
                 f"{min_pages} pages of {config.page_size} tokens (one is scratch)", field="num_pages",
             )
-        return dataclasses.replace(config, max_model_len=max_model_len, num_pages=num_pages)
+        return dataclasses.replace(config, max_model_len=max_model_len, num_pages=num_pages,
+                                   kv_cache_dtype=kv_cache_dtype)
 
 
 def normalize_platform(platform: str | None) -> str:
@@ -173,7 +188,7 @@ def normalize_platform(platform: str | None) -> str:
 
 
 _SHARED_DEFAULTS = dict(page_size=32, memory_utilization=DEFAULT_MEMORY_UTILIZATION, enable_prefix_caching=True, max_wait_s=0.002,
-                        attention_impl="auto", async_scheduling=True)
+                        attention_impl="auto", async_scheduling=True, kv_cache_dtype="auto")
 
 # The table in the module docstring; max_model_len and num_pages depend on the model (resolve).
 PLATFORM_DEFAULTS = {

@@ -19,6 +19,7 @@ import logging
 from jaxinfer.data_parallel import DataParallelEngine
 from jaxinfer.engine import Engine
 from jaxinfer.engine_config import EngineConfig
+from jaxinfer.kv_cache_dtype import storage_dtype
 from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.memory import pages_for
 
@@ -47,9 +48,10 @@ def build_engine(model: LoadedModel, config: EngineConfig | None = None, *, tens
     engines = [Engine(m, config, warm_up=warm_up, use_tqdm=use_tqdm, mesh=mesh) for m, mesh in zip(models, meshes)]
     usable_pages = config.num_pages - 1  # page 0 is scratch
     logger.info(
-        "engine ready: %d replica(s), each %d pages x %d tokens = %d tokens of KV cache "
-        "(%d requests of %d tokens at once), up to %d sequences and %d tokens a step",
+        "engine ready: %d replica(s), each %d pages x %d tokens = %d tokens of KV cache in %s "
+        "(kv_cache_dtype=%s; %d requests of %d tokens at once), up to %d sequences and %d tokens a step",
         len(engines), usable_pages, config.page_size, usable_pages * config.page_size,
+        storage_dtype(config.kv_cache_dtype, model.weights.embed.dtype).name, config.kv_cache_dtype,
         usable_pages // pages_for(config.max_model_len, config.page_size), config.max_model_len,
         config.max_num_seqs, config.max_num_batched_tokens,
     )

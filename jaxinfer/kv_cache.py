@@ -4,6 +4,11 @@ Layout (owned by ``pallas_kernels.paged_attention``; see its reference module): 
 layer ``[num_kv_heads, num_pages, page_size, head_dim]`` for K and for V. The host-side
 page allocator hands out page indices; this module only holds the device arrays. The
 cache is donated to every jitted step, which writes the new tokens' K/V in place.
+
+Pages are stored in the serving dtype or, with ``kv_cache_dtype="fp8"``, as ``float8_e4m3fn``
+beside one float32 scale per layer for K and one for V (``jaxinfer.kv_cache_dtype``). The
+scales ride in the cache pytree, replicated under a mesh, so they travel through every jitted
+step with the pages; they are 1.0 and unused for pages that are not FP8.
 """
 
 from __future__ import annotations
@@ -12,8 +17,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.kv_cache_dtype import is_fp8
 
 
 @jax.tree_util.register_dataclass
@@ -21,6 +28,15 @@ from jaxinfer.config import ModelConfig
 class KVCache:
     k: list[jax.Array]  # per layer [num_kv_heads, num_pages, page_size, head_dim]
     v: list[jax.Array]
+    # [num_layers] float32: page value x scale = the real K/V (FP8 pages only). None: unscaled.
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
+
+    def layer_scales(self, layer: int) -> tuple[jax.Array | None, jax.Array | None]:
+        """Layer ``layer``'s (K scale, V scale) as scalars, or ``(None, None)`` for unscaled pages."""
+        if self.k_scale is None or not is_fp8(self.k[layer].dtype):
+            return None, None
+        return self.k_scale[layer], self.v_scale[layer]
 
     @property
     def num_pages(self) -> int:
@@ -38,14 +54,36 @@ class KVCache:
 CACHE_LOGICAL_AXES = ("kv_heads", "pages", "page_rows", "head_dim")
 
 
-def create_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.bfloat16, sharding=None) -> KVCache:
-    """Allocate a zeroed cache of ``num_pages`` pages per layer, laid out by ``sharding`` if given."""
+def create_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.bfloat16, sharding=None,
+                    scales: tuple[np.ndarray, np.ndarray] | None = None) -> KVCache:
+    """Allocate a zeroed cache of ``num_pages`` pages per layer, laid out by ``sharding`` if given.
+
+    ``dtype`` is the pages' storage dtype (``jaxinfer.kv_cache_dtype.storage_dtype``);
+    ``scales``: per-layer (K, V) float32 scales of FP8 pages (default 1.0; ignored otherwise).
+    """
     shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
+    k_scale, v_scale = kv_scale_arrays(config.num_layers, scales if is_fp8(dtype) else None)
 
     def make():
         return KVCache(
             k=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)],
             v=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)],
+            k_scale=jnp.asarray(k_scale), v_scale=jnp.asarray(v_scale),
         )
 
     return jax.jit(make, out_shardings=sharding)()
+
+
+def kv_scale_arrays(num_layers: int, scales: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:
+    """Checked [num_layers] float32 (K, V) scales; ``None``: all 1.0."""
+    if scales is None:
+        return np.ones(num_layers, np.float32), np.ones(num_layers, np.float32)
+    checked = []
+    for name, scale in zip(("k_scales", "v_scales"), scales):
+        scale = np.asarray(scale, np.float32).reshape(-1)
+        if scale.shape != (num_layers,):
+            raise ValueError(f"KV cache {name} must hold one scale per layer ({num_layers}), got shape {scale.shape}")
+        if not (np.isfinite(scale).all() and (scale > 0).all()):
+            raise ValueError(f"KV cache {name} must be finite and positive, got {scale.tolist()}")
+        checked.append(scale)
+    return checked[0], checked[1]

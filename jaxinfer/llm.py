@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from jaxinfer.checkpoint import load_model
 from jaxinfer.engine_config import EngineConfig
 from jaxinfer.engine_factory import build_engine
+from jaxinfer.kv_cache_dtype import check_kv_cache_dtype_supported
 from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
@@ -40,7 +41,7 @@ class LLM:
         seed: seeds requests that do not set their own ``seed``.
         max_model_len, max_num_seqs, max_num_batched_tokens, page_size, num_pages,
             memory_utilization, enable_prefix_caching, max_wait_s, attention_impl,
-            async_scheduling, overlap: the ``EngineConfig`` fields; ``None`` (the default) is the
+            async_scheduling, overlap, kv_cache_dtype: the ``EngineConfig`` fields; ``None`` (the default) is the
             platform's default, tabled in ``jaxinfer.engine_config`` and shared with
             ``jaxinfer serve``.
         tensor_parallel_size: devices each replica's layers are split over (heads, ffn, vocabulary).
@@ -67,19 +68,22 @@ class LLM:
         attention_impl: str | None = None,
         async_scheduling: bool | None = None,
         overlap=None,
+        kv_cache_dtype: str | None = None,
         warm_up: bool = True,
         use_tqdm: bool = True,
         loaded: LoadedModel | None = None,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
     ):
+        # Before the weights load: a device without FP8 refuses an FP8 cache before anything is allocated.
+        check_kv_cache_dtype_supported(kv_cache_dtype)
         loaded = loaded or load_model(model, dtype)
         self._config = loaded.config
         config = EngineConfig(
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             page_size=page_size, num_pages=num_pages, memory_utilization=memory_utilization,
             enable_prefix_caching=enable_prefix_caching, max_wait_s=max_wait_s, attention_impl=attention_impl,
-            async_scheduling=async_scheduling, overlap=overlap,
+            async_scheduling=async_scheduling, overlap=overlap, kv_cache_dtype=kv_cache_dtype,
         )
         self.engine = build_engine(loaded, config, tensor_parallel_size=tensor_parallel_size,
                                    data_parallel_size=data_parallel_size, warm_up=warm_up, use_tqdm=use_tqdm)

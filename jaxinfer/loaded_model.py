@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
+
 from jaxinfer.config import ModelConfig
 from jaxinfer.params import Weights
 from jaxinfer.tokenizer import Tokenizer
@@ -21,3 +23,5 @@ class LoadedModel:
     weights: Weights
     tokenizer: Tokenizer
     source: Path
+    # Per-layer (K, V) float32 scales of an FP8 KV cache, from a checkpoint that carries them; None: 1.0.
+    kv_cache_scales: tuple[np.ndarray, np.ndarray] | None = None

@@ -5,7 +5,9 @@ Per token the cache holds K and V for every layer and KV head::
     bytes_per_token = 2 * layers * kv_heads * head_dim * bytes_per_element
 
 so ``tokens that fit = free memory / bytes_per_token``, and a request of ``S`` tokens
-needs ``ceil(S / page_size)`` pages.
+needs ``ceil(S / page_size)`` pages. ``bytes_per_element`` is the pages' storage dtype's: 1 for
+an FP8 cache (``kv_cache_dtype="fp8"``; its per-layer scales are a few bytes in all), so the same
+memory holds twice a bf16 cache's tokens.
 """
 
 from __future__ import annotations
@@ -56,9 +58,15 @@ DEFAULT_MEMORY_UTILIZATION = 0.9
 
 
 def estimate(config: ModelConfig, *, bytes_per_element: int, memory_bytes: int, request_len: int,
-             memory_utilization: float = DEFAULT_MEMORY_UTILIZATION) -> MemoryEstimate:
-    """How many tokens, and requests of ``request_len`` tokens, fit on a device of ``memory_bytes``."""
-    per_token = config.kv_bytes_per_token(bytes_per_element)
+             memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
+             kv_bytes_per_element: int | None = None) -> MemoryEstimate:
+    """How many tokens, and requests of ``request_len`` tokens, fit on a device of ``memory_bytes``.
+
+    ``bytes_per_element``: the weights' (the serving dtype's); ``kv_bytes_per_element``: the KV
+    pages' (default: the same; 1 for an FP8 cache).
+    """
+    kv_bytes = bytes_per_element if kv_bytes_per_element is None else kv_bytes_per_element
+    per_token = config.kv_bytes_per_token(kv_bytes)
     weights = weight_bytes(config, bytes_per_element)
     available = max(0, int(memory_bytes * memory_utilization) - weights)
     tokens = available // per_token

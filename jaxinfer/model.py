@@ -14,6 +14,7 @@ D head dim, F ffn size, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -82,6 +83,7 @@ def attention_block(
     batch: StepBatch,
     config: ModelConfig,
     attention_impl: str,
+    kv_scales: tuple[jax.Array | None, jax.Array | None] = (None, None),
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     h = rms_norm(x, layer.attn_norm, config.rms_norm_eps)  # [T, E]
     q = linear("te,ehd->thd", h, layer.q)  # [T, Hq, D]
@@ -98,6 +100,7 @@ def attention_block(
     out, k_pages, v_pages = paged_attention(
         q, k, v, k_pages, v_pages, batch,
         sm_scale=config.head_dim**-0.5, sliding_window=config.sliding_window, impl=attention_impl,
+        k_scale=kv_scales[0], v_scale=kv_scales[1],
     )  # out: [T, Hq, D]
     return output_projection(out, layer.o), k_pages, v_pages
 
@@ -130,14 +133,14 @@ def hidden_states(
         with jax.named_scope(f"layer_{i}"):
             with jax.named_scope("attention"):
                 attn, k_pages, v_pages = attention_block(
-                    layer, x, cache.k[i], cache.v[i], batch, config, attention_impl
+                    layer, x, cache.k[i], cache.v[i], batch, config, attention_impl, cache.layer_scales(i)
                 )
             x = x + attn
             with jax.named_scope("mlp"):
                 x = x + mlp_block(layer, x, config)
         new_k.append(k_pages)
         new_v.append(v_pages)
-    return rms_norm(x, weights.final_norm, config.rms_norm_eps), KVCache(new_k, new_v)
+    return rms_norm(x, weights.final_norm, config.rms_norm_eps), dataclasses.replace(cache, k=new_k, v=new_v)
 
 
 def compute_logits(weights: Weights, x: jax.Array) -> jax.Array:

@@ -11,7 +11,8 @@ the program, so the engine's cache and pages are never touched), then the lm_hea
 ``[T, vocab]`` float32 logits at once.
 
 Cost: one prefill of the prompt (padded to a power-of-two bucket) on the caller's thread,
-plus a temporary KV cache of the bucket's length. Each new bucket compiles once (the first
+plus a temporary KV cache of the bucket's length, stored as the engine's is (``kv_cache_dtype``
+and its scales), so the logprobs are those of the model the engine serves. Each new bucket compiles once (the first
 prompt of that length class waits for it); these programs are not step programs and are not
 counted in ``num_compilations_after_warmup``.
 """
@@ -29,7 +30,8 @@ import numpy as np
 from jaxinfer.batch import StepBatch
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import RequestError
-from jaxinfer.kv_cache import KVCache
+from jaxinfer.kv_cache import KVCache, kv_scale_arrays
+from jaxinfer.kv_cache_dtype import storage_dtype
 from jaxinfer.model import compute_logits, hidden_states
 from jaxinfer.params import Weights
 from jaxinfer.sampling_params import MAX_TOP_LOGPROBS
@@ -52,19 +54,23 @@ def bucket_for(num_tokens: int) -> int:
 def score_tokens(
     weights: Weights,
     token_ids: jax.Array,
+    kv_scales: tuple[jax.Array, jax.Array] | None = None,
     *,
     config: ModelConfig,
     page_size: int,
     chunk_rows: int,
     num_top: int,
     attention_impl: str,
+    kv_dtype=None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per row i of the padded prompt ``token_ids`` [T]: the logprob of token i+1 after tokens 0..i.
 
     Returns ``(target_logprobs [T], top_ids [T, num_top], top_logprobs [T, num_top])`` of the raw
     distribution (log_softmax of the float32 logits). The last row's target is padding; so are
     rows past the real prompt (causal attention: padding after the prompt never changes it).
-    Pure; jit it with everything but ``weights`` and ``token_ids`` static.
+    ``kv_dtype``: the temporary cache's storage dtype (default: the embedding's);
+    ``kv_scales``: its per-layer [num_layers] (K, V) scales when that is FP8.
+    Pure; jit it with everything but ``weights``, ``token_ids`` and ``kv_scales`` static.
     """
     num_tokens = token_ids.shape[0]
     num_pages = -(-num_tokens // page_size)
@@ -79,9 +85,10 @@ def score_tokens(
         logits_indices=jnp.asarray([num_tokens - 1], jnp.int32),
     )
     shape = (config.num_kv_heads, num_pages + 1, page_size, config.head_dim)
-    dtype = weights.embed.dtype
+    dtype = weights.embed.dtype if kv_dtype is None else kv_dtype
+    k_scale, v_scale = (None, None) if kv_scales is None else kv_scales
     cache = KVCache(k=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)],
-                    v=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)])
+                    v=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)], k_scale=k_scale, v_scale=v_scale)
     x, _ = hidden_states(weights, cache, batch, config, attention_impl)  # [T, E]
     targets = jnp.concatenate([token_ids[1:], jnp.zeros((1,), token_ids.dtype)])  # row i predicts token i+1
 
@@ -112,18 +119,23 @@ class PromptScorer:
     """
 
     def __init__(self, weights: Weights, config: ModelConfig, *, page_size: int, attention_impl: str = "auto",
-                 placement=None, chunk_rows: int = DEFAULT_CHUNK_ROWS):
+                 placement=None, chunk_rows: int = DEFAULT_CHUNK_ROWS, kv_cache_dtype: str = "auto",
+                 kv_cache_scales: tuple[np.ndarray, np.ndarray] | None = None):
+        """``kv_cache_dtype``/``kv_cache_scales``: the engine's (``EngineConfig.kv_cache_dtype``,
+        ``LoadedModel.kv_cache_scales``), so scoring reads K/V stored as the engine stores them."""
         if chunk_rows < 1 or chunk_rows & (chunk_rows - 1):
             raise ValueError(f"chunk_rows must be a power of two, got {chunk_rows}")
         self.weights = weights
         self.config = config
         self.chunk_rows = chunk_rows
         self.placement = placement
+        kv_dtype = storage_dtype(kv_cache_dtype, weights.embed.dtype)
+        self.kv_scales = kv_scale_arrays(config.num_layers, kv_cache_scales)  # host numpy, sent with each call
         # Always the top MAX_TOP_LOGPROBS (sliced on the host): one program per length bucket, not per k.
         # Outputs replicated under a mesh (as the step's sampler outputs), so every process can read them.
         self._score = jax.jit(functools.partial(
             score_tokens, config=config, page_size=page_size, chunk_rows=chunk_rows, num_top=MAX_TOP_LOGPROBS,
-            attention_impl=attention_impl,
+            attention_impl=attention_impl, kv_dtype=kv_dtype,
         ), **(placement.jit_kwargs() if placement is not None else {}))
         self.buckets_compiled: set[int] = set()
 
@@ -143,7 +155,7 @@ class PromptScorer:
         placement = self.placement
         with placement.context() if placement is not None else contextlib.nullcontext():
             tokens = jax.device_put(padded, placement.replicated if placement is not None else None)
-            outputs = self._score(self.weights, tokens)
+            outputs = self._score(self.weights, tokens, self.kv_scales)
         self.buckets_compiled.add(bucket)
         # The whole bucket comes back (T floats + 2 x [T, 20]: small) and is sliced here: slicing
         # on the device would compile a small program per prompt length.

@@ -36,6 +36,7 @@ from jaxinfer.bad_words import gather_output_tail
 from jaxinfer.compile_options import PhasedJit, graph_options
 from jaxinfer.input_batch import PackedStep, StepInputs, empty_step_inputs, pack_step
 from jaxinfer.kv_cache import create_kv_cache
+from jaxinfer.kv_cache_dtype import storage_dtype
 from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.model import forward
 from jaxinfer.sampling import SamplerOutput, SamplingFlags, sample
@@ -147,6 +148,7 @@ class ModelRunner:
         attention_impl: str = "auto",
         mesh=None,
         overlap=None,
+        kv_cache_dtype: str = "auto",
     ):
         """``mesh``: a ``sharding.make_mesh`` mesh the model was laid out on (``sharding.shard_model``);
         ``overlap``: a ``jaxinfer.compile_options.OverlapConfig`` (communication overlap per phase)."""
@@ -162,7 +164,8 @@ class ModelRunner:
         self.placement = StepPlacement(self.config, mesh)
         self._input_observer: Callable[[StepInputs], None] | None = None
         self.cache = create_kv_cache(
-            self.config, num_pages, page_size, model.weights.embed.dtype, sharding=self.placement.cache
+            self.config, num_pages, page_size, storage_dtype(kv_cache_dtype, model.weights.embed.dtype),
+            sharding=self.placement.cache, scales=model.kv_cache_scales,
         )
         # Sampled tokens of the last step, padded to max_num_seqs so their shape never changes.
         # Made by a jitted function, like every later value, so the step's signature never changes.

@@ -56,7 +56,7 @@ def test_the_batch_and_the_budget_follow_each_other():
 def test_overrides_win(tiny):
     given = EngineConfig(max_model_len=64, max_num_seqs=3, max_num_batched_tokens=24, page_size=8, num_pages=40,
                          memory_utilization=0.5, enable_prefix_caching=False, max_wait_s=0.25,
-                         attention_impl="reference", async_scheduling=False)
+                         attention_impl="reference", async_scheduling=False, kv_cache_dtype="fp8")
     for platform in PLATFORM_DEFAULTS:
         assert given.for_platform(platform) == given
         assert given.resolve(tiny, platform=platform) == given

@@ -109,6 +109,11 @@ def test_cache_stays_sharded_in_place(multi_device_report):
     assert hlo["num_all_reduces"] > 0  # row-parallel projections do reduce
 
 
+def test_fp8_kv_cache_under_tensor_parallelism_matches_one_device(multi_device_report):
+    tokens = multi_device_report["tokens"]
+    assert tokens["fp8_tp4"] == tokens["fp8_tp1"]
+
+
 def test_data_parallel_replicas_match_one_device(multi_device_report):
     report = multi_device_report
     assert report["tokens"]["dp"] == report["tokens"]["reference"]
@@ -175,6 +180,13 @@ def _multi_device_checks() -> dict:
         donated=old_cache.is_deleted(),
         cache_sharding_kept=runner.cache.k[0].sharding == before and runner.cache.v[-1].sharding == before,
     )
+
+    # An FP8 cache with non-trivial per-layer scales: the pages split by heads, the scales replicated.
+    layers = model.config.num_layers
+    fp8_model = dataclasses.replace(model, kv_cache_scales=(np.full(layers, 0.5), np.linspace(0.25, 2.0, layers)))
+    for tp in (1, 4):
+        llm = LLM(loaded=fp8_model, tensor_parallel_size=tp, kv_cache_dtype="fp8", **LLM_OPTIONS)
+        report["tokens"][f"fp8_tp{tp}"] = tokens(llm)
 
     dp = LLM(loaded=model, tensor_parallel_size=2, data_parallel_size=4, **LLM_OPTIONS)
     report["tokens"]["dp"] = tokens(dp)

@@ -69,6 +69,18 @@ class EngineLoop:
     def max_model_len(self) -> int | None:
         return None if self.engine is None else self.engine.max_model_len
 
+    @property
+    def kv_cache_metadata(self) -> dict | None:
+        """``{"kv_cache_dtype": "auto" | "fp8", "kv_cache_storage_dtype": e.g. "float8_e4m3fn"}``
+        for ``/v1/models``; None until the engine loads (and for engines that keep no EngineConfig)."""
+        from jaxinfer.kv_cache_dtype import storage_dtype
+
+        config = getattr(self.engine, "config", None)
+        if getattr(config, "kv_cache_dtype", None) is None:
+            return None
+        stored = storage_dtype(config.kv_cache_dtype, self.engine.model.weights.embed.dtype)
+        return {"kv_cache_dtype": config.kv_cache_dtype, "kv_cache_storage_dtype": stored.name}
+
     def stats(self) -> dict:
         return {**self._last_stats, "server_num_requests_waiting": self.admission.num_waiting}
 

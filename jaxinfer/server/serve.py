@@ -92,7 +92,9 @@ def build_engine(args: argparse.Namespace):
     """
     from jaxinfer import engine_factory
     from jaxinfer.checkpoint import load_model
+    from jaxinfer.kv_cache_dtype import check_kv_cache_dtype_supported
 
+    check_kv_cache_dtype_supported(args.kv_cache_dtype)  # a device without FP8 refuses before the weights load
     engine = engine_factory.build_engine(
         load_model(args.model, args.dtype), engine_config_from_args(args), warm_up=False,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,

@@ -115,8 +115,10 @@ def _attention_kernel(
             start_fetch(i + 1, 1 - slot)
 
         wait_fetch(i, slot)
-        k = k_buf[slot].reshape(block_kv, head_dim)
-        v = v_buf[slot].reshape(block_kv, head_dim)
+        # FP8 pages are fetched as stored (half the bytes) and widened here to q's dtype;
+        # their scales are applied outside the kernel (jaxinfer.attention). A no-op otherwise.
+        k = k_buf[slot].reshape(block_kv, head_dim).astype(q.dtype)
+        v = v_buf[slot].reshape(block_kv, head_dim).astype(q.dtype)
         kv_pos = i * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)  # [1, BK]
         scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                                  preferred_element_type=jnp.float32)
