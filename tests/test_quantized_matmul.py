@@ -1,0 +1,160 @@
+"""Weight-only fp8 / int8 matmul kernel vs the plain-JAX reference, in Pallas interpret mode on CPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.quantized_matmul import (
+    default_block_sizes,
+    fp8_weight_only_matmul,
+    int8_weight_only_matmul,
+    quantize_per_channel,
+    weight_only_matmul_reference,
+)
+from pallas_kernels.quantized_matmul.block_sizes import padded_rows
+
+FP8 = jnp.float8_e4m3fn
+# N = 3 tiles of 16, K = 3 steps of 32 in each of 2 splits: odd counts of tiles everywhere.
+N, K = 48, 192
+TILES = dict(block_n=16, block_k=32)
+
+
+def make_case(m, n=N, k=K, *, dtype=jnp.bfloat16, weight_dtype=FP8, seed=0):
+    kx, kw, ks = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
+    # Rows of very different magnitude, so a scale applied to the wrong axis (or not at all) shows.
+    w_real = jax.random.normal(kw, (n, k)) * jnp.exp(jax.random.normal(ks, (n, 1)))
+    w, scale = quantize_per_channel(w_real, weight_dtype)
+    return x, w, scale
+
+
+def assert_close(out, ref, dtype):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    out32, ref32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.all(np.isfinite(out32))
+    # f32: only summation order differs. bf16: one rounding of the output (2^-8 relative) at most.
+    rtol = 1e-5 if dtype == jnp.float32 else 2**-7
+    np.testing.assert_allclose(out32, ref32, rtol=rtol, atol=rtol * np.abs(ref32).max())
+
+
+# fma serves M <= 8 (test_fma_refuses_many_rows checks the refusal).
+@pytest.mark.parametrize("m,algorithm", [(1, "fma"), (3, "fma"), (1, "mma"), (3, "mma"), (16, "mma"),
+                                         (1, "mma_swapped"), (3, "mma_swapped"), (16, "mma_swapped")])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_fp8_kernel_matches_reference(m, algorithm, dtype):
+    x, w, scale = make_case(m, dtype=dtype, seed=m)
+    out = fp8_weight_only_matmul(x, w, scale, interpret=True, algorithm=algorithm, k_splits=2, **TILES)
+    assert_close(out, weight_only_matmul_reference(x, w, scale), dtype)
+
+
+@pytest.mark.parametrize("k_splits", [1, 2])
+def test_padded_rows_are_neither_read_nor_written(k_splits):
+    # M=5 pads to 16 rows in the dot; the outputs are exactly M rows, equal to the reference.
+    x, w, scale = make_case(5, seed=7)
+    assert padded_rows(5, "mma") == 16
+    out = fp8_weight_only_matmul(x, w, scale, interpret=True, algorithm="mma", k_splits=k_splits, **TILES)
+    assert out.shape == (5, N)
+    assert_close(out, weight_only_matmul_reference(x, w, scale), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("m,algorithm", [(1, "fma"), (3, "mma"), (16, "mma_swapped")])
+def test_int8_kernel_matches_reference(m, algorithm):
+    x, w, scale = make_case(m, weight_dtype=jnp.int8, seed=10 + m)
+    assert w.dtype == jnp.int8
+    out = int8_weight_only_matmul(x, w, scale, interpret=True, algorithm=algorithm, k_splits=2, **TILES)
+    assert_close(out, weight_only_matmul_reference(x, w, scale), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 16, 64])
+def test_default_sizes_run_and_match(m):
+    x, w, scale = make_case(m, n=64, k=512, seed=20 + m)
+    out = fp8_weight_only_matmul(x, w, scale, interpret=True)
+    assert_close(out, weight_only_matmul_reference(x, w, scale), jnp.bfloat16)
+
+
+def test_reference_dequantizes_per_output_channel():
+    w = jnp.array([[1.0, 2.0], [3.0, -4.0]], FP8)
+    scale = jnp.array([0.5, 2.0], jnp.float32)
+    x = jnp.array([[1.0, 1.0]], jnp.float32)
+    # row n of the output is x . (w[n] * scale[n])
+    np.testing.assert_array_equal(np.asarray(weight_only_matmul_reference(x, w, scale)), [[1.5, -2.0]])
+
+
+def test_quantize_per_channel_round_trips():
+    w = jax.random.normal(jax.random.key(3), (8, 64)).at[2].set(0.0)
+    for dtype, max_rel in ((FP8, 2**-4), (jnp.int8, 1 / 127)):
+        q, scale = quantize_per_channel(w, dtype)
+        assert q.dtype == dtype and scale.shape == (8,) and scale.dtype == jnp.float32
+        back = q.astype(jnp.float32) * scale[:, None]
+        row_max = jnp.max(jnp.abs(w), axis=1, keepdims=True)
+        # error per element within half a step of the format at the row's max
+        assert float(jnp.max(jnp.abs(back - w) / jnp.maximum(row_max, 1e-30))) <= max_rel
+        assert float(scale[2]) == 1.0 and not np.any(np.asarray(q[2], np.float32))
+
+
+@pytest.mark.parametrize("m", [1, 4, 16, 64])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (28672, 4096)])
+def test_default_sizes_fill_the_gpu_on_llama_shapes(m, n, k):
+    sizes = default_block_sizes(m, n, k)
+    assert n % sizes.block_n == 0 and k % (sizes.block_k * sizes.k_splits) == 0
+    programs = n // sizes.block_n * sizes.k_splits
+    steps = k // sizes.k_splits // sizes.block_k
+    # Two programs per SM of an H200 (132), or as many splits as still leave >= 4 K steps each.
+    assert programs >= 264 or steps < 8
+    assert steps >= 4
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(x=jnp.zeros((65, 64), jnp.bfloat16)), "1 <= M <= 64"),
+    (dict(x=jnp.zeros((2, 64), jnp.float16)), "bfloat16 or float32"),
+    (dict(x=jnp.zeros((64,), jnp.bfloat16)), r"x must be \[M, K\]"),
+    (dict(w=jnp.zeros((32, 64), jnp.int8)), "w must be float8_e4m3fn"),
+    (dict(w=jnp.zeros((64, 32), FP8)), "must equal x's K"),
+    (dict(scale=jnp.ones((32, 1), jnp.float32)), r"scale must be \[N\]"),
+    (dict(scale=jnp.ones((32,), jnp.bfloat16)), "scale must be float32"),
+    (dict(options=dict(block_n=64)), "N=32 must be a multiple of block_n=64"),
+    (dict(options=dict(block_k=32, k_splits=4)), "K=64 must be a multiple of block_k \\* k_splits"),
+    (dict(options=dict(block_n=24)), "block_n must be a power of two"),
+    (dict(options=dict(algorithm="mma", block_k=8)), "block_n and block_k must be >= 16"),
+    (dict(options=dict(algorithm="wgmma")), "algorithm must be one of"),
+])
+def test_bad_input_names_the_field(bad, message):
+    args = dict(x=jnp.zeros((2, 64), jnp.bfloat16), w=jnp.zeros((32, 64), FP8), scale=jnp.ones((32,), jnp.float32))
+    options = bad.pop("options", {})
+    args.update(bad)
+    with pytest.raises(ValueError, match=message):
+        fp8_weight_only_matmul(args["x"], args["w"], args["scale"], interpret=True, **options)
+
+
+def test_fma_refuses_many_rows():
+    x, w, scale = make_case(9)
+    with pytest.raises(ValueError, match="M must be <= 8"):
+        fp8_weight_only_matmul(x, w, scale, interpret=True, algorithm="fma", **TILES)
+
+
+def test_int8_entry_point_refuses_fp8_weights():
+    x, w, scale = make_case(2)
+    with pytest.raises(ValueError, match="w must be int8"):
+        int8_weight_only_matmul(x, w, scale, interpret=True)
+
+
+@pytest.mark.parametrize("options", [
+    dict(algorithm="fma", block_n=16, block_k=512, k_splits=2),
+    dict(algorithm="mma", block_n=32, block_k=256),
+    dict(algorithm="mma_swapped", block_n=64, block_k=128, k_splits=4),
+])
+def test_kernel_lowers_through_triton_from_cpu(options):
+    # Lowers Pallas -> Triton IR for an abstract H200: catches primitives the Triton
+    # lowering lacks (interpret mode does not), e.g. fp8 casts or the transposed store.
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
+    for fn, weight_dtype in ((fp8_weight_only_matmul, FP8), (int8_weight_only_matmul, jnp.int8)):
+        x = jax.ShapeDtypeStruct((3, 4096), jnp.bfloat16)
+        w = jax.ShapeDtypeStruct((1024, 4096), weight_dtype)
+        scale = jax.ShapeDtypeStruct((1024,), jnp.float32)
+        with jax.sharding.use_abstract_mesh(mesh):
+            lowered = fn.trace(x, w, scale, **options).lower(lowering_platforms=("cuda",))
+        assert "triton" in lowered.as_text()
