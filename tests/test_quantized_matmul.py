@@ -151,10 +151,40 @@ def test_kernel_lowers_through_triton_from_cpu(options):
 
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
-    for fn, weight_dtype in ((fp8_weight_only_matmul, FP8), (int8_weight_only_matmul, jnp.int8)):
-        x = jax.ShapeDtypeStruct((3, 4096), jnp.bfloat16)
+    cases = [(fn, weight_dtype, m) for fn, weight_dtype in ((fp8_weight_only_matmul, FP8),
+                                                              (int8_weight_only_matmul, jnp.int8))
+             for m in ((1, 3, 8) if options["algorithm"] == "fma" else (1, 3, 16, 64))]
+    for fn, weight_dtype, m in cases:
+        x = jax.ShapeDtypeStruct((m, 4096), jnp.bfloat16)
         w = jax.ShapeDtypeStruct((1024, 4096), weight_dtype)
         scale = jax.ShapeDtypeStruct((1024,), jnp.float32)
         with jax.sharding.use_abstract_mesh(mesh):
             lowered = fn.trace(x, w, scale, **options).lower(lowering_platforms=("cuda",))
         assert "triton" in lowered.as_text()
+
+
+@pytest.mark.slow
+def test_benchmark_runs_on_cpu_with_tiny_shapes(tmp_path):
+    # benchmarks/fp8_matmul.py end to end in interpret mode (~1-2 min on 2 busy cores): every
+    # stage runs and writes its results; the numbers mean nothing.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "benchmarks/fp8_matmul.py", "--out", str(tmp_path), "--shape", "tiny",
+                           "--layers", "1", "--ms", "1,3", "--budget-s", "600"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "fp8_matmul.json").read_text())
+    checks = results["correctness"]
+    assert checks and all(r.get("rel_error", 1) < 1e-2 for r in checks if r["impl"] == "ours")
+    timed = [r for r in results["sweep"] if "us" in r]
+    assert {r["method"] for r in timed} >= {"xla_bf16", "xla_w8a16", "xla_w8a8"}
+    assert all(r["rel_error_vs_fp8_reference"] < 2e-2 for r in timed if r["method"].startswith("ours"))
+    chains = {(r["m"], r["method"]) for r in results["chains"] if "ms" in r}
+    assert {(1, "ours best"), (3, "ours default"), (3, "xla_w8a8")} <= chains
+    assert "| 1 |" in (tmp_path / "fp8_matmul.md").read_text()
