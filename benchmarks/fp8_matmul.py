@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import os
 import sys
 import time
@@ -195,25 +196,29 @@ def activations(m: int, k: int, seed: int):
 
 def sweep_candidates(m: int, n: int, k: int) -> list[MatmulBlockSizes]:
     """Tile sizes to try for one shape and M, most promising first (the default always first)."""
-    def c(algorithm, block_n, block_k, num_warps=4, num_stages=4, split_factor=1):
+    def c(algorithm, block_n, block_k, num_warps=4, num_stages=4, split_factor=1, prefetch=False):
         block_k = min(block_k, k)
         splits = num_k_splits(n, k, block_n, block_k) if n % block_n == 0 else 1
         splits = max(1, splits * split_factor) if split_factor >= 1 else max(1, int(splits * split_factor))
-        return MatmulBlockSizes(algorithm, block_n, block_k, splits, num_warps, num_stages)
+        return MatmulBlockSizes(algorithm, block_n, block_k, splits, num_warps, num_stages, prefetch)
 
     if m <= 2:
         bk = 512 if m == 1 else 256
-        raw = [c("fma", 16, bk, 4, 3), c("mma", 32, 256), c("mma_swapped", 64, 256), c("fma", 32, 256, 4, 3),
+        raw = [c("fma", 16, bk, 4, 1, prefetch=True), c("mma", 32, 256), c("mma_swapped", 64, 256),
+               c("fma", 16, bk, 4, 3), c("fma", 32, 256, 4, 3),
                c("fma", 16, 2 * bk, 8, 2), c("mma", 16, 512), c("mma", 64, 128, 4, 5), c("fma", 8, bk, 4, 4),
                c("mma_swapped", 128, 128), c("fma", 16, bk, 4, 5), c("mma", 32, 256, split_factor=2),
-               c("mma", 32, 512, 8, 3), c("fma", 16, bk, 4, 3, split_factor=0.5)]
+               c("mma", 32, 512, 8, 3), c("fma", 16, bk, 4, 3, split_factor=0.5), c("fma", 16, bk, 2, 4),
+               c("fma", 32, bk, 8, 3)]
     elif m <= MAX_FMA_ROWS:
-        raw = [c("mma", 32, 256), c("mma_swapped", 64, 256), c("fma", 8, 256, 4, 3), c("mma", 16, 512),
+        raw = [c("mma", 32, 256), c("mma_swapped", 64, 256), c("fma", 8, 256, 4, 1, prefetch=True),
+               c("mma", 32, 256, prefetch=True), c("fma", 8, 256, 4, 3), c("mma", 16, 512),
                c("mma", 64, 128, 4, 5), c("mma_swapped", 128, 128), c("mma", 32, 128, 4, 6),
                c("mma", 32, 512, 8, 3), c("mma", 32, 256, split_factor=2), c("fma", 16, 128, 4, 4),
                c("mma", 32, 256, 4, 3), c("mma_swapped", 64, 128, 4, 6)]
     else:
-        raw = [c("mma", 32, 256), c("mma", 64, 128), c("mma_swapped", 64, 256), c("mma", 64, 256, 8, 3),
+        raw = [c("mma", 32, 256), c("mma", 64, 128), c("mma_swapped", 64, 256), c("mma", 64, 128, prefetch=True),
+               c("mma", 64, 256, 8, 3),
                c("mma_swapped", 128, 128, 8, 4), c("mma", 128, 128, 8, 3), c("mma", 16, 512),
                c("mma", 32, 128, 4, 6), c("mma", 64, 128, 4, 3, split_factor=2), c("mma_swapped", 128, 64, 4, 5),
                c("mma", 32, 256, 4, 3), c("mma", 64, 64, 4, 6)]
@@ -230,7 +235,7 @@ def sweep_candidates(m: int, n: int, k: int) -> list[MatmulBlockSizes]:
 
 def describe(sizes: MatmulBlockSizes) -> str:
     return (f"{sizes.algorithm} n{sizes.block_n} k{sizes.block_k} s{sizes.k_splits} "
-            f"w{sizes.num_warps} st{sizes.num_stages}")
+            f"w{sizes.num_warps} st{sizes.num_stages}{' pf' if sizes.prefetch else ''}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -270,9 +275,12 @@ def check_correctness(log: Log, shapes, ms, interpret: bool) -> list[dict]:
     return rows
 
 
-def run_sweep(log: Log, layers, shapes, ms, interpret: bool, deadline: float, ceiling: float) -> list[dict]:
-    """Per shape and M: XLA's three paths, then our kernel's candidates in rounds until the deadline."""
-    rows = []
+def run_sweep(log: Log, layers, shapes, ms, interpret: bool, deadline: float, ceiling: float, rows: list,
+              save) -> list[dict]:
+    """Per shape and M: our defaults, XLA's three paths, then our other candidates in rounds until the deadline.
+
+    Appends to ``rows`` as it goes and calls ``save()`` after each entry, so a crash keeps what was measured.
+    """
 
     def copies(shape_key, fmt):
         return [layer[name][fmt] for layer in layers for name in SWEEP_SHAPES[shape_key]]
@@ -299,6 +307,7 @@ def run_sweep(log: Log, layers, shapes, ms, interpret: bool, deadline: float, ce
             entry["error"] = f"{type(error).__name__}: {str(error)[:1500]}"
             log(f"sweep {shape_key} M={m} {method}: FAILED {entry['error'][:300]}")
         rows.append(entry)
+        save()
 
     refs = {}
     order = ["gate", "down", "q", "k"]
@@ -331,7 +340,6 @@ def run_sweep(log: Log, layers, shapes, ms, interpret: bool, deadline: float, ce
     if skipped:
         log(f"sweep: {skipped} candidates not tried (budget spent)")
     rows.append({"skipped_candidates": skipped})
-    return rows
 
 
 def best_sizes(sweep_rows, shape_key, m) -> MatmulBlockSizes | None:
@@ -351,9 +359,9 @@ def best_sizes(sweep_rows, shape_key, m) -> MatmulBlockSizes | None:
     return MatmulBlockSizes(**min(ok, key=lambda r: r["us"])["sizes"])
 
 
-def run_chains(log: Log, layers, shapes, ms, sweep_rows, interpret: bool, ceiling: float, deadline: float):
-    """Every layer's 7 projections end to end, per implementation and M."""
-    rows = []
+def run_chains(log: Log, layers, shapes, ms, sweep_rows, interpret: bool, ceiling: float, deadline: float,
+               rows: list, save):
+    """Every layer's 7 projections end to end, per implementation and M (appended to ``rows``, saved as it goes)."""
     num_layers = len(layers)
     hidden = shapes["q"][1]
 
@@ -405,7 +413,7 @@ def run_chains(log: Log, layers, shapes, ms, sweep_rows, interpret: bool, ceilin
                 entry["error"] = f"{type(error).__name__}: {str(error)[:1500]}"
                 log(f"chain M={m} {method}: FAILED {entry['error'][:300]}")
             rows.append(entry)
-    return rows
+            save()
 
 
 def w8a8_uses_fp8_gemm(shapes) -> dict:
@@ -476,15 +484,24 @@ def main():
         f"({time.perf_counter() - start:.0f} s so far)")
     results = {"info": info, "args": vars(args) | {"out": str(args.out)}, "hbm_read_tbs": ceiling}
     results["correctness"] = check_correctness(log, shapes, ms, interpret)
+    log(f"checks done ({time.perf_counter() - start:.0f} s so far)")
     try:
         results["w8a8_hlo"] = w8a8_uses_fp8_gemm(shapes) if not interpret else None
         log(f"xla W8A8 compiled: {results['w8a8_hlo']}")
     except Exception as error:  # noqa: BLE001
         results["w8a8_hlo"] = {"error": str(error)[:500]}
+    partial_path = args.out / "fp8_matmul.partial.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save():  # everything so far, in case a compiler crash ends the process
+        partial_path.write_text(json.dumps(results, indent=1, default=str))
+
+    save()
     sweep_deadline = start + SWEEP_SHARE * args.budget_s
-    results["sweep"] = run_sweep(log, layers, shapes, ms, interpret, sweep_deadline, ceiling)
-    results["chains"] = run_chains(log, layers, shapes, ms, results["sweep"], interpret, ceiling,
-                                   start + args.budget_s)
+    results["sweep"], results["chains"] = [], []
+    run_sweep(log, layers, shapes, ms, interpret, sweep_deadline, ceiling, results["sweep"], save)
+    run_chains(log, layers, shapes, ms, results["sweep"], interpret, ceiling, start + args.budget_s,
+               results["chains"], save)
     results["best_sizes"] = {s: {m: (dataclasses.asdict(b) if (b := best_sizes(results["sweep"], s, m)) else None)
                                  for m in ms} for s in SWEEP_SHAPES}
     markdown, lines = markdown_summary(info, ceiling, results["sweep"], results["chains"], ms, shapes)

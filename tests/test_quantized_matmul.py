@@ -48,6 +48,14 @@ def test_fp8_kernel_matches_reference(m, algorithm, dtype):
     assert_close(out, weight_only_matmul_reference(x, w, scale), dtype)
 
 
+@pytest.mark.parametrize("algorithm,m", [("fma", 3), ("mma", 3), ("mma_swapped", 16)])
+def test_prefetched_tiles_give_the_same_result(algorithm, m):
+    x, w, scale = make_case(m, seed=30 + m)
+    out = fp8_weight_only_matmul(x, w, scale, interpret=True, algorithm=algorithm, k_splits=2, prefetch=True,
+                                 **TILES)
+    assert_close(out, weight_only_matmul_reference(x, w, scale), jnp.bfloat16)
+
+
 @pytest.mark.parametrize("k_splits", [1, 2])
 def test_padded_rows_are_neither_read_nor_written(k_splits):
     # M=5 pads to 16 rows in the dot; the outputs are exactly M rows, equal to the reference.
@@ -141,7 +149,9 @@ def test_int8_entry_point_refuses_fp8_weights():
 
 @pytest.mark.parametrize("options", [
     dict(algorithm="fma", block_n=16, block_k=512, k_splits=2),
+    dict(algorithm="fma", block_n=16, block_k=512, prefetch=True),
     dict(algorithm="mma", block_n=32, block_k=256),
+    dict(algorithm="mma", block_n=32, block_k=256, prefetch=True),
     dict(algorithm="mma_swapped", block_n=64, block_k=128, k_splits=4),
 ])
 def test_kernel_lowers_through_triton_from_cpu(options):

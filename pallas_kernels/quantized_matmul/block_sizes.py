@@ -42,6 +42,7 @@ class MatmulBlockSizes:
     k_splits: int  # programs sharing one output tile's K range; partial sums added after
     num_warps: int = 4
     num_stages: int = 4
+    prefetch: bool = False  # load the next weight tile before this step's arithmetic (registers, 2 in flight)
 
 
 def next_power_of_2(n: int) -> int:

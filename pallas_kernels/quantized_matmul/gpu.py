@@ -93,20 +93,39 @@ def _matmul_kernel(
     num_steps = w_ref.shape[1] // block_k
     scale = scale_ref[...].astype(jnp.float32)  # [block_n]
 
-    def weight_tile(i, dtype):
-        k0 = pl.multiple_of(i * block_k, block_k)
-        return k0, _convert_weights(w_ref[:, pl.ds(k0, block_k)], dtype)  # [block_n, block_k]
+    def load_weights(i):  # the raw [block_n, block_k] weight tile of step i (a traced or a Python int)
+        start = i * block_k if isinstance(i, int) else pl.multiple_of(i * block_k, block_k)
+        return w_ref[:, pl.ds(start, block_k)]
+
+    def k_loop(step, init):
+        """``fori_loop`` over K steps of ``step(i, k0, raw_tile, carry)``, the tile loaded here.
+
+        With ``prefetch`` the carry also holds the next step's raw tile, loaded before this
+        step's arithmetic: two tiles in flight per program even where Triton does not
+        software-pipeline the loop (it pipelines loads that feed a dot; the fma form has none).
+        """
+        def body(i, carry):
+            k0 = pl.multiple_of(i * block_k, block_k)
+            if not sizes.prefetch:
+                return step(i, k0, load_weights(i), carry)
+            state, tile = carry
+            next_tile = load_weights(jnp.minimum(i + 1, num_steps - 1))
+            return step(i, k0, tile, state), next_tile
+
+        if not sizes.prefetch:
+            return lax.fori_loop(0, num_steps, body, init)
+        return lax.fori_loop(0, num_steps, body, (init, load_weights(0)))[0]
 
     if sizes.algorithm == "fma":
         # One [block_n, block_k] accumulator per row of x: products are added element-wise
         # each step and reduced over K once at the end, so the loop has no cross-lane work.
-        def fma_step(i, accs):
-            k0, w = weight_tile(i, jnp.float32)
+        def fma_step(i, k0, tile, accs):
+            w = _convert_weights(tile, jnp.float32)
             return tuple(acc + w * x_ref[r, pl.ds(k0, block_k)].astype(jnp.float32)[None, :]
                          for r, acc in enumerate(accs))
 
         zeros = jnp.zeros((block_n, block_k), jnp.float32)
-        accs = lax.fori_loop(0, num_steps, fma_step, (zeros,) * m)
+        accs = k_loop(fma_step, (zeros,) * m)
         for r, acc in enumerate(accs):
             out_ref[r, :] = (jnp.sum(acc, axis=1) * scale).astype(out_ref.dtype)
         return
@@ -114,15 +133,15 @@ def _matmul_kernel(
     block_m = padded_rows(m, sizes.algorithm)
     swapped = sizes.algorithm == "mma_swapped"
 
-    def mma_step(i, acc):
-        k0, w = weight_tile(i, compute_dtype)
+    def mma_step(i, k0, tile, acc):
+        w = _convert_weights(tile, compute_dtype)
         x = _load_x_tile(x_ref, k0, m=m, block_m=block_m, block_k=block_k).astype(compute_dtype)
         if swapped:  # acc [block_n, block_m]
             return acc + plgpu.dot(w, x, trans_b=True, precision=precision)
         return acc + plgpu.dot(x, w, trans_b=True, precision=precision)  # acc [block_m, block_n]
 
     acc_shape = (block_n, block_m) if swapped else (block_m, block_n)
-    acc = lax.fori_loop(0, num_steps, mma_step, jnp.zeros(acc_shape, jnp.float32))
+    acc = k_loop(mma_step, jnp.zeros(acc_shape, jnp.float32))
     if swapped:
         acc = acc.T
     _store_rows(out_ref, acc * scale[None, :], m=m)
@@ -178,15 +197,16 @@ def resolve_block_sizes(m: int, n: int, k: int, **overrides) -> MatmulBlockSizes
     return sizes
 
 
-_STATIC = ("interpret", "algorithm", "block_n", "block_k", "k_splits", "num_warps", "num_stages")
+_STATIC = ("interpret", "algorithm", "block_n", "block_k", "k_splits", "num_warps", "num_stages", "prefetch")
 
 
 def _weight_only_matmul(x, w, scale, weight_dtype, *, interpret, algorithm, block_n, block_k, k_splits,
-                        num_warps, num_stages):
+                        num_warps, num_stages, prefetch):
     check_inputs(x, w, scale, weight_dtype)
     m, k = x.shape
     sizes = resolve_block_sizes(m, w.shape[0], k, algorithm=algorithm, block_n=block_n, block_k=block_k,
-                                k_splits=k_splits, num_warps=num_warps, num_stages=num_stages)
+                                k_splits=k_splits, num_warps=num_warps, num_stages=num_stages,
+                                prefetch=prefetch)
     return weight_only_matmul_gpu(x, w, scale, sizes=sizes, interpret=interpret)
 
 
@@ -194,7 +214,7 @@ def _weight_only_matmul(x, w, scale, weight_dtype, *, interpret, algorithm, bloc
 def fp8_weight_only_matmul(
     x: jax.Array, w: jax.Array, scale: jax.Array, *, interpret: bool = False, algorithm: str | None = None,
     block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, prefetch: bool | None = None,
 ) -> jax.Array:
     """``x @ (w * scale[:, None]).T`` for few tokens, reading the fp8 weights once: ``[M, N]`` in ``x.dtype``.
 
@@ -209,14 +229,14 @@ def fp8_weight_only_matmul(
     """
     return _weight_only_matmul(x, w, scale, jnp.float8_e4m3fn, interpret=interpret, algorithm=algorithm,
                                block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
-                               num_stages=num_stages)
+                               num_stages=num_stages, prefetch=prefetch)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def int8_weight_only_matmul(
     x: jax.Array, w: jax.Array, scale: jax.Array, *, interpret: bool = False, algorithm: str | None = None,
     block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, prefetch: bool | None = None,
 ) -> jax.Array:
     """``fp8_weight_only_matmul`` for int8 weights ``w [N, K]`` (per-channel ``scale [N]``), same kernel and contract.
 
@@ -225,4 +245,4 @@ def int8_weight_only_matmul(
     """
     return _weight_only_matmul(x, w, scale, jnp.int8, interpret=interpret, algorithm=algorithm,
                                block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
-                               num_stages=num_stages)
+                               num_stages=num_stages, prefetch=prefetch)
