@@ -233,6 +233,50 @@ def sweep_candidates(m: int, n: int, k: int) -> list[MatmulBlockSizes]:
     return out
 
 
+def grid_candidates(m: int, n: int, k: int, seed: int = 0) -> list[MatmulBlockSizes]:
+    """A wider, systematic set (``--sweep-set grid``): the default first, then a seeded shuffle of the grid.
+
+    Shuffled so that a sweep cut short by its budget still samples every form and size evenly.
+    fma tiles are kept to 8-128 accumulator registers per thread (M * block_n * block_k / threads).
+    """
+    grid = []
+    if m <= MAX_FMA_ROWS:
+        for block_n in (8, 16, 32):
+            for block_k in (256, 512, 1024):
+                for num_warps in (2, 4, 8):
+                    registers = m * block_n * block_k / (32 * num_warps)
+                    if not 8 <= registers <= 128:
+                        continue
+                    for prefetch in (False, True):
+                        grid.append(("fma", block_n, block_k, num_warps, 1 if prefetch else 3, prefetch))
+    for block_n in (16, 32, 64, 128):
+        for block_k in (128, 256, 512):
+            if block_n * block_k > 32768:  # fp8 bytes per stage
+                continue
+            for num_warps, num_stages in ((4, 3), (4, 5), (8, 4)):
+                grid.append(("mma", block_n, block_k, num_warps, num_stages, False))
+    for block_n in (64, 128):
+        for block_k in (64, 128, 256):
+            for num_warps in (4, 8):
+                grid.append(("mma_swapped", block_n, block_k, num_warps, 4, False))
+    order = np.random.default_rng(seed + 97 * m + n + k).permutation(len(grid))
+    out = [default_block_sizes(m, n, k)]
+    for index in order:
+        algorithm, block_n, block_k, num_warps, num_stages, prefetch = grid[index]
+        block_k = min(block_k, k)
+        if n % block_n:
+            continue
+        sizes = MatmulBlockSizes(algorithm, block_n, block_k, num_k_splits(n, k, block_n, block_k), num_warps,
+                                 num_stages, prefetch)
+        try:
+            check_block_sizes(sizes, m, n, k)
+        except ValueError:
+            continue
+        if sizes not in out:
+            out.append(sizes)
+    return out
+
+
 def describe(sizes: MatmulBlockSizes) -> str:
     return (f"{sizes.algorithm} n{sizes.block_n} k{sizes.block_k} s{sizes.k_splits} "
             f"w{sizes.num_warps} st{sizes.num_stages}{' pf' if sizes.prefetch else ''}")
@@ -276,7 +320,7 @@ def check_correctness(log: Log, shapes, ms, interpret: bool) -> list[dict]:
 
 
 def run_sweep(log: Log, layers, shapes, ms, interpret: bool, deadline: float, ceiling: float, rows: list,
-              save) -> list[dict]:
+              save, candidate_set: str = "curated", shape_keys=("gate", "down", "q", "k")) -> list[dict]:
     """Per shape and M: our defaults, XLA's three paths, then our other candidates in rounds until the deadline.
 
     Appends to ``rows`` as it goes and calls ``save()`` after each entry, so a crash keeps what was measured.
@@ -310,15 +354,16 @@ def run_sweep(log: Log, layers, shapes, ms, interpret: bool, deadline: float, ce
         save()
 
     refs = {}
-    order = ["gate", "down", "q", "k"]
-    candidates = {(s, m): sweep_candidates(m, *shapes[s]) for s in order for m in ms}
+    order = list(shape_keys)
+    make = grid_candidates if candidate_set == "grid" else sweep_candidates
+    candidates = {(s, m): make(m, *shapes[s]) for s in order for m in ms}
     max_rounds = max(len(v) for v in candidates.values())
     skipped = 0
     for round_index in range(max_rounds):
         if round_index == 1:
             # After our defaults, XLA's paths on the two large shapes (75% of a layer's bytes), as the bar to beat;
             # the chains compare all shapes together.
-            for shape_key in order[:2]:
+            for shape_key in [s for s in order if s in ("gate", "down")]:
                 for m in ms:
                     if time.perf_counter() > deadline:
                         break
@@ -326,7 +371,7 @@ def run_sweep(log: Log, layers, shapes, ms, interpret: bool, deadline: float, ce
                     time_one(shape_key, m, "xla_w8a16", xla_w8a16, "fp8", {})
                     time_one(shape_key, m, "xla_w8a8", xla_w8a8, "fp8", {})
         # The small projections (q/o, k/v) get the first three candidates only: 20% of the bytes.
-        for shape_key in order if round_index < 3 else order[:2]:
+        for shape_key in order if round_index < 3 else [s for s in order if s in ("gate", "down")]:
             for m in ms:
                 cands = candidates[(shape_key, m)]
                 if round_index >= len(cands):
@@ -382,14 +427,18 @@ def run_chains(log: Log, layers, shapes, ms, sweep_rows, interpret: bool, ceilin
               "ours int8 best": "int8"}
     for m in ms:
         x = activations(m, hidden, seed=m)
-        best = {s: best_sizes(sweep_rows, s, m) for s in SWEEP_SHAPES}
+        defaults = {s: default_block_sizes(m, *shapes[names[0]]) for s, names in SWEEP_SHAPES.items()}
+        # Shapes the sweep did not reach keep their defaults.
+        best = {s: best_sizes(sweep_rows, s, m) or defaults[s] for s in SWEEP_SHAPES}
         shape_of = {name: key for key, names in SWEEP_SHAPES.items() for name in names}
         methods = {"xla_bf16": lambda name: xla_bf16, "xla_w8a16": lambda name: xla_w8a16,
                    "xla_w8a8": lambda name: xla_w8a8, "ours default": lambda name: ours(None, interpret)}
-        if any(b is not None for b in best.values()):
+        if best != defaults:
             methods["ours best"] = lambda name: ours(best[shape_of[name]], interpret)
-            if m in (ms[0], ms[-1]):
-                methods["ours int8 best"] = lambda name: ours(best[shape_of[name]], interpret, jnp.int8)
+        else:
+            log(f"chain M={m}: the sweep's best sizes are the defaults ('ours best' = 'ours default')")
+        if m in (ms[0], ms[-1]):
+            methods["ours int8 best"] = lambda name: ours(best[shape_of[name]], interpret, jnp.int8)
         traffic = {fmt: sum(bytes_read(m, *shapes[name], fmt) for name in shapes) * num_layers
                    for fmt in ("bf16", "fp8")}
         for method, linear_for in methods.items():
@@ -399,9 +448,9 @@ def run_chains(log: Log, layers, shapes, ms, sweep_rows, interpret: bool, ceilin
                 continue
             fmt = fmt_of[method]
             weights = [{name: layer[name][fmt] for name in shapes} for layer in layers]
+            sizes = best if "best" in method else defaults if "ours" in method else None
             entry = {"m": m, "method": method, "layers": num_layers,
-                     "sizes": {s: (dataclasses.asdict(b) if b else None) for s, b in best.items()}
-                     if "best" in method else None}
+                     "sizes": {s: dataclasses.asdict(b) for s, b in sizes.items()} if sizes else None}
             try:
                 t = time_program(chain_fn(linear_for), x, weights)[0]
                 # int8 weights are as many bytes as fp8
@@ -435,10 +484,11 @@ def markdown_summary(info, ceiling, sweep_rows, chain_rows, ms, shapes) -> tuple
     for m in ms:
         got = {r["method"]: r for r in chain_rows if r["m"] == m}
         cell = lambda name: f"{got[name]['ms']:.3f}" if name in got and "ms" in got[name] else "-"  # noqa: E731
-        best = got.get("ours best", {})
+        best = got.get("ours best", got.get("ours default", {}))
         tbs = f"{best['tbs']:.2f} ({best['of_ceiling']:.0%})" if "tbs" in best else "-"
+        best_cell = cell("ours best") if "ours best" in got else "= default"
         lines.append(f"| {m} | {cell('xla_bf16')} | {cell('xla_w8a16')} | {cell('xla_w8a8')} | "
-                     f"{cell('ours default')} | {cell('ours best')} | {tbs} | {cell('ours int8 best')} |")
+                     f"{cell('ours default')} | {best_cell} | {tbs} | {cell('ours int8 best')} |")
     lines += ["", "## Per shape: fastest of each kind (µs per call, TB/s)", "",
               "| shape (N x K) | M | xla bf16 | xla W8A16 | xla W8A8 | ours default | ours best | best config |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -469,6 +519,12 @@ def main():
                         help="wall seconds for the whole run; the sweep stops starting work at 50%% of it, "
                              "the chains at 100%% (a compile under way finishes)")
     parser.add_argument("--ceiling-gib", type=float, default=4.0)
+    parser.add_argument("--sweep-set", default="curated", choices=["curated", "grid"],
+                        help="curated: a short list per M class, most promising first; grid: a shuffled grid")
+    parser.add_argument("--sweep-ms", default=None, help="Ms to sweep (default: --ms); chains borrow the next swept M")
+    parser.add_argument("--sweep-shapes", default="gate,down,q,k")
+    parser.add_argument("--sweep-share", type=float, default=SWEEP_SHARE,
+                        help="share of --budget-s after which the sweep starts nothing new")
     args = parser.parse_args()
     start = time.perf_counter()
     log = Log()
@@ -497,9 +553,11 @@ def main():
         partial_path.write_text(json.dumps(results, indent=1, default=str))
 
     save()
-    sweep_deadline = start + SWEEP_SHARE * args.budget_s
+    sweep_deadline = start + args.sweep_share * args.budget_s
     results["sweep"], results["chains"] = [], []
-    run_sweep(log, layers, shapes, ms, interpret, sweep_deadline, ceiling, results["sweep"], save)
+    sweep_ms = [int(v) for v in args.sweep_ms.split(",")] if args.sweep_ms else ms
+    run_sweep(log, layers, shapes, sweep_ms, interpret, sweep_deadline, ceiling, results["sweep"], save,
+              candidate_set=args.sweep_set, shape_keys=args.sweep_shapes.split(","))
     run_chains(log, layers, shapes, ms, results["sweep"], interpret, ceiling, start + args.budget_s,
                results["chains"], save)
     results["best_sizes"] = {s: {m: (dataclasses.asdict(b) if (b := best_sizes(results["sweep"], s, m)) else None)

@@ -36,10 +36,12 @@ def check_block_sizes(sizes: MatmulBlockSizes, m: int, n: int, k: int) -> None:
     """The tiles must divide the matrix exactly: the kernel reads weights without bounds masks."""
     if sizes.algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {sizes.algorithm!r}")
-    for name in ("block_n", "block_k", "k_splits", "num_warps", "num_stages"):
+    for name in ("block_n", "block_k", "k_splits", "num_warps"):
         value = getattr(sizes, name)
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two >= 1, got {value}")
+    if sizes.num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {sizes.num_stages}")
     if sizes.algorithm != "fma" and (sizes.block_n < 16 or sizes.block_k < 16):
         raise ValueError(f"algorithm {sizes.algorithm!r} uses Triton's dot: block_n and block_k must be >= 16, "
                          f"got {sizes.block_n} and {sizes.block_k}")
