@@ -10,6 +10,7 @@ from pallas_kernels.quantized_matmul import (
     fp8_weight_only_matmul,
     int8_weight_only_matmul,
     quantize_per_channel,
+    supports_shape,
     weight_only_matmul_reference,
 )
 from pallas_kernels.quantized_matmul.block_sizes import padded_rows
@@ -134,6 +135,19 @@ def test_bad_input_names_the_field(bad, message):
     args.update(bad)
     with pytest.raises(ValueError, match=message):
         fp8_weight_only_matmul(args["x"], args["w"], args["scale"], interpret=True, **options)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 16, 16), (7, 48, 80), (64, 14336, 4096), (3, 1024, 4096)])
+def test_supported_shapes_get_working_default_sizes(m, n, k):
+    from pallas_kernels.quantized_matmul.validation import check_block_sizes
+
+    assert supports_shape(m, n, k)
+    check_block_sizes(default_block_sizes(m, n, k), m, n, k)  # raises if the defaults do not tile the shape
+
+
+@pytest.mark.parametrize("m,n,k", [(0, 16, 16), (65, 16, 16), (1, 24, 16), (1, 16, 40)])
+def test_unsupported_shapes_are_reported_without_raising(m, n, k):
+    assert not supports_shape(m, n, k)
 
 
 def test_fma_refuses_many_rows():

@@ -9,6 +9,15 @@ from pallas_kernels.quantized_matmul.block_sizes import ALGORITHMS, MAX_FMA_ROWS
 ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
+def supports_shape(m: int, n: int, k: int) -> bool:
+    """Whether the kernels serve ``x [m, k] @ w[n, k]^T`` at their default tiles, without raising.
+
+    For a dispatcher deciding between the kernel and XLA: 1 <= m <= 64 rows, and N, K
+    multiples of 16 (the defaults shrink their tiles to divide any such N and K).
+    """
+    return 1 <= m <= MAX_ROWS and n > 0 and k > 0 and n % 16 == 0 and k % 16 == 0
+
+
 def check_inputs(x, w, scale, weight_dtype) -> None:
     """``x [M, K]`` bf16/f32 with 1 <= M <= 64, ``w [N, K]`` of ``weight_dtype``, ``scale [N]`` float32."""
     weight_dtype = jnp.dtype(weight_dtype)
