@@ -10,8 +10,9 @@ gate/up 14336x4096, down 4096x14336), token counts M in {1, 2, 4, 8, 16, 32, 64}
   tile sizes / multiply forms / pipeline depths, tried in rounds (candidate 1 of every
   shape and M, then candidate 2, ...) until the sweep's share of ``--budget-s`` is spent;
 * ``chain``: ``--layers`` layers of q, k, v, o, gate, up, down (silu(gate) * up into down,
-  a residual add), each implementation end to end, ours at its default sizes and at the
-  sweep's best per shape.
+  a residual add), each implementation end to end, ours at the sweep's best sizes per shape
+  and at its defaults; then "fused" chains (q/k/v as one call, gate/up as one call: four
+  calls a layer) for ours and XLA bf16; then ours with int8 weights.
 
 Timing: each timed program holds many distinct calls (a sweep program calls one shape on
 8-32 different weight copies, more bytes than the 50 MB L2; a chain touches every layer's
@@ -404,65 +405,104 @@ def best_sizes(sweep_rows, shape_key, m) -> MatmulBlockSizes | None:
     return MatmulBlockSizes(**min(ok, key=lambda r: r["us"])["sizes"])
 
 
+def fuse_projections(layer: dict) -> dict:
+    """A layer's q/k/v and gate/up weights concatenated along N (one call each), for every storage format."""
+    fused = {}
+    for fused_name, names in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up"))):
+        fused[fused_name] = {"bf16": jnp.concatenate([layer[n]["bf16"] for n in names])}
+        for fmt in ("fp8", "int8"):
+            fused[fused_name][fmt] = tuple(jnp.concatenate([layer[n][fmt][i] for n in names]) for i in range(2))
+    return fused
+
+
 def run_chains(log: Log, layers, shapes, ms, sweep_rows, interpret: bool, ceiling: float, deadline: float,
                rows: list, save):
-    """Every layer's 7 projections end to end, per implementation and M (appended to ``rows``, saved as it goes)."""
+    """Every layer's projections end to end, per implementation and M (appended to ``rows``, saved as it goes).
+
+    Tiers, each over all M before the next, so a budget cut leaves every M its headline numbers:
+    1. XLA bf16 / W8A16 / W8A8 and ours at the sweep's best sizes (the defaults where the sweep
+       found nothing better), seven calls per layer;
+    2. ours at the defaults (when the best differ), and "fused": q/k/v as one call and gate/up as
+       one call (4 calls per layer, what a weight layer with fused projections would do), ours
+       and XLA bf16;
+    3. ours with int8 weights at the best sizes.
+    """
     num_layers = len(layers)
     hidden = shapes["q"][1]
+    q_out, kv_out = shapes["q"][0], shapes["k"][0]
+    ffn = shapes["gate"][0]
+    fused_layers = None
 
-    def chain_fn(linear_for):
+    def chain_fn(linear_for, fused: bool):
         def run(x, weights):
             h = x
             kvs = []
             for layer in weights:
-                q = linear_for("q")(h, layer["q"])
-                kvs += [linear_for("k")(h, layer["k"]), linear_for("v")(h, layer["v"])]
+                if fused:
+                    qkv = linear_for("qkv")(h, layer["qkv"])
+                    q = qkv[:, :q_out]
+                    kvs.append(qkv[:, q_out:])
+                else:
+                    q = linear_for("q")(h, layer["q"])
+                    kvs += [linear_for("k")(h, layer["k"]), linear_for("v")(h, layer["v"])]
                 o = linear_for("o")(q, layer["o"])
-                g, u = linear_for("gate")(o, layer["gate"]), linear_for("up")(o, layer["up"])
+                if fused:
+                    gu = linear_for("gate_up")(o, layer["gate_up"])
+                    g, u = gu[:, :ffn], gu[:, ffn:]
+                else:
+                    g, u = linear_for("gate")(o, layer["gate"]), linear_for("up")(o, layer["up"])
                 h = h + linear_for("down")((jax.nn.silu(g.astype(jnp.float32)) * u).astype(BF16), layer["down"])
             return h, kvs
         return jax.jit(run)
 
-    fmt_of = {"xla_bf16": "bf16", "xla_w8a16": "fp8", "xla_w8a8": "fp8", "ours default": "fp8", "ours best": "fp8",
-              "ours int8 best": "int8"}
+    # projection -> the sweep shape whose sizes it uses (a fused projection takes its first part's: N grows, K same)
+    shape_of = {name: key for key, names in SWEEP_SHAPES.items() for name in names} | {"qkv": "q", "gate_up": "gate"}
+    assert kv_out % 16 == 0
+    plans = []  # (tier, m, method, fmt, fused, sizes or None)
     for m in ms:
-        x = activations(m, hidden, seed=m)
         defaults = {s: default_block_sizes(m, *shapes[names[0]]) for s, names in SWEEP_SHAPES.items()}
         # Shapes the sweep did not reach keep their defaults.
         best = {s: best_sizes(sweep_rows, s, m) or defaults[s] for s in SWEEP_SHAPES}
-        shape_of = {name: key for key, names in SWEEP_SHAPES.items() for name in names}
-        methods = {"xla_bf16": lambda name: xla_bf16, "xla_w8a16": lambda name: xla_w8a16,
-                   "xla_w8a8": lambda name: xla_w8a8, "ours default": lambda name: ours(None, interpret)}
+        plans += [(1, m, "xla_bf16", "bf16", False, None), (1, m, "xla_w8a16", "fp8", False, None),
+                  (1, m, "xla_w8a8", "fp8", False, None), (1, m, "ours best", "fp8", False, best)]
         if best != defaults:
-            methods["ours best"] = lambda name: ours(best[shape_of[name]], interpret)
+            plans.append((2, m, "ours default", "fp8", False, defaults))
+        plans += [(2, m, "ours best fused", "fp8", True, best), (2, m, "xla_bf16 fused", "bf16", True, None),
+                  (3, m, "ours int8 best", "int8", False, best)]
+    plans.sort(key=lambda plan: plan[0])
+    for tier, m, method, fmt, fused, sizes in plans:
+        if time.perf_counter() > deadline:
+            log(f"chain M={m} {method}: skipped (budget spent)")
+            rows.append({"m": m, "method": method, "skipped": True})
+            continue
+        if fused and fused_layers is None:
+            fused_layers = [fuse_projections(layer) for layer in layers]
+        names = ("qkv", "o", "gate_up", "down") if fused else tuple(shapes)
+        source = [layer | extra for layer, extra in zip(layers, fused_layers)] if fused else layers
+        weights = [{name: layer[name][fmt] for name in names} for layer in source]
+        if method.startswith("xla_bf16"):
+            linear_for = lambda name: xla_bf16  # noqa: E731
+        elif method == "xla_w8a16":
+            linear_for = lambda name: xla_w8a16  # noqa: E731
+        elif method == "xla_w8a8":
+            linear_for = lambda name: xla_w8a8  # noqa: E731
         else:
-            log(f"chain M={m}: the sweep's best sizes are the defaults ('ours best' = 'ours default')")
-        if m in (ms[0], ms[-1]):
-            methods["ours int8 best"] = lambda name: ours(best[shape_of[name]], interpret, jnp.int8)
-        traffic = {fmt: sum(bytes_read(m, *shapes[name], fmt) for name in shapes) * num_layers
-                   for fmt in ("bf16", "fp8")}
-        for method, linear_for in methods.items():
-            if time.perf_counter() > deadline:
-                log(f"chain M={m} {method}: skipped (budget spent)")
-                rows.append({"m": m, "method": method, "skipped": True})
-                continue
-            fmt = fmt_of[method]
-            weights = [{name: layer[name][fmt] for name in shapes} for layer in layers]
-            sizes = best if "best" in method else defaults if "ours" in method else None
-            entry = {"m": m, "method": method, "layers": num_layers,
-                     "sizes": {s: dataclasses.asdict(b) for s, b in sizes.items()} if sizes else None}
-            try:
-                t = time_program(chain_fn(linear_for), x, weights)[0]
-                # int8 weights are as many bytes as fp8
-                bytes_ = traffic["bf16" if fmt == "bf16" else "fp8"]
-                entry.update(ms=t * 1e3, tbs=bytes_ / t / 1e12, of_ceiling=bytes_ / t / 1e12 / ceiling,
-                             bytes=bytes_)
-                log(f"chain M={m:2d} {method:16s} {t * 1e3:7.3f} ms {entry['tbs']:5.2f} TB/s ({entry['of_ceiling']:.0%})")
-            except Exception as error:  # noqa: BLE001
-                entry["error"] = f"{type(error).__name__}: {str(error)[:1500]}"
-                log(f"chain M={m} {method}: FAILED {entry['error'][:300]}")
-            rows.append(entry)
-            save()
+            weight_dtype = jnp.int8 if fmt == "int8" else FP8
+            linear_for = lambda name, sizes=sizes, dt=weight_dtype: ours(sizes[shape_of[name]], interpret, dt)  # noqa: E731
+        entry = {"m": m, "method": method, "tier": tier, "layers": num_layers, "calls_per_layer": len(names),
+                 "sizes": {s: dataclasses.asdict(b) for s, b in sizes.items()} if sizes else None}
+        # int8 weights are as many bytes as fp8; fusing changes no byte
+        bytes_ = sum(bytes_read(m, *shapes[name], "bf16" if fmt == "bf16" else "fp8") for name in shapes) * num_layers
+        x = activations(m, hidden, seed=m)
+        try:
+            t = time_program(chain_fn(linear_for, fused), x, weights)[0]
+            entry.update(ms=t * 1e3, tbs=bytes_ / t / 1e12, of_ceiling=bytes_ / t / 1e12 / ceiling, bytes=bytes_)
+            log(f"chain M={m:2d} {method:16s} {t * 1e3:7.3f} ms {entry['tbs']:5.2f} TB/s ({entry['of_ceiling']:.0%})")
+        except Exception as error:  # noqa: BLE001
+            entry["error"] = f"{type(error).__name__}: {str(error)[:1500]}"
+            log(f"chain M={m} {method}: FAILED {entry['error'][:300]}")
+        rows.append(entry)
+        save()
 
 
 def w8a8_uses_fp8_gemm(shapes) -> dict:
@@ -478,17 +518,20 @@ def w8a8_uses_fp8_gemm(shapes) -> dict:
 def markdown_summary(info, ceiling, sweep_rows, chain_rows, ms, shapes) -> tuple[str, list[str]]:
     lines = [f"# fp8 weight-only matmul ({info['device']}, jax {info['jax']}, {info['date']})", "",
              f"HBM read ceiling this run: **{ceiling:.2f} TB/s**", "",
-             "## Chains (all layers' q/k/v/o/gate/up/down, ms per chain; TB/s on each method's own bytes)", "",
-             "| M | xla bf16 | xla W8A16 | xla W8A8 | ours default | ours best | ours best TB/s (of ceiling) | int8 best |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "## Chains (all layers' q/k/v/o/gate/up/down, ms per chain; TB/s on each method's own bytes; "
+             "fused: q/k/v and gate/up as one call each)", "",
+             "| M | xla bf16 | xla W8A16 | xla W8A8 | ours default | ours best | ours best TB/s (of ceiling) | int8 best "
+             "| fused: xla bf16 | fused: ours best |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for m in ms:
         got = {r["method"]: r for r in chain_rows if r["m"] == m}
         cell = lambda name: f"{got[name]['ms']:.3f}" if name in got and "ms" in got[name] else "-"  # noqa: E731
-        best = got.get("ours best", got.get("ours default", {}))
+        best = got.get("ours best", {})
         tbs = f"{best['tbs']:.2f} ({best['of_ceiling']:.0%})" if "tbs" in best else "-"
-        best_cell = cell("ours best") if "ours best" in got else "= default"
+        default_cell = cell("ours default") if "ours default" in got else "= best"
         lines.append(f"| {m} | {cell('xla_bf16')} | {cell('xla_w8a16')} | {cell('xla_w8a8')} | "
-                     f"{cell('ours default')} | {best_cell} | {tbs} | {cell('ours int8 best')} |")
+                     f"{default_cell} | {cell('ours best')} | {tbs} | {cell('ours int8 best')} | "
+                     f"{cell('xla_bf16 fused')} | {cell('ours best fused')} |")
     lines += ["", "## Per shape: fastest of each kind (µs per call, TB/s)", "",
               "| shape (N x K) | M | xla bf16 | xla W8A16 | xla W8A8 | ours default | ours best | best config |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -211,5 +211,5 @@ def test_benchmark_runs_on_cpu_with_tiny_shapes(tmp_path):
     assert {r["method"] for r in timed} >= {"xla_bf16", "xla_w8a16", "xla_w8a8"}
     assert all(r["rel_error_vs_fp8_reference"] < 2e-2 for r in timed if r["method"].startswith("ours"))
     chains = {(r["m"], r["method"]) for r in results["chains"] if "ms" in r}
-    assert {(1, "ours default"), (1, "ours int8 best"), (3, "ours default"), (3, "xla_w8a8")} <= chains
+    assert {(1, "ours best"), (1, "ours int8 best"), (3, "ours best fused"), (3, "xla_w8a8")} <= chains
     assert "| 1 |" in (tmp_path / "fp8_matmul.md").read_text()
