@@ -94,12 +94,17 @@ def xla_w8a16(x, wq):  # wq: (w [N, K] fp8, scale [N])
 
 
 def xla_w8a8(x, wq):
-    """Per-token fp8 activations, an fp8 x fp8 dot contracting both minor dims (cuBLASLt FP8), scales after."""
+    """Per-token fp8 activations, an fp8 x fp8 dot contracting both minor dims, scales after it.
+
+    M is padded to a multiple of 16, as cuBLASLt's FP8 GEMM wants (the weight layer's W8A8 path does the same).
+    """
     w, scale = wq
+    m = x.shape[0]
     x32 = x.astype(jnp.float32)
     x_scale = jnp.maximum(jnp.max(jnp.abs(x32), axis=1), 1e-12) / 448.0  # [M]
     xq = (x32 / x_scale[:, None]).astype(FP8)
-    out = lax.dot_general(xq, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    xq = jnp.pad(xq, ((0, -m % 16), (0, 0)))
+    out = lax.dot_general(xq, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)[:m]
     return (out * x_scale[:, None] * scale[None, :]).astype(BF16)
 
 
@@ -508,7 +513,7 @@ def run_chains(log: Log, layers, shapes, ms, sweep_rows, interpret: bool, ceilin
 def w8a8_uses_fp8_gemm(shapes) -> dict:
     """Whether XLA compiled the W8A8 dot to an FP8 GEMM (cuBLASLt) and left the weight untransposed."""
     n, k = shapes["gate"]
-    x = jax.ShapeDtypeStruct((16, k), BF16)
+    x = jax.ShapeDtypeStruct((1, k), BF16)
     wq = (jax.ShapeDtypeStruct((n, k), FP8), jax.ShapeDtypeStruct((n,), jnp.float32))
     text = jax.jit(xla_w8a8).lower(x, wq).compile().as_text()
     return {"cublas_fp8_gemm": "f8e4m3fn" in text and "cublas" in text.lower(),
