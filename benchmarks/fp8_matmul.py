@@ -15,8 +15,8 @@ gate/up 14336x4096, down 4096x14336), token counts M in {1, 2, 4, 8, 16, 32, 64}
   calls a layer) for ours and XLA bf16; then ours with int8 weights.
 
 Timing: each timed program holds many distinct calls (a sweep program calls one shape on
-8-32 different weight copies, more bytes than the 50 MB L2; a chain touches every layer's
-weights once), and the program is enqueued ``REPEATS`` times back to back before one
+8-32 different weight copies, more bytes than the 50 MB L2, in passes with different x until
+about 1 GB is read; a chain touches every layer's weights once), and the program is enqueued ``REPEATS`` times back to back before one
 wait, so host dispatch overlaps the device work; time per program is the median of 3
 such batches. TB/s are the bytes each method must read (weights at their stored width,
 scales, activations in and out) per second: the fp8 kernel and W8A16/W8A8 are counted on
@@ -338,12 +338,18 @@ def run_sweep(log: Log, layers, shapes, ms, interpret: bool, deadline: float, ce
     def time_one(shape_key, m, method, apply, fmt, extra):
         n, k = shapes[shape_key]
         ws = copies(shape_key, fmt)
-        x = activations(m, k, seed=m)
-        program = jax.jit(lambda x, ws: [apply(x, w) for w in ws])
-        entry = {"shape": shape_key, "n": n, "k": k, "m": m, "method": method, "copies": len(ws), **extra}
+        # Enough calls per program to keep the device busier than the host's dispatch (~1 GB read per
+        # program): small shapes make several passes over their copies, each with its own x, so no
+        # call repeats another (XLA would merge two identical calls).
+        passes = 1 if interpret else int(min(8, max(1, round(1e9 / (len(ws) * n * k)))))
+        xs = [activations(m, k, seed=m + 1000 * p) for p in range(passes)]
+        program = jax.jit(lambda xs, ws: [apply(x, w) for x in xs for w in ws])
+        entry = {"shape": shape_key, "n": n, "k": k, "m": m, "method": method, "copies": len(ws), "passes": passes,
+                 **extra}
+        x = xs[0]
         try:
-            t, outs = time_program(program, x, ws)
-            t /= len(ws)
+            t, outs = time_program(program, xs, ws)
+            t /= len(ws) * passes
             ref = refs.get((shape_key, m))
             if ref is None:
                 ref = refs[(shape_key, m)] = np.asarray(
