@@ -74,10 +74,10 @@ def _store_rows(out_ref, values, *, m: int):
 def _convert_weights(w, dtype):
     """fp8 / int8 weights to ``dtype`` (bf16 or f32), exactly: every e4m3 and int8 value is a bf16 and an f16.
 
-    To f32 the path is through f16, one ``cvt`` for two fp8 values on sm_89+; to bf16,
-    Triton's own fp8-to-bf16 conversion.
+    To f32 the path is through f16, one ``cvt`` for two fp8 values on sm_89+; fp8 to bf16 is
+    Triton's own conversion; int8 goes through f16 either way (a conversion every GPU has).
     """
-    if jnp.dtype(dtype) == jnp.bfloat16:
+    if jnp.dtype(dtype) == jnp.bfloat16 and jnp.dtype(w.dtype) == jnp.float8_e4m3fn:
         return w.astype(jnp.bfloat16)
     return w.astype(jnp.float16).astype(dtype)
 
