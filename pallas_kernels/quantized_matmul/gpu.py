@@ -6,14 +6,14 @@ of token rows by every weight of the model, so the step is a read of the weights
 kernel streams each weight byte from HBM exactly once, converts it to x's dtype in
 registers (exact for both formats), accumulates in float32 and applies the per-channel
 scale once per output in the epilogue. Reading fp8 instead of bf16 halves the bytes, so
-at M <= ~16 it should run close to twice as fast as a bf16 GEMV; XLA's own FP8 paths
-reach 1.4-2 TB/s there (of 4.5), because cuBLASLt's FP8 GEMM pads M to 16+ and XLA's
-convert-then-dot writes the converted weights back to memory.
+at M <= ~16 it should run close to twice as fast as a bf16 GEMV. XLA's own FP8 paths were
+measured at 1.4-2 TB/s there (of 4.5; ``../../shared/BENCHMARKS.md``): cuBLASLt's FP8 GEMM
+wants M padded to 16, and convert-then-dot is a GEMM tiling, not a stream.
 
 Grid ``(N / block_n, k_splits)``: program ``(j, s)`` owns output columns
 ``[j * block_n, (j + 1) * block_n)`` and the ``s``-th slice of K, walking it ``block_k``
 at a time in a loop Triton software-pipelines ``num_stages`` deep. When ``N / block_n``
-alone leaves SMs idle (``down`` at M=1: N=4096), K is split and the float32 partial sums
+alone leaves SMs idle (``k``/``v`` at N=1024), K is split and the float32 partial sums
 (``k_splits * M * N * 4`` bytes, small next to the weights) are added by one fused XLA
 step, which also casts to x's dtype. x's rows are padded to the tile with masked loads,
 so neither x nor the output is copied to pad M.
