@@ -26,7 +26,12 @@ their own minimum traffic, and the ratio to the ceiling says how close each is t
     python3 benchmarks/fp8_matmul.py --out DIR [--layers 16] [--ms 1,2,4,8,16,32,64] [--budget-s 300]
     python3 benchmarks/fp8_matmul.py --out DIR --shape tiny      # CPU smoke run (interpret mode)
 
-Writes DIR/fp8_matmul.{json,md,log}; prints the summary tables last.
+Writes DIR/fp8_matmul.{json,md,log} (and fp8_matmul.partial.json as it goes); prints the summary
+tables and the best sizes per shape and M last. JSON: ``hbm_read_tbs``; ``correctness`` (rel
+errors per form and weight format); ``w8a8_hlo`` (whether XLA's W8A8 compiled to cuBLASLt FP8);
+``sweep`` (one row per shape, M and method: ``us``, ``tbs``, ``of_ceiling``,
+``rel_error_vs_fp8_reference``, ``sizes`` for ours, or ``error``); ``chains`` (one row per M and
+method: ``ms``, ``tbs``, ``of_ceiling``, ``calls_per_layer``, ``sizes``); ``best_sizes``.
 """
 
 from __future__ import annotations
