@@ -72,26 +72,35 @@ def _store_rows(out_ref, values, *, m: int):
 
 
 def _convert_weights(w, dtype):
-    """fp8 / int8 weights to ``dtype`` (bf16 or f32), exactly: every e4m3 and int8 value is a bf16 and an f16.
+    """fp8 / int8 / bf16 weights to ``dtype`` (bf16 or f32), exactly: every e4m3 and int8 value is a bf16 and an f16.
 
     To f32 the path is through f16, one ``cvt`` for two fp8 values on sm_89+; fp8 to bf16 is
     Triton's own conversion; int8 goes through f16 either way (a conversion every GPU has).
+    bf16 weights (the unquantized GEMV) are used as they are, or widened to f32.
     """
-    if jnp.dtype(dtype) == jnp.bfloat16 and jnp.dtype(w.dtype) == jnp.float8_e4m3fn:
-        return w.astype(jnp.bfloat16)
+    if jnp.dtype(w.dtype) == jnp.dtype(dtype):
+        return w
+    if jnp.dtype(w.dtype) == jnp.bfloat16 or (
+            jnp.dtype(dtype) == jnp.bfloat16 and jnp.dtype(w.dtype) == jnp.float8_e4m3fn):
+        return w.astype(dtype)
     return w.astype(jnp.float16).astype(dtype)
 
 
 def _matmul_kernel(
     x_ref,  # [M, K / k_splits]: this split's columns of x
     w_ref,  # [block_n, K / k_splits]: this program's weight rows, this split's columns
-    scale_ref,  # [block_n] float32
-    out_ref,  # [M, block_n]: the output (k_splits == 1) or this split's float32 partial sums
-    *, m: int, sizes: MatmulBlockSizes, compute_dtype, precision,
+    *refs,  # scale_ref [block_n] float32 (quantized weights only), then out_ref [M, block_n]: the
+    # output (k_splits == 1) or this split's float32 partial sums
+    m: int, sizes: MatmulBlockSizes, compute_dtype, precision, scaled: bool,
 ):
+    scale_ref, out_ref = refs if scaled else (None, refs[0])
     block_n, block_k = sizes.block_n, sizes.block_k
     num_steps = w_ref.shape[1] // block_k
-    scale = scale_ref[...].astype(jnp.float32)  # [block_n]
+    # bf16 weights carry no scale: a multiply by one would be wasted work per output.
+    scale = scale_ref[...].astype(jnp.float32) if scaled else None  # [block_n]
+
+    def scaled_by_channel(values):  # values [..., block_n] with the per-channel scale applied
+        return values if scale is None else values * scale
 
     def load_weights(i):  # the raw [block_n, block_k] weight tile of step i (a traced or a Python int)
         start = i * block_k if isinstance(i, int) else pl.multiple_of(i * block_k, block_k)
@@ -127,7 +136,23 @@ def _matmul_kernel(
         zeros = jnp.zeros((block_n, block_k), jnp.float32)
         accs = k_loop(fma_step, (zeros,) * m)
         for r, acc in enumerate(accs):
-            out_ref[r, :] = (jnp.sum(acc, axis=1) * scale).astype(out_ref.dtype)
+            out_ref[r, :] = scaled_by_channel(jnp.sum(acc, axis=1)).astype(out_ref.dtype)
+        return
+
+    if sizes.algorithm == "gemv":
+        # One [block_n] accumulator per row of x, reduced over the tile's K every step: the
+        # registers hold the weight tiles in flight (this step's and, with prefetch, the next
+        # one's), not an [block_n, block_k] f32 accumulator per row as "fma" does, so tiles of
+        # 16-64 KB fit. Per-step reductions cost a few shuffles per row against a tile of
+        # thousands of weights.
+        def gemv_step(i, k0, tile, accs):
+            w = _convert_weights(tile, jnp.float32)
+            return tuple(acc + jnp.sum(w * x_ref[r, pl.ds(k0, block_k)].astype(jnp.float32)[None, :], axis=1)
+                         for r, acc in enumerate(accs))
+
+        accs = k_loop(gemv_step, (jnp.zeros((block_n,), jnp.float32),) * m)
+        for r, acc in enumerate(accs):
+            out_ref[r, :] = scaled_by_channel(acc).astype(out_ref.dtype)
         return
 
     block_m = padded_rows(m, sizes.algorithm)
@@ -144,53 +169,61 @@ def _matmul_kernel(
     acc = k_loop(mma_step, jnp.zeros(acc_shape, jnp.float32))
     if swapped:
         acc = acc.T
-    _store_rows(out_ref, acc * scale[None, :], m=m)
+    _store_rows(out_ref, scaled_by_channel(acc), m=m)
 
 
 def weight_only_matmul_gpu(x, w, scale, *, sizes: MatmulBlockSizes, interpret: bool = False) -> jax.Array:
-    """``(x @ w^T) * scale`` in ``x.dtype`` through the kernel, at the given (already checked) sizes."""
+    """``(x @ w^T) * scale`` in ``x.dtype`` through the kernel, at the given (already checked) sizes.
+
+    ``scale`` is None for unquantized (bf16) weights: the kernel then takes no scale input.
+    """
     m, k = x.shape
     n = w.shape[0]
     splits = sizes.k_splits
     k_per_split = k // splits
+    scaled = scale is not None
     # bf16 x: weights convert to bf16 (exact) and the dot runs on bf16 tensor cores with
     # f32 accumulation; f32 x: weights convert to f32 and the dot is IEEE f32 (HIGHEST).
     compute_dtype = x.dtype
     kernel = functools.partial(_matmul_kernel, m=m, sizes=sizes, compute_dtype=compute_dtype,
-                               precision=matmul_precision(compute_dtype))
+                               precision=matmul_precision(compute_dtype), scaled=scaled)
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
         out_spec = pl.BlockSpec((m, sizes.block_n), lambda j, s: (0, j))
     else:
         out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
         out_spec = pl.BlockSpec((None, m, sizes.block_n), lambda j, s: (s, 0, j))
+    in_specs = [
+        pl.BlockSpec((m, k_per_split), lambda j, s: (0, s)),
+        pl.BlockSpec((sizes.block_n, k_per_split), lambda j, s: (j, s)),
+    ]
+    operands = (x, w)
+    if scaled:
+        in_specs.append(pl.BlockSpec((sizes.block_n,), lambda j, s: (j,)))
+        operands += (scale,)
     out = pl.pallas_call(
         kernel,
         grid=(n // sizes.block_n, splits),
-        in_specs=[
-            pl.BlockSpec((m, k_per_split), lambda j, s: (0, s)),
-            pl.BlockSpec((sizes.block_n, k_per_split), lambda j, s: (j, s)),
-            pl.BlockSpec((sizes.block_n,), lambda j, s: (j,)),
-        ],
+        in_specs=in_specs,
         out_specs=out_spec,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=sizes.num_stages),
         interpret=interpret,
         name=f"weight_only_matmul_{jnp.dtype(w.dtype).name}",
-    )(x, w, scale)
+    )(*operands)
     if splits == 1:
         return out
     return jnp.sum(out, axis=0).astype(x.dtype)
 
 
-def resolve_block_sizes(m: int, n: int, k: int, **overrides) -> MatmulBlockSizes:
-    """The default sizes for this shape with any non-None ``overrides`` applied.
+def resolve_block_sizes(m: int, n: int, k: int, weight_dtype=jnp.float8_e4m3fn, **overrides) -> MatmulBlockSizes:
+    """The default sizes for this shape and weight format with any non-None ``overrides`` applied.
 
     When the tile is overridden but ``k_splits`` is not, the split count is recomputed for
     the new tile; ``k_splits`` given explicitly is kept as is.
     """
     overrides = {name: value for name, value in overrides.items() if value is not None}
-    sizes = dataclasses.replace(default_block_sizes(m, n, k), **overrides)
+    sizes = dataclasses.replace(default_block_sizes(m, n, k, weight_dtype), **overrides)
     if "k_splits" not in overrides and ({"block_n", "block_k"} & overrides.keys()):
         sizes = dataclasses.replace(sizes, k_splits=num_k_splits(n, k, sizes.block_n, sizes.block_k))
     check_block_sizes(sizes, m, n, k)
@@ -204,8 +237,8 @@ def _weight_only_matmul(x, w, scale, weight_dtype, *, interpret, algorithm, bloc
                         num_warps, num_stages, prefetch):
     check_inputs(x, w, scale, weight_dtype)
     m, k = x.shape
-    sizes = resolve_block_sizes(m, w.shape[0], k, algorithm=algorithm, block_n=block_n, block_k=block_k,
-                                k_splits=k_splits, num_warps=num_warps, num_stages=num_stages,
+    sizes = resolve_block_sizes(m, w.shape[0], k, weight_dtype, algorithm=algorithm, block_n=block_n,
+                                block_k=block_k, k_splits=k_splits, num_warps=num_warps, num_stages=num_stages,
                                 prefetch=prefetch)
     return weight_only_matmul_gpu(x, w, scale, sizes=sizes, interpret=interpret)
 
@@ -223,9 +256,9 @@ def fp8_weight_only_matmul(
     float32 per output channel. ``N`` must be a multiple of ``block_n`` and ``K`` of
     ``block_k * k_splits`` (the defaults fit any N, K that are multiples of 16); anything
     else raises ``ValueError`` naming the field. Tile sizes default to
-    ``block_sizes.default_block_sizes``; each can be forced (sweeps, tests).
-    ``interpret=True`` runs the kernel in Pallas's interpreter (CPU tests). Needs compute
-    capability >= 8.9 on the GPU (Triton's fp8 conversion).
+    ``block_sizes.default_block_sizes`` (the measured table where it has the shape); each
+    can be forced (sweeps, tests). ``interpret=True`` runs the kernel in Pallas's
+    interpreter (CPU tests). Needs compute capability >= 8.9 on the GPU (Triton's fp8 conversion).
     """
     return _weight_only_matmul(x, w, scale, jnp.float8_e4m3fn, interpret=interpret, algorithm=algorithm,
                                block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
@@ -244,5 +277,22 @@ def int8_weight_only_matmul(
     Runs on any GPU Triton supports.
     """
     return _weight_only_matmul(x, w, scale, jnp.int8, interpret=interpret, algorithm=algorithm,
+                               block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
+                               num_stages=num_stages, prefetch=prefetch)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def bf16_weight_only_matmul(
+    x: jax.Array, w: jax.Array, *, interpret: bool = False, algorithm: str | None = None,
+    block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, prefetch: bool | None = None,
+) -> jax.Array:
+    """``x @ w.T`` for few tokens with unquantized bfloat16 weights ``w [N, K]`` (no scale): the plain decode GEMV.
+
+    Same kernel, contract and tile options as ``fp8_weight_only_matmul``; it exists because
+    XLA's bf16 GEMV chain runs at ~65% of the HBM read rate at one row (issue 21), and
+    bf16 batch-1 decode is a read of every weight.
+    """
+    return _weight_only_matmul(x, w, None, jnp.bfloat16, interpret=interpret, algorithm=algorithm,
                                block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
                                num_stages=num_stages, prefetch=prefetch)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels.quantized_matmul.block_sizes import ALGORITHMS, MAX_FMA_ROWS, MAX_ROWS, MatmulBlockSizes
+from pallas_kernels.quantized_matmul.block_sizes import ALGORITHMS, MAX_FMA_ROWS, MAX_GEMV_ROWS, MAX_ROWS, MatmulBlockSizes
 
 ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
@@ -19,7 +19,10 @@ def supports_shape(m: int, n: int, k: int) -> bool:
 
 
 def check_inputs(x, w, scale, weight_dtype) -> None:
-    """``x [M, K]`` bf16/f32 with 1 <= M <= 64, ``w [N, K]`` of ``weight_dtype``, ``scale [N]`` float32."""
+    """``x [M, K]`` bf16/f32 with 1 <= M <= 64, ``w [N, K]`` of ``weight_dtype``, ``scale [N]`` float32.
+
+    ``scale`` is None for bf16 weights (unquantized: nothing to scale) and required otherwise.
+    """
     weight_dtype = jnp.dtype(weight_dtype)
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K], got shape {x.shape}")
@@ -35,6 +38,12 @@ def check_inputs(x, w, scale, weight_dtype) -> None:
     n, w_k = w.shape
     if w_k != k:
         raise ValueError(f"w's K ({w_k}, its minor dimension) must equal x's K ({k}); w is stored [out, in]")
+    if weight_dtype == jnp.dtype(jnp.bfloat16):
+        if scale is not None:
+            raise ValueError("scale must be None for bfloat16 weights (they are not quantized)")
+        return
+    if scale is None:
+        raise ValueError(f"scale is required for {weight_dtype} weights: [N] = ({n},) float32")
     if scale.shape != (n,):
         raise ValueError(f"scale must be [N] = ({n},), one per output channel, got shape {scale.shape}")
     if jnp.dtype(scale.dtype) != jnp.float32:
@@ -54,6 +63,9 @@ def check_block_sizes(sizes: MatmulBlockSizes, m: int, n: int, k: int) -> None:
     if sizes.algorithm != "fma" and (sizes.block_n < 16 or sizes.block_k < 16):
         raise ValueError(f"algorithm {sizes.algorithm!r} uses Triton's dot: block_n and block_k must be >= 16, "
                          f"got {sizes.block_n} and {sizes.block_k}")
+    if sizes.algorithm == "gemv" and m > MAX_GEMV_ROWS:
+        raise ValueError(f"algorithm 'gemv' reduces every row on the CUDA cores: M must be <= {MAX_GEMV_ROWS}, "
+                         f"got {m}")
     if sizes.algorithm == "fma" and m > MAX_FMA_ROWS:
         raise ValueError(f"algorithm 'fma' keeps one accumulator per row: M must be <= {MAX_FMA_ROWS}, got {m}")
     if n % sizes.block_n:
