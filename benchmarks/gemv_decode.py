@@ -25,7 +25,7 @@ one shape on every layer's copy of it, more bytes than the 50 MB L2; a chain tou
 layer's weights once), enqueued 8 times back to back before one wait, median of 3 such batches.
 TB/s count each method's own minimum bytes (fp8: 1 byte a weight + scales; bf16: 2).
 
-    python3 benchmarks/gemv_decode.py --out DIR [--budget-s 130] [--ms 1,4,8,16] [--layers 16]
+    python3 benchmarks/gemv_decode.py --out DIR [--budget-s 130] [--ms 1,8,4,16] [--layers 16]
     python3 benchmarks/gemv_decode.py --out DIR --shape tiny --layers 1 --ms 1,4   # CPU smoke (interpret)
 
 Writes DIR/gemv_decode.{json,md,log}, DIR/gpu_gemv_table.json (right after the sweep) and
@@ -203,15 +203,15 @@ def compile_job(job: Job):
     return compiled, args, time.perf_counter() - start
 
 
-def compile_all(log: Log, jobs: list[Job], threads: int, deadline: float) -> None:
+def compile_all(log: Log, jobs: list[Job], threads: int, deadline: float, xla_threads: int = 1) -> None:
     """Compile ``jobs`` in order until done or ``deadline``; the rest are cancelled.
 
-    Programs whose compile autotunes XLA's dots on the device (the XLA methods) go one at a
-    time on their own thread, so no two autotunings share the GPU and XLA's choices are its
-    own; ours (Pallas kernels: no autotuning) share the other ``threads - 1``.
+    Programs whose compile autotunes XLA's dots on the device (the XLA methods) go on their
+    own ``xla_threads`` (one for the sweep: no two autotunings share the GPU, so XLA's
+    choices are its own); ours (Pallas kernels: no autotuning) share the other threads.
     """
-    xla_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads - 1))
+    xla_pool = concurrent.futures.ThreadPoolExecutor(max_workers=xla_threads)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads - xla_threads))
     for job in jobs:
         job.future = (xla_pool if job.entry["method"].startswith("xla") else pool).submit(compile_job, job)
     pending = [job.future for job in jobs]
@@ -282,11 +282,14 @@ def sweep_jobs(layers, shapes, ms, fmts, interpret: bool) -> list[Job]:
     return [job for round_jobs in rounds for job in round_jobs]
 
 
-def time_sweep(log: Log, jobs: list[Job], layers, ceiling: float, rows: list, save) -> None:
+def time_sweep(log: Log, jobs: list[Job], ceiling: float, rows: list, save, deadline: float) -> None:
     refs = {}
     for job in jobs:
         entry = job.entry
         rows.append(entry)
+        if time.perf_counter() > deadline:
+            entry["skipped"] = "not timed within the budget"
+            continue
         got = run_compiled(log, job)
         if got is None:
             continue
@@ -429,11 +432,11 @@ def markdown_summary(info, ceiling, sweep_rows, table, chain_rows, ms, shapes) -
         lines.append(f"| {m} | " + " | ".join(
             f"{got[name]['ms']:.3f} / {got[name]['tbs']:.2f}" if name in got else "-" for name in methods) + " |")
     num_layers = next((r["layers"] for r in chain_rows), None)
-    got = {r["method"]: r for r in chain_rows if r["m"] == ms[0] and "ms" in r}
+    got = {r["method"]: r for r in chain_rows if r["m"] == 1 and "ms" in r}
     if num_layers and got and shapes["q"] == (4096, 4096):
         # Batch-1 decode of Llama-3.1-8B: 32 layers + a bf16 lm_head (1.05 GB) at the read ceiling.
         lm_head_ms = 128256 * 4096 * 2 / (ceiling * 1e12) * 1e3
-        lines += ["", f"M={ms[0]} scaled to Llama-3.1-8B's 32 layers plus the bf16 lm_head at the ceiling "
+        lines += ["", "M=1 scaled to Llama-3.1-8B's 32 layers plus the bf16 lm_head at the ceiling "
                   f"({lm_head_ms:.3f} ms): " + ", ".join(
                       f"{name} {r['ms'] * 32 / num_layers + lm_head_ms:.2f} ms" for name, r in sorted(
                           got.items(), key=lambda kv: kv[1]["ms"])) + " (fp8 goal: <= 2.4 ms per token)"]
@@ -445,12 +448,14 @@ def main():
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shape", default="llama-3.1-8b")
     parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--ms", default="1,4,8,16")
+    parser.add_argument("--ms", default="1,8,4,16", help="token counts, in priority order (chains go M by M)")
     parser.add_argument("--weights", default="fp8,bf16", help="weight formats to sweep and chain")
     parser.add_argument("--budget-s", type=float, default=130.0,
                         help="wall seconds from the start of main; the sweep's compiles stop at --sweep-share of "
                              "it, the chains' at --chain-share, and results are written before it ends")
     parser.add_argument("--sweep-share", type=float, default=0.45)
+    parser.add_argument("--sweep-timing-share", type=float, default=0.6,
+                        help="share of --budget-s after which no more sweep programs are timed")
     parser.add_argument("--chain-share", type=float, default=0.85)
     parser.add_argument("--compile-threads", type=int, default=12)
     parser.add_argument("--ceiling-gib", type=float, default=2.0)
@@ -480,7 +485,7 @@ def main():
 
     jobs = sweep_jobs(layers, shapes, ms, fmts, interpret)
     compile_all(log, jobs, args.compile_threads, start + args.sweep_share * args.budget_s)
-    time_sweep(log, jobs, layers, ceiling, results["sweep"], save)
+    time_sweep(log, jobs, ceiling, results["sweep"], save, start + args.sweep_timing_share * args.budget_s)
     results["table"] = build_table(results["sweep"])
     table_doc = {"device": info["device"], "jax": info["jax"], "date": info["date"], "hbm_read_tbs": ceiling,
                  "source": "benchmarks/gemv_decode.py", "entries": results["table"]}
@@ -492,11 +497,13 @@ def main():
             f"({describe(MatmulBlockSizes(**e['sizes']))}) vs {e['xla_method']} {e['xla_us']:6.1f} us")
     save()
     chain_list = chain_jobs(layers, shapes, ms, results["table"], interpret) if not set(fmts) ^ set(FORMATS) else []
-    compile_all(log, chain_list, args.compile_threads, start + args.chain_share * args.budget_s)
+    # Chain dots repeat the sweep's shapes (autotuned once already) or are small: two XLA threads.
+    compile_all(log, chain_list, args.compile_threads, start + args.chain_share * args.budget_s, xla_threads=2)
     time_chains(log, chain_list, ceiling, results["chains"], save)
     results["not_compiled"] = [job.label for job in jobs + chain_list if job.entry.get("skipped")]
     results["wall_s"] = time.perf_counter() - start
-    markdown = markdown_summary(info, ceiling, results["sweep"], results["table"], results["chains"], ms, shapes)
+    markdown = markdown_summary(info, ceiling, results["sweep"], results["table"], results["chains"], sorted(ms),
+                                shapes)
     for line in markdown.splitlines():
         log(line)
     log(f"wall: {results['wall_s']:.0f} s")
