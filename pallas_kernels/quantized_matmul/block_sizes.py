@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import ml_dtypes
 import numpy as np
 
 from pallas_kernels.quantized_matmul.tuning_table import measured_block_sizes
@@ -86,7 +87,7 @@ def num_k_splits(n: int, k: int, block_n: int, block_k: int, target_programs: in
     return splits
 
 
-def default_block_sizes(m: int, n: int, k: int, weight_dtype=np.dtype("float8_e4m3fn"),
+def default_block_sizes(m: int, n: int, k: int, weight_dtype=ml_dtypes.float8_e4m3fn,
                         table=None) -> MatmulBlockSizes:
     """Sizes for ``x [m, k] @ w[n, k]^T`` when the caller forces none.
 

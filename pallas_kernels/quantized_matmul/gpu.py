@@ -1,7 +1,8 @@
-"""Weight-only FP8 / int8 matmul for few tokens on NVIDIA Hopper, in Pallas with the Triton lowering.
+"""Weight-only FP8 / int8 / bf16 matmul for few tokens on NVIDIA Hopper, in Pallas with the Triton lowering.
 
 ``out[M, N] = (x[M, K] @ w[N, K]^T) * scale[N]``, with ``w`` in float8_e4m3fn or int8
-stored ``[out, in]`` and ``x`` in bfloat16 (or float32). Decode steps multiply a handful
+stored ``[out, in]`` and ``x`` in bfloat16 (or float32); or ``x @ w^T`` with unquantized
+bfloat16 ``w`` and no scale (the plain decode GEMV, same kernel). Decode steps multiply a handful
 of token rows by every weight of the model, so the step is a read of the weights: the
 kernel streams each weight byte from HBM exactly once, converts it to x's dtype in
 registers (exact for both formats), accumulates in float32 and applies the per-channel
@@ -18,8 +19,9 @@ alone leaves SMs idle (``k``/``v`` at N=1024), K is split and the float32 partia
 step, which also casts to x's dtype. x's rows are padded to the tile with masked loads,
 so neither x nor the output is copied to pad M.
 
-Tile sizes and the three multiply forms (tensor-core dot, swapped dot, element-wise
-FMA GEMV) are in ``block_sizes``.
+Tile sizes and the four multiply forms (tensor-core dot, swapped dot, element-wise FMA
+with a tile-sized accumulator, GEMV reducing every step) are in ``block_sizes``; the
+measured table that picks among them per shape is ``tuning_table``.
 """
 
 from __future__ import annotations
