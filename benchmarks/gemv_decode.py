@@ -1,0 +1,516 @@
+"""Decode-sized weight GEMV on one GPU: our Pallas kernel (fp8 and bf16 weights) against XLA, in a fixed wall budget.
+
+A focused run (the second GPU run of the weight-only kernel, see docs/KERNELS.md): Llama-3.1-8B's
+two largest projection shapes, gate/up ``14336 x 4096`` and down ``4096 x 14336`` (``[out, in]``),
+at M in {1, 4, 8, 16} tokens, with fp8 weights (per-channel scales; XLA's peer: W8A16, convert
+then dot) and with bf16 weights (no scale; XLA's peer: its bf16 dot):
+
+* ceiling: the HBM read rate of a jitted ``jnp.sum`` over ``--ceiling-gib`` of bf16, this run;
+* sweep: per shape, M and weight format, XLA's peer, our defaults, then our candidate sizes
+  (the gemv / mma_swapped / mma forms around the redesign) in rounds, most promising first.
+  Every program is compiled ahead of time on a thread pool (compiles are most of the wall time
+  and the host has cores to spare), until ``--sweep-share`` of the budget; then the compiled
+  ones are timed one after another, so no compile's autotuning runs beside a timing. Each
+  output is checked against the float32 reference (relative error; > 2e-2 disqualifies);
+* table: per shape, M and format, our fastest correct sizes, our time and XLA's, written as
+  ``gpu_gemv_table.json`` (the format ``pallas_kernels/quantized_matmul/tuning_table.py``
+  reads; copy it there to make those sizes the defaults and ``prefer_pallas`` answer);
+* chains: ``--layers`` layers of q, k, v, o, gate, up, down (silu(gate) * up into down, a
+  residual add) per M: XLA bf16, XLA W8A16, ours fp8 and ours bf16 (gate/up/down at the
+  table's sizes, q/k/v/o at the heuristics), then "dispatch" chains that use ours only where
+  ``prefer_pallas`` says so (what the weight layer would do), until the budget is spent.
+
+Timing as in ``fp8_matmul.py``: a timed program holds many distinct calls (a sweep program calls
+one shape on every layer's copy of it, more bytes than the 50 MB L2; a chain touches every
+layer's weights once), enqueued 8 times back to back before one wait, median of 3 such batches.
+TB/s count each method's own minimum bytes (fp8: 1 byte a weight + scales; bf16: 2).
+
+    python3 benchmarks/gemv_decode.py --out DIR [--budget-s 130] [--ms 1,8,4,16] [--layers 16]
+    python3 benchmarks/gemv_decode.py --out DIR --shape tiny --layers 1 --ms 1,4   # CPU smoke (interpret)
+
+Writes DIR/gemv_decode.{json,md,log}, DIR/gpu_gemv_table.json (right after the sweep) and
+DIR/gemv_decode.partial.json as it goes. JSON: ``hbm_read_tbs``; ``sweep`` (per shape, M,
+weights and method: ``us``, ``tbs``, ``of_ceiling``, ``rel_error``, ``sizes`` for ours, or
+``error``; ``compile_s``); ``table`` (the table's entries); ``chains`` (per M and method:
+``ms``, ``tbs``, ``of_ceiling``); ``not_compiled`` (jobs the budget cut).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from common import Log, header, write_results  # noqa: E402
+from fp8_matmul import layer_shapes, measure_read_ceiling, rel_error, time_program, xla_bf16, xla_w8a16  # noqa: E402
+
+from pallas_kernels.quantized_matmul import (  # noqa: E402
+    bf16_weight_only_matmul,
+    fp8_weight_only_matmul,
+    prefer_pallas,
+    quantize_per_channel,
+)
+from pallas_kernels.quantized_matmul.block_sizes import (  # noqa: E402
+    MAX_GEMV_ROWS,
+    MatmulBlockSizes,
+    default_block_sizes,
+    num_k_splits,
+)
+from pallas_kernels.quantized_matmul.validation import check_block_sizes  # noqa: E402
+
+FP8 = jnp.float8_e4m3fn
+BF16 = jnp.bfloat16
+FORMATS = {"fp8": FP8, "bf16": BF16}
+XLA_PEER = {"fp8": "xla_w8a16", "bf16": "xla_bf16"}  # what the weight layer runs without our kernel
+SWEEP_SHAPES = {"gate": ("gate", "up"), "down": ("down",)}  # one representative timed on all of these weights
+MAX_REL_ERROR = 2e-2
+
+
+def xla_peer(fmt: str):
+    return xla_w8a16 if fmt == "fp8" else xla_bf16
+
+
+def ours(fmt: str, sizes: MatmulBlockSizes | None, interpret: bool):
+    """(x, weight) -> out with our kernel; weight is (w, scale) for fp8, w for bf16. ``sizes`` None: defaults."""
+    options = {} if sizes is None else dataclasses.asdict(sizes)
+    if fmt == "fp8":
+        return lambda x, wq: fp8_weight_only_matmul(x, wq[0], wq[1], interpret=interpret, **options)
+    return lambda x, w: bf16_weight_only_matmul(x, w, interpret=interpret, **options)
+
+
+def weight_bytes(n: int, k: int, fmt: str) -> int:
+    return n * k * 2 if fmt == "bf16" else n * k + 4 * n
+
+
+def traffic(m: int, n: int, k: int, fmt: str) -> int:
+    """The least bytes a call must move: weights at their stored width (+ scales), x in and out."""
+    return weight_bytes(n, k, fmt) + m * k * 2 + m * n * 2
+
+
+def describe(sizes: MatmulBlockSizes) -> str:
+    return (f"{sizes.algorithm} n{sizes.block_n} k{sizes.block_k} s{sizes.k_splits} "
+            f"w{sizes.num_warps} st{sizes.num_stages}{' pf' if sizes.prefetch else ''}")
+
+
+def make_weights(shapes: dict[str, tuple[int, int]], num_layers: int, seed: int = 0) -> list[dict]:
+    """Per layer and projection: bf16 weights [N, K] and their fp8 quantization (w, scale)."""
+    @functools.partial(jax.jit, static_argnums=(1,))
+    def draw(key, shape):
+        n, k = shape
+        # Per-row magnitudes spread over ~e^2, as real checkpoints' channels are, so scales matter.
+        w = jax.random.normal(key, (n, k), jnp.float32) * (1.0 / np.sqrt(k))
+        w = (w * jnp.exp(0.5 * jax.random.normal(jax.random.fold_in(key, 1), (n, 1)))).astype(BF16)
+        return w, quantize_per_channel(w, FP8)
+
+    layers, key = [], jax.random.key(seed)
+    for _ in range(num_layers):
+        entry = {}
+        for name, shape in shapes.items():
+            key, sub = jax.random.split(key)
+            w_bf16, w_fp8 = draw(sub, shape)
+            entry[name] = {"bf16": w_bf16, "fp8": w_fp8}
+        layers.append(entry)
+    return jax.block_until_ready(layers)
+
+
+def activations(m: int, k: int, seed: int):
+    return jax.random.normal(jax.random.key(1000 + seed), (m, k), jnp.float32).astype(BF16)
+
+
+def reference(x, weight, fmt: str):
+    """float32 x @ dequantized w^T at full precision: the bar for every method's output."""
+    if fmt == "fp8":
+        w, scale = weight
+        w32 = w.astype(jnp.float32) * scale[:, None]
+    else:
+        w32 = weight.astype(jnp.float32)
+    return jnp.dot(x.astype(jnp.float32), w32.T, precision=jax.lax.Precision.HIGHEST)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# candidates
+
+
+def candidates(m: int, n: int, k: int, fmt: str) -> list[MatmulBlockSizes]:
+    """Our sizes to try for one shape, M and format, most promising first; the defaults (heuristics) lead.
+
+    Tiles are named by their weight bytes (16 KB = block_n * block_k * itemsize), so fp8 and
+    bf16 get tiles of equal bytes in flight.
+    """
+    itemsize = 2 if fmt == "bf16" else 1
+
+    def c(algorithm, block_n, tile_kb, num_warps=4, num_stages=4, prefetch=False, block_k=None):
+        block_k = block_k or tile_kb * 1024 // (block_n * itemsize)
+        block_k = min(block_k, k)
+        return MatmulBlockSizes(algorithm, block_n, block_k, num_k_splits(n, k, block_n, block_k) if n % block_n == 0
+                                else 1, num_warps, num_stages, prefetch)
+
+    raw = []
+    if m <= 4:
+        raw += [c("gemv", 32, 32, 8, 1, True), c("gemv", 16, 32, 8, 1, True), c("gemv", 16, 16, 4, 3),
+                c("mma_swapped", 64, 16, 4, 4), c("gemv", 64, 32, 8, 1, True), c("gemv", 16, 8, 4, 1, True),
+                c("gemv", 8, 8, 2, 1, True), c("gemv", 32, 16, 4, 1, True), c("gemv", 16, 16, 4, 1, True),
+                c("gemv", 32, 64, 8, 1, True)]
+        if fmt == "fp8":  # run 1's defaults, for the before/after
+            raw += [c("fma", 16, 0, 4, 4, block_k=512) if m == 1 else c("mma", 32, 0, 4, 4, block_k=256)]
+    else:
+        raw += [c("mma_swapped", 64, 32, 4, 3), c("mma_swapped", 128, 16, 8, 4), c("mma", 64, 16, 4, 4),
+                c("mma_swapped", 128, 32, 8, 3), c("mma_swapped", 64, 8, 4, 5), c("mma_swapped", 64, 16, 8, 4)]
+        if m <= MAX_GEMV_ROWS:
+            raw += [c("gemv", 16, 16, 4, 1, True), c("gemv", 32, 32, 8, 1, True)]
+        if fmt == "fp8":
+            raw += [c("mma", 32, 0, 4, 4, block_k=256)]
+    out = [default_block_sizes(m, n, k, FORMATS[fmt], table=())]
+    for sizes in raw:
+        try:
+            check_block_sizes(sizes, m, n, k)
+        except ValueError:
+            continue
+        if sizes not in out:
+            out.append(sizes)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# compile ahead on a pool, time in order
+
+
+@dataclasses.dataclass
+class Job:
+    kind: str  # "sweep" or "chain"
+    label: str
+    entry: dict  # the result row, filled in as the job goes
+    build: callable  # () -> (jitted program, args)
+    future: concurrent.futures.Future | None = None
+
+
+def compile_job(job: Job):
+    start = time.perf_counter()
+    program, args = job.build()
+    compiled = jax.jit(program).lower(*args).compile()
+    return compiled, args, time.perf_counter() - start
+
+
+def compile_all(log: Log, jobs: list[Job], threads: int, deadline: float, xla_threads: int = 1) -> None:
+    """Compile ``jobs`` in order until done or ``deadline``; the rest are cancelled.
+
+    Programs whose compile autotunes XLA's dots on the device (the XLA methods) go on their
+    own ``xla_threads`` (one for the sweep: no two autotunings share the GPU, so XLA's
+    choices are its own); ours (Pallas kernels: no autotuning) share the other threads.
+    """
+    xla_pool = concurrent.futures.ThreadPoolExecutor(max_workers=xla_threads)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads - xla_threads))
+    for job in jobs:
+        job.future = (xla_pool if job.entry["method"].startswith("xla") else pool).submit(compile_job, job)
+    pending = [job.future for job in jobs]
+    concurrent.futures.wait(pending, timeout=max(0.0, deadline - time.perf_counter()))
+    cancelled = sum(future.cancel() for future in pending)
+    running = sum(not future.done() for future in pending)
+    # Running compiles are left to finish in the background (nothing can stop an XLA compile);
+    # their programs are not timed, so they cannot disturb a timing except through the CPU.
+    for executor in (xla_pool, pool):
+        executor.shutdown(wait=False, cancel_futures=True)
+    log(f"compiled {sum(f.done() and not f.cancelled() for f in pending)} of {len(jobs)} programs "
+        f"({cancelled} cancelled, {running} still compiling at the deadline)")
+
+
+def run_compiled(log: Log, job: Job) -> tuple | None:
+    """The compiled program and its args, or None (the entry records why)."""
+    future = job.future
+    if future is None or future.cancelled() or not future.done():
+        job.entry["skipped"] = "not compiled within the budget"
+        return None
+    error = future.exception()
+    if error is not None:
+        job.entry["error"] = f"{type(error).__name__}: {str(error)[:1500]}"
+        log(f"{job.kind} {job.label}: FAILED {job.entry['error'][:300]}")
+        return None
+    compiled, args, compile_s = future.result()
+    job.entry["compile_s"] = compile_s
+    return compiled, args
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# stages
+
+
+def sweep_jobs(layers, shapes, ms, fmts, interpret: bool) -> list[Job]:
+    """Per shape, M and format: XLA's peer and our defaults first (all combinations), then our candidates in rounds."""
+    rounds: list[list[Job]] = []
+
+    def job_for(shape_key, m, fmt, method, apply, sizes):
+        n, k = shapes[shape_key]
+        ws = [layer[name][fmt] for layer in layers for name in SWEEP_SHAPES[shape_key]]
+        # ~1 GB read per program so the device outruns the host's dispatch; small weights make several
+        # passes, each with its own x (XLA would merge two identical calls).
+        passes = 1 if interpret else int(min(8, max(1, round(1e9 / (len(ws) * weight_bytes(n, k, fmt))))))
+        entry = {"shape": shape_key, "n": n, "k": k, "m": m, "weights": fmt, "method": method, "copies": len(ws),
+                 "passes": passes, **({"sizes": dataclasses.asdict(sizes)} if sizes else {})}
+
+        def build():
+            xs = [activations(m, k, seed=m + 1000 * p) for p in range(passes)]
+            return (lambda xs, ws: [apply(x, w) for x in xs for w in ws]), (xs, ws)
+        return Job("sweep", f"{shape_key} M={m} {fmt} {method}", entry, build)
+
+    per_combo = {}
+    for m in ms:
+        for shape_key in SWEEP_SHAPES:
+            for fmt in fmts:
+                n, k = shapes[shape_key]
+                cands = candidates(m, n, k, fmt)
+                jobs = [job_for(shape_key, m, fmt, XLA_PEER[fmt], xla_peer(fmt), None)]
+                jobs += [job_for(shape_key, m, fmt, "ours " + describe(s), ours(fmt, s, interpret), s) for s in cands]
+                jobs[1].entry["default"] = True
+                per_combo[(shape_key, m, fmt)] = jobs
+    depth = max(len(v) for v in per_combo.values())
+    # Round 0: XLA and our defaults everywhere; then the i-th candidate of every combination.
+    rounds.append([job for jobs in per_combo.values() for job in jobs[:2]])
+    for index in range(2, depth):
+        rounds.append([jobs[index] for jobs in per_combo.values() if index < len(jobs)])
+    return [job for round_jobs in rounds for job in round_jobs]
+
+
+def time_sweep(log: Log, jobs: list[Job], ceiling: float, rows: list, save, deadline: float) -> None:
+    refs = {}
+    for job in jobs:
+        entry = job.entry
+        rows.append(entry)
+        if time.perf_counter() > deadline:
+            entry["skipped"] = "not timed within the budget"
+            continue
+        got = run_compiled(log, job)
+        if got is None:
+            continue
+        compiled, args = got
+        try:
+            t, outs = time_program(compiled, *args)
+            t /= len(outs)
+            key = (entry["shape"], entry["m"], entry["weights"])
+            if key not in refs:
+                x, w = args[0][0], args[1][0]
+                refs[key] = np.asarray(reference(x, w, entry["weights"]))
+            entry["rel_error"] = rel_error(outs[0], refs[key])
+            bytes_ = traffic(entry["m"], entry["n"], entry["k"], entry["weights"])
+            entry.update(us=t * 1e6, tbs=bytes_ / t / 1e12, of_ceiling=bytes_ / t / 1e12 / ceiling)
+            log(f"sweep {entry['shape']:4s} M={entry['m']:2d} {entry['weights']:4s} {entry['method']:36s} "
+                f"{t * 1e6:7.1f} us {entry['tbs']:5.2f} TB/s ({entry['of_ceiling']:.0%}) err {entry['rel_error']:.1e} "
+                f"compile {entry['compile_s']:.1f} s")
+        except Exception as error:  # noqa: BLE001  (a failed run is a result to report)
+            entry["error"] = f"{type(error).__name__}: {str(error)[:1500]}"
+            log(f"sweep {job.label}: FAILED {entry['error'][:300]}")
+        save()
+
+
+def build_table(sweep_rows: list[dict]) -> list[dict]:
+    """Per shape, M and format: our fastest correct sizes beside XLA's peer (entries of gpu_gemv_table.json)."""
+    entries = []
+    combos = sorted({(r["shape"], r["m"], r["weights"]) for r in sweep_rows})
+    for shape_key, m, fmt in combos:
+        rows = [r for r in sweep_rows if (r["shape"], r["m"], r["weights"]) == (shape_key, m, fmt) and "us" in r]
+        xla = next((r for r in rows if r["method"] == XLA_PEER[fmt]), None)
+        mine = [r for r in rows if "sizes" in r and r["rel_error"] < MAX_REL_ERROR]
+        if not mine or xla is None:
+            continue
+        best = min(mine, key=lambda r: r["us"])
+        entries.append({"m": m, "n": best["n"], "k": best["k"], "weights": np.dtype(FORMATS[fmt]).name,
+                        "sizes": best["sizes"], "ours_us": best["us"], "ours_tbs": best["tbs"],
+                        "xla_method": XLA_PEER[fmt], "xla_us": xla["us"], "xla_tbs": xla["tbs"]})
+    return entries
+
+
+def chain_jobs(layers, shapes, ms, table: list[dict], interpret: bool) -> list[Job]:
+    """Per M: XLA bf16, XLA W8A16, ours fp8 and bf16 at the table's sizes; then the dispatch chains."""
+    hidden = shapes["q"][1]
+    num_layers = len(layers)
+
+    def chain(linear_for):
+        def run(x, weights):
+            h, kvs = x, []
+            for layer in weights:
+                q = linear_for("q")(h, layer["q"])
+                kvs += [linear_for("k")(h, layer["k"]), linear_for("v")(h, layer["v"])]
+                o = linear_for("o")(q, layer["o"])
+                g, u = linear_for("gate")(o, layer["gate"]), linear_for("up")(o, layer["up"])
+                h = h + linear_for("down")((jax.nn.silu(g.astype(jnp.float32)) * u).astype(BF16), layer["down"])
+            return h, kvs
+        return run
+
+    def ours_for(m, fmt, only_preferred: bool):
+        def linear_for(name):
+            n, k = shapes[name]
+            if only_preferred and not prefer_pallas(m, n, k, FORMATS[fmt], table=table):
+                return xla_peer(fmt)
+            return ours(fmt, default_block_sizes(m, n, k, FORMATS[fmt], table=table), interpret)
+        return linear_for
+
+    tiers = []
+    for m in ms:
+        plans = [("xla_bf16", "bf16", lambda name: xla_bf16), ("xla_w8a16", "fp8", lambda name: xla_w8a16),
+                 ("ours fp8", "fp8", ours_for(m, "fp8", False)), ("ours bf16", "bf16", ours_for(m, "bf16", False))]
+        tiers.append((0, m, plans))
+        tiers.append((1, m, [("dispatch fp8", "fp8", ours_for(m, "fp8", True)),
+                             ("dispatch bf16", "bf16", ours_for(m, "bf16", True))]))
+    jobs = []
+    for _tier, m, plans in sorted(tiers, key=lambda t: t[0]):
+        for method, fmt, linear_for in plans:
+            names = tuple(shapes)
+            bytes_ = sum(traffic(m, *shapes[name], fmt) for name in names) * num_layers
+            entry = {"m": m, "method": method, "weights": fmt, "layers": num_layers, "bytes": bytes_}
+            if method.startswith(("ours", "dispatch")):
+                entry["sizes"] = {name: dataclasses.asdict(default_block_sizes(m, *shapes[name], FORMATS[fmt],
+                                                                               table=table)) for name in names}
+            if method.startswith("dispatch"):
+                entry["ours_for"] = [name for name in names
+                                     if prefer_pallas(m, *shapes[name], FORMATS[fmt], table=table)]
+
+            def build(m=m, fmt=fmt, linear_for=linear_for, names=names):
+                weights = [{name: layer[name][fmt] for name in names} for layer in layers]
+                return chain(linear_for), (activations(m, hidden, seed=m), weights)
+            jobs.append(Job("chain", f"M={m} {method}", entry, build))
+    return jobs
+
+
+def time_chains(log: Log, jobs: list[Job], ceiling: float, rows: list, save) -> None:
+    for job in jobs:
+        entry = job.entry
+        rows.append(entry)
+        got = run_compiled(log, job)
+        if got is None:
+            continue
+        compiled, args = got
+        try:
+            t = time_program(compiled, *args)[0]
+            entry.update(ms=t * 1e3, tbs=entry["bytes"] / t / 1e12, of_ceiling=entry["bytes"] / t / 1e12 / ceiling)
+            log(f"chain M={entry['m']:2d} {entry['method']:14s} {t * 1e3:7.3f} ms {entry['tbs']:5.2f} TB/s "
+                f"({entry['of_ceiling']:.0%})" + (f" ours for {entry['ours_for']}" if "ours_for" in entry else ""))
+        except Exception as error:  # noqa: BLE001
+            entry["error"] = f"{type(error).__name__}: {str(error)[:1500]}"
+            log(f"chain {job.label}: FAILED {entry['error'][:300]}")
+        save()
+
+
+def markdown_summary(info, ceiling, sweep_rows, table, chain_rows, ms, shapes) -> str:
+    lines = [f"# Decode GEMV: ours (fp8 / bf16 weights) vs XLA ({info['device']}, jax {info['jax']}, {info['date']})",
+             "", f"HBM read ceiling this run: **{ceiling:.2f} TB/s**", "",
+             "## Per shape (µs per call / TB/s on each format's own bytes)", "",
+             "| shape | M | weights | XLA peer | ours default | ours best | best sizes | ours/XLA |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    fmt_cell = lambda r: f"{r['us']:.1f} / {r['tbs']:.2f} ({r['of_ceiling']:.0%})" if r and "us" in r else "-"  # noqa: E731
+    for shape_key in SWEEP_SHAPES:
+        n, k = shapes[shape_key]
+        for m in ms:
+            for fmt in FORMATS:
+                rows = [r for r in sweep_rows if (r["shape"], r["m"], r["weights"]) == (shape_key, m, fmt)]
+                if not rows:
+                    continue
+                xla = next((r for r in rows if r["method"] == XLA_PEER[fmt]), None)
+                default = next((r for r in rows if r.get("default")), None)
+                entry = next((e for e in table if (e["n"], e["k"], e["m"]) == (n, k, m)
+                              and e["weights"] == np.dtype(FORMATS[fmt]).name), None)
+                best = next((r for r in rows if entry and r.get("sizes") == entry["sizes"] and "us" in r), None)
+                ratio = f"{entry['ours_us'] / entry['xla_us']:.2f}" if entry else "-"
+                lines.append(f"| {shape_key} {n}x{k} | {m} | {fmt} | {XLA_PEER[fmt]} {fmt_cell(xla)} | "
+                             f"{fmt_cell(default)} | {fmt_cell(best)} | "
+                             f"{describe(MatmulBlockSizes(**entry['sizes'])) if entry else '-'} | {ratio} |")
+    methods = ["xla_bf16", "ours bf16", "dispatch bf16", "xla_w8a16", "ours fp8", "dispatch fp8"]
+    lines += ["", "## Chains (all layers' q/k/v/o/gate/up/down, ms per chain, TB/s)", "",
+              "| M | " + " | ".join(methods) + " |", "|" + " --- |" * (len(methods) + 1)]
+    for m in ms:
+        got = {r["method"]: r for r in chain_rows if r["m"] == m and "ms" in r}
+        lines.append(f"| {m} | " + " | ".join(
+            f"{got[name]['ms']:.3f} / {got[name]['tbs']:.2f}" if name in got else "-" for name in methods) + " |")
+    num_layers = next((r["layers"] for r in chain_rows), None)
+    got = {r["method"]: r for r in chain_rows if r["m"] == 1 and "ms" in r}
+    if num_layers and got and shapes["q"] == (4096, 4096):
+        # Batch-1 decode of Llama-3.1-8B: 32 layers + a bf16 lm_head (1.05 GB) at the read ceiling.
+        lm_head_ms = 128256 * 4096 * 2 / (ceiling * 1e12) * 1e3
+        lines += ["", "M=1 scaled to Llama-3.1-8B's 32 layers plus the bf16 lm_head at the ceiling "
+                  f"({lm_head_ms:.3f} ms): " + ", ".join(
+                      f"{name} {r['ms'] * 32 / num_layers + lm_head_ms:.2f} ms" for name, r in sorted(
+                          got.items(), key=lambda kv: kv[1]["ms"])) + " (fp8 goal: <= 2.4 ms per token)"]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--ms", default="1,8,4,16", help="token counts, in priority order (chains go M by M)")
+    parser.add_argument("--weights", default="fp8,bf16", help="weight formats to sweep and chain")
+    parser.add_argument("--budget-s", type=float, default=130.0,
+                        help="wall seconds from the start of main; the sweep's compiles stop at --sweep-share of "
+                             "it, the chains' at --chain-share, and results are written before it ends")
+    parser.add_argument("--sweep-share", type=float, default=0.45)
+    parser.add_argument("--sweep-timing-share", type=float, default=0.6,
+                        help="share of --budget-s after which no more sweep programs are timed")
+    parser.add_argument("--chain-share", type=float, default=0.85)
+    parser.add_argument("--compile-threads", type=int, default=12)
+    parser.add_argument("--ceiling-gib", type=float, default=2.0)
+    args = parser.parse_args()
+    start = time.perf_counter()
+    log = Log()
+    info = header(log)
+    interpret = jax.default_backend() == "cpu"
+    if interpret:
+        log("CPU: kernels run in Pallas interpret mode; the numbers mean nothing (smoke run)")
+    ms = [int(v) for v in args.ms.split(",")]
+    fmts = [f for f in args.weights.split(",") if f]
+    for fmt in fmts:
+        if fmt not in FORMATS:
+            raise SystemExit(f"--weights: {fmt!r} is not one of {sorted(FORMATS)}")
+    shapes = layer_shapes(args.shape)
+    ceiling = measure_read_ceiling(log, args.ceiling_gib if not interpret else 0.01)
+    layers = make_weights(shapes, args.layers)
+    log(f"weights: {args.layers} layers ({time.perf_counter() - start:.0f} s so far)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = {"info": info, "args": vars(args) | {"out": str(args.out)}, "hbm_read_tbs": ceiling,
+               "sweep": [], "table": [], "chains": []}
+    partial_path = args.out / "gemv_decode.partial.json"
+
+    def save():  # everything so far, in case the process dies or the wall clock runs out
+        partial_path.write_text(json.dumps(results, indent=1, default=str))
+
+    jobs = sweep_jobs(layers, shapes, ms, fmts, interpret)
+    compile_all(log, jobs, args.compile_threads, start + args.sweep_share * args.budget_s)
+    time_sweep(log, jobs, ceiling, results["sweep"], save, start + args.sweep_timing_share * args.budget_s)
+    results["table"] = build_table(results["sweep"])
+    table_doc = {"device": info["device"], "jax": info["jax"], "date": info["date"], "hbm_read_tbs": ceiling,
+                 "source": "benchmarks/gemv_decode.py", "entries": results["table"]}
+    (args.out / "gpu_gemv_table.json").write_text(json.dumps(table_doc, indent=1))
+    log(f"table: {len(results['table'])} entries -> {args.out / 'gpu_gemv_table.json'} "
+        f"({time.perf_counter() - start:.0f} s so far)")
+    for e in results["table"]:
+        log(f"  M={e['m']:2d} {e['n']}x{e['k']} {e['weights']:13s} ours {e['ours_us']:6.1f} us "
+            f"({describe(MatmulBlockSizes(**e['sizes']))}) vs {e['xla_method']} {e['xla_us']:6.1f} us")
+    save()
+    chain_list = chain_jobs(layers, shapes, ms, results["table"], interpret) if not set(fmts) ^ set(FORMATS) else []
+    # Chain dots repeat the sweep's shapes (autotuned once already) or are small: two XLA threads.
+    compile_all(log, chain_list, args.compile_threads, start + args.chain_share * args.budget_s, xla_threads=2)
+    time_chains(log, chain_list, ceiling, results["chains"], save)
+    results["not_compiled"] = [job.label for job in jobs + chain_list if job.entry.get("skipped")]
+    results["wall_s"] = time.perf_counter() - start
+    markdown = markdown_summary(info, ceiling, results["sweep"], results["table"], results["chains"], sorted(ms),
+                                shapes)
+    for line in markdown.splitlines():
+        log(line)
+    log(f"wall: {results['wall_s']:.0f} s")
+    write_results(args.out, "gemv_decode", results, markdown, log)
+    # Compiles still running at a deadline would keep the interpreter alive past the budget.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Tile sizes of the weight-only quantized matmul, and the default picked from static shapes.
+
+The kernel is read-bound at every M it serves (M <= 64: at most 128 FLOP per weight
+byte, under Hopper's ~200 FLOP/byte balance point), so the sizes exist to keep HBM busy:
+at least one program per SM (splitting K when there are fewer output tiles than SMs),
+each walking enough K steps for ``num_stages`` loads to be in flight. K is split no more
+than that: every split adds an XLA step (sum of the float32 partials, cast) after the
+kernel, a launch of a few microseconds against ~13 µs for a 4096 x 14336 fp8 read.
+
+Four ways to multiply a tile (``algorithm``):
+
+* ``"mma"``: ``x [BM, BK] @ w_tile^T`` on the tensor cores (mma.sync), x's rows padded
+  to ``BM = max(16, next_power_of_2(M))`` with masked loads;
+* ``"mma_swapped"``: ``w_tile @ x^T`` instead, so the weight tile is the left operand
+  (``block_n`` >= 64 rows lets Triton use Hopper's wgmma with the converted weights in
+  registers) and the padded M is the small dimension;
+* ``"fma"``: no tensor cores: each of x's rows multiplies the converted tile element-wise
+  into a ``[block_n, block_k]`` float32 accumulator per row, reduced once after the K
+  loop (a GEMV; M <= 8 only, one accumulator per row);
+* ``"gemv"``: no tensor cores, each row's products reduced over the tile every step into
+  a ``[block_n]`` accumulator: registers hold weight tiles, not accumulators, so a program
+  keeps 16-64 KB of weights in flight (with ``prefetch``, the next tile loads while this one
+  is multiplied). M <= 16 (M multiply-adds per weight: the CUDA cores keep up to ~8-16).
+
+Run 1 on the H200 (docs/KERNELS.md) measured only the first defaults (fma n16 k512 at M <= 2,
+mma n32 k256 above): 41-50% of the HBM read rate. The defaults here are the redesign's
+heuristics; where ``benchmarks/gemv_decode.py`` measured the shape, its table
+(``tuning_table``) decides instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+from pallas_kernels.quantized_matmul.tuning_table import measured_block_sizes
+
+ALGORITHMS = ("mma", "mma_swapped", "fma", "gemv")
+MAX_FMA_ROWS = 8
+MAX_GEMV_ROWS = 16
+MAX_ROWS = 64
+# Rows up to which the heuristics pick "gemv": M multiply-adds per weight byte (fp8) on the
+# CUDA cores stay under what the SM issues while HBM delivers ~17 weights per SM per clock.
+_GEMV_DEFAULT_ROWS = 4
+# Weight bytes per tile in the heuristics: 16 KB a step, a second 16 KB prefetched, per program,
+# with 2+ programs per SM: ~64 KB in flight per SM, above the ~35 KB that Little's law asks
+# of 4.5 TB/s at ~1 us loaded latency over 132 SMs.
+_TILE_BYTES = 16384
+
+_GPU_NUM_SMS = 132  # H100 / H200 SXM
+_TARGET_PROGRAMS = _GPU_NUM_SMS
+_MIN_STEPS_PER_SPLIT = 4  # fewer and the software pipeline never fills
+_MAX_SPLITS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulBlockSizes:
+    algorithm: str  # one of ALGORITHMS
+    block_n: int  # output channels per program (weight rows)
+    block_k: int  # contraction elements per loop step
+    k_splits: int  # programs sharing one output tile's K range; partial sums added after
+    num_warps: int = 4
+    num_stages: int = 4
+    prefetch: bool = False  # load the next weight tile before this step's arithmetic (registers, 2 in flight)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def padded_rows(m: int, algorithm: str) -> int:
+    """Rows of x a program holds: ``m`` itself for ``fma``, else a power of two >= 16 (Triton's dot)."""
+    if algorithm == "fma":
+        return m
+    return max(16, next_power_of_2(m))
+
+
+def num_k_splits(n: int, k: int, block_n: int, block_k: int, target_programs: int = _TARGET_PROGRAMS) -> int:
+    """Fewest power-of-two K splits giving ``target_programs``, keeping >= 4 K steps per split."""
+    programs = max(1, n // block_n)
+    splits = 1
+    while (programs * splits < target_programs and splits < _MAX_SPLITS
+           and k % (2 * splits * block_k) == 0 and k // (2 * splits * block_k) >= _MIN_STEPS_PER_SPLIT):
+        splits *= 2
+    return splits
+
+
+def default_block_sizes(m: int, n: int, k: int, weight_dtype=ml_dtypes.float8_e4m3fn,
+                        table=None) -> MatmulBlockSizes:
+    """Sizes for ``x [m, k] @ w[n, k]^T`` when the caller forces none.
+
+    The measured table's entry for this (N, K, weight format) at the nearest measured M >= m
+    when there is one (``tuning_table``; ``table`` replaces it in tests), else the heuristics
+    below (see the module doc).
+    """
+    measured = measured_block_sizes(m, n, k, weight_dtype, table=table)
+    if measured is not None:
+        return MatmulBlockSizes(**measured)
+    itemsize = np.dtype(weight_dtype).itemsize
+    prefetch = False
+    if m <= _GEMV_DEFAULT_ROWS:
+        # Two 32-row tiles per SM where N allows it (gate/up: 448), else 16 rows (down: 256).
+        algorithm, num_warps, num_stages, prefetch = "gemv", 4, 1, True
+        block_n = 32 if n // 32 >= 2 * _GPU_NUM_SMS else 16
+        block_k = _TILE_BYTES // (block_n * itemsize)
+    else:
+        # The weight tile as the dot's left operand: stored [N, K] K-contiguous, the layout the
+        # tensor cores' A operand wants, so no fp8 transpose through shared memory; x^T, the
+        # small operand, is the padded one. 64 rows amortize each step's x tile (M x block_k
+        # bf16 from L2) over 64 weight rows instead of run 1's 32.
+        algorithm, block_n, num_warps, num_stages = "mma_swapped", 64, 4, 4
+        block_k = _TILE_BYTES // (block_n * itemsize)
+    block_k = min(block_k, next_power_of_2(k))
+    while block_k > 16 and k % block_k:
+        block_k //= 2
+    while block_n > 16 and n % block_n:
+        block_n //= 2
+    return MatmulBlockSizes(
+        algorithm=algorithm, block_n=block_n, block_k=block_k,
+        k_splits=num_k_splits(n, k, block_n, block_k), num_warps=num_warps, num_stages=num_stages,
+        prefetch=prefetch,
+    )

@@ -1,0 +1,300 @@
+"""Weight-only FP8 / int8 / bf16 matmul for few tokens on NVIDIA Hopper, in Pallas with the Triton lowering.
+
+``out[M, N] = (x[M, K] @ w[N, K]^T) * scale[N]``, with ``w`` in float8_e4m3fn or int8
+stored ``[out, in]`` and ``x`` in bfloat16 (or float32); or ``x @ w^T`` with unquantized
+bfloat16 ``w`` and no scale (the plain decode GEMV, same kernel). Decode steps multiply a handful
+of token rows by every weight of the model, so the step is a read of the weights: the
+kernel streams each weight byte from HBM exactly once, converts it to x's dtype in
+registers (exact for both formats), accumulates in float32 and applies the per-channel
+scale once per output in the epilogue. Reading fp8 instead of bf16 halves the bytes, so
+at M <= ~16 it should run close to twice as fast as a bf16 GEMV. XLA's own FP8 paths were
+measured at 1.4-2 TB/s there (of 4.5; ``../../shared/BENCHMARKS.md``): cuBLASLt's FP8 GEMM
+wants M padded to 16, and convert-then-dot is a GEMM tiling, not a stream.
+
+Grid ``(N / block_n, k_splits)``: program ``(j, s)`` owns output columns
+``[j * block_n, (j + 1) * block_n)`` and the ``s``-th slice of K, walking it ``block_k``
+at a time in a loop Triton software-pipelines ``num_stages`` deep. When ``N / block_n``
+alone leaves SMs idle (``k``/``v`` at N=1024), K is split and the float32 partial sums
+(``k_splits * M * N * 4`` bytes, small next to the weights) are added by one fused XLA
+step, which also casts to x's dtype. x's rows are padded to the tile with masked loads,
+so neither x nor the output is copied to pad M.
+
+Tile sizes and the four multiply forms (tensor-core dot, swapped dot, element-wise FMA
+with a tile-sized accumulator, GEMV reducing every step) are in ``block_sizes``; the
+measured table that picks among them per shape is ``tuning_table``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.precision import matmul_precision
+from pallas_kernels.quantized_matmul.block_sizes import (
+    MatmulBlockSizes,
+    default_block_sizes,
+    num_k_splits,
+    padded_rows,
+)
+from pallas_kernels.quantized_matmul.validation import check_block_sizes, check_inputs
+
+
+def _load_x_tile(x_ref, k0, *, m: int, block_m: int, block_k: int):
+    """x's columns ``[k0, k0 + block_k)`` as ``[block_m, block_k]``; rows past ``m`` read as zeros."""
+    if block_m == m:
+        return x_ref[:, pl.ds(k0, block_k)]
+    row = jnp.arange(block_m, dtype=jnp.int32)
+    is_row = jnp.broadcast_to((row < m)[:, None], (block_m, block_k))
+    # Clamped row indices keep even masked lanes' addresses inside x.
+    rows = jnp.broadcast_to(jnp.minimum(row, m - 1)[:, None], (block_m, block_k))
+    cols = jnp.broadcast_to((k0 + jnp.arange(block_k, dtype=jnp.int32))[None, :], (block_m, block_k))
+    return plgpu.load(x_ref.at[rows, cols], mask=is_row, other=0.0)
+
+
+def _store_rows(out_ref, values, *, m: int):
+    """Store ``values [block_m, block_n]`` into ``out_ref [m, block_n]``, dropping padded rows."""
+    block_m, block_n = values.shape
+    values = values.astype(out_ref.dtype)
+    if block_m == m:
+        out_ref[...] = values
+        return
+    row = jnp.arange(block_m, dtype=jnp.int32)
+    is_row = jnp.broadcast_to((row < m)[:, None], (block_m, block_n))
+    # Padded rows keep their own (out-of-range, never written) row index: clamping them
+    # onto row m - 1 would alias it, and the interpreter's scatter would let them win.
+    rows = jnp.broadcast_to(row[:, None], (block_m, block_n))
+    cols = jnp.broadcast_to(jnp.arange(block_n, dtype=jnp.int32)[None, :], (block_m, block_n))
+    plgpu.store(out_ref.at[rows, cols], values, mask=is_row)
+
+
+def _convert_weights(w, dtype):
+    """fp8 / int8 / bf16 weights to ``dtype`` (bf16 or f32), exactly: every e4m3 and int8 value is a bf16 and an f16.
+
+    To f32 the path is through f16, one ``cvt`` for two fp8 values on sm_89+; fp8 to bf16 is
+    Triton's own conversion; int8 goes through f16 either way (a conversion every GPU has).
+    bf16 weights (the unquantized GEMV) are used as they are, or widened to f32.
+    """
+    if jnp.dtype(w.dtype) == jnp.dtype(dtype):
+        return w
+    if jnp.dtype(w.dtype) == jnp.bfloat16 or (
+            jnp.dtype(dtype) == jnp.bfloat16 and jnp.dtype(w.dtype) == jnp.float8_e4m3fn):
+        return w.astype(dtype)
+    return w.astype(jnp.float16).astype(dtype)
+
+
+def _matmul_kernel(
+    x_ref,  # [M, K / k_splits]: this split's columns of x
+    w_ref,  # [block_n, K / k_splits]: this program's weight rows, this split's columns
+    *refs,  # scale_ref [block_n] float32 (quantized weights only), then out_ref [M, block_n]: the
+    # output (k_splits == 1) or this split's float32 partial sums
+    m: int, sizes: MatmulBlockSizes, compute_dtype, precision, scaled: bool,
+):
+    scale_ref, out_ref = refs if scaled else (None, refs[0])
+    block_n, block_k = sizes.block_n, sizes.block_k
+    num_steps = w_ref.shape[1] // block_k
+    # bf16 weights carry no scale: a multiply by one would be wasted work per output.
+    scale = scale_ref[...].astype(jnp.float32) if scaled else None  # [block_n]
+
+    def scaled_by_channel(values):  # values [..., block_n] with the per-channel scale applied
+        return values if scale is None else values * scale
+
+    def load_weights(i):  # the raw [block_n, block_k] weight tile of step i (a traced or a Python int)
+        start = i * block_k if isinstance(i, int) else pl.multiple_of(i * block_k, block_k)
+        return w_ref[:, pl.ds(start, block_k)]
+
+    def k_loop(step, init):
+        """``fori_loop`` over K steps of ``step(i, k0, raw_tile, carry)``, the tile loaded here.
+
+        With ``prefetch`` the carry also holds the next step's raw tile, loaded before this
+        step's arithmetic: two tiles in flight per program even where Triton does not
+        software-pipeline the loop (it pipelines loads that feed a dot; the fma form has none).
+        """
+        def body(i, carry):
+            k0 = pl.multiple_of(i * block_k, block_k)
+            if not sizes.prefetch:
+                return step(i, k0, load_weights(i), carry)
+            state, tile = carry
+            next_tile = load_weights(jnp.minimum(i + 1, num_steps - 1))
+            return step(i, k0, tile, state), next_tile
+
+        if not sizes.prefetch:
+            return lax.fori_loop(0, num_steps, body, init)
+        return lax.fori_loop(0, num_steps, body, (init, load_weights(0)))[0]
+
+    if sizes.algorithm == "fma":
+        # One [block_n, block_k] accumulator per row of x: products are added element-wise
+        # each step and reduced over K once at the end, so the loop has no cross-lane work.
+        def fma_step(i, k0, tile, accs):
+            w = _convert_weights(tile, jnp.float32)
+            return tuple(acc + w * x_ref[r, pl.ds(k0, block_k)].astype(jnp.float32)[None, :]
+                         for r, acc in enumerate(accs))
+
+        zeros = jnp.zeros((block_n, block_k), jnp.float32)
+        accs = k_loop(fma_step, (zeros,) * m)
+        for r, acc in enumerate(accs):
+            out_ref[r, :] = scaled_by_channel(jnp.sum(acc, axis=1)).astype(out_ref.dtype)
+        return
+
+    if sizes.algorithm == "gemv":
+        # One [block_n] accumulator per row of x, reduced over the tile's K every step: the
+        # registers hold the weight tiles in flight (this step's and, with prefetch, the next
+        # one's), not an [block_n, block_k] f32 accumulator per row as "fma" does, so tiles of
+        # 16-64 KB fit. Per-step reductions cost a few shuffles per row against a tile of
+        # thousands of weights.
+        def gemv_step(i, k0, tile, accs):
+            w = _convert_weights(tile, jnp.float32)
+            return tuple(acc + jnp.sum(w * x_ref[r, pl.ds(k0, block_k)].astype(jnp.float32)[None, :], axis=1)
+                         for r, acc in enumerate(accs))
+
+        accs = k_loop(gemv_step, (jnp.zeros((block_n,), jnp.float32),) * m)
+        for r, acc in enumerate(accs):
+            out_ref[r, :] = scaled_by_channel(acc).astype(out_ref.dtype)
+        return
+
+    block_m = padded_rows(m, sizes.algorithm)
+    swapped = sizes.algorithm == "mma_swapped"
+
+    def mma_step(i, k0, tile, acc):
+        w = _convert_weights(tile, compute_dtype)
+        x = _load_x_tile(x_ref, k0, m=m, block_m=block_m, block_k=block_k).astype(compute_dtype)
+        if swapped:  # acc [block_n, block_m]
+            return acc + plgpu.dot(w, x, trans_b=True, precision=precision)
+        return acc + plgpu.dot(x, w, trans_b=True, precision=precision)  # acc [block_m, block_n]
+
+    acc_shape = (block_n, block_m) if swapped else (block_m, block_n)
+    acc = k_loop(mma_step, jnp.zeros(acc_shape, jnp.float32))
+    if swapped:
+        acc = acc.T
+    _store_rows(out_ref, scaled_by_channel(acc), m=m)
+
+
+def weight_only_matmul_gpu(x, w, scale, *, sizes: MatmulBlockSizes, interpret: bool = False) -> jax.Array:
+    """``(x @ w^T) * scale`` in ``x.dtype`` through the kernel, at the given (already checked) sizes.
+
+    ``scale`` is None for unquantized (bf16) weights: the kernel then takes no scale input.
+    """
+    m, k = x.shape
+    n = w.shape[0]
+    splits = sizes.k_splits
+    k_per_split = k // splits
+    scaled = scale is not None
+    # bf16 x: weights convert to bf16 (exact) and the dot runs on bf16 tensor cores with
+    # f32 accumulation; f32 x: weights convert to f32 and the dot is IEEE f32 (HIGHEST).
+    compute_dtype = x.dtype
+    kernel = functools.partial(_matmul_kernel, m=m, sizes=sizes, compute_dtype=compute_dtype,
+                               precision=matmul_precision(compute_dtype), scaled=scaled)
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
+        out_spec = pl.BlockSpec((m, sizes.block_n), lambda j, s: (0, j))
+    else:
+        out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
+        out_spec = pl.BlockSpec((None, m, sizes.block_n), lambda j, s: (s, 0, j))
+    in_specs = [
+        pl.BlockSpec((m, k_per_split), lambda j, s: (0, s)),
+        pl.BlockSpec((sizes.block_n, k_per_split), lambda j, s: (j, s)),
+    ]
+    operands = (x, w)
+    if scaled:
+        in_specs.append(pl.BlockSpec((sizes.block_n,), lambda j, s: (j,)))
+        operands += (scale,)
+    out = pl.pallas_call(
+        kernel,
+        grid=(n // sizes.block_n, splits),
+        in_specs=in_specs,
+        out_specs=out_spec,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=sizes.num_stages),
+        interpret=interpret,
+        name=f"weight_only_matmul_{jnp.dtype(w.dtype).name}",
+    )(*operands)
+    if splits == 1:
+        return out
+    return jnp.sum(out, axis=0).astype(x.dtype)
+
+
+def resolve_block_sizes(m: int, n: int, k: int, weight_dtype=jnp.float8_e4m3fn, **overrides) -> MatmulBlockSizes:
+    """The default sizes for this shape and weight format with any non-None ``overrides`` applied.
+
+    When the tile is overridden but ``k_splits`` is not, the split count is recomputed for
+    the new tile; ``k_splits`` given explicitly is kept as is.
+    """
+    overrides = {name: value for name, value in overrides.items() if value is not None}
+    sizes = dataclasses.replace(default_block_sizes(m, n, k, weight_dtype), **overrides)
+    if "k_splits" not in overrides and ({"block_n", "block_k"} & overrides.keys()):
+        sizes = dataclasses.replace(sizes, k_splits=num_k_splits(n, k, sizes.block_n, sizes.block_k))
+    check_block_sizes(sizes, m, n, k)
+    return sizes
+
+
+_STATIC = ("interpret", "algorithm", "block_n", "block_k", "k_splits", "num_warps", "num_stages", "prefetch")
+
+
+def _weight_only_matmul(x, w, scale, weight_dtype, *, interpret, algorithm, block_n, block_k, k_splits,
+                        num_warps, num_stages, prefetch):
+    check_inputs(x, w, scale, weight_dtype)
+    m, k = x.shape
+    sizes = resolve_block_sizes(m, w.shape[0], k, weight_dtype, algorithm=algorithm, block_n=block_n,
+                                block_k=block_k, k_splits=k_splits, num_warps=num_warps, num_stages=num_stages,
+                                prefetch=prefetch)
+    return weight_only_matmul_gpu(x, w, scale, sizes=sizes, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def fp8_weight_only_matmul(
+    x: jax.Array, w: jax.Array, scale: jax.Array, *, interpret: bool = False, algorithm: str | None = None,
+    block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, prefetch: bool | None = None,
+) -> jax.Array:
+    """``x @ (w * scale[:, None]).T`` for few tokens, reading the fp8 weights once: ``[M, N]`` in ``x.dtype``.
+
+    Accepts ``x [M, K]`` bfloat16 or float32 with ``1 <= M <= 64``, ``w [N, K]``
+    float8_e4m3fn stored ``[out, in]`` (contracting on its minor dimension), ``scale [N]``
+    float32 per output channel. ``N`` must be a multiple of ``block_n`` and ``K`` of
+    ``block_k * k_splits`` (the defaults fit any N, K that are multiples of 16); anything
+    else raises ``ValueError`` naming the field. Tile sizes default to
+    ``block_sizes.default_block_sizes`` (the measured table where it has the shape); each
+    can be forced (sweeps, tests). ``interpret=True`` runs the kernel in Pallas's
+    interpreter (CPU tests). Needs compute capability >= 8.9 on the GPU (Triton's fp8 conversion).
+    """
+    return _weight_only_matmul(x, w, scale, jnp.float8_e4m3fn, interpret=interpret, algorithm=algorithm,
+                               block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
+                               num_stages=num_stages, prefetch=prefetch)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def int8_weight_only_matmul(
+    x: jax.Array, w: jax.Array, scale: jax.Array, *, interpret: bool = False, algorithm: str | None = None,
+    block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, prefetch: bool | None = None,
+) -> jax.Array:
+    """``fp8_weight_only_matmul`` for int8 weights ``w [N, K]`` (per-channel ``scale [N]``), same kernel and contract.
+
+    int8 converts to bfloat16 exactly (|w| <= 128), so the arithmetic is the fp8 path's.
+    Runs on any GPU Triton supports.
+    """
+    return _weight_only_matmul(x, w, scale, jnp.int8, interpret=interpret, algorithm=algorithm,
+                               block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
+                               num_stages=num_stages, prefetch=prefetch)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def bf16_weight_only_matmul(
+    x: jax.Array, w: jax.Array, *, interpret: bool = False, algorithm: str | None = None,
+    block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, prefetch: bool | None = None,
+) -> jax.Array:
+    """``x @ w.T`` for few tokens with unquantized bfloat16 weights ``w [N, K]`` (no scale): the plain decode GEMV.
+
+    Same kernel, contract and tile options as ``fp8_weight_only_matmul``; it exists because
+    XLA's bf16 GEMV chain runs at ~65% of the HBM read rate at one row (issue 21), and
+    bf16 batch-1 decode is a read of every weight.
+    """
+    return _weight_only_matmul(x, w, None, jnp.bfloat16, interpret=interpret, algorithm=algorithm,
+                               block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
+                               num_stages=num_stages, prefetch=prefetch)

@@ -1,0 +1,74 @@
+"""Checks of the weight-only matmul's inputs and tile sizes, with messages that name the field and the limit."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels.quantized_matmul.block_sizes import ALGORITHMS, MAX_FMA_ROWS, MAX_GEMV_ROWS, MAX_ROWS, MatmulBlockSizes
+
+ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def supports_shape(m: int, n: int, k: int) -> bool:
+    """Whether the kernels serve ``x [m, k] @ w[n, k]^T`` at their default tiles, without raising.
+
+    For a dispatcher deciding between the kernel and XLA: 1 <= m <= 64 rows, and N, K
+    multiples of 16 (the defaults shrink their tiles to divide any such N and K).
+    """
+    return 1 <= m <= MAX_ROWS and n > 0 and k > 0 and n % 16 == 0 and k % 16 == 0
+
+
+def check_inputs(x, w, scale, weight_dtype) -> None:
+    """``x [M, K]`` bf16/f32 with 1 <= M <= 64, ``w [N, K]`` of ``weight_dtype``, ``scale [N]`` float32.
+
+    ``scale`` is None for bf16 weights (unquantized: nothing to scale) and required otherwise.
+    """
+    weight_dtype = jnp.dtype(weight_dtype)
+    if x.ndim != 2:
+        raise ValueError(f"x must be [M, K], got shape {x.shape}")
+    if jnp.dtype(x.dtype) not in ACTIVATION_DTYPES:
+        raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
+    m, k = x.shape
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"x has M={m} rows; this kernel serves 1 <= M <= {MAX_ROWS} (use XLA's matmul above)")
+    if w.ndim != 2:
+        raise ValueError(f"w must be [N, K] (stored [out, in]), got shape {w.shape}")
+    if jnp.dtype(w.dtype) != weight_dtype:
+        raise ValueError(f"w must be {weight_dtype}, got {w.dtype}")
+    n, w_k = w.shape
+    if w_k != k:
+        raise ValueError(f"w's K ({w_k}, its minor dimension) must equal x's K ({k}); w is stored [out, in]")
+    if weight_dtype == jnp.dtype(jnp.bfloat16):
+        if scale is not None:
+            raise ValueError("scale must be None for bfloat16 weights (they are not quantized)")
+        return
+    if scale is None:
+        raise ValueError(f"scale is required for {weight_dtype} weights: [N] = ({n},) float32")
+    if scale.shape != (n,):
+        raise ValueError(f"scale must be [N] = ({n},), one per output channel, got shape {scale.shape}")
+    if jnp.dtype(scale.dtype) != jnp.float32:
+        raise ValueError(f"scale must be float32, got {scale.dtype}")
+
+
+def check_block_sizes(sizes: MatmulBlockSizes, m: int, n: int, k: int) -> None:
+    """The tiles must divide the matrix exactly: the kernel reads weights without bounds masks."""
+    if sizes.algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {sizes.algorithm!r}")
+    for name in ("block_n", "block_k", "k_splits", "num_warps"):
+        value = getattr(sizes, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= 1, got {value}")
+    if sizes.num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {sizes.num_stages}")
+    if sizes.algorithm != "fma" and (sizes.block_n < 16 or sizes.block_k < 16):
+        raise ValueError(f"algorithm {sizes.algorithm!r} uses Triton's dot: block_n and block_k must be >= 16, "
+                         f"got {sizes.block_n} and {sizes.block_k}")
+    if sizes.algorithm == "gemv" and m > MAX_GEMV_ROWS:
+        raise ValueError(f"algorithm 'gemv' reduces every row on the CUDA cores: M must be <= {MAX_GEMV_ROWS}, "
+                         f"got {m}")
+    if sizes.algorithm == "fma" and m > MAX_FMA_ROWS:
+        raise ValueError(f"algorithm 'fma' keeps one accumulator per row: M must be <= {MAX_FMA_ROWS}, got {m}")
+    if n % sizes.block_n:
+        raise ValueError(f"N={n} must be a multiple of block_n={sizes.block_n}")
+    if k % (sizes.block_k * sizes.k_splits):
+        raise ValueError(f"K={k} must be a multiple of block_k * k_splits = {sizes.block_k} * {sizes.k_splits}")
