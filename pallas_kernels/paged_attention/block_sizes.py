@@ -32,6 +32,10 @@ class BlockSizes:
     num_splits: int  # KV splits per tile (flash-decoding); 1 = no combine step
     num_warps: int = 4
     num_stages: int = 2
+    # GPU only. Load the next KV block's page ids one step ahead, in the loop's carry.
+    prefetch_pages: bool = True
+    # GPU only. Each program derives its tile from cu_q_lens itself (no XLA planning kernels).
+    plan_in_kernel: bool = True
 
 
 def is_decode_like(num_tokens: int, max_num_seqs: int) -> bool:

@@ -101,15 +101,16 @@ def scatter_output_tiles(
     return out.reshape(num_tokens, num_q_heads, head_dim)
 
 
-def combine_splits(out_splits: jax.Array, lse_splits: jax.Array, *, precision) -> jax.Array:
+def combine_splits(out_splits: jax.Array, lse_splits: jax.Array) -> jax.Array:
     """Merge flash-decoding partial results: [P, ...rows, D] normalised outputs and [P, ...rows] log-sum-exps.
 
-    The partials are float32 whatever the model's dtype, so the caller passes the precision its
-    own dtype calls for (``pallas_kernels.precision.matmul_precision``) for the weighted sum.
+    Elementwise products and sums over P in float32 (the partials' dtype), not an einsum: XLA
+    lowers an einsum with a contraction to a batched matmul library call, an extra launch on a
+    path whose fixed costs decide batch-1 decode.
     """
     lse_max = jnp.max(lse_splits, axis=0)
     lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
     weight = jnp.exp(lse_splits - lse_max)  # empty splits have lse -inf: weight 0
     total = jnp.sum(weight, axis=0)
-    out = jnp.einsum("p...,p...d->...d", weight, out_splits, precision=precision)
+    out = jnp.sum(weight[..., None] * out_splits, axis=0)
     return out / jnp.where(total > 0, total, 1.0)[..., None]
