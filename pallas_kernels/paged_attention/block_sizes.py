@@ -13,8 +13,20 @@ large query tiles, no split.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import math
+from pathlib import Path
 
 from pallas_kernels.paged_attention.work_tiles import next_power_of_2, num_work_tiles
+
+# Measured table (``benchmarks/kernel_frontier.py`` writes it as gpu_decode_table.json; copied
+# here with the run's results in benchmarks/results/). Absent: the heuristics below decide.
+GPU_TABLE_PATH = Path(__file__).with_name("gpu_decode_table.json")
+# A measured entry decides for shapes within this distance: |log2| of the ratio of programs
+# (tiles x KV heads, before splitting) plus |log2| of the ratio of contexts. 1.5 reaches, e.g.,
+# from B=32 ctx 4k to B=64 ctx 4k or B=32 ctx 8k, not to B=256 ctx 1k.
+_TABLE_REACH = 1.5
 
 # Hopper: 132 SMs. Sweep (docs/KERNELS.md, v2): about 2 programs per SM was best for B=1 ctx 32k
 # (32 splits) and B=8 ctx 16k (4 splits); more splits only added combine work.
@@ -48,12 +60,56 @@ def _num_splits(num_programs: int, max_kv_len: int, block_kv: int, target_progra
     return max(1, min(splits, max_useful, _MAX_SPLITS))
 
 
+@functools.cache
+def _measured_table(path: Path = GPU_TABLE_PATH) -> tuple[dict, ...]:
+    if not path.exists():
+        return ()
+    return tuple(json.loads(path.read_text())["entries"])
+
+
+def _from_table(kind: str, *, programs: int, num_tokens: int, max_kv_len: int, num_kv_heads: int, group: int,
+                head_dim: int, itemsize: int, table=None) -> BlockSizes | None:
+    """The nearest measured entry's sizes, its split count rescaled to keep its total programs; or None."""
+    best, best_distance = None, _TABLE_REACH
+    for entry in _measured_table() if table is None else table:
+        if (entry.get("kind", "decode") != kind or entry["group"] != group or entry["head_dim"] != head_dim
+                or entry["itemsize"] != itemsize):
+            continue
+        if kind == "decode":
+            entry_programs = entry["batch"] * entry["num_kv_heads"]
+            distance = abs(math.log2(entry_programs / programs)) + abs(math.log2(entry["context"] / max_kv_len))
+        else:
+            distance = abs(math.log2(entry["num_tokens"] / num_tokens))
+        if distance <= best_distance:
+            best, best_distance = entry, distance
+    if best is None:
+        return None
+    sizes = BlockSizes(**best["sizes"])
+    if kind == "decode":
+        splits = round(sizes.num_splits * best["batch"] * best["num_kv_heads"] / programs)
+        max_useful = max(1, max_kv_len // (sizes.block_kv * 2))
+        sizes = dataclasses.replace(sizes, num_splits=max(1, min(splits, max_useful, _MAX_SPLITS * 2)))
+    return sizes
+
+
 def gpu_block_sizes(
     *, num_tokens: int, max_num_seqs: int, max_kv_len: int, num_kv_heads: int, group: int,
-    head_dim: int, page_size: int, itemsize: int,
+    head_dim: int, page_size: int, itemsize: int, table=None,
 ) -> BlockSizes:
+    """Tile sizes for ``ragged_paged_attention_gpu``: the nearest measured entry, else the heuristics.
+
+    ``table`` replaces the measured table (tests); entries are dicts as in gpu_decode_table.json.
+    """
     group_padded = next_power_of_2(group)
-    if is_decode_like(num_tokens, max_num_seqs):
+    decode = is_decode_like(num_tokens, max_num_seqs)
+    block_q = max(1, (16 if decode else 64) // group_padded)
+    programs = num_work_tiles(num_tokens, max_num_seqs, block_q) * num_kv_heads
+    measured = _from_table("decode" if decode else "prefill", programs=programs, num_tokens=num_tokens,
+                           max_kv_len=max_kv_len, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                           itemsize=itemsize, table=table)
+    if measured is not None:
+        return measured
+    if decode:
         # Triton's dot wants >= 16 rows; extra rows are masked queries, free in a read-bound loop.
         block_q = max(1, 16 // group_padded)
         num_tiles = num_work_tiles(num_tokens, max_num_seqs, block_q)

@@ -1,0 +1,541 @@
+"""Issue 21 on one H200: the decode and prefill attention frontier, swept and decided in one run.
+
+What one call answers, in priority order (a time budget stops the sweeps early, keeping
+everything measured so far):
+
+1. Correctness on the GPU, compiled: the current kernel (fused K/V write, page-id prefetch,
+   in-kernel tile plan, and each switched off) against the plain-JAX reference on random
+   ragged batches with NaN in every unowned cache row: outputs (relative error), the cache
+   rows written (exact), float8_e4m3fn pages; and the compiled donated call has
+   ``input_output_alias`` and no cache-sized copy.
+2. Ceilings of this run: HBM read (sum over 8 GiB) and the bf16 matmul rate.
+3. Decode at the goal shapes (B=1 at 32k/16k/4k, B=8 at 16k, B=32 at 4k, B=64 at 4k): the
+   baseline kernel (``benchmarks/baseline_kernel``, the code before this issue) as it ran
+   (attend only, as ``kernel_attention.py`` timed it, and the full call with its XLA scatter),
+   cuDNN's dense kernel on a contiguous cache of the same shape, and the current kernel's full
+   call (write + attend, one launch) at its table sizes, then a coordinate search: the KV split
+   count, then tile sizes at the best split count, then each of the two new mechanisms off.
+   The best per shape is printed and written as ``gpu_decode_table.json`` in the form
+   ``block_sizes.py`` reads (copy it to ``pallas_kernels/paged_attention/`` to adopt it).
+4. Prefill (4k tokens as 2 chunks of 2048, 8k in one chunk, each + 32 decode tokens): tile
+   sizes of the current kernel, the baseline, cuDNN's causal flash attention on the same
+   chunks (contiguous, without the decode tokens), against the matmul rate.
+5. No-regression shapes at large batch (B=256 ctx 1k/4k, B=32 ctx 32k): baseline vs current.
+
+Timing: ``REPEATS`` chained calls unrolled in one jitted program, the cache donated into it so
+the in-place write costs what it costs in the engine (no cache copies), median of 3 runs.
+
+    python3 benchmarks/kernel_frontier.py --out DIR [--budget-s 420] [--only decode,prefill,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.baseline_kernel import gpu as baseline_gpu  # noqa: E402
+from benchmarks.baseline_kernel.block_sizes import gpu_block_sizes as baseline_block_sizes  # noqa: E402
+from kernel_attention import decode_inputs, prefill_inputs, pseudo_random  # noqa: E402
+from pallas_kernels.paged_attention import gpu as gpu_kernel  # noqa: E402
+from pallas_kernels.paged_attention.block_sizes import BlockSizes, gpu_block_sizes  # noqa: E402
+from pallas_kernels.paged_attention.reference import ragged_paged_attention_reference  # noqa: E402
+from tests.attention_cases import make_case  # noqa: E402
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
+GROUP = NUM_Q_HEADS // NUM_KV_HEADS
+SM_SCALE = HEAD_DIM**-0.5
+REPEATS = 32
+INTERPRET = False  # --smoke: Pallas interpreter on CPU, tiny shapes, to check this script without a GPU
+LOG: list[str] = []
+T0 = time.time()
+
+
+def say(*parts):
+    line = " ".join(str(p) for p in parts)
+    print(f"[{time.time() - T0:6.1f}s] {line}", flush=True)
+    LOG.append(line)
+
+
+class OutOfTime(Exception):
+    pass
+
+
+class Budget:
+    def __init__(self, seconds: float):
+        self.deadline = T0 + seconds
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def check(self, need: float = 0.0):
+        if self.left() < need:
+            raise OutOfTime()
+
+
+def time_chain(step, carry, *consts, donate: bool):
+    """Seconds per call of ``carry = step(carry, *consts)``, REPEATS calls unrolled in one jit.
+
+    With ``donate`` the carry (which holds the cache) is donated, so a kernel that writes the
+    cache in place runs without a copy, as in the engine. Returns (seconds, last carry).
+    """
+
+    def chain(carry, *consts):
+        for _ in range(REPEATS):
+            carry = step(carry, *consts)
+        return carry
+
+    run = jax.jit(chain, donate_argnums=(0,) if donate else ())
+    carry = jax.block_until_ready(run(carry, *consts))
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        carry = jax.block_until_ready(run(carry, *consts))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) / REPEATS, carry
+
+
+def current_full_step(sizes: BlockSizes):
+    def step(state, k_new, v_new, page_tables, cu_q_lens, kv_lens):
+        q, k_pages, v_pages = state  # the output becomes the next query: every call stays live
+        return gpu_kernel.attend_and_write_gpu(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens,
+                                               sm_scale=SM_SCALE, sizes=sizes, interpret=INTERPRET)
+    return step
+
+
+def baseline_full_step(state, k_new, v_new, page_tables, cu_q_lens, kv_lens):
+    q, k_pages, v_pages = state
+    return baseline_gpu.ragged_paged_attention_gpu(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens,
+                                                   kv_lens, sm_scale=SM_SCALE, interpret=INTERPRET)
+
+
+def baseline_attend_step(sizes):
+    def step(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens):
+        return baseline_gpu.attend_gpu(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=SM_SCALE,
+                                       sizes=sizes, interpret=INTERPRET)
+    return step
+
+
+def table_sizes(num_tokens, num_seqs, max_kv_len, page_size, **overrides) -> BlockSizes:
+    tuned = gpu_block_sizes(num_tokens=num_tokens, max_num_seqs=num_seqs, max_kv_len=max_kv_len,
+                            num_kv_heads=NUM_KV_HEADS, group=GROUP, head_dim=HEAD_DIM, page_size=page_size,
+                            itemsize=2)
+    return dataclasses.replace(tuned, **overrides)
+
+
+def baseline_sizes(num_tokens, num_seqs, max_kv_len, page_size):
+    return baseline_block_sizes(num_tokens=num_tokens, max_num_seqs=num_seqs, max_kv_len=max_kv_len,
+                                num_kv_heads=NUM_KV_HEADS, group=GROUP, head_dim=HEAD_DIM, page_size=page_size,
+                                itemsize=2)
+
+
+def sizes_label(s: BlockSizes) -> str:
+    return (f"bq={s.block_q} bkv={s.block_kv} w={s.num_warps} st={s.num_stages} splits={s.num_splits}"
+            f" prefetch={int(s.prefetch_pages)} plan_in_kernel={int(s.plan_in_kernel)}")
+
+
+# 1. Correctness ------------------------------------------------------------------------------
+
+CHECK_CASES = [  # (seqs, page_size, kernel overrides)
+    ([(1, 700), (0, 0), (1, 16), (1, 1)] * 4, 16, {}),
+    ([(1, 700), (0, 0), (1, 16), (1, 1)] * 4, 16, dict(num_splits=5, prefetch_pages=False)),
+    ([(300, 300), (1, 2000), (37, 500), (0, 0), (128, 128)], 32, {}),
+    ([(300, 300), (1, 2000), (37, 500), (0, 0), (128, 128)], 32, dict(plan_in_kernel=False, prefetch_pages=False)),
+    ([(1, 5000)] * 2, 64, {}),
+    ([(1, 32768)], 32, dict(num_splits=33)),
+    ([(64, 64)] + [(1, 4096)] * 3, 32, dict(num_splits=3, block_kv=128, num_warps=8)),
+]
+
+
+def check_correctness(results):
+    worst = {"bfloat16": 0.0, "float32": 0.0, "float8_e4m3fn": 0.0}
+    cache_exact = True
+    for i, (seqs, page_size, overrides) in enumerate(CHECK_CASES[:2] if INTERPRET else CHECK_CASES):
+        for dtype, cache_dtype in ((jnp.bfloat16, None), (jnp.float32, None), (jnp.bfloat16, jnp.float8_e4m3fn)):
+            if cache_dtype is not None and i % 2:
+                continue
+            case = make_case(100 + i, seqs, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                             page_size=page_size, dtype=dtype, pad_tokens=3)
+            args = list(case.args())
+            if cache_dtype is not None:
+                args[1:5] = [x.astype(cache_dtype) for x in args[1:5]]
+            ref_args = [x.astype(jnp.float32) if j in (1, 2, 3, 4) and cache_dtype is not None else x
+                        for j, x in enumerate(args)]
+            ref_out, ref_k, ref_v = ragged_paged_attention_reference(*ref_args, sm_scale=case.sm_scale)
+            out, k_out, v_out = gpu_kernel.ragged_paged_attention_gpu(*[jnp.array(a) for a in args],
+                                                                      sm_scale=case.sm_scale, interpret=INTERPRET,
+                                                                      **overrides)
+            out, ref_out = out.astype(jnp.float32), ref_out.astype(jnp.float32)
+            err = float(jnp.linalg.norm(out - ref_out) / jnp.linalg.norm(ref_out))
+            nan = bool(jnp.isnan(out).any())
+            # Cache: every row bit-identical to the reference's write (NaN where nothing was written).
+            same = all(np.array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)),
+                                      equal_nan=True) for a, b in ((k_out, ref_k), (v_out, ref_v)))
+            name = jnp.dtype(cache_dtype or dtype).name
+            say(f"check case {i} q {jnp.dtype(dtype).name} cache {name} {overrides}: rel err {err:.2e} "
+                f"nan={nan} cache rows exact={same}")
+            worst[name] = max(worst[name], err if not nan else float("inf"))
+            cache_exact &= same
+            results.append({"workload": "check", "case": i, "q_dtype": jnp.dtype(dtype).name, "cache_dtype": name,
+                            "overrides": overrides, "rel_err": err, "nan": nan, "cache_exact": same})
+    say(f"check: worst rel err {worst}; cache rows exact everywhere: {cache_exact}")
+    return {"worst_rel_err": worst, "cache_exact": cache_exact}
+
+
+def check_copies(page_size=32):
+    """Compile the full donated call and look for a cache-sized copy in the optimized HLO."""
+    batch, context = (2, 256) if INTERPRET else (64, 4096)
+    q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens = decode_inputs(batch, context, page_size)
+    k_new = pseudo_random((batch, NUM_KV_HEADS, HEAD_DIM), 15)
+    text = gpu_kernel.ragged_paged_attention_gpu.lower(
+        q, k_new, k_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=SM_SCALE,
+        interpret=INTERPRET).compile().as_text()
+    dims = [",".join(str(d) for d in k_pages.shape), f"{NUM_KV_HEADS},{k_pages.shape[1] * page_size},{HEAD_DIM}"]
+    copies = [line.strip()[:160] for line in text.splitlines()
+              if ("copy(" in line or "copy-start" in line) and any(d in line for d in dims)]
+    scatters = sum(" scatter(" in line for line in text.splitlines())
+    aliased = "input_output_alias" in text
+    say(f"compiled full call: input_output_alias={aliased}; cache-sized copies: {len(copies)}; scatters: {scatters}")
+    return {"input_output_alias": aliased, "cache_sized_copies": copies, "scatters": scatters}
+
+
+# 2. Ceilings ---------------------------------------------------------------------------------
+
+def measure_ceilings():
+    x = pseudo_random((4 * 1024**3,), 1)  # 8 GiB of bf16
+    t, _ = time_chain(lambda c, x: c + jnp.sum(x + c.astype(x.dtype), dtype=jnp.float32) * 1e-30,
+                      jnp.float32(0), x, donate=False)
+    read = x.size * 2 / t / 1e12
+    del x
+    n = 8192
+    a, b = pseudo_random((n, n), 2), pseudo_random((n, n), 3, scale=1.7 / math.sqrt(n))
+    t, _ = time_chain(lambda a, b: (a @ b).astype(jnp.bfloat16), a, b, donate=False)
+    mm = 2 * n**3 / t / 1e12
+    say(f"ceiling: HBM read {read:.2f} TB/s (sum over 8 GiB bf16); bf16 matmul {mm:.0f} TFLOP/s (8192^3)")
+    return {"hbm_read_tbs": read, "matmul_tflops": mm}
+
+
+# 3. Decode -----------------------------------------------------------------------------------
+
+DECODE_SHAPES = [(1, 32768), (1, 16384), (32, 4096), (8, 16384), (1, 4096), (64, 4096)]
+
+
+def split_candidates(batch, context, block_kv=64):
+    """KV splits to try: about 1, 2, 3, 4 programs per SM (132 SMs), exact multiples and powers of two."""
+    programs = batch * NUM_KV_HEADS
+    cands = {1}
+    for per_sm in (1, 2, 3, 4):
+        target = 132 * per_sm
+        cands.add(max(1, round(target / programs)))
+        cands.add(max(1, 1 << max(0, round(math.log2(max(1, target / programs))))))
+    max_useful = max(1, context // (block_kv * 2))
+    return sorted(c for c in cands if c <= max_useful)
+
+
+TILE_VARIANTS = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (64, 2, 3), (32, 4, 4), (128, 8, 3), (64, 4, 2), (256, 8, 3)]
+
+
+def decode_args(batch, context, page_size):
+    q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens = decode_inputs(batch, context, page_size)
+    k_new = pseudo_random((batch, NUM_KV_HEADS, HEAD_DIM), 16)
+    v_new = pseudo_random((batch, NUM_KV_HEADS, HEAD_DIM), 17)
+    return (q, k_pages, v_pages), (k_new, v_new, page_tables, cu_q_lens, kv_lens)
+
+
+def run_decode_shape(batch, context, page_size, results, budget, table, sweep=True):
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
+    row = {"workload": "decode", "batch": batch, "context": context, "page_size": page_size, "kv_bytes": kv_bytes}
+    results.append(row)
+    tbs = lambda s: kv_bytes / s / 1e12  # noqa: E731
+    state, consts = decode_args(batch, context, page_size)
+    q = state[0]
+    # Baseline, attend only (as kernel_attention.py timed it) and full call (XLA scatter + attend).
+    bsizes = baseline_sizes(batch, batch, context, page_size)
+    row["baseline_attend_s"], _ = time_chain(baseline_attend_step(bsizes), q, *state[1:], *consts[2:], donate=False)
+    row["baseline_full_s"], state = time_chain(baseline_full_step, state, *consts, donate=True)
+    say(f"decode B={batch} ctx={context}: baseline attend {row['baseline_attend_s'] * 1e6:.1f}us "
+        f"{tbs(row['baseline_attend_s']):.2f}TB/s, full call {row['baseline_full_s'] * 1e6:.1f}us "
+        f"({bsizes.block_kv}/{bsizes.num_warps}/{bsizes.num_stages} splits {bsizes.num_splits})")
+    # Current kernel at its table's sizes.
+    default = table_sizes(batch, batch, context, page_size)
+    row["current_default_sizes"] = dataclasses.asdict(default)
+    row["current_default_s"], state = time_chain(current_full_step(default), state, *consts, donate=True)
+    say(f"decode B={batch} ctx={context}: current (table) {row['current_default_s'] * 1e6:.1f}us "
+        f"{tbs(row['current_default_s']):.2f}TB/s {sizes_label(default)}")
+    tried = {}
+
+    def trial(sizes):
+        key = sizes_label(sizes)
+        if key in tried:
+            return tried[key]
+        budget.check(8)
+        nonlocal state
+        try:
+            t, state = time_chain(current_full_step(sizes), state, *consts, donate=True)
+        except OutOfTime:
+            raise
+        except Exception as e:  # e.g. shared memory over the limit: say which and go on
+            say(f"  sweep B={batch} ctx={context} {key}: {type(e).__name__} {str(e)[:150]}")
+            tried[key] = float("inf")
+            return tried[key]
+        tried[key] = t
+        say(f"  sweep B={batch} ctx={context} {key}: {t * 1e6:8.1f}us {tbs(t):.2f}TB/s")
+        results.append({"workload": "sweep-decode", "batch": batch, "context": context,
+                        "sizes": dataclasses.asdict(sizes), "s": t, "tbs": tbs(t)})
+        return t
+
+    tried[sizes_label(default)] = row["current_default_s"]
+    best = default
+    if sweep:
+        try:
+            # (a) split count at a mid tile; (b) tiles at the best split; (c) splits around it at that
+            # tile; (d) each new mechanism off at the best.
+            base = dataclasses.replace(default, block_kv=64, num_warps=4, num_stages=3)
+            for splits in split_candidates(batch, context):
+                trial(dataclasses.replace(base, num_splits=splits))
+            best = _parse(min(tried, key=tried.get))
+            for bkv, warps, stages in TILE_VARIANTS:
+                trial(dataclasses.replace(best, block_kv=bkv, num_warps=warps, num_stages=stages))
+            best = _parse(min(tried, key=tried.get))
+            for factor in (0.5, 0.75, 1.5, 2.0):
+                splits = max(1, round(best.num_splits * factor))
+                if splits * best.block_kv * 2 <= context:
+                    trial(dataclasses.replace(best, num_splits=splits))
+            best = _parse(min(tried, key=tried.get))
+            row["best_prefetch_off_s"] = trial(dataclasses.replace(best, prefetch_pages=False))
+            row["best_plan_xla_s"] = trial(dataclasses.replace(best, plan_in_kernel=False))
+            row["best_both_off_s"] = trial(dataclasses.replace(best, prefetch_pages=False, plan_in_kernel=False))
+            best = _parse(min(tried, key=tried.get))
+        except OutOfTime:
+            say(f"decode B={batch} ctx={context}: sweep stopped by the time budget")
+            best = _parse(min(tried, key=tried.get))
+    row["best_s"], row["best_sizes"] = tried[sizes_label(best)], dataclasses.asdict(best)
+    if sweep:
+        table.append({"kind": "decode", "batch": batch, "context": context, "num_kv_heads": NUM_KV_HEADS, "group": GROUP,
+                      "head_dim": HEAD_DIM, "page_size": page_size, "itemsize": 2,
+                      "sizes": dataclasses.asdict(best), "us": row["best_s"] * 1e6, "tbs": tbs(row["best_s"])})
+    del state
+    # cuDNN's dense kernel on a contiguous cache of the same shape.
+    try:
+        budget.check(5)
+        shape = (batch, context, NUM_KV_HEADS, HEAD_DIM)
+        k, v = pseudo_random(shape, 7), pseudo_random(shape, 8)
+        step = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+            q, k, v, scale=SM_SCALE, implementation="cudnn").astype(q.dtype)
+        row["cudnn_s"], _ = time_chain(step, q.reshape(batch, 1, NUM_Q_HEADS, HEAD_DIM), k, v, donate=False)
+        del k, v
+    except OutOfTime:
+        pass
+    except Exception as e:
+        row["cudnn_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    for key in [k for k in row if k.endswith("_s")]:
+        row[key[:-2] + "_tbs"] = tbs(row[key]) if row[key] else None
+    say(f"decode B={batch} ctx={context} RESULT: best {row['best_s'] * 1e6:.1f}us {tbs(row['best_s']):.2f}TB/s "
+        f"[{sizes_label(best)}] | table {row['current_default_s'] * 1e6:.1f}us | baseline attend "
+        f"{row['baseline_attend_s'] * 1e6:.1f}us full {row['baseline_full_s'] * 1e6:.1f}us"
+        + (f" | cudnn {row['cudnn_s'] * 1e6:.1f}us {tbs(row['cudnn_s']):.2f}TB/s" if "cudnn_s" in row else ""))
+
+
+def _parse(label: str) -> BlockSizes:
+    fields = dict(part.split("=") for part in label.split())
+    return BlockSizes(block_q=int(fields["bq"]), block_kv=int(fields["bkv"]), num_warps=int(fields["w"]),
+                      num_stages=int(fields["st"]), num_splits=int(fields["splits"]),
+                      prefetch_pages=fields["prefetch"] == "1", plan_in_kernel=fields["plan_in_kernel"] == "1")
+
+
+# 4. Prefill ----------------------------------------------------------------------------------
+
+PREFILL_VARIANTS = [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
+                    (128, 128, 8, 2), (128, 32, 4, 2), (128, 64, 4, 2), (64, 128, 4, 2), (256, 64, 8, 2)]
+
+
+def run_prefill(ceil, page_size, results, budget, table):
+    for prefill_tokens, chunk in ((128, 64),) if INTERPRET else ((4096, 2048), (8192, 8192)):
+        budget.check(20)
+        (q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens), flops = prefill_inputs(
+            prefill_tokens, 2 if INTERPRET else 32, 128 if INTERPRET else 2048, page_size, chunk)
+        num_tokens = q.shape[0]
+        k_new = pseudo_random((num_tokens, NUM_KV_HEADS, HEAD_DIM), 18)
+        v_new = pseudo_random((num_tokens, NUM_KV_HEADS, HEAD_DIM), 19)
+        consts = (k_new, v_new, page_tables, cu_q_lens, kv_lens)
+        state = (q, k_pages, v_pages)
+        row = {"workload": "prefill", "prefill_tokens": prefill_tokens, "chunk": chunk, "decode_tokens": 32,
+               "flops": flops}
+        results.append(row)
+        max_kv = int(page_tables.shape[1]) * page_size
+        bsizes = baseline_sizes(num_tokens, kv_lens.shape[0], max_kv, page_size)
+        row["baseline_full_s"], state = time_chain(baseline_full_step, state, *consts, donate=True)
+        default = table_sizes(num_tokens, kv_lens.shape[0], max_kv, page_size)
+        row["current_default_s"], state = time_chain(current_full_step(default), state, *consts, donate=True)
+        say(f"prefill {prefill_tokens} in chunks of {chunk}: baseline {row['baseline_full_s'] * 1e6:.0f}us "
+            f"{flops / row['baseline_full_s'] / 1e12:.0f} TFLOP/s ({bsizes}); current (table) "
+            f"{row['current_default_s'] * 1e6:.0f}us {flops / row['current_default_s'] / 1e12:.0f} TFLOP/s")
+        best = (row["current_default_s"], default)
+        try:
+            for rows, bkv, warps, stages in PREFILL_VARIANTS[:2] if INTERPRET else PREFILL_VARIANTS:
+                budget.check(10)
+                sizes = dataclasses.replace(default, block_q=rows // GROUP, block_kv=bkv, num_warps=warps,
+                                            num_stages=stages)
+                try:
+                    t, state = time_chain(current_full_step(sizes), state, *consts, donate=True)
+                except Exception as e:
+                    say(f"  sweep prefill {sizes_label(sizes)}: {type(e).__name__} {str(e)[:150]}")
+                    continue
+                say(f"  sweep prefill {prefill_tokens}/{chunk} rows={rows} {sizes_label(sizes)}: {t * 1e6:.0f}us "
+                    f"{flops / t / 1e12:.0f} TFLOP/s")
+                results.append({"workload": "sweep-prefill", "prefill_tokens": prefill_tokens, "chunk": chunk,
+                                "sizes": dataclasses.asdict(sizes), "s": t, "tflops": flops / t / 1e12})
+                best = min(best, (t, sizes), key=lambda x: x[0])
+        except OutOfTime:
+            say("prefill sweep stopped by the time budget")
+        row["best_s"], row["best_sizes"] = best[0], dataclasses.asdict(best[1])
+        table.append({"kind": "prefill", "num_tokens": num_tokens, "prefill_tokens": prefill_tokens, "chunk": chunk,
+                      "group": GROUP, "head_dim": HEAD_DIM, "page_size": page_size, "itemsize": 2,
+                      "sizes": row["best_sizes"], "us": best[0] * 1e6, "tflops": flops / best[0] / 1e12})
+        del state
+        try:
+            budget.check(5)
+            n = prefill_tokens // chunk
+            qd = pseudo_random((n, chunk, NUM_Q_HEADS, HEAD_DIM), 12)
+            kd = pseudo_random((n, chunk, NUM_KV_HEADS, HEAD_DIM), 13)
+            vd = pseudo_random((n, chunk, NUM_KV_HEADS, HEAD_DIM), 14)
+            step = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+                q, k, v, scale=SM_SCALE, is_causal=True, implementation="cudnn").astype(q.dtype)
+            row["cudnn_s"], _ = time_chain(step, qd, kd, vd, donate=False)
+            row["cudnn_flops"] = n * 4 * HEAD_DIM * NUM_Q_HEADS * chunk * (chunk + 1) // 2
+            row["cudnn_tflops"] = row["cudnn_flops"] / row["cudnn_s"] / 1e12
+        except OutOfTime:
+            pass
+        except Exception as e:
+            row["cudnn_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        for key in ("baseline_full_s", "current_default_s", "best_s"):
+            row[key[:-2] + "_tflops"] = flops / row[key] / 1e12
+        say(f"prefill {prefill_tokens}/{chunk} RESULT: best {row['best_tflops']:.0f} TFLOP/s "
+            f"({row['best_tflops'] / ceil['matmul_tflops']:.0%} of matmul) [{sizes_label(best[1])}] | baseline "
+            f"{row['baseline_full_tflops']:.0f}" + (f" | cudnn {row['cudnn_tflops']:.0f}" if "cudnn_tflops" in row else ""))
+
+
+# Output --------------------------------------------------------------------------------------
+
+def write_outputs(out_dir, report):
+    os.makedirs(out_dir, exist_ok=True)
+    report["log"] = LOG
+    with open(os.path.join(out_dir, "kernel_frontier.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    if report.get("decode_table"):
+        with open(os.path.join(out_dir, "gpu_decode_table.json"), "w") as f:
+            json.dump({"source": f"benchmarks/kernel_frontier.py on {report['device']}, {report['date']}: "
+                                 "best full-call time per shape (write + attend)",
+                       "entries": report["decode_table"]}, f, indent=1)
+    ceil = report.get("ceilings") or {}
+    read, mm = ceil.get("hbm_read_tbs", float("nan")), ceil.get("matmul_tflops", float("nan"))
+    lines = [f"# Attention frontier (issue 21): {report['device']}, jax {report['jax']}", "",
+             f"Command: `{report['command']}`", "",
+             f"Ceilings in this run: HBM read {read:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s. "
+             f"Correctness: {json.dumps(report.get('check', {}))}; compiled call: "
+             f"{json.dumps({k: v for k, v in report.get('copies', {}).items() if k != 'cache_sized_copies'})}.", "",
+             "Decode, bf16, GQA 32/8, d 128, page 32; TB/s of K/V read; full call = K/V write + attention.", "",
+             "| B | ctx | baseline attend | baseline full | current (table) full | best full | best / ceiling | "
+             "cuDNN dense | best / cuDNN | prefetch off | XLA plan | both off | best sizes |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    f = lambda r, k: f"{r[k]:.2f}" if r.get(k) else "–"  # noqa: E731
+    for r in report["results"]:
+        if r["workload"] != "decode" or "best_tbs" not in r:
+            continue
+        bs = r["best_sizes"]
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {f(r, 'baseline_attend_tbs')} | {f(r, 'baseline_full_tbs')} "
+            f"| {f(r, 'current_default_tbs')} | **{f(r, 'best_tbs')}** | {r['best_tbs'] / read:.0%} "
+            f"| {f(r, 'cudnn_tbs')} | {(r['best_tbs'] / r['cudnn_tbs']) if r.get('cudnn_tbs') else float('nan'):.2f} "
+            f"| {f(r, 'best_prefetch_off_tbs')} | {f(r, 'best_plan_xla_tbs')} | {f(r, 'best_both_off_tbs')} "
+            f"| {bs['block_kv']}/{bs['num_warps']}w/{bs['num_stages']}st, {bs['num_splits']} splits |")
+    lines += ["", "Prefill (+ 32 decode tokens at 2k), TFLOP/s; cuDNN: causal flash attention on the same chunks, "
+                  "contiguous, without the decode tokens.", "",
+              "| tokens | chunk | baseline full | current (table) | best | best / matmul | cuDNN | best / cuDNN | best sizes |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in report["results"]:
+        if r["workload"] != "prefill" or "best_tflops" not in r:
+            continue
+        bs = r["best_sizes"]
+        cud = r.get("cudnn_tflops")
+        lines.append(f"| {r['prefill_tokens']} | {r['chunk']} | {r['baseline_full_tflops']:.0f} "
+                     f"| {r['current_default_tflops']:.0f} | **{r['best_tflops']:.0f}** | {r['best_tflops'] / mm:.0%} "
+                     f"| {cud or float('nan'):.0f} | {(r['best_tflops'] / cud) if cud else float('nan'):.2f} "
+                     f"| {bs['block_q'] * GROUP} rows/{bs['block_kv']}/{bs['num_warps']}w/{bs['num_stages']}st |")
+    with open(os.path.join(out_dir, "kernel_frontier.md"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    parser.add_argument("--budget-s", type=float, default=420.0, help="stop sweeping after this many seconds")
+    parser.add_argument("--only", default="check,ceilings,decode,prefill,regression")
+    parser.add_argument("--page-size", type=int, default=32)
+    parser.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in DECODE_SHAPES),
+                        help="decode shapes to sweep, BxCONTEXT")
+    parser.add_argument("--smoke", action="store_true", help="CPU check of this script: interpreter, tiny shapes")
+    args = parser.parse_args()
+    if args.smoke:
+        global INTERPRET, REPEATS, TILE_VARIANTS
+        INTERPRET, REPEATS, TILE_VARIANTS = True, 2, TILE_VARIANTS[:2]
+        args.shapes = "1x512,2x256"
+    stages = set(args.only.split(","))
+    budget = Budget(args.budget_s)
+    device = jax.devices()[0]
+    report = {"command": " ".join(["python3"] + sys.argv), "device": device.device_kind,
+              "platform": platform.platform(), "jax": jax.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC"),
+              "results": [], "decode_table": []}
+    say(f"command: {report['command']}")
+    say(f"device: {device.device_kind} ({device.platform}); jax {jax.__version__}; {platform.platform()}")
+    try:
+        if "ceilings" in stages:
+            report["ceilings"] = measure_ceilings()
+        if "check" in stages:
+            report["check"] = check_correctness(report["results"])
+            report["copies"] = check_copies(args.page_size)
+        write_outputs(args.out, report)
+        if "decode" in stages:
+            for shape in args.shapes.split(","):
+                batch, context = (int(x) for x in shape.split("x"))
+                if budget.left() < 20:
+                    say(f"decode B={batch} ctx={context}: skipped, out of time")
+                    continue
+                run_decode_shape(batch, context, args.page_size, report["results"], budget, report["decode_table"])
+                write_outputs(args.out, report)
+        if "prefill" in stages:
+            try:
+                run_prefill(report.get("ceilings", {"matmul_tflops": float("nan")}), args.page_size,
+                            report["results"], budget, report["decode_table"])
+            except OutOfTime:
+                say("prefill: out of time")
+            write_outputs(args.out, report)
+        if "regression" in stages:
+            for batch, context in ((2, 256),) if INTERPRET else ((256, 1024), (256, 4096), (32, 32768)):
+                if budget.left() < 25:
+                    say(f"regression B={batch} ctx={context}: skipped, out of time")
+                    continue
+                run_decode_shape(batch, context, args.page_size, report["results"], budget, report["decode_table"],
+                                 sweep=False)
+                write_outputs(args.out, report)
+    finally:
+        say(f"total {time.time() - T0:.0f}s")
+        write_outputs(args.out, report)
+        print("\n".join(open(os.path.join(args.out, "kernel_frontier.md")).read().splitlines()[-24:]))
+
+
+if __name__ == "__main__":
+    main()
