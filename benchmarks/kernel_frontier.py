@@ -145,7 +145,7 @@ def baseline_sizes(num_tokens, num_seqs, max_kv_len, page_size):
 
 def sizes_label(s: BlockSizes) -> str:
     return (f"bq={s.block_q} bkv={s.block_kv} w={s.num_warps} st={s.num_stages} splits={s.num_splits}"
-            f" prefetch={int(s.prefetch_pages)} plan_in_kernel={int(s.plan_in_kernel)}")
+            f" prefetch={int(s.prefetch_pages)} plan_in_kernel={int(s.plan_in_kernel)} merge_kernel={int(s.merge_kernel)}")
 
 
 # 1. Correctness ------------------------------------------------------------------------------
@@ -157,6 +157,7 @@ CHECK_CASES = [  # (seqs, page_size, kernel overrides)
     ([(300, 300), (1, 2000), (37, 500), (0, 0), (128, 128)], 32, dict(plan_in_kernel=False, prefetch_pages=False)),
     ([(1, 5000)] * 2, 64, {}),
     ([(1, 32768)], 32, dict(num_splits=33)),
+    ([(1, 32768)], 32, dict(num_splits=33, merge_kernel=False)),
     ([(64, 64)] + [(1, 4096)] * 3, 32, dict(num_splits=3, block_kv=128, num_warps=8)),
 ]
 
@@ -322,6 +323,8 @@ def run_decode_shape(batch, context, page_size, results, budget, table, sweep=Tr
             row["best_prefetch_off_s"] = trial(dataclasses.replace(best, prefetch_pages=False))
             row["best_plan_xla_s"] = trial(dataclasses.replace(best, plan_in_kernel=False))
             row["best_both_off_s"] = trial(dataclasses.replace(best, prefetch_pages=False, plan_in_kernel=False))
+            if best.num_splits > 1:
+                row["best_merge_xla_s"] = trial(dataclasses.replace(best, merge_kernel=False))
             best = _parse(min(tried, key=tried.get))
         except OutOfTime:
             say(f"decode B={batch} ctx={context}: sweep stopped by the time budget")
@@ -371,7 +374,8 @@ def _parse(label: str) -> BlockSizes:
     fields = dict(part.split("=") for part in label.split())
     return BlockSizes(block_q=int(fields["bq"]), block_kv=int(fields["bkv"]), num_warps=int(fields["w"]),
                       num_stages=int(fields["st"]), num_splits=int(fields["splits"]),
-                      prefetch_pages=fields["prefetch"] == "1", plan_in_kernel=fields["plan_in_kernel"] == "1")
+                      prefetch_pages=fields["prefetch"] == "1", plan_in_kernel=fields["plan_in_kernel"] == "1",
+                      merge_kernel=fields["merge_kernel"] == "1")
 
 
 # 4. Prefill ----------------------------------------------------------------------------------
@@ -468,8 +472,8 @@ def write_outputs(out_dir, report):
              f"{json.dumps({k: v for k, v in report.get('copies', {}).items() if k != 'cache_sized_copies'})}.", "",
              "Decode, bf16, GQA 32/8, d 128, page 32; TB/s of K/V read; full call = K/V write + attention.", "",
              "| B | ctx | baseline attend | baseline full | current (table) full | best full | best / ceiling | "
-             "cuDNN dense | best / cuDNN | prefetch off | XLA plan | both off | best sizes |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "cuDNN dense | best / cuDNN | prefetch off | XLA plan | both off | XLA merge | XLA merge alone µs | best sizes |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     f = lambda r, k: f"{r[k]:.2f}" if r.get(k) else "–"  # noqa: E731
     for r in report["results"]:
         if r["workload"] != "decode" or "best_tbs" not in r:
@@ -480,6 +484,7 @@ def write_outputs(out_dir, report):
             f"| {f(r, 'current_default_tbs')} | **{f(r, 'best_tbs')}** | {r['best_tbs'] / read:.0%} "
             f"| {f(r, 'cudnn_tbs')} | {(r['best_tbs'] / r['cudnn_tbs']) if r.get('cudnn_tbs') else float('nan'):.2f} "
             f"| {f(r, 'best_prefetch_off_tbs')} | {f(r, 'best_plan_xla_tbs')} | {f(r, 'best_both_off_tbs')} "
+            f"| {f(r, 'best_merge_xla_tbs')} | {r['combine_only_s'] * 1e6 if r.get('combine_only_s') else float('nan'):.1f} "
             f"| {bs['block_kv']}/{bs['num_warps']}w/{bs['num_stages']}st, {bs['num_splits']} splits |")
     lines += ["", "Prefill (+ 32 decode tokens at 2k), TFLOP/s; cuDNN: causal flash attention on the same chunks, "
                   "contiguous, without the decode tokens.", "",

@@ -57,14 +57,16 @@ def test_gpu_kernel_sliding_window_and_soft_cap(num_splits):
                              num_splits=num_splits)
 
 
-@pytest.mark.parametrize("prefetch_pages,plan_in_kernel", [(False, False), (True, False), (False, True)])
-def test_gpu_kernel_options_match_reference(prefetch_pages, plan_in_kernel):
-    # The defaults (both on) run in every other test; each other combination on a mixed batch with
+@pytest.mark.parametrize("prefetch_pages,plan_in_kernel,merge_kernel",
+                         [(False, False, False), (True, False, True), (False, True, False)])
+def test_gpu_kernel_options_match_reference(prefetch_pages, plan_in_kernel, merge_kernel):
+    # The defaults (all on) run in every other test; other combinations on a mixed batch with
     # splits: chunked prefill over a cached prefix, decode, an empty slot, padding tokens.
     case = make_case(11, [(1, 50), (0, 0), (24, 80), (1, 33)], num_q_heads=8, num_kv_heads=2, head_dim=64,
                      page_size=16, pad_tokens=2)
     assert_matches_reference(ragged_paged_attention_gpu, case, F32, block_kv=16, num_splits=2,
-                             prefetch_pages=prefetch_pages, plan_in_kernel=plan_in_kernel)
+                             prefetch_pages=prefetch_pages, plan_in_kernel=plan_in_kernel,
+                             merge_kernel=merge_kernel)
 
 
 @pytest.mark.parametrize("q_dtype", [F32, BF16])
@@ -128,7 +130,8 @@ def test_gpu_kernel_lowers_through_triton_from_cpu():
         device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
     for seqs, options, cache_dtype in (([(1, 300), (0, 0), (1, 16)], dict(num_splits=4), BF16),
                                        ([(90, 90), (1, 20)], {}, BF16),
-                                       ([(1, 300), (40, 90)], dict(plan_in_kernel=False, prefetch_pages=False), BF16),
+                                       ([(1, 300), (40, 90)], dict(plan_in_kernel=False, prefetch_pages=False,
+                                                                   merge_kernel=False, num_splits=2), BF16),
                                        ([(1, 300), (40, 90)], dict(num_splits=2), jnp.float8_e4m3fn)):
         case = make_case(1, seqs, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=BF16)
         args = list(case.args())

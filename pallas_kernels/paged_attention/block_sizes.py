@@ -48,6 +48,8 @@ class BlockSizes:
     prefetch_pages: bool = True
     # GPU only. Each program derives its tile from cu_q_lens itself (no XLA planning kernels).
     plan_in_kernel: bool = True
+    # GPU only, with splits. Merge the partial results in one small Pallas kernel (else XLA ops).
+    merge_kernel: bool = True
 
 
 def is_decode_like(num_tokens: int, max_num_seqs: int) -> bool:

@@ -56,6 +56,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paged_attention import work_tiles as wt
 from pallas_kernels.paged_attention.block_sizes import BlockSizes, gpu_block_sizes
+from pallas_kernels.paged_attention.gpu_merge import merge_splits_gpu
 from pallas_kernels.paged_attention.validation import check_inputs
 from pallas_kernels.precision import matmul_precision
 
@@ -315,6 +316,9 @@ def attend_and_write_gpu(
     is_token = (jnp.arange(num_tokens, dtype=jnp.int32) < cu_q_lens[-1])[:, None, None]
     if splits == 1:
         out = jnp.where(is_token, results[0][:num_tokens], 0)
+    elif sizes.merge_kernel:
+        out = merge_splits_gpu(results[0], results[1], cu_q_lens, num_tokens=num_tokens, dtype=q.dtype,
+                               interpret=interpret)
     else:
         out = jnp.where(is_token, wt.combine_splits(results[0][:, :num_tokens], results[1][:, :num_tokens]), 0)
     return out.astype(q.dtype), results[-2].reshape(k_pages.shape), results[-1].reshape(v_pages.shape)
@@ -323,7 +327,8 @@ def attend_and_write_gpu(
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q", "block_kv", "num_splits",
-                     "num_warps", "num_stages", "prefetch_pages", "plan_in_kernel", "interpret"),
+                     "num_warps", "num_stages", "prefetch_pages", "plan_in_kernel",
+                     "merge_kernel", "interpret"),
     donate_argnames=("k_pages", "v_pages"),
 )
 def ragged_paged_attention_gpu(
@@ -346,6 +351,7 @@ def ragged_paged_attention_gpu(
     num_stages: int | None = None,
     prefetch_pages: bool | None = None,
     plan_in_kernel: bool | None = None,
+    merge_kernel: bool | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Same contract as ``ragged_paged_attention_reference``; the cache is donated and updated in place.
@@ -371,6 +377,7 @@ def ragged_paged_attention_gpu(
         num_stages=num_stages or tuned.num_stages,
         prefetch_pages=tuned.prefetch_pages if prefetch_pages is None else prefetch_pages,
         plan_in_kernel=tuned.plan_in_kernel if plan_in_kernel is None else plan_in_kernel,
+        merge_kernel=tuned.merge_kernel if merge_kernel is None else merge_kernel,
     )
     return attend_and_write_gpu(
         q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
