@@ -39,6 +39,7 @@ import os
 import platform
 import sys
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,7 +53,7 @@ from benchmarks.baseline_kernel.block_sizes import gpu_block_sizes as baseline_b
 from kernel_attention import decode_inputs, prefill_inputs, pseudo_random  # noqa: E402
 from pallas_kernels.paged_attention import gpu as gpu_kernel  # noqa: E402
 from pallas_kernels.paged_attention import work_tiles as wt  # noqa: E402
-from pallas_kernels.paged_attention.block_sizes import BlockSizes, gpu_block_sizes  # noqa: E402
+from pallas_kernels.paged_attention.block_sizes import GPU_TABLE_PATH, BlockSizes, gpu_block_sizes  # noqa: E402
 from pallas_kernels.paged_attention.reference import ragged_paged_attention_reference  # noqa: E402
 from tests.attention_cases import make_case  # noqa: E402
 
@@ -469,7 +470,7 @@ def write_outputs(out_dir, report):
              f"Command: `{report['command']}`", "",
              f"Ceilings in this run: HBM read {read:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s. "
              f"Correctness: {json.dumps(report.get('check', {}))}; compiled call: "
-             f"{json.dumps({k: v for k, v in report.get('copies', {}).items() if k != 'cache_sized_copies'})}.", "",
+             f"{json.dumps({k: v for k, v in (report.get('copies') or {}).items() if k != 'cache_sized_copies'})}.", "",
              "Decode, bf16, GQA 32/8, d 128, page 32; TB/s of K/V read; full call = K/V write + attention.", "",
              "| B | ctx | baseline attend | baseline full | current (table) full | best full | best / ceiling | "
              "cuDNN dense | best / cuDNN | prefetch off | XLA plan | both off | XLA merge | XLA merge alone µs | best sizes |",
@@ -503,6 +504,18 @@ def write_outputs(out_dir, report):
         fh.write("\n".join(lines) + "\n")
 
 
+def guarded(what: str, fn, *args, **kwargs):
+    """Run one stage; a failure is logged (with its traceback) and the run goes on to the next stage."""
+    try:
+        return fn(*args, **kwargs)
+    except OutOfTime:
+        say(f"{what}: out of time")
+    except Exception as e:
+        say(f"{what}: FAILED {type(e).__name__}: {str(e)[:400]}")
+        say(traceback.format_exc()[-1500:])
+    return None
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -511,26 +524,36 @@ def main():
     parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in DECODE_SHAPES),
                         help="decode shapes to sweep, BxCONTEXT")
+    parser.add_argument("--no-sweep", action="store_true",
+                        help="time the table's sizes only (baseline, current, cuDNN), e.g. after adopting a table")
     parser.add_argument("--smoke", action="store_true", help="CPU check of this script: interpreter, tiny shapes")
     args = parser.parse_args()
+    global INTERPRET, REPEATS, TILE_VARIANTS, PREFILL_VARIANTS
     if args.smoke:
-        global INTERPRET, REPEATS, TILE_VARIANTS
         INTERPRET, REPEATS, TILE_VARIANTS = True, 2, TILE_VARIANTS[:2]
         args.shapes = "1x512,2x256"
+    if args.no_sweep:
+        PREFILL_VARIANTS = []
     stages = set(args.only.split(","))
+    sweep = not args.no_sweep
     budget = Budget(args.budget_s)
     device = jax.devices()[0]
     report = {"command": " ".join(["python3"] + sys.argv), "device": device.device_kind,
               "platform": platform.platform(), "jax": jax.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC"),
+              "table_in_use": str(GPU_TABLE_PATH) if GPU_TABLE_PATH.exists() else None,
               "results": [], "decode_table": []}
     say(f"command: {report['command']}")
     say(f"device: {device.device_kind} ({device.platform}); jax {jax.__version__}; {platform.platform()}")
+    say(f"measured table in use: {report['table_in_use']}")
+    decode = lambda b, c, sweep: guarded(  # noqa: E731
+        f"decode B={b} ctx={c}", run_decode_shape, b, c, args.page_size, report["results"], budget,
+        report["decode_table"], sweep=sweep)
     try:
         if "ceilings" in stages:
-            report["ceilings"] = measure_ceilings()
+            report["ceilings"] = guarded("ceilings", measure_ceilings)
         if "check" in stages:
-            report["check"] = check_correctness(report["results"])
-            report["copies"] = check_copies(args.page_size)
+            report["check"] = guarded("check", check_correctness, report["results"])
+            report["copies"] = guarded("copies", check_copies, args.page_size)
         write_outputs(args.out, report)
         if "decode" in stages:
             for shape in args.shapes.split(","):
@@ -538,29 +561,25 @@ def main():
                 if budget.left() < 20:
                     say(f"decode B={batch} ctx={context}: skipped, out of time")
                     continue
-                run_decode_shape(batch, context, args.page_size, report["results"], budget, report["decode_table"])
+                decode(batch, context, sweep)
                 write_outputs(args.out, report)
         if "prefill" in stages:
-            try:
-                run_prefill(report.get("ceilings", {"matmul_tflops": float("nan")}), args.page_size,
-                            report["results"], budget, report["decode_table"])
-            except OutOfTime:
-                say("prefill: out of time")
+            guarded("prefill", run_prefill, report.get("ceilings") or {"matmul_tflops": float("nan")}, args.page_size,
+                    report["results"], budget, report["decode_table"])
             write_outputs(args.out, report)
         if "decode" in stages:
             for batch, context in [] if INTERPRET else EXTRA_SHAPES:
                 if budget.left() < 40:
                     say(f"decode B={batch} ctx={context}: skipped, out of time")
                     continue
-                run_decode_shape(batch, context, args.page_size, report["results"], budget, report["decode_table"])
+                decode(batch, context, sweep)
                 write_outputs(args.out, report)
         if "regression" in stages:
             for batch, context in ((2, 256),) if INTERPRET else ((256, 1024), (256, 4096), (32, 32768)):
                 if budget.left() < 25:
                     say(f"regression B={batch} ctx={context}: skipped, out of time")
                     continue
-                run_decode_shape(batch, context, args.page_size, report["results"], budget, report["decode_table"],
-                                 sweep=False)
+                decode(batch, context, False)
                 write_outputs(args.out, report)
     finally:
         say(f"total {time.time() - T0:.0f}s")

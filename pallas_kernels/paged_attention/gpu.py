@@ -117,7 +117,10 @@ def _attention_kernel(
     page_tables_ref, q_ref, k_cache_ref, v_cache_ref, k_new_ref, v_new_ref = refs[num_sched:num_sched + 6]
     out_refs = refs[num_sched + 6:]
     k_out_ref, v_out_ref = out_refs[-2:]
-    tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    # Tiles launch in reverse: a sequence's later tiles walk more of its (causal) context, so in a
+    # prefill the longest programs start first and the short ones fill in the tail.
+    tile = pl.num_programs(0) - 1 - pl.program_id(0)
+    kv_head, split = pl.program_id(1), pl.program_id(2)
     seq, first_pos, tile_q_len, token_start, new_start = _tile_scalars(
         sched_refs, tile, block_q=block_q, plan_in_kernel=plan_in_kernel)
     kv_end = first_pos + tile_q_len  # causal: nothing past the tile's last query is read
