@@ -12,13 +12,16 @@ position, and a sliding window starts it late. Positions past the sequence are m
 loads, so pages past the end, and the NaN that unused pages may hold, are never read.
 
 Decode-like batches split each sequence's KV range across ``num_splits`` programs
-(flash-decoding) and merge the partial results with their log-sum-exps in a small XLA
-step; prefill-like batches use large query tiles and no split. Sizes come from
-``block_sizes.gpu_block_sizes``.
+(flash-decoding) and merge the partial results with their log-sum-exps in a second small
+kernel (``gpu_merge``); prefill-like batches use large query tiles and no split. Sizes come
+from ``block_sizes.gpu_block_sizes`` (a measured table when present, else heuristics).
 
-The new tokens' K/V are written first by an XLA scatter into the donated cache (in
-place: no cache-sized copy, which the benchmark checks in the compiled program), then
-the kernel reads the cache.
+The new tokens' K/V are written by the same kernel, in place in the donated cache (its
+inputs aliased to its outputs): program split 0 of each tile stores its own tokens' rows.
+No program reads the cache at this step's positions (every position from the sequence's
+first new token on is read from ``k_new``/``v_new``), so the writes race with no read. A
+float8_e4m3fn cache is loaded as such and converted to the query's dtype in registers
+(the dispatcher quantizes the new K/V and applies the scales outside the kernel).
 
 Lowering choice: Pallas-Triton, chosen by measurement against a Mosaic GPU prototype
 (``mosaic_gpu_prototype.py``: one warpgroup per sequence x KV head x split, one TMA copy
