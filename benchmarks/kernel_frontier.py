@@ -22,6 +22,7 @@ everything measured so far):
    chunks (contiguous, without the decode tokens), against the matmul rate.
 5. No-regression shapes (B=256 ctx 1k/4k, B=32 ctx 32k) and the fixed cost of a call (B=1 ctx 1k,
    4 MB of K/V): baseline vs current at the table's sizes.
+6. float8_e4m3fn pages (B=32 ctx 4k, B=1 ctx 32k): the current kernel, TB/s of the fp8 bytes.
 
 Timing: ``REPEATS`` chained calls unrolled in one jitted program, the cache donated into it so
 the in-place write costs what it costs in the engine (no cache copies), median of 3 runs.
@@ -380,6 +381,24 @@ def _parse(label: str) -> BlockSizes:
                       merge_kernel=fields["merge_kernel"] == "1")
 
 
+def run_fp8_decode(batch, context, page_size, results):
+    """The current kernel over float8_e4m3fn pages at the table's sizes: TB/s of the fp8 bytes read."""
+    (q, k_pages, v_pages), (k_new, v_new, *rest) = decode_args(batch, context, page_size)
+    fp8 = jnp.float8_e4m3fn
+    state = (q, k_pages.astype(fp8), v_pages.astype(fp8))
+    del k_pages, v_pages
+    consts = (k_new.astype(fp8), v_new.astype(fp8), *rest)
+    sizes = table_sizes(batch, batch, context, page_size)
+    t, state = time_chain(current_full_step(sizes), state, *consts, donate=True)
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM  # one byte an element
+    row = {"workload": "decode-fp8", "batch": batch, "context": context, "page_size": page_size,
+           "kv_bytes": kv_bytes, "current_default_s": t, "current_default_tbs": kv_bytes / t / 1e12,
+           "sizes": dataclasses.asdict(sizes)}
+    results.append(row)
+    say(f"decode fp8 pages B={batch} ctx={context}: {t * 1e6:.1f}us {kv_bytes / t / 1e12:.2f}TB/s of fp8 K/V "
+        f"[{sizes_label(sizes)}]")
+
+
 # 4. Prefill ----------------------------------------------------------------------------------
 
 PREFILL_VARIANTS = [  # (rows = block_q x 4 heads, block_kv, warps, stages)
@@ -488,6 +507,12 @@ def write_outputs(out_dir, report):
             f"| {f(r, 'best_prefetch_off_tbs')} | {f(r, 'best_plan_xla_tbs')} | {f(r, 'best_both_off_tbs')} "
             f"| {f(r, 'best_merge_xla_tbs')} | {r['combine_only_s'] * 1e6 if r.get('combine_only_s') else float('nan'):.1f} "
             f"| {bs['block_kv']}/{bs['num_warps']}w/{bs['num_stages']}st, {bs['num_splits']} splits |")
+    fp8_rows = [r for r in report["results"] if r["workload"] == "decode-fp8"]
+    if fp8_rows:
+        lines += ["", "Decode over float8_e4m3fn pages (current kernel, table sizes), TB/s of the fp8 bytes read:", ""]
+        lines += [f"- B={r['batch']} ctx {r['context']}: {r['current_default_s'] * 1e6:.1f} µs, "
+                  f"{r['current_default_tbs']:.2f} TB/s ({r['current_default_tbs'] / read:.0%} of the read ceiling)"
+                  for r in fp8_rows]
     lines += ["", "Prefill (+ 32 decode tokens at 2k), TFLOP/s; cuDNN: causal flash attention on the same chunks, "
                   "contiguous, without the decode tokens.", "",
               "| tokens | chunk | baseline full | current (table) | best | best / matmul | cuDNN | best / cuDNN | best sizes |",
@@ -521,7 +546,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop sweeping after this many seconds")
-    parser.add_argument("--only", default="check,ceilings,decode,prefill,regression")
+    parser.add_argument("--only", default="check,ceilings,decode,prefill,regression,fp8")
     parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in DECODE_SHAPES),
                         help="decode shapes to sweep, BxCONTEXT")
@@ -570,6 +595,14 @@ def main():
             guarded("prefill", run_prefill, report.get("ceilings") or {"matmul_tflops": float("nan")}, args.page_size,
                     report["results"], budget, report["decode_table"])
             write_outputs(args.out, report)
+        if "fp8" in stages:
+            for batch, context in ((2, 256),) if INTERPRET else ((32, 4096), (1, 32768)):
+                if budget.left() < 10:
+                    say(f"fp8 B={batch} ctx={context}: skipped, out of time")
+                    continue
+                guarded(f"fp8 B={batch} ctx={context}", run_fp8_decode, batch, context, args.page_size,
+                        report["results"])
+                write_outputs(args.out, report)
         if "decode" in stages:
             for batch, context in [] if INTERPRET else EXTRA_SHAPES:
                 if budget.left() < 40:
