@@ -528,6 +528,41 @@ def write_outputs(out_dir, report):
                      f"| {bs['block_q'] * GROUP} rows/{bs['block_kv']}/{bs['num_warps']}w/{bs['num_stages']}st |")
     with open(os.path.join(out_dir, "kernel_frontier.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
+    plot(out_dir, report, read, mm)
+
+
+def plot(out_dir, report, read_ceiling, matmul_rate):
+    """kernel_frontier.png: decode TB/s and prefill TFLOP/s per shape, each implementation a bar, ceilings dashed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    decode = [r for r in report["results"] if r["workload"] == "decode" and "best_tbs" in r]
+    prefill = [r for r in report["results"] if r["workload"] == "prefill" and "best_tflops" in r]
+    if not decode and not prefill:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4), gridspec_kw={"width_ratios": [3, 1]})
+    for ax, rows, keys, unit, ceiling, label in (
+            (axes[0], decode, ("baseline_attend_tbs", "baseline_full_tbs", "best_tbs", "cudnn_tbs"), "TB/s",
+             read_ceiling, lambda r: f"B={r['batch']}\n{r['context'] // 1024}k"),
+            (axes[1], prefill, ("baseline_full_tflops", "best_tflops", "cudnn_tflops"), "TFLOP/s", matmul_rate,
+             lambda r: f"{r['prefill_tokens'] // 1024}k/{r['chunk'] // 1024}k")):
+        width = 0.8 / len(keys)
+        for j, key in enumerate(keys):
+            ax.bar([i + j * width for i in range(len(rows))], [r.get(key) or 0 for r in rows], width,
+                   label=key.rsplit("_", 1)[0].replace("_", " "))
+        if ceiling == ceiling:  # not NaN
+            ax.axhline(ceiling, color="k", ls="--", lw=0.8, label="ceiling (this run)")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], [label(r) for r in rows], fontsize=8)
+        ax.set_ylabel(unit)
+        ax.legend(fontsize=7)
+    axes[0].set_title("decode: K/V read rate (full call = write + attend)")
+    axes[1].set_title("prefill attention")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "kernel_frontier.png"), dpi=110)
+    plt.close(fig)
 
 
 def guarded(what: str, fn, *args, **kwargs):
