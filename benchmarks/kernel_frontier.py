@@ -19,7 +19,9 @@ everything measured so far):
    ``block_sizes.py`` reads (copy it to ``pallas_kernels/paged_attention/`` to adopt it).
 4. Prefill (4k tokens as 2 chunks of 2048, 8k in one chunk, each + 32 decode tokens): tile
    sizes of the current kernel, the baseline, cuDNN's causal flash attention on the same
-   chunks (contiguous, without the decode tokens), against the matmul rate.
+   chunks (contiguous, without the decode tokens), against the matmul rate; and the Mosaic
+   GPU prefill prototype (``mosaic_gpu_prefill_prototype.py``) on cuDNN's inputs, checked
+   against cuDNN's output in the same run.
 5. No-regression shapes (B=256 ctx 1k/4k, B=32 ctx 32k) and the fixed cost of a call (B=1 ctx 1k,
    4 MB of K/V): baseline vs current at the table's sizes.
 6. float8_e4m3fn pages (B=32 ctx 4k, B=1 ctx 32k): the current kernel, TB/s of the fp8 bytes.
@@ -53,6 +55,7 @@ import numpy as np  # noqa: E402
 from benchmarks.baseline_kernel import gpu as baseline_gpu  # noqa: E402
 from benchmarks.baseline_kernel.block_sizes import gpu_block_sizes as baseline_block_sizes  # noqa: E402
 from kernel_attention import decode_inputs, prefill_inputs, pseudo_random  # noqa: E402
+from mosaic_gpu_prefill_prototype import causal_prefill_attention_mosaic_gpu  # noqa: E402
 from pallas_kernels.paged_attention import gpu as gpu_kernel  # noqa: E402
 from pallas_kernels.paged_attention import work_tiles as wt  # noqa: E402
 from pallas_kernels.paged_attention.block_sizes import GPU_TABLE_PATH, BlockSizes, gpu_block_sizes  # noqa: E402
@@ -428,6 +431,46 @@ def run_prefill(ceil, page_size, results, budget, table):
             f"{flops / row['baseline_full_s'] / 1e12:.0f} TFLOP/s ({bsizes}); current (table) "
             f"{row['current_default_s'] * 1e6:.0f}us {flops / row['current_default_s'] / 1e12:.0f} TFLOP/s")
         best = (row["current_default_s"], default)
+        # The peers first (cuDNN, the Mosaic GPU prototype): the tile sweep below stops at the budget.
+        try:
+            budget.check(5)
+            n = prefill_tokens // chunk
+            qd = pseudo_random((n, chunk, NUM_Q_HEADS, HEAD_DIM), 12)
+            kd = pseudo_random((n, chunk, NUM_KV_HEADS, HEAD_DIM), 13)
+            vd = pseudo_random((n, chunk, NUM_KV_HEADS, HEAD_DIM), 14)
+            step = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+                q, k, v, scale=SM_SCALE, is_causal=True, implementation="cudnn").astype(q.dtype)
+            row["cudnn_flops"] = n * 4 * HEAD_DIM * NUM_Q_HEADS * chunk * (chunk + 1) // 2
+            row["cudnn_s"], _ = time_chain(step, qd, kd, vd, donate=False)
+            row["cudnn_tflops"] = row["cudnn_flops"] / row["cudnn_s"] / 1e12
+        except OutOfTime:
+            pass
+        except Exception as e:
+            row["cudnn_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        # The Mosaic GPU prototype (wgmma + TMA, one warpgroup) on the same contiguous chunks as cuDNN.
+        if not INTERPRET and "cudnn_flops" in row:
+            for steps in (2, 3, 4):
+                try:
+                    budget.check(5)
+                    proto = functools.partial(causal_prefill_attention_mosaic_gpu, sm_scale=SM_SCALE,
+                                              max_concurrent_steps=steps)
+                    if steps == 2:  # correctness on the GPU, against cuDNN on the same inputs
+                        want = jax.nn.dot_product_attention(qd, kd, vd, scale=SM_SCALE, is_causal=True,
+                                                            implementation="cudnn").astype(jnp.float32)
+                        got = proto(qd, kd, vd).astype(jnp.float32)
+                        row["mosaic_rel_err_vs_cudnn"] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+                    t, _ = time_chain(lambda q, k, v: proto(q, k, v), qd, kd, vd, donate=False)
+                    row[f"mosaic_steps{steps}_s"] = t
+                    row[f"mosaic_steps{steps}_tflops"] = row["cudnn_flops"] / t / 1e12
+                    say(f"  mosaic prefill prototype {prefill_tokens}/{chunk} steps={steps}: {t * 1e6:.0f}us "
+                        f"{row['cudnn_flops'] / t / 1e12:.0f} TFLOP/s (rel err vs cuDNN "
+                        f"{row.get('mosaic_rel_err_vs_cudnn', float('nan')):.1e})")
+                except OutOfTime:
+                    break
+                except Exception as e:
+                    row["mosaic_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    say(f"  mosaic prefill prototype: {row['mosaic_error']}")
+                    break
         try:
             for rows, bkv, warps, stages in PREFILL_VARIANTS[:2] if INTERPRET else PREFILL_VARIANTS:
                 budget.check(10)
@@ -450,21 +493,6 @@ def run_prefill(ceil, page_size, results, budget, table):
                       "group": GROUP, "head_dim": HEAD_DIM, "page_size": page_size, "itemsize": 2,
                       "sizes": row["best_sizes"], "us": best[0] * 1e6, "tflops": flops / best[0] / 1e12})
         del state
-        try:
-            budget.check(5)
-            n = prefill_tokens // chunk
-            qd = pseudo_random((n, chunk, NUM_Q_HEADS, HEAD_DIM), 12)
-            kd = pseudo_random((n, chunk, NUM_KV_HEADS, HEAD_DIM), 13)
-            vd = pseudo_random((n, chunk, NUM_KV_HEADS, HEAD_DIM), 14)
-            step = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
-                q, k, v, scale=SM_SCALE, is_causal=True, implementation="cudnn").astype(q.dtype)
-            row["cudnn_s"], _ = time_chain(step, qd, kd, vd, donate=False)
-            row["cudnn_flops"] = n * 4 * HEAD_DIM * NUM_Q_HEADS * chunk * (chunk + 1) // 2
-            row["cudnn_tflops"] = row["cudnn_flops"] / row["cudnn_s"] / 1e12
-        except OutOfTime:
-            pass
-        except Exception as e:
-            row["cudnn_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         for key in ("baseline_full_s", "current_default_s", "best_s"):
             row[key[:-2] + "_tflops"] = flops / row[key] / 1e12
         say(f"prefill {prefill_tokens}/{chunk} RESULT: best {row['best_tflops']:.0f} TFLOP/s "
@@ -515,8 +543,9 @@ def write_outputs(out_dir, report):
                   for r in fp8_rows]
     lines += ["", "Prefill (+ 32 decode tokens at 2k), TFLOP/s; cuDNN: causal flash attention on the same chunks, "
                   "contiguous, without the decode tokens.", "",
-              "| tokens | chunk | baseline full | current (table) | best | best / matmul | cuDNN | best / cuDNN | best sizes |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| tokens | chunk | baseline full | current (table) | best | best / matmul | cuDNN | best / cuDNN | best sizes "
+              "| Mosaic prototype (best of 2/3/4 stages) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in report["results"]:
         if r["workload"] != "prefill" or "best_tflops" not in r:
             continue
@@ -525,7 +554,8 @@ def write_outputs(out_dir, report):
         lines.append(f"| {r['prefill_tokens']} | {r['chunk']} | {r['baseline_full_tflops']:.0f} "
                      f"| {r['current_default_tflops']:.0f} | **{r['best_tflops']:.0f}** | {r['best_tflops'] / mm:.0%} "
                      f"| {cud or float('nan'):.0f} | {(r['best_tflops'] / cud) if cud else float('nan'):.2f} "
-                     f"| {bs['block_q'] * GROUP} rows/{bs['block_kv']}/{bs['num_warps']}w/{bs['num_stages']}st |")
+                     f"| {bs['block_q'] * GROUP} rows/{bs['block_kv']}/{bs['num_warps']}w/{bs['num_stages']}st "
+                     f"| {max([r[k] for k in r if k.startswith('mosaic_steps') and k.endswith('_tflops')], default=0):.0f} |")
     with open(os.path.join(out_dir, "kernel_frontier.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     plot(out_dir, report, read, mm)
@@ -547,7 +577,8 @@ def plot(out_dir, report, read_ceiling, matmul_rate):
     for ax, rows, keys, unit, ceiling, label in (
             (axes[0], decode, ("baseline_attend_tbs", "baseline_full_tbs", "best_tbs", "cudnn_tbs"), "TB/s",
              read_ceiling, lambda r: f"B={r['batch']}\n{r['context'] // 1024}k"),
-            (axes[1], prefill, ("baseline_full_tflops", "best_tflops", "cudnn_tflops"), "TFLOP/s", matmul_rate,
+            (axes[1], prefill, ("baseline_full_tflops", "best_tflops", "cudnn_tflops", "mosaic_steps2_tflops"),
+             "TFLOP/s", matmul_rate,
              lambda r: f"{r['prefill_tokens'] // 1024}k/{r['chunk'] // 1024}k")):
         width = 0.8 / len(keys)
         for j, key in enumerate(keys):
