@@ -48,8 +48,10 @@ class BlockSizes:
     prefetch_pages: bool = True
     # GPU only. Each program derives its tile from cu_q_lens itself (no XLA planning kernels).
     plan_in_kernel: bool = True
-    # GPU only, with splits. Merge the partial results in one small Pallas kernel (else XLA ops).
-    merge_kernel: bool = True
+    # GPU only, with splits. Merge the partial results in one small Pallas kernel (else XLA ops,
+    # the baseline's einsum merge). Off unless a measured table entry turns it on: run 1 never
+    # timed the kernel, and unmeasured shapes must not be slower than the baseline.
+    merge_kernel: bool = False
 
 
 def is_decode_like(num_tokens: int, max_num_seqs: int) -> bool:
