@@ -35,6 +35,7 @@ the in-place write costs what it costs in the engine (no cache copies), median o
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -93,11 +94,11 @@ class Budget:
             raise OutOfTime()
 
 
-def time_chain(step, carry, *consts, donate: bool):
-    """Seconds per call of ``carry = step(carry, *consts)``, REPEATS calls unrolled in one jit.
+def compile_chain(step, carry, *consts, donate: bool):
+    """The jitted chain of REPEATS ``carry = step(carry, *consts)`` calls, compiled ahead of time.
 
-    With ``donate`` the carry (which holds the cache) is donated, so a kernel that writes the
-    cache in place runs without a copy, as in the engine. Returns (seconds, last carry).
+    Lowering reads only shapes, so nothing is donated here; compiles of different candidates
+    run on a thread pool (XLA and Triton release the GIL), see ``compile_all``.
     """
 
     def chain(carry, *consts):
@@ -105,7 +106,11 @@ def time_chain(step, carry, *consts, donate: bool):
             carry = step(carry, *consts)
         return carry
 
-    run = jax.jit(chain, donate_argnums=(0,) if donate else ())
+    return jax.jit(chain, donate_argnums=(0,) if donate else ()).lower(carry, *consts).compile()
+
+
+def time_compiled(run, carry, *consts):
+    """Seconds per call of a compiled chain (median of 3 after a warm-up). Returns (seconds, last carry)."""
     carry = jax.block_until_ready(run(carry, *consts))
     times = []
     for _ in range(3):
@@ -113,6 +118,46 @@ def time_chain(step, carry, *consts, donate: bool):
         carry = jax.block_until_ready(run(carry, *consts))
         times.append(time.perf_counter() - start)
     return float(np.median(times)) / REPEATS, carry
+
+
+def time_chain(step, carry, *consts, donate: bool):
+    """Seconds per call of ``carry = step(carry, *consts)``, REPEATS calls unrolled in one jit.
+
+    With ``donate`` the carry (which holds the cache) is donated, so a kernel that writes the
+    cache in place runs without a copy, as in the engine. Returns (seconds, last carry).
+    """
+    return time_compiled(compile_chain(step, carry, *consts, donate=donate), carry, *consts)
+
+
+COMPILE_THREADS = 12  # the GPU machine has 16 cores
+# A decode sweep's second stage (neighbours of the best, ablations) runs only with this much budget left.
+STAGE2_NEEDS_S = 75
+
+
+def compile_all(steps: dict, carry, *consts, donate: bool) -> dict:
+    """Compile many chains at once on a thread pool: {key: compiled or the exception it raised}."""
+    return compile_jobs({key: (step, carry, consts, donate) for key, step in steps.items()})
+
+
+def compile_jobs(jobs: dict) -> dict:
+    """{key: (step, carry, consts, donate)} -> {key: compiled chain or the exception it raised}, in parallel."""
+    def one(job):
+        step, carry, consts, donate = job
+        try:
+            return compile_chain(step, carry, *consts, donate=donate)
+        except Exception as e:  # e.g. shared memory over the limit: the caller reports it
+            return e
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=COMPILE_THREADS)
+    try:
+        return dict(zip(jobs, pool.map(one, jobs.values())))
+    finally:  # on SIGINT (the wall budget) do not wait for compiles in flight: main writes its outputs
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _ok(compiled):
+    if isinstance(compiled, Exception):
+        raise compiled
+    return compiled
 
 
 def current_full_step(sizes: BlockSizes):
@@ -162,17 +207,25 @@ CHECK_CASES = [  # (seqs, page_size, kernel overrides)
     ([(300, 300), (1, 2000), (37, 500), (0, 0), (128, 128)], 32, {}),
     ([(300, 300), (1, 2000), (37, 500), (0, 0), (128, 128)], 32, dict(plan_in_kernel=False, prefetch_pages=False)),
     ([(1, 5000)] * 2, 64, {}),
-    ([(1, 32768)], 32, dict(num_splits=33)),
+    ([(1, 32768)], 32, dict(num_splits=33, merge_kernel=True)),
     ([(1, 32768)], 32, dict(num_splits=33, merge_kernel=False)),
     ([(64, 64)] + [(1, 4096)] * 3, 32, dict(num_splits=3, block_kv=128, num_warps=8)),
 ]
 
 
-def check_correctness(results):
+# --quick-check: what run 1 did not cover or what changed since (the Pallas merge kernel, the
+# einsum merge), and one ragged case per dtype; (case index, q dtype, cache dtype or None).
+QUICK_CHECKS = [(2, jnp.bfloat16, None), (2, jnp.bfloat16, jnp.float8_e4m3fn), (5, jnp.bfloat16, None),
+                (6, jnp.bfloat16, None)]
+
+
+def check_correctness(results, quick: bool = False):
     worst = {"bfloat16": 0.0, "float32": 0.0, "float8_e4m3fn": 0.0}
     cache_exact = True
     for i, (seqs, page_size, overrides) in enumerate(CHECK_CASES[:2] if INTERPRET else CHECK_CASES):
         for dtype, cache_dtype in ((jnp.bfloat16, None), (jnp.float32, None), (jnp.bfloat16, jnp.float8_e4m3fn)):
+            if quick and not INTERPRET and (i, dtype, cache_dtype) not in QUICK_CHECKS:
+                continue
             if (cache_dtype is not None or dtype == jnp.float32) and i % 2:
                 continue  # the option variants (odd cases) in bfloat16 only
             if dtype == jnp.float32 and i > 2:
@@ -240,8 +293,8 @@ def measure_ceilings():
 
 # 3. Decode -----------------------------------------------------------------------------------
 
-DECODE_SHAPES = [(1, 32768), (32, 4096), (1, 16384), (8, 16384)]  # the goal shapes, in priority order
-EXTRA_SHAPES = [(1, 4096), (64, 4096)]  # swept last, if time is left
+# The goal shapes, in priority order (B=256 ctx 32k: large batches at >= 95% of the read ceiling).
+DECODE_SHAPES = [(1, 32768), (1, 16384), (32, 4096), (8, 16384), (64, 4096), (256, 32768)]
 
 
 def split_candidates(batch, context, block_kv=64):
@@ -275,38 +328,55 @@ def run_decode_shape(batch, context, page_size, results, budget, table, sweep=Tr
     state, consts = decode_args(batch, context, page_size)
     # Baseline, attend only (as kernel_attention.py timed it) and full call (XLA scatter + attend).
     bsizes = baseline_sizes(batch, batch, context, page_size)
-    row["baseline_attend_s"], _ = time_chain(baseline_attend_step(bsizes), *state, *consts[2:], donate=False)
-    row["baseline_full_s"], state = time_chain(baseline_full_step, state, *consts, donate=True)
+    default = table_sizes(batch, batch, context, page_size)
+    row["current_default_sizes"] = dataclasses.asdict(default)
+    # The three fixed columns compile together (thread pool), then run one after another.
+    start = time.time()
+    compiled = compile_jobs({"baseline_attend": (baseline_attend_step(bsizes), state[0], (*state[1:], *consts[2:]), False),
+                             "baseline_full": (baseline_full_step, state, consts, True),
+                             "current": (current_full_step(default), state, consts, True)})
+    say(f"decode B={batch} ctx={context}: compiled baseline and current in {time.time() - start:.1f}s")
+    row["baseline_attend_s"], _ = time_compiled(_ok(compiled["baseline_attend"]), *state, *consts[2:])
+    row["baseline_full_s"], state = time_compiled(_ok(compiled["baseline_full"]), state, *consts)
     say(f"decode B={batch} ctx={context}: baseline attend {row['baseline_attend_s'] * 1e6:.1f}us "
         f"{tbs(row['baseline_attend_s']):.2f}TB/s, full call {row['baseline_full_s'] * 1e6:.1f}us "
         f"({bsizes.block_kv}/{bsizes.num_warps}/{bsizes.num_stages} splits {bsizes.num_splits})")
     # Current kernel at its table's sizes.
-    default = table_sizes(batch, batch, context, page_size)
-    row["current_default_sizes"] = dataclasses.asdict(default)
-    row["current_default_s"], state = time_chain(current_full_step(default), state, *consts, donate=True)
+    row["current_default_s"], state = time_compiled(_ok(compiled["current"]), state, *consts)
+    del compiled
     say(f"decode B={batch} ctx={context}: current (table) {row['current_default_s'] * 1e6:.1f}us "
         f"{tbs(row['current_default_s']):.2f}TB/s {sizes_label(default)}")
     tried = {}
 
-    def trial(sizes):
-        key = sizes_label(sizes)
-        if key in tried:
-            return tried[key]
-        budget.check(8)
+    def trials(candidates):
+        """Time the candidates not yet tried: compiled in parallel, then timed one after another."""
         nonlocal state
-        try:
-            t, state = time_chain(current_full_step(sizes), state, *consts, donate=True)
-        except OutOfTime:
-            raise
-        except Exception as e:  # e.g. shared memory over the limit: say which and go on
-            say(f"  sweep B={batch} ctx={context} {key}: {type(e).__name__} {str(e)[:150]}")
-            tried[key] = float("inf")
-            return tried[key]
-        tried[key] = t
-        say(f"  sweep B={batch} ctx={context} {key}: {t * 1e6:8.1f}us {tbs(t):.2f}TB/s")
-        results.append({"workload": "sweep-decode", "batch": batch, "context": context,
-                        "sizes": dataclasses.asdict(sizes), "s": t, "tbs": tbs(t)})
-        return t
+        fresh = {}
+        for sizes in candidates:
+            fresh.setdefault(sizes_label(sizes), sizes)
+        fresh = {k: v for k, v in fresh.items() if k not in tried}
+        if not fresh:
+            return
+        budget.check(8)
+        start = time.time()
+        compiled = compile_all({k: current_full_step(v) for k, v in fresh.items()}, state, *consts, donate=True)
+        say(f"  compiled {len(fresh)} candidates in {time.time() - start:.1f}s")
+        for key, run in compiled.items():
+            budget.check(3)
+            if isinstance(run, Exception):
+                say(f"  sweep B={batch} ctx={context} {key}: {type(run).__name__} {str(run)[:150]}")
+                tried[key] = float("inf")
+                continue
+            try:
+                t, state = time_compiled(run, state, *consts)
+            except Exception as e:
+                say(f"  sweep B={batch} ctx={context} {key}: {type(e).__name__} {str(e)[:150]}")
+                tried[key] = float("inf")
+                continue
+            tried[key] = t
+            say(f"  sweep B={batch} ctx={context} {key}: {t * 1e6:8.1f}us {tbs(t):.2f}TB/s")
+            results.append({"workload": "sweep-decode", "batch": batch, "context": context,
+                            "sizes": dataclasses.asdict(fresh[key]), "s": t, "tbs": tbs(t)})
 
     tried[sizes_label(default)] = row["current_default_s"]
     best = default
@@ -314,23 +384,34 @@ def run_decode_shape(batch, context, page_size, results, budget, table, sweep=Tr
         try:
             # (a) split count at a mid tile; (b) tiles at the best split; (c) splits around it at that
             # tile; (d) each new mechanism off at the best.
+            # Stage 1, one parallel compile: every split count at a mid tile, every tile at the
+            # current choice's split count, merge kernel on and off. Stage 2: the best's neighbours
+            # and each new mechanism off at the best.
             base = dataclasses.replace(default, block_kv=64, num_warps=4, num_stages=3)
-            for splits in split_candidates(batch, context):
-                trial(dataclasses.replace(base, num_splits=splits))
+            stage1 = [dataclasses.replace(base, num_splits=splits) for splits in split_candidates(batch, context)]
+            stage1 += [dataclasses.replace(default, block_kv=bkv, num_warps=warps, num_stages=stages)
+                       for bkv, warps, stages in TILE_VARIANTS]
+            if default.num_splits > 1:
+                stage1 += [dataclasses.replace(c, merge_kernel=not c.merge_kernel) for c in stage1[:1]]
+                stage1 += [dataclasses.replace(default, merge_kernel=not default.merge_kernel)]
+            trials(stage1)
             best = _parse(min(tried, key=tried.get))
-            for bkv, warps, stages in TILE_VARIANTS:
-                trial(dataclasses.replace(best, block_kv=bkv, num_warps=warps, num_stages=stages))
-            best = _parse(min(tried, key=tried.get))
+            budget.check(STAGE2_NEEDS_S)  # else the shapes after this one get nothing
+            stage2 = [dataclasses.replace(best, block_kv=bkv, num_warps=warps, num_stages=stages)
+                      for bkv, warps, stages in TILE_VARIANTS]
             for factor in (0.5, 2.0):
                 splits = max(1, round(best.num_splits * factor))
                 if splits * best.block_kv * 2 <= context:
-                    trial(dataclasses.replace(best, num_splits=splits))
-            best = _parse(min(tried, key=tried.get))
-            row["best_prefetch_off_s"] = trial(dataclasses.replace(best, prefetch_pages=False))
-            row["best_plan_xla_s"] = trial(dataclasses.replace(best, plan_in_kernel=False))
-            row["best_both_off_s"] = trial(dataclasses.replace(best, prefetch_pages=False, plan_in_kernel=False))
+                    stage2.append(dataclasses.replace(best, num_splits=splits))
+            ablations = dict(best_prefetch_off_s=dataclasses.replace(best, prefetch_pages=False),
+                             best_plan_xla_s=dataclasses.replace(best, plan_in_kernel=False),
+                             best_both_off_s=dataclasses.replace(best, prefetch_pages=False, plan_in_kernel=False))
             if best.num_splits > 1:
-                row["best_merge_xla_s"] = trial(dataclasses.replace(best, merge_kernel=False))
+                other = "best_merge_xla_s" if best.merge_kernel else "best_merge_kernel_s"
+                ablations[other] = dataclasses.replace(best, merge_kernel=not best.merge_kernel)
+            trials(stage2 + list(ablations.values()))
+            for name, sizes in ablations.items():
+                row[name] = tried.get(sizes_label(sizes))
             best = _parse(min(tried, key=tried.get))
         except OutOfTime:
             say(f"decode B={batch} ctx={context}: sweep stopped by the time budget")
@@ -409,6 +490,9 @@ PREFILL_VARIANTS = [  # (rows = block_q x 4 heads, block_kv, warps, stages)
     (128, 64, 4, 2)]
 
 
+MOSAIC_STEPS = (2, 3, 4)  # the Mosaic GPU prototype's pipeline depths timed (--mosaic-steps)
+
+
 def run_prefill(ceil, page_size, results, budget, table):
     for prefill_tokens, chunk in ((128, 64),) if INTERPRET else ((4096, 2048), (8192, 8192)):
         budget.check(20)
@@ -424,9 +508,18 @@ def run_prefill(ceil, page_size, results, budget, table):
         results.append(row)
         max_kv = int(page_tables.shape[1]) * page_size
         bsizes = baseline_sizes(num_tokens, kv_lens.shape[0], max_kv, page_size)
-        row["baseline_full_s"], state = time_chain(baseline_full_step, state, *consts, donate=True)
         default = table_sizes(num_tokens, kv_lens.shape[0], max_kv, page_size)
-        row["current_default_s"], state = time_chain(current_full_step(default), state, *consts, donate=True)
+        # Baseline, current and every tile variant compile together (thread pool), then run in turn.
+        variants = [] if not PREFILL_VARIANTS else (PREFILL_VARIANTS[:2] if INTERPRET else PREFILL_VARIANTS)
+        variant_sizes = [dataclasses.replace(default, block_q=rows // GROUP, block_kv=bkv, num_warps=warps,
+                                             num_stages=stages) for rows, bkv, warps, stages in variants]
+        start = time.time()
+        compiled = compile_jobs({"baseline": (baseline_full_step, state, consts, True),
+                                 "current": (current_full_step(default), state, consts, True),
+                                 **{i: (current_full_step(v), state, consts, True) for i, v in enumerate(variant_sizes)}})
+        say(f"prefill {prefill_tokens}/{chunk}: compiled {len(compiled)} programs in {time.time() - start:.1f}s")
+        row["baseline_full_s"], state = time_compiled(_ok(compiled["baseline"]), state, *consts)
+        row["current_default_s"], state = time_compiled(_ok(compiled["current"]), state, *consts)
         say(f"prefill {prefill_tokens} in chunks of {chunk}: baseline {row['baseline_full_s'] * 1e6:.0f}us "
             f"{flops / row['baseline_full_s'] / 1e12:.0f} TFLOP/s ({bsizes}); current (table) "
             f"{row['current_default_s'] * 1e6:.0f}us {flops / row['current_default_s'] / 1e12:.0f} TFLOP/s")
@@ -449,7 +542,7 @@ def run_prefill(ceil, page_size, results, budget, table):
             row["cudnn_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         # The Mosaic GPU prototype (wgmma + TMA, one warpgroup) on the same contiguous chunks as cuDNN.
         if not INTERPRET and "cudnn_flops" in row:
-            for steps in (2, 3, 4):
+            for steps in MOSAIC_STEPS:
                 try:
                     budget.check(5)
                     proto = functools.partial(causal_prefill_attention_mosaic_gpu, sm_scale=SM_SCALE,
@@ -472,12 +565,10 @@ def run_prefill(ceil, page_size, results, budget, table):
                     say(f"  mosaic prefill prototype: {row['mosaic_error']}")
                     break
         try:
-            for rows, bkv, warps, stages in PREFILL_VARIANTS[:2] if INTERPRET else PREFILL_VARIANTS:
-                budget.check(10)
-                sizes = dataclasses.replace(default, block_q=rows // GROUP, block_kv=bkv, num_warps=warps,
-                                            num_stages=stages)
+            for i, ((rows, _, _, _), sizes) in enumerate(zip(variants, variant_sizes)):
+                budget.check(3)
                 try:
-                    t, state = time_chain(current_full_step(sizes), state, *consts, donate=True)
+                    t, state = time_compiled(_ok(compiled[i]), state, *consts)
                 except Exception as e:
                     say(f"  sweep prefill {sizes_label(sizes)}: {type(e).__name__} {str(e)[:150]}")
                     continue
@@ -492,7 +583,7 @@ def run_prefill(ceil, page_size, results, budget, table):
         table.append({"kind": "prefill", "num_tokens": num_tokens, "prefill_tokens": prefill_tokens, "chunk": chunk,
                       "group": GROUP, "head_dim": HEAD_DIM, "page_size": page_size, "itemsize": 2,
                       "sizes": row["best_sizes"], "us": best[0] * 1e6, "tflops": flops / best[0] / 1e12})
-        del state
+        del state, compiled
         for key in ("baseline_full_s", "current_default_s", "best_s"):
             row[key[:-2] + "_tflops"] = flops / row[key] / 1e12
         say(f"prefill {prefill_tokens}/{chunk} RESULT: best {row['best_tflops']:.0f} TFLOP/s "
@@ -521,8 +612,8 @@ def write_outputs(out_dir, report):
              f"{json.dumps({k: v for k, v in (report.get('copies') or {}).items() if k != 'cache_sized_copies'})}.", "",
              "Decode, bf16, GQA 32/8, d 128, page 32; TB/s of K/V read; full call = K/V write + attention.", "",
              "| B | ctx | baseline attend | baseline full | current (table) full | best full | best / ceiling | "
-             "cuDNN dense | best / cuDNN | prefetch off | XLA plan | both off | XLA merge | XLA merge alone µs | best sizes |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "cuDNN dense | best / cuDNN | prefetch off | XLA plan | both off | XLA merge | Pallas merge | XLA merge alone µs | best sizes |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     f = lambda r, k: f"{r[k]:.2f}" if r.get(k) else "–"  # noqa: E731
     for r in report["results"]:
         if r["workload"] != "decode" or "best_tbs" not in r:
@@ -533,8 +624,9 @@ def write_outputs(out_dir, report):
             f"| {f(r, 'current_default_tbs')} | **{f(r, 'best_tbs')}** | {r['best_tbs'] / read:.0%} "
             f"| {f(r, 'cudnn_tbs')} | {(r['best_tbs'] / r['cudnn_tbs']) if r.get('cudnn_tbs') else float('nan'):.2f} "
             f"| {f(r, 'best_prefetch_off_tbs')} | {f(r, 'best_plan_xla_tbs')} | {f(r, 'best_both_off_tbs')} "
-            f"| {f(r, 'best_merge_xla_tbs')} | {r['combine_only_s'] * 1e6 if r.get('combine_only_s') else float('nan'):.1f} "
-            f"| {bs['block_kv']}/{bs['num_warps']}w/{bs['num_stages']}st, {bs['num_splits']} splits |")
+            f"| {f(r, 'best_merge_xla_tbs')} | {f(r, 'best_merge_kernel_tbs')} | {r['combine_only_s'] * 1e6 if r.get('combine_only_s') else float('nan'):.1f} "
+            f"| {bs['block_kv']}/{bs['num_warps']}w/{bs['num_stages']}st, {bs['num_splits']} splits"
+            f"{', Pallas merge' if bs.get('merge_kernel') and bs['num_splits'] > 1 else ''} |")
     fp8_rows = [r for r in report["results"] if r["workload"] == "decode-fp8"]
     if fp8_rows:
         lines += ["", "Decode over float8_e4m3fn pages (current kernel, table sizes), TB/s of the fp8 bytes read:", ""]
@@ -609,6 +701,7 @@ def guarded(what: str, fn, *args, **kwargs):
 
 
 def main():
+    global INTERPRET, REPEATS, TILE_VARIANTS, PREFILL_VARIANTS, MOSAIC_STEPS, STAGE2_NEEDS_S
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop sweeping after this many seconds")
@@ -619,8 +712,18 @@ def main():
     parser.add_argument("--no-sweep", action="store_true",
                         help="time the table's sizes only (baseline, current, cuDNN), e.g. after adopting a table")
     parser.add_argument("--smoke", action="store_true", help="CPU check of this script: interpreter, tiny shapes")
+    parser.add_argument("--quick-check", action="store_true", help="only the correctness cases in QUICK_CHECKS")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="chained calls per timed program")
+    parser.add_argument("--regression", default="256x4096,256x1024,1x1024",
+                        help="shapes timed without a sweep (baseline vs current), BxCONTEXT")
+    parser.add_argument("--reserve-s", type=float, default=0.0,
+                        help="stop the decode sweeps this many seconds before the budget ends (for the regression shapes)")
+    parser.add_argument("--stage2-needs-s", type=float, default=STAGE2_NEEDS_S,
+                        help="a decode sweep's second stage (neighbours, ablations) only with this much budget left")
+    parser.add_argument("--mosaic-steps", default="2,3,4", help="pipeline depths of the Mosaic GPU prefill prototype")
     args = parser.parse_args()
-    global INTERPRET, REPEATS, TILE_VARIANTS, PREFILL_VARIANTS
+    REPEATS, STAGE2_NEEDS_S = args.repeats, args.stage2_needs_s
+    MOSAIC_STEPS = tuple(int(x) for x in args.mosaic_steps.split(",") if x)
     if args.smoke:
         INTERPRET, REPEATS, TILE_VARIANTS = True, 2, TILE_VARIANTS[:2]
         args.shapes = "1x512,2x256"
@@ -646,42 +749,39 @@ def main():
         if "ceilings" in stages:
             report["ceilings"] = guarded("ceilings", measure_ceilings)
         if "check" in stages:
-            report["check"] = guarded("check", check_correctness, report["results"])
+            report["check"] = guarded("check", check_correctness, report["results"], quick=args.quick_check)
             report["copies"] = guarded("copies", check_copies, args.page_size)
         write_outputs(args.out, report)
         if "decode" in stages:
             for shape in args.shapes.split(","):
                 batch, context = (int(x) for x in shape.split("x"))
-                if budget.left() < 20:
-                    say(f"decode B={batch} ctx={context}: skipped, out of time")
-                    continue
-                decode(batch, context, sweep)
-                write_outputs(args.out, report)
-        if "prefill" in stages:
-            guarded("prefill", run_prefill, report.get("ceilings") or {"matmul_tflops": float("nan")}, args.page_size,
-                    report["results"], budget, report["decode_table"])
-            write_outputs(args.out, report)
-        if "fp8" in stages:
-            for batch, context in ((2, 256),) if INTERPRET else ((32, 4096), (1, 32768)):
-                if budget.left() < 10:
-                    say(f"fp8 B={batch} ctx={context}: skipped, out of time")
-                    continue
-                guarded(f"fp8 B={batch} ctx={context}", run_fp8_decode, batch, context, args.page_size,
-                        report["results"])
-                write_outputs(args.out, report)
-        if "decode" in stages:
-            for batch, context in [] if INTERPRET else EXTRA_SHAPES:
-                if budget.left() < 40:
+                if budget.left() < 20 + args.reserve_s:
                     say(f"decode B={batch} ctx={context}: skipped, out of time")
                     continue
                 decode(batch, context, sweep)
                 write_outputs(args.out, report)
         if "regression" in stages:
-            for batch, context in ((2, 256),) if INTERPRET else ((1, 1024), (256, 1024), (256, 4096), (32, 32768)):
-                if budget.left() < 25:
+            shapes = ((2, 256),) if INTERPRET else [tuple(int(x) for x in s.split("x")) for s in args.regression.split(",") if s]
+            for batch, context in shapes:
+                if budget.left() < 15:
                     say(f"regression B={batch} ctx={context}: skipped, out of time")
                     continue
                 decode(batch, context, False)
+                write_outputs(args.out, report)
+        if "prefill" in stages:
+            if budget.left() < 30:
+                say("prefill: skipped, out of time")
+            else:
+                guarded("prefill", run_prefill, report.get("ceilings") or {"matmul_tflops": float("nan")},
+                        args.page_size, report["results"], budget, report["decode_table"])
+                write_outputs(args.out, report)
+        if "fp8" in stages:
+            for batch, context in ((2, 256),) if INTERPRET else ((32, 4096), (64, 4096)):
+                if budget.left() < 10:
+                    say(f"fp8 B={batch} ctx={context}: skipped, out of time")
+                    continue
+                guarded(f"fp8 B={batch} ctx={context}", run_fp8_decode, batch, context, args.page_size,
+                        report["results"])
                 write_outputs(args.out, report)
     finally:
         say(f"total {time.time() - T0:.0f}s")
