@@ -45,3 +45,19 @@ def test_far_shapes_and_other_models_use_the_heuristics():
 def test_prefill_entry_by_token_count():
     assert sizes(4128, 34, 2048) == BlockSizes(**TABLE[2]["sizes"])
     assert sizes(300, 4, 2048) == sizes(300, 4, 2048, table=())  # 300 tokens: too far from 4128
+
+
+def test_heuristics_match_the_frozen_baseline_where_nothing_is_measured():
+    # GPU run 1: the current kernel at the heuristic's sizes must not lose to the baseline kernel,
+    # so off-table shapes get the baseline's tiles and split count, and XLA's merge (the baseline's).
+    from benchmarks.baseline_kernel.block_sizes import gpu_block_sizes as baseline_block_sizes
+    for num_tokens, max_num_seqs, max_kv_len in [(1, 1, 32768), (1, 1, 16384), (8, 8, 16384), (32, 32, 4096),
+                                                 (64, 64, 4096), (256, 256, 1024), (1, 1, 1024), (4128, 34, 2048)]:
+        for itemsize in (2, 4):
+            shape = dict(LLAMA, itemsize=itemsize)
+            ours = sizes(num_tokens, max_num_seqs, max_kv_len, table=(), **shape)
+            theirs = baseline_block_sizes(num_tokens=num_tokens, max_num_seqs=max_num_seqs, max_kv_len=max_kv_len,
+                                          **shape)
+            fields = ("block_q", "block_kv", "num_splits", "num_warps", "num_stages")
+            assert [getattr(ours, f) for f in fields] == [getattr(theirs, f) for f in fields], (num_tokens, max_kv_len)
+            assert ours.merge_kernel is False
