@@ -6,7 +6,7 @@ LLAMA = dict(num_kv_heads=8, group=4, head_dim=128, page_size=32, itemsize=2)
 TABLE = (
     {"kind": "decode", "batch": 1, "context": 32768, "num_kv_heads": 8, "group": 4, "head_dim": 128,
      "page_size": 32, "itemsize": 2, "sizes": dict(block_q=4, block_kv=128, num_splits=33, num_warps=4,
-                                                  num_stages=3, prefetch_pages=True, plan_in_kernel=True)},
+                                                  num_stages=2, prefetch_pages=True, plan_in_kernel=True)},
     {"kind": "decode", "batch": 32, "context": 4096, "num_kv_heads": 8, "group": 4, "head_dim": 128,
      "page_size": 32, "itemsize": 2, "sizes": dict(block_q=4, block_kv=64, num_splits=2, num_warps=2,
                                                   num_stages=4, prefetch_pages=False, plan_in_kernel=True)},
@@ -58,6 +58,24 @@ def test_heuristics_match_the_frozen_baseline_where_nothing_is_measured():
             ours = sizes(num_tokens, max_num_seqs, max_kv_len, table=(), **shape)
             theirs = baseline_block_sizes(num_tokens=num_tokens, max_num_seqs=max_num_seqs, max_kv_len=max_kv_len,
                                           **shape)
-            fields = ("block_q", "block_kv", "num_splits", "num_warps", "num_stages")
+            fields = ("block_q", "block_kv", "num_splits", "num_warps")
             assert [getattr(ours, f) for f in fields] == [getattr(theirs, f) for f in fields], (num_tokens, max_kv_len)
+            # Stages: the baseline's, or fewer where the current kernel's tiles would overflow shared memory.
+            assert 2 <= ours.num_stages <= theirs.num_stages
             assert ours.merge_kernel is False
+
+
+def test_sizes_fit_shared_memory():
+    # Run 1 (H200): block_kv 128 at 3 stages asked for 303104 bytes of 232448; 64 at 4 stages ran.
+    from pallas_kernels.paged_attention.block_sizes import _GPU_SHARED_MEMORY, _shared_memory_bytes
+    assert _shared_memory_bytes(BlockSizes(4, 128, 1, 4, 3), 128, 2) > _GPU_SHARED_MEMORY
+    assert _shared_memory_bytes(BlockSizes(4, 64, 1, 4, 4), 128, 2) <= _GPU_SHARED_MEMORY
+    b32 = sizes(32, 32, 4096, table=())  # the heuristic's long-step tile for 1-2 programs per SM
+    assert (b32.block_kv, b32.num_stages) == (128, 2)
+    too_big = ({**TABLE[0], "sizes": {**TABLE[0]["sizes"], "block_kv": 256, "num_stages": 4}},)
+    fitted = sizes(1, 1, 32768, table=too_big)
+    assert _shared_memory_bytes(fitted, 128, 2) <= _GPU_SHARED_MEMORY and fitted.num_stages == 2
+    for itemsize in (1, 2, 4):
+        for tokens, seqs, ctx in [(1, 1, 32768), (32, 32, 4096), (256, 256, 1024), (4128, 34, 2048)]:
+            got = sizes(tokens, seqs, ctx, table=(), itemsize=itemsize)
+            assert _shared_memory_bytes(got, 128, itemsize) <= _GPU_SHARED_MEMORY

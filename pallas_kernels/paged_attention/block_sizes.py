@@ -54,6 +54,29 @@ class BlockSizes:
     merge_kernel: bool = False
 
 
+# Hopper's shared memory per block (227 KiB). GPU run 1 (H200): the current kernel asked for 303104
+# bytes at block_kv 128, 3 stages, bf16, d 128 (about 3 bytes per KV element per stage: K and V
+# tiles plus the fused write's new rows), so that tile no longer fits where the baseline's did.
+_GPU_SHARED_MEMORY = 232448
+_SHARED_BYTES_PER_KV_ELEMENT = 3
+
+
+def _shared_memory_bytes(sizes: BlockSizes, head_dim: int, itemsize: int) -> int:
+    return sizes.num_stages * sizes.block_kv * head_dim * itemsize * _SHARED_BYTES_PER_KV_ELEMENT
+
+
+def _fit_shared_memory(sizes: BlockSizes, head_dim: int, itemsize: int) -> BlockSizes:
+    """Fewer pipeline stages (down to 2), then shorter KV steps, until the estimate fits shared memory."""
+    while _shared_memory_bytes(sizes, head_dim, itemsize) > _GPU_SHARED_MEMORY:
+        if sizes.num_stages > 2:
+            sizes = dataclasses.replace(sizes, num_stages=sizes.num_stages - 1)
+        elif sizes.block_kv > 16:
+            sizes = dataclasses.replace(sizes, block_kv=sizes.block_kv // 2)
+        else:
+            break
+    return sizes
+
+
 def is_decode_like(num_tokens: int, max_num_seqs: int) -> bool:
     return num_tokens <= max_num_seqs
 
@@ -103,7 +126,18 @@ def gpu_block_sizes(
     """Tile sizes for ``ragged_paged_attention_gpu``: the nearest measured entry, else the heuristics.
 
     ``table`` replaces the measured table (tests); entries are dicts as in gpu_decode_table.json.
+    Either way the sizes are cut to fit shared memory (``_fit_shared_memory``).
     """
+    return _fit_shared_memory(
+        _gpu_block_sizes(num_tokens=num_tokens, max_num_seqs=max_num_seqs, max_kv_len=max_kv_len,
+                         num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, page_size=page_size,
+                         itemsize=itemsize, table=table), head_dim, itemsize)
+
+
+def _gpu_block_sizes(
+    *, num_tokens: int, max_num_seqs: int, max_kv_len: int, num_kv_heads: int, group: int,
+    head_dim: int, page_size: int, itemsize: int, table=None,
+) -> BlockSizes:
     group_padded = next_power_of_2(group)
     decode = is_decode_like(num_tokens, max_num_seqs)
     block_q = max(1, (16 if decode else 64) // group_padded)
@@ -130,7 +164,8 @@ def gpu_block_sizes(
             return BlockSizes(block_q=block_q, block_kv=64, num_splits=splits, num_warps=4, num_stages=4)
         if programs < _GPU_NUM_SMS * _GPU_PROGRAMS_PER_SM:
             # One or two programs per SM (B=32 ctx 4k: 256): longer steps; 151 us vs 156 for two
-            # splits of 64/4/4 and 163 for one.
+            # splits of 64/4/4 and 163 for one (baseline kernel). The current kernel needs two
+            # stages at 128 (shared memory, run 1): _fit_shared_memory cuts it.
             return BlockSizes(block_q=block_q, block_kv=128, num_splits=1, num_warps=4, num_stages=3)
         # Many programs: two warps and three stages let two programs share an SM. B=64 ctx 4k
         # 278 us vs 339 for 64/4/4; B=128 ctx 2k 274 vs 291; B=384 ctx 1-2k within 2% of the best.
