@@ -210,7 +210,7 @@ CHECK_CASES = [  # (seqs, page_size, kernel overrides)
     ([(1, 32768)], 32, dict(num_splits=33, merge_kernel=True)),
     ([(1, 32768)], 32, dict(num_splits=33, merge_kernel=False)),
     ([(64, 64)] + [(1, 4096)] * 3, 32, dict(num_splits=3, block_kv=128, num_warps=8)),
-    ([(1, 4096)] * 24, 32, dict(num_splits=1, block_kv=128, num_stages=2)),  # the B=17..32 decode tile
+    ([(1, 4096)] * 24, 32, dict(block_q=4, num_splits=1, block_kv=128, num_warps=4, num_stages=2)),  # B=17..32 decode tile
 ]
 
 
