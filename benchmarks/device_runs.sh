@@ -47,6 +47,11 @@ on_gpu() {  # on_gpu GPU LOG TIMEOUT CMD...: one job on one GPU with its own com
     echo "exit $? after ${SECONDS}s" >>"$R/$log"
 }
 
+wheels() {  # the packages the GPU machine lacks (llguidance, flask, ...), from .whl/ (carried)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+}
+
 case $PLAN in
 engine)
     (on_gpu 0 hf.log 130 python3 benchmarks/hf_peer.py --shape llama-3.1-8b --workloads batch --out "$R/hf"
@@ -184,6 +189,16 @@ ab1|ab2|ab3)
     esac
     python3 benchmarks/compare_trees.py summarize --raw $AB --out "$R/summary" >>"$R/compare.log" 2>&1
     tar czf "$R/raw.tgz" --exclude='jax-cache-*' -C $AB . ;;
+s7a)
+    # Session 7, first of two calls in a row (one GPU): the attention kernels' measured table
+    # (kernel_frontier.py: parallel-compiled sweep of the issue-21 goal shapes against the frozen
+    # old kernel and cuDNN), the weight-only GEMV table (gemv_decode.py), and the host cost of
+    # structured-output masks on this machine's 16 cores.
+    wheels
+    on_gpu 0 frontier2.log 290 python3 benchmarks/kernel_frontier.py --out "$R/frontier2" $FRONTIER_ARGS
+    on_gpu 0 gemv.log 155 python3 benchmarks/gemv_decode.py --out "$R/gemv_decode" --budget-s 125
+    on_gpu 0 so_host.log 70 python3 benchmarks/structured_output_host.py --out "$R/so_host" \
+        --tokenizer .cache/smollm2-tokenizer --steps 200 ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac

@@ -43,7 +43,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.paged_attention import work_tiles as wt
-from pallas_kernels.precision import matmul_precision
 
 _ROWS = 64  # wgmma M for one warpgroup
 _MASK_VALUE = -1e30  # finite: an empty split keeps a finite max and a zero output
@@ -193,4 +192,4 @@ def paged_decode_attention_mosaic_gpu(
     lse = lse[..., :group].reshape(num_splits, batch, num_q_heads)
     if num_splits == 1:
         return out[0].astype(q.dtype)
-    return wt.combine_splits(out, lse, precision=matmul_precision(q.dtype)).astype(q.dtype)
+    return wt.combine_splits(out, lse).astype(q.dtype)

@@ -57,6 +57,40 @@ def test_gpu_kernel_sliding_window_and_soft_cap(num_splits):
                              num_splits=num_splits)
 
 
+@pytest.mark.parametrize("prefetch_pages,plan_in_kernel,merge_kernel",
+                         [(False, False, False), (True, False, True), (False, True, False)])
+def test_gpu_kernel_options_match_reference(prefetch_pages, plan_in_kernel, merge_kernel):
+    # The defaults (all on) run in every other test; other combinations on a mixed batch with
+    # splits: chunked prefill over a cached prefix, decode, an empty slot, padding tokens.
+    case = make_case(11, [(1, 50), (0, 0), (24, 80), (1, 33)], num_q_heads=8, num_kv_heads=2, head_dim=64,
+                     page_size=16, pad_tokens=2)
+    assert_matches_reference(ragged_paged_attention_gpu, case, F32, block_kv=16, num_splits=2,
+                             prefetch_pages=prefetch_pages, plan_in_kernel=plan_in_kernel,
+                             merge_kernel=merge_kernel)
+
+
+@pytest.mark.parametrize("q_dtype", [F32, BF16])
+def test_gpu_kernel_fp8_pages_match_reference_on_dequantized_pages(q_dtype):
+    # float8_e4m3fn pages (and new K/V, already quantized by the dispatcher): the kernel converts
+    # loaded tiles to q's dtype. Oracle: the reference over the same values held in float32.
+    fp8 = jnp.float8_e4m3fn
+    case = make_case(5, [(1, 70), (12, 40), (0, 0), (1, 17)], num_q_heads=8, num_kv_heads=2, head_dim=64,
+                     page_size=16, pad_tokens=1)
+    k_new, v_new, k_pages, v_pages = (x.astype(fp8) for x in (case.k_new, case.v_new, case.k_pages, case.v_pages))
+    q = case.q.astype(q_dtype)
+    rest = (case.page_tables, case.cu_q_lens, case.kv_lens)
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    ref_out, ref_k, ref_v = ragged_paged_attention_reference(
+        q, up(k_new), up(v_new), up(k_pages), up(v_pages), *rest, sm_scale=case.sm_scale)
+    out, k_out, v_out = ragged_paged_attention_gpu(q, k_new, v_new, k_pages, v_pages, *rest,
+                                                   sm_scale=case.sm_scale, interpret=True, num_splits=2)
+    assert out.dtype == q_dtype and k_out.dtype == fp8
+    tol = 1e-4 if q_dtype == F32 else 3e-2
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32), rtol=tol, atol=tol)
+    np.testing.assert_array_equal(np.asarray(up(k_out)), np.asarray(ref_k))
+    np.testing.assert_array_equal(np.asarray(up(v_out)), np.asarray(ref_v))
+
+
 def test_tile_planning_and_token_positions_have_no_loops():
     # searchsorted's default method is a loop, which XLA:GPU runs as host-launched iterations
     # in every step program; these run once a step, so they use the loop-free comparison.
@@ -94,10 +128,16 @@ def test_gpu_kernel_lowers_through_triton_from_cpu():
 
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
-    for seqs, options in (([(1, 300), (0, 0), (1, 16)], dict(num_splits=4)), ([(90, 90), (1, 20)], {})):
+    for seqs, options, cache_dtype in (([(1, 300), (0, 0), (1, 16)], dict(num_splits=4), BF16),
+                                       ([(90, 90), (1, 20)], {}, BF16),
+                                       ([(1, 300), (40, 90)], dict(plan_in_kernel=False, prefetch_pages=False,
+                                                                   merge_kernel=False, num_splits=2), BF16),
+                                       ([(1, 300), (40, 90)], dict(num_splits=2), jnp.float8_e4m3fn)):
         case = make_case(1, seqs, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=BF16)
+        args = list(case.args())
+        args[1:5] = [x.astype(cache_dtype) for x in args[1:5]]
         with jax.sharding.use_abstract_mesh(mesh):
-            lowered = ragged_paged_attention_gpu.trace(*case.args(), sm_scale=case.sm_scale, **options).lower(
+            lowered = ragged_paged_attention_gpu.trace(*args, sm_scale=case.sm_scale, **options).lower(
                 lowering_platforms=("cuda",))
         assert "triton" in lowered.as_text()
 

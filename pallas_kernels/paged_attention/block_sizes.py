@@ -13,8 +13,20 @@ large query tiles, no split.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import math
+from pathlib import Path
 
 from pallas_kernels.paged_attention.work_tiles import next_power_of_2, num_work_tiles
+
+# Measured table (``benchmarks/kernel_frontier.py`` writes it as gpu_decode_table.json; copied
+# here with the run's results in benchmarks/results/). Absent: the heuristics below decide.
+GPU_TABLE_PATH = Path(__file__).with_name("gpu_decode_table.json")
+# A measured entry decides for shapes within this distance: |log2| of the ratio of programs
+# (tiles x KV heads, before splitting) plus |log2| of the ratio of contexts. 1.5 reaches, e.g.,
+# from B=32 ctx 4k to B=64 ctx 4k or B=32 ctx 8k, not to B=256 ctx 1k.
+_TABLE_REACH = 1.5
 
 # Hopper: 132 SMs. Sweep (docs/KERNELS.md, v2): about 2 programs per SM was best for B=1 ctx 32k
 # (32 splits) and B=8 ctx 16k (4 splits); more splits only added combine work.
@@ -32,6 +44,37 @@ class BlockSizes:
     num_splits: int  # KV splits per tile (flash-decoding); 1 = no combine step
     num_warps: int = 4
     num_stages: int = 2
+    # GPU only. Load the next KV block's page ids one step ahead, in the loop's carry.
+    prefetch_pages: bool = True
+    # GPU only. Each program derives its tile from cu_q_lens itself (no XLA planning kernels).
+    plan_in_kernel: bool = True
+    # GPU only, with splits. Merge the partial results in one small Pallas kernel (else XLA ops,
+    # the baseline's einsum merge). Off unless a measured table entry turns it on: run 1 never
+    # timed the kernel, and unmeasured shapes must not be slower than the baseline.
+    merge_kernel: bool = False
+
+
+# Hopper's shared memory per block (227 KiB). GPU run 1 (H200): the current kernel asked for 303104
+# bytes at block_kv 128, 3 stages, bf16, d 128 (about 3 bytes per KV element per stage: K and V
+# tiles plus the fused write's new rows), so that tile no longer fits where the baseline's did.
+_GPU_SHARED_MEMORY = 232448
+_SHARED_BYTES_PER_KV_ELEMENT = 3
+
+
+def _shared_memory_bytes(sizes: BlockSizes, head_dim: int, itemsize: int) -> int:
+    return sizes.num_stages * sizes.block_kv * head_dim * itemsize * _SHARED_BYTES_PER_KV_ELEMENT
+
+
+def _fit_shared_memory(sizes: BlockSizes, head_dim: int, itemsize: int) -> BlockSizes:
+    """Fewer pipeline stages (down to 2), then shorter KV steps, until the estimate fits shared memory."""
+    while _shared_memory_bytes(sizes, head_dim, itemsize) > _GPU_SHARED_MEMORY:
+        if sizes.num_stages > 2:
+            sizes = dataclasses.replace(sizes, num_stages=sizes.num_stages - 1)
+        elif sizes.block_kv > 16:
+            sizes = dataclasses.replace(sizes, block_kv=sizes.block_kv // 2)
+        else:
+            break
+    return sizes
 
 
 def is_decode_like(num_tokens: int, max_num_seqs: int) -> bool:
@@ -44,12 +87,67 @@ def _num_splits(num_programs: int, max_kv_len: int, block_kv: int, target_progra
     return max(1, min(splits, max_useful, _MAX_SPLITS))
 
 
+@functools.cache
+def _measured_table(path: Path = GPU_TABLE_PATH) -> tuple[dict, ...]:
+    if not path.exists():
+        return ()
+    return tuple(json.loads(path.read_text())["entries"])
+
+
+def _from_table(kind: str, *, programs: int, num_tokens: int, max_kv_len: int, num_kv_heads: int, group: int,
+                head_dim: int, itemsize: int, table=None) -> BlockSizes | None:
+    """The nearest measured entry's sizes, its split count rescaled to keep its total programs; or None."""
+    best, best_distance = None, _TABLE_REACH
+    for entry in _measured_table() if table is None else table:
+        if (entry.get("kind", "decode") != kind or entry["group"] != group or entry["head_dim"] != head_dim
+                or entry["itemsize"] != itemsize):
+            continue
+        if kind == "decode":
+            entry_programs = entry["batch"] * entry["num_kv_heads"]
+            distance = abs(math.log2(entry_programs / programs)) + abs(math.log2(entry["context"] / max_kv_len))
+        else:
+            distance = abs(math.log2(entry["num_tokens"] / num_tokens))
+        if distance <= best_distance:
+            best, best_distance = entry, distance
+    if best is None:
+        return None
+    sizes = BlockSizes(**best["sizes"])
+    if kind == "decode":
+        splits = round(sizes.num_splits * best["batch"] * best["num_kv_heads"] / programs)
+        max_useful = max(1, max_kv_len // (sizes.block_kv * 2))
+        sizes = dataclasses.replace(sizes, num_splits=max(1, min(splits, max_useful, _MAX_SPLITS * 2)))
+    return sizes
+
+
 def gpu_block_sizes(
     *, num_tokens: int, max_num_seqs: int, max_kv_len: int, num_kv_heads: int, group: int,
-    head_dim: int, page_size: int, itemsize: int,
+    head_dim: int, page_size: int, itemsize: int, table=None,
+) -> BlockSizes:
+    """Tile sizes for ``ragged_paged_attention_gpu``: the nearest measured entry, else the heuristics.
+
+    ``table`` replaces the measured table (tests); entries are dicts as in gpu_decode_table.json.
+    Either way the sizes are cut to fit shared memory (``_fit_shared_memory``).
+    """
+    return _fit_shared_memory(
+        _gpu_block_sizes(num_tokens=num_tokens, max_num_seqs=max_num_seqs, max_kv_len=max_kv_len,
+                         num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, page_size=page_size,
+                         itemsize=itemsize, table=table), head_dim, itemsize)
+
+
+def _gpu_block_sizes(
+    *, num_tokens: int, max_num_seqs: int, max_kv_len: int, num_kv_heads: int, group: int,
+    head_dim: int, page_size: int, itemsize: int, table=None,
 ) -> BlockSizes:
     group_padded = next_power_of_2(group)
-    if is_decode_like(num_tokens, max_num_seqs):
+    decode = is_decode_like(num_tokens, max_num_seqs)
+    block_q = max(1, (16 if decode else 64) // group_padded)
+    programs = num_work_tiles(num_tokens, max_num_seqs, block_q) * num_kv_heads
+    measured = _from_table("decode" if decode else "prefill", programs=programs, num_tokens=num_tokens,
+                           max_kv_len=max_kv_len, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                           itemsize=itemsize, table=table)
+    if measured is not None:
+        return measured
+    if decode:
         # Triton's dot wants >= 16 rows; extra rows are masked queries, free in a read-bound loop.
         block_q = max(1, 16 // group_padded)
         num_tiles = num_work_tiles(num_tokens, max_num_seqs, block_q)
@@ -66,7 +164,8 @@ def gpu_block_sizes(
             return BlockSizes(block_q=block_q, block_kv=64, num_splits=splits, num_warps=4, num_stages=4)
         if programs < _GPU_NUM_SMS * _GPU_PROGRAMS_PER_SM:
             # One or two programs per SM (B=32 ctx 4k: 256): longer steps; 151 us vs 156 for two
-            # splits of 64/4/4 and 163 for one.
+            # splits of 64/4/4 and 163 for one (baseline kernel). The current kernel needs two
+            # stages at 128 (shared memory, run 1): _fit_shared_memory cuts it.
             return BlockSizes(block_q=block_q, block_kv=128, num_splits=1, num_warps=4, num_stages=3)
         # Many programs: two warps and three stages let two programs share an SM. B=64 ctx 4k
         # 278 us vs 339 for 64/4/4; B=128 ctx 2k 274 vs 291; B=384 ctx 1-2k within 2% of the best.

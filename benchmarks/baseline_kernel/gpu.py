@@ -1,0 +1,280 @@
+"""Ragged paged attention for NVIDIA Hopper, in Pallas with the Triton lowering.
+
+One program serves one work tile (up to ``block_q`` queries of one sequence, all query
+heads of one KV head stacked as rows, see ``work_tiles``), for one KV head and one KV
+split. It gathers its query rows straight from ``q [T, Hq, D]`` and scatters its output
+rows straight into ``out``; tiles never overlap, so no two programs write one row. It
+walks the sequence's KV positions ``block_kv`` at a time: the page table gives each
+position's physical page, K and V rows are gathered through it (each row is
+``head_dim`` contiguous elements, so the gather is coalesced), and an online softmax
+accumulates in f32. Causality bounds the walk: a tile never reads past its last query's
+position, and a sliding window starts it late. Positions past the sequence are masked
+loads, so pages past the end, and the NaN that unused pages may hold, are never read.
+
+Decode-like batches split each sequence's KV range across ``num_splits`` programs
+(flash-decoding) and merge the partial results with their log-sum-exps in a small XLA
+step; prefill-like batches use large query tiles and no split. Sizes come from
+``block_sizes.gpu_block_sizes``.
+
+The new tokens' K/V are written first by an XLA scatter into the donated cache (in
+place: no cache-sized copy, which the benchmark checks in the compiled program), then
+the kernel reads the cache.
+
+Lowering choice: Pallas-Triton, chosen by measurement against a Mosaic GPU prototype
+(``mosaic_gpu_prototype.py``: one warpgroup per sequence x KV head x split, one TMA copy
+per page at the coordinate read from the page table, Q K^T and P V as wgmma, pages
+pipelined 2/4/8 deep by ``plgpu.emit_pipeline``). ``benchmarks/kernel_lowering_choice.py``
+timed both in one run on the H200 (bf16, 32 q / 8 KV heads, d 128, page 32, 32 chained
+calls per timed program; ``benchmarks/results/kernel_lowering_choice.md``), best Mosaic
+variant vs this kernel at its tuned sizes, two runs:
+
+    shape          Triton TB/s (of 4.53 ceiling)   best Mosaic / Triton time
+    B=64 ctx 4k    3.87-3.91 (85-86%)              1.06, 1.07
+    B=8  ctx 16k   3.31-3.52 (73-78%)              0.95, 1.04
+    B=1  ctx 32k   2.39-2.61 (53-58%)              1.07, 1.03
+    B=32 ctx 4k    3.54 (78%)                      1.07 (second run only)
+
+Mosaic GPU can express paged decode (page-table indirection for TMA works: the
+coordinate is a scalar loaded from GMEM inside the BlockSpec's ``index_map``), but the
+prototype is no faster: 3-8% slower at three of four shapes, and within the 6-9%
+run-to-run spread at the fourth. This kernel also already serves prefill, mixed and
+chunked batches, sliding windows and soft caps, and never reads unowned cache rows (masked
+loads), so it stays. Where Mosaic GPU might still win: prefill (wgmma at M=64 rows of real
+queries, not 4 of 64 as in decode) and decode with two warpgroups overlapping softmax and
+the next page's matmuls; neither was built.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from benchmarks.baseline_kernel import work_tiles as wt
+from benchmarks.baseline_kernel.block_sizes import BlockSizes, gpu_block_sizes
+from pallas_kernels.paged_attention.reference import write_kv_reference
+from pallas_kernels.paged_attention.validation import check_inputs
+from pallas_kernels.precision import matmul_precision
+
+# Finite, so that max() over a fully masked row stays finite and exp() never sees inf - inf.
+_MASK_VALUE = -1e30
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+def _attention_kernel(
+    meta_ref,  # [W, NUM_META] int32
+    page_tables_ref,  # [S, pages_per_seq] int32
+    q_ref,  # [T, Hq, D]
+    k_ref,  # [num_pages * page_size, D] (this KV head, pages flattened)
+    v_ref,  # [num_pages * page_size, D]
+    *out_refs,  # out [T + 1, Hq, D], or out [T + 1, Hq, D] f32 and lse [T + 1, Hq] f32 of this split
+    sm_scale: float, soft_cap: float | None, sliding_window: int | None,
+    page_size: int, block_kv: int, block_q: int, group: int, group_padded: int, num_splits: int, precision,
+):
+    tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    seq = meta_ref[tile, wt.SEQ]
+    first_pos = meta_ref[tile, wt.FIRST_POS]
+    tile_q_len = meta_ref[tile, wt.TILE_Q_LEN]
+    kv_end = first_pos + tile_q_len  # causal: nothing past the tile's last query is read
+    kv_start = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+    step_lo = kv_start // block_kv
+    step_hi = pl.cdiv(kv_end, block_kv)
+    steps_per_split = pl.cdiv(step_hi - step_lo, num_splits)
+    my_lo = step_lo + split * steps_per_split
+    my_hi = jnp.minimum(my_lo + steps_per_split, step_hi)
+
+    rows, head_dim = block_q * group_padded, q_ref.shape[-1]
+    # Row r is query head (kv_head * group + r % Gp) of token (token_start + r // Gp).
+    row = jnp.arange(rows, dtype=jnp.int32)
+    row_token, row_head = row // group_padded, row % group_padded
+    is_row = (row_token < tile_q_len) & (row_head < group)
+    row_pos = first_pos + row_token  # [rows]
+    dummy_token = q_ref.shape[0]  # masked rows point at out's extra row, so no two rows alias
+    row_token_index = jnp.where(is_row, meta_ref[tile, wt.TOKEN_START] + row_token, dummy_token)  # [rows]
+    row_head_index = jnp.where(is_row, kv_head * group + row_head, 0)  # [rows]
+    token_2d = jnp.broadcast_to(row_token_index[:, None], (rows, head_dim))
+    head_2d = jnp.broadcast_to(row_head_index[:, None], (rows, head_dim))
+    lane_2d = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32)[None, :], (rows, head_dim))
+    row_mask = jnp.broadcast_to(is_row[:, None], (rows, head_dim))
+    q = plgpu.load(q_ref.at[jnp.minimum(token_2d, dummy_token - 1), head_2d, lane_2d], mask=row_mask, other=0.0)
+
+    # Scores are kept in log2 units (scaled by log2(e)) so the softmax uses exp2, one
+    # instruction, instead of exp's extra range reduction.
+    score_scale = sm_scale if soft_cap is not None else sm_scale * _LOG2E
+
+    def step(i, carry, masked: bool):
+        acc, row_max, denom = carry  # [rows, D], [rows], [rows] (max in log2 units)
+        kv_pos = i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # [BK]
+        in_seq = kv_pos < kv_end
+        page = plgpu.load(page_tables_ref.at[seq, kv_pos // page_size], mask=in_seq if masked else None,
+                          other=0 if masked else None)
+        slot = page * page_size + kv_pos % page_size  # [BK] row in the flattened pages
+        # Index both axes with arrays (a gather), the form both Triton and the interpreter take.
+        slot_2d = jnp.broadcast_to(slot[:, None], (block_kv, head_dim))
+        lane_2d = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32)[None, :], (block_kv, head_dim))
+        load_mask = jnp.broadcast_to(in_seq[:, None], (block_kv, head_dim)) if masked else None
+        other = 0.0 if masked else None
+        k = plgpu.load(k_ref.at[slot_2d, lane_2d], mask=load_mask, other=other)  # [BK, D]
+        scores = plgpu.dot(q, k, trans_b=True, precision=precision) * score_scale  # [rows, BK]
+        if soft_cap is not None:
+            scores = (soft_cap * _LOG2E) * jnp.tanh(scores / soft_cap)
+        if masked:
+            visible = (kv_pos[None, :] <= row_pos[:, None]) & in_seq[None, :]
+            if sliding_window is not None:
+                visible &= kv_pos[None, :] > row_pos[:, None] - sliding_window
+            scores = jnp.where(visible, scores, _MASK_VALUE)
+        new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
+        correction = jnp.exp2(row_max - new_max)
+        weights = jnp.exp2(scores - new_max[:, None])
+        if masked:
+            weights = jnp.where(visible, weights, 0.0)
+        denom = denom * correction + jnp.sum(weights, axis=1)
+        v = plgpu.load(v_ref.at[slot_2d, lane_2d], mask=load_mask, other=other)  # [BK, D]
+        acc = acc * correction[:, None] + plgpu.dot(weights.astype(v.dtype), v, precision=precision)
+        return acc, new_max, denom
+
+    # Only blocks at the edges need masks: one holding a position past the tile's first query
+    # (causal, or past the sequence's end), and with a sliding window one starting before the
+    # last query's window. Every block between is visible to every row, so it skips the
+    # bounds masks on its loads and the mask arithmetic on its scores, the bulk of a prefill.
+    full_lo = my_lo
+    if sliding_window is not None:
+        full_lo = jnp.maximum(my_lo, pl.cdiv(kv_end - sliding_window, block_kv))
+    full_lo = jnp.minimum(full_lo, my_hi)
+    full_hi = jnp.clip((first_pos + 1) // block_kv, full_lo, my_hi)
+    carry = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), _MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    carry = lax.fori_loop(my_lo, full_lo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+    acc, row_max, denom = lax.fori_loop(full_hi, my_hi, functools.partial(step, masked=True), carry)
+    safe_denom = jnp.where(denom > 0, denom, 1.0)
+    out = acc / safe_denom[:, None]
+    out_ref = out_refs[0]
+    plgpu.store(out_ref.at[token_2d, head_2d, lane_2d], out.astype(out_ref.dtype), mask=row_mask)
+    if num_splits > 1:
+        lse = jnp.where(denom > 0, (row_max + jnp.log2(safe_denom)) * _LN2, -jnp.inf)  # natural log
+        plgpu.store(out_refs[1].at[row_token_index, row_head_index], lse, mask=is_row)
+
+
+def attend_gpu(
+    q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sliding_window=None,
+    soft_cap=None, sizes: BlockSizes, interpret: bool = False,
+):
+    """Attention of packed queries over their (already written) pages; returns out [T, Hq, D]."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    group_padded = wt.next_power_of_2(group)
+    block_q, splits = sizes.block_q, sizes.num_splits
+    tiles = wt.plan_work_tiles(cu_q_lens, kv_lens, num_tokens, block_q)
+    num_tiles = tiles.meta.shape[0]
+    # Flattening pages is a bitcast: row page * page_size + r is token r of that page.
+    k_flat = k_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
+    v_flat = v_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
+    # HIGHEST makes Triton's dot IEEE float32 for float32 inputs; at the default it rounds them to TF32.
+    precision = matmul_precision(q.dtype)
+
+    kernel = functools.partial(
+        _attention_kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        page_size=page_size, block_kv=sizes.block_kv, block_q=block_q, group=group, group_padded=group_padded,
+        num_splits=splits, precision=precision,
+    )
+    whole = lambda shape: pl.BlockSpec(shape, lambda w, h, s: (0,) * len(shape))  # noqa: E731
+    cache_spec = pl.BlockSpec((None, num_pages * page_size, head_dim), lambda w, h, s: (h, 0, 0))
+    # Outputs have one extra token row that masked rows write to; padding tokens stay 0.
+    out_rows = (num_tokens + 1, num_q_heads)
+    if splits == 1:
+        out_init = [jnp.zeros((*out_rows, head_dim), q.dtype)]
+        out_specs = [whole((*out_rows, head_dim))]
+    else:
+        out_init = [jnp.zeros((splits, *out_rows, head_dim), jnp.float32),
+                    jnp.full((splits, *out_rows), -jnp.inf, jnp.float32)]
+        out_specs = [pl.BlockSpec((None, *out_rows, head_dim), lambda w, h, s: (s, 0, 0, 0)),
+                     pl.BlockSpec((None, *out_rows), lambda w, h, s: (s, 0, 0))]
+    in_specs = [whole(tiles.meta.shape), whole(page_tables.shape), whole(q.shape), cache_spec, cache_spec]
+    in_specs += [whole(x.shape) for x in out_init]
+    num_inputs = len(in_specs) - len(out_init)
+    results = pl.pallas_call(
+        functools.partial(_split_init_refs, kernel, num_init=len(out_init)),
+        grid=(num_tiles, num_kv_heads, splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in out_init],
+        input_output_aliases={num_inputs + i: i for i in range(len(out_init))},
+        compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=sizes.num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(tiles.meta, page_tables, q, k_flat, v_flat, *out_init)
+    if splits == 1:
+        return results[0][:num_tokens]
+    out = wt.combine_splits(results[0][:, :num_tokens], results[1][:, :num_tokens], precision=precision)
+    return out.astype(q.dtype)
+
+
+def _split_init_refs(kernel, *refs, num_init: int):
+    """Drop the aliased init inputs (the outputs are the same buffers) before calling the kernel."""
+    return kernel(*refs[:5], *refs[5 + num_init:])
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q", "block_kv", "num_splits",
+                     "num_warps", "num_stages", "interpret"),
+    donate_argnames=("k_pages", "v_pages"),
+)
+def ragged_paged_attention_gpu(
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    kv_lens: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Same contract as ``ragged_paged_attention_reference``; the cache is donated and updated in place.
+
+    Tile sizes default to the tuned table; any of them can be forced for sweeps and tests.
+    ``interpret=True`` runs the kernel through Pallas's interpreter (CPU tests).
+    """
+    check_inputs(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"the GPU kernel needs a power-of-two head_dim (Triton tiles), got {head_dim}")
+    tuned = gpu_block_sizes(
+        num_tokens=num_tokens, max_num_seqs=kv_lens.shape[0], max_kv_len=page_tables.shape[1] * page_size,
+        num_kv_heads=num_kv_heads, group=num_q_heads // num_kv_heads, head_dim=head_dim,
+        page_size=page_size, itemsize=q.dtype.itemsize,
+    )
+    sizes = BlockSizes(
+        block_q=block_q or tuned.block_q,
+        block_kv=block_kv or tuned.block_kv,
+        num_splits=num_splits or tuned.num_splits,
+        num_warps=num_warps or tuned.num_warps,
+        num_stages=num_stages or tuned.num_stages,
+    )
+    k_pages, v_pages = write_kv_reference(k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
+    out = attend_gpu(
+        q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes, interpret=interpret,
+    )
+    return out, k_pages, v_pages

@@ -1,0 +1,81 @@
+"""The GPU tile-size lookup: measured table entries decide near their shapes, heuristics elsewhere."""
+
+from pallas_kernels.paged_attention.block_sizes import BlockSizes, gpu_block_sizes
+
+LLAMA = dict(num_kv_heads=8, group=4, head_dim=128, page_size=32, itemsize=2)
+TABLE = (
+    {"kind": "decode", "batch": 1, "context": 32768, "num_kv_heads": 8, "group": 4, "head_dim": 128,
+     "page_size": 32, "itemsize": 2, "sizes": dict(block_q=4, block_kv=128, num_splits=33, num_warps=4,
+                                                  num_stages=2, prefetch_pages=True, plan_in_kernel=True)},
+    {"kind": "decode", "batch": 32, "context": 4096, "num_kv_heads": 8, "group": 4, "head_dim": 128,
+     "page_size": 32, "itemsize": 2, "sizes": dict(block_q=4, block_kv=64, num_splits=2, num_warps=2,
+                                                  num_stages=4, prefetch_pages=False, plan_in_kernel=True)},
+    {"kind": "prefill", "num_tokens": 4128, "group": 4, "head_dim": 128, "page_size": 32, "itemsize": 2,
+     "sizes": dict(block_q=32, block_kv=64, num_splits=1, num_warps=8, num_stages=2, prefetch_pages=True,
+                   plan_in_kernel=False)},
+)
+
+
+def sizes(num_tokens, max_num_seqs, max_kv_len, table=TABLE, **shape):
+    return gpu_block_sizes(num_tokens=num_tokens, max_num_seqs=max_num_seqs, max_kv_len=max_kv_len, table=table,
+                           **{**LLAMA, **shape})
+
+
+def test_measured_shape_gets_its_entry():
+    assert sizes(1, 1, 32768) == BlockSizes(**TABLE[0]["sizes"])
+    assert sizes(32, 32, 4096) == BlockSizes(**TABLE[1]["sizes"])
+
+
+def test_nearby_shape_keeps_the_entry_total_programs():
+    # B=2 at 32k: twice the programs before splitting, so half the splits (33 * 8 / 16 -> 16 or 17).
+    got = sizes(2, 2, 32768)
+    assert got.block_kv == 128 and got.num_splits in (16, 17)
+    # B=64 at 4k (programs x2): one split instead of two; B=32 at 8k: the same two.
+    assert sizes(64, 64, 4096).num_splits == 1
+    assert sizes(32, 32, 8192).num_splits == 2 and sizes(32, 32, 8192).prefetch_pages is False
+
+
+def test_far_shapes_and_other_models_use_the_heuristics():
+    heuristic = sizes(256, 256, 1024, table=())
+    assert sizes(256, 256, 1024) == heuristic  # far from both decode entries
+    assert sizes(1, 1, 32768, group=8) == sizes(1, 1, 32768, group=8, table=())  # another GQA ratio
+    assert sizes(1, 1, 32768, itemsize=4) == sizes(1, 1, 32768, itemsize=4, table=())  # float32
+
+
+def test_prefill_entry_by_token_count():
+    assert sizes(4128, 34, 2048) == BlockSizes(**TABLE[2]["sizes"])
+    assert sizes(300, 4, 2048) == sizes(300, 4, 2048, table=())  # 300 tokens: too far from 4128
+
+
+def test_heuristics_match_the_frozen_baseline_where_nothing_is_measured():
+    # GPU run 1: the current kernel at the heuristic's sizes must not lose to the baseline kernel,
+    # so off-table shapes get the baseline's tiles and split count, and XLA's merge (the baseline's).
+    from benchmarks.baseline_kernel.block_sizes import gpu_block_sizes as baseline_block_sizes
+    for num_tokens, max_num_seqs, max_kv_len in [(1, 1, 32768), (1, 1, 16384), (8, 8, 16384), (32, 32, 4096),
+                                                 (64, 64, 4096), (256, 256, 1024), (1, 1, 1024), (4128, 34, 2048)]:
+        for itemsize in (2, 4):
+            shape = dict(LLAMA, itemsize=itemsize)
+            ours = sizes(num_tokens, max_num_seqs, max_kv_len, table=(), **shape)
+            theirs = baseline_block_sizes(num_tokens=num_tokens, max_num_seqs=max_num_seqs, max_kv_len=max_kv_len,
+                                          **shape)
+            fields = ("block_q", "block_kv", "num_splits", "num_warps")
+            assert [getattr(ours, f) for f in fields] == [getattr(theirs, f) for f in fields], (num_tokens, max_kv_len)
+            # Stages: the baseline's, or fewer where the current kernel's tiles would overflow shared memory.
+            assert 2 <= ours.num_stages <= theirs.num_stages
+            assert ours.merge_kernel is False
+
+
+def test_sizes_fit_shared_memory():
+    # Run 1 (H200): block_kv 128 at 3 stages asked for 303104 bytes of 232448; 64 at 4 stages ran.
+    from pallas_kernels.paged_attention.block_sizes import _GPU_SHARED_MEMORY, _shared_memory_bytes
+    assert _shared_memory_bytes(BlockSizes(4, 128, 1, 4, 3), 128, 2) > _GPU_SHARED_MEMORY
+    assert _shared_memory_bytes(BlockSizes(4, 64, 1, 4, 4), 128, 2) <= _GPU_SHARED_MEMORY
+    b32 = sizes(32, 32, 4096, table=())  # the heuristic's long-step tile for 1-2 programs per SM
+    assert (b32.block_kv, b32.num_stages) == (128, 2)
+    too_big = ({**TABLE[0], "sizes": {**TABLE[0]["sizes"], "block_kv": 256, "num_stages": 4}},)
+    fitted = sizes(1, 1, 32768, table=too_big)
+    assert _shared_memory_bytes(fitted, 128, 2) <= _GPU_SHARED_MEMORY and fitted.num_stages == 2
+    for itemsize in (1, 2, 4):
+        for tokens, seqs, ctx in [(1, 1, 32768), (32, 32, 4096), (256, 256, 1024), (4128, 34, 2048)]:
+            got = sizes(tokens, seqs, ctx, table=(), itemsize=itemsize)
+            assert _shared_memory_bytes(got, 128, itemsize) <= _GPU_SHARED_MEMORY
