@@ -195,7 +195,8 @@ s7a)
     # old kernel and cuDNN), the weight-only GEMV table (gemv_decode.py), and the host cost of
     # structured-output masks on this machine's 16 cores.
     wheels
-    on_gpu 0 frontier2.log 290 python3 benchmarks/kernel_frontier.py --out "$R/frontier2" $FRONTIER_ARGS
+    on_gpu 0 frontier2.log 280 python3 benchmarks/kernel_frontier.py --out "$R/frontier2" --budget-s 258 --quick-check \
+        --repeats 16 --reserve-s 55 --stage2-needs-s 200 --mosaic-steps 2
     on_gpu 0 gemv.log 155 python3 benchmarks/gemv_decode.py --out "$R/gemv_decode" --budget-s 125
     on_gpu 0 so_host.log 70 python3 benchmarks/structured_output_host.py --out "$R/so_host" \
         --tokenizer .cache/smollm2-tokenizer --steps 200 ;;
