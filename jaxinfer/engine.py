@@ -12,6 +12,11 @@
    conditions; the scheduler finishes the sequences that stopped, freeing their pages.
 4. The requests that changed are collected as ``RequestOutput``s; finished ones are dropped.
 
+Speculative decoding (``config.speculative_config``, ``jaxinfer.spec_decode``): before each
+schedule the speculator drafts tokens for the running sequences; a step with drafts verifies
+them on the device, and the engine reads its accepted tokens before the next step is
+prepared (the next drafts continue them), then rolls each sequence back to what it kept.
+
 Repetition/presence/frequency penalties read each sequence's history from token pages on
 the device (``jaxinfer.token_history``), so they run under async scheduling too.
 """
@@ -22,6 +27,8 @@ import dataclasses
 import hashlib
 import itertools
 import time
+
+import numpy as np
 
 from jaxinfer.engine_config import EngineConfig
 from jaxinfer.errors import PromptTooLongError, RequestError, RequestIdInUseError
@@ -36,6 +43,9 @@ from jaxinfer.sampling import SamplerOutput
 from jaxinfer.sampling_params import SamplingParams, SequenceSampling, banned_before_min_tokens
 from jaxinfer.scheduler import Schedule, Scheduler, SchedulerConfig
 from jaxinfer.sequence import PLACEHOLDER_TOKEN, Sequence
+from jaxinfer.spec_decode.config import SpeculativeConfig
+from jaxinfer.spec_decode.rejection import VerifyOutput
+from jaxinfer.spec_decode.speculator import Speculator, roll_back
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +53,7 @@ class LaunchedStep:
     """A step dispatched to the device whose sampled tokens the host has not read yet."""
 
     packed: PackedStep
-    sampler_output: SamplerOutput
+    sampler_output: SamplerOutput | VerifyOutput  # VerifyOutput when packed.verify is set
 
 
 class Engine:
@@ -65,10 +75,13 @@ class Engine:
             ),
             self.allocator,
         )
+        speculative = SpeculativeConfig.from_value(config.speculative_config)
+        self.speculator = Speculator(speculative, config.max_model_len) if speculative is not None else None
         self.runner = ModelRunner(
             model, num_pages=config.num_pages, page_size=config.page_size, max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             attention_impl=config.attention_impl, mesh=mesh, overlap=config.overlap,
+            num_speculative_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
         )
         # Prompt logprobs run as their own program over the runner's (possibly sharded) weights,
         # never through the step programs: see jaxinfer.prompt_logprobs.
@@ -200,6 +213,8 @@ class Engine:
         requests that changed (aborted ones included)."""
         changed = {request.request_id: request for request in self._aborted}
         self._aborted.clear()
+        if self.speculator is not None:
+            self._draft(changed)
         schedule = self.scheduler.schedule()
         previous = self._launched
         self._launched = None if schedule.is_empty else self._launch(schedule, previous)
@@ -211,6 +226,17 @@ class Engine:
         elif schedule.wait_until is not None:  # nothing to do yet: gather arrivals for the first step
             time.sleep(max(0.0, schedule.wait_until - time.monotonic()))
         return self._collect(changed)
+
+    def _draft(self, changed: dict[str, RequestState]) -> None:
+        """Give the running sequences their drafts for the next schedule. Drafts continue a
+        sequence's last token, so the step in flight is read first whenever someone may speculate
+        (and always after a verify step, whose sequences roll back before they are scheduled)."""
+        launched = self._launched
+        running = self.scheduler.running
+        if launched is not None and (launched.packed.verify is not None or self.speculator.may_speculate(running)):
+            self._launched = None
+            self._process(launched, changed)
+        self.speculator.propose(self.scheduler.running)
 
     def stats(self) -> dict:
         return dict(
@@ -229,6 +255,7 @@ class Engine:
             # Prompt scoring compiles per prompt-length bucket on first use (jaxinfer.prompt_logprobs).
             num_prompt_scoring_programs=len(self.prompt_scorer.buckets_compiled),
             last_step_num_tokens=self.last_step_num_tokens,
+            **(self.speculator.stats() if self.speculator is not None else {}),
         )
 
     def _launch(self, schedule: Schedule, in_flight: LaunchedStep | None) -> LaunchedStep:
@@ -254,12 +281,35 @@ class Engine:
 
     def _process(self, launched: LaunchedStep, changed: dict[str, RequestState]) -> None:
         """Read a launched step's sampled tokens into their requests; finish the samples that stop."""
+        if launched.packed.verify is not None:
+            return self._process_verified(launched, changed)
         wait_start = time.monotonic()
         fetched = fetch_samples(launched.sampler_output, with_logprobs=launched.packed.wants_logprobs)
         self.device_wait_seconds += time.monotonic() - wait_start
         stops = self.output_processor.process(launched.packed.sampled, fetched, self._seq_request, changed)
         for seq, reason in stops:
             self.scheduler.finish(seq, reason)
+
+    def _process_verified(self, launched: LaunchedStep, changed: dict[str, RequestState]) -> None:
+        """A verify step: each sequence keeps its accepted drafts and the token after them (in
+        order, so a stop inside the run ends it where a plain run would), then rolls back."""
+        out: VerifyOutput = launched.sampler_output
+        verify = launched.packed.verify
+        wait_start = time.monotonic()
+        num_accepted = np.asarray(out.num_accepted).tolist()
+        fetched = fetch_samples(out.sampler, with_logprobs=launched.packed.wants_logprobs)
+        self.device_wait_seconds += time.monotonic() - wait_start
+        sampled = [(seq, row) for seq, slot in launched.packed.sampled
+                   for row in verify.rows_of(slot, num_accepted[slot])]
+        stops = self.output_processor.process(sampled, fetched, self._seq_request, changed)
+        for seq, reason in stops:
+            self.scheduler.finish(seq, reason)
+        for seq, slot in launched.packed.sampled:
+            if seq.is_finished:
+                continue
+            roll_back(seq, self.allocator)
+            if verify.num_drafts[slot]:
+                self.speculator.record(seq, verify.num_drafts[slot], num_accepted[slot])
 
     def _collect(self, changed: dict[str, RequestState]) -> list[RequestOutput]:
         outputs = self.output_processor.collect(changed)
@@ -272,6 +322,8 @@ class Engine:
         self._requests.pop(request.request_id, None)
         for seq in request.seqs:
             self._seq_request.pop(seq.seq_id, None)
+            if self.speculator is not None:
+                self.speculator.forget(seq)
 
 
 def _derive_seed(base_seed: int, index: int, n: int) -> int:

@@ -47,6 +47,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
       help="attention kernel (default auto: Pallas on GPU/TPU, the plain-JAX reference on CPU)")
     a("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
       help="prepare the next step on the host while the device runs this one (default: on)")
+    a("--speculative-config", default=None, metavar="JSON",
+      help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+           '"prompt_lookup_max": 4}\' (default: off; docs/SPECULATIVE.md)')
     a("--tensor-parallel-size", type=int, default=1, help="devices each model replica is split over")
     a("--data-parallel-size", type=int, default=1, help="model replicas, each with its own scheduler")
 

@@ -90,6 +90,8 @@ class EngineConfig:
     attention_impl: str | None = None
     async_scheduling: bool | None = None
     overlap: object = None  # jaxinfer.compile_options.OverlapConfig: tp communication overlap per phase
+    # jaxinfer.spec_decode.SpeculativeConfig, or its dict / JSON (vLLM's keys); None: no speculation.
+    speculative_config: object = None
 
     def __post_init__(self):
         # What can be checked field by field is checked as soon as it is given.

@@ -40,7 +40,7 @@ class LLM:
         seed: seeds requests that do not set their own ``seed``.
         max_model_len, max_num_seqs, max_num_batched_tokens, page_size, num_pages,
             memory_utilization, enable_prefix_caching, max_wait_s, attention_impl,
-            async_scheduling, overlap: the ``EngineConfig`` fields; ``None`` (the default) is the
+            async_scheduling, overlap, speculative_config: the ``EngineConfig`` fields; ``None`` (the default) is the
             platform's default, tabled in ``jaxinfer.engine_config`` and shared with
             ``jaxinfer serve``.
         tensor_parallel_size: devices each replica's layers are split over (heads, ffn, vocabulary).
@@ -67,6 +67,7 @@ class LLM:
         attention_impl: str | None = None,
         async_scheduling: bool | None = None,
         overlap=None,
+        speculative_config: dict | str | None = None,
         warm_up: bool = True,
         use_tqdm: bool = True,
         loaded: LoadedModel | None = None,
@@ -79,7 +80,7 @@ class LLM:
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             page_size=page_size, num_pages=num_pages, memory_utilization=memory_utilization,
             enable_prefix_caching=enable_prefix_caching, max_wait_s=max_wait_s, attention_impl=attention_impl,
-            async_scheduling=async_scheduling, overlap=overlap,
+            async_scheduling=async_scheduling, overlap=overlap, speculative_config=speculative_config,
         )
         self.engine = build_engine(loaded, config, tensor_parallel_size=tensor_parallel_size,
                                    data_parallel_size=data_parallel_size, warm_up=warm_up, use_tqdm=use_tqdm)
