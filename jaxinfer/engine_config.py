@@ -21,6 +21,7 @@ Defaults, by ``platform`` (``jax.default_backend()`` unless given):
 | ``async_scheduling`` | on | on | on |
 | ``attention_impl`` | ``"auto"``: reference | ``"auto"``: Pallas-Triton | ``"auto"``: Mosaic |
 | ``overlap`` | none | none | none |
+| ``speculative_config`` | none | none | none |
 
 Why:
 
@@ -48,6 +49,9 @@ Why:
   (``jaxinfer.attention.resolve_impl``); on a GPU the kernel needs a power-of-two ``head_dim``
   and falls back to the reference otherwise.
 - ``overlap``: tensor-parallel communication overlap (``jaxinfer.compile_options.OverlapConfig``) is opt-in.
+- ``speculative_config``: speculative decoding (``jaxinfer.spec_decode``, docs/SPECULATIVE.md) is
+  opt-in: it pays at small batches on text that repeats its context, and a request's drafts need
+  its tokens on the host before the next step is prepared.
 
 ``max_num_seqs`` and ``max_num_batched_tokens`` follow each other: a default ``max_num_seqs``
 is capped at the budget, and a default budget is raised to ``max_num_seqs``, because each
@@ -64,6 +68,7 @@ import jax
 from jaxinfer.attention import IMPLEMENTATIONS
 from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.memory import DEFAULT_MEMORY_UTILIZATION, num_pages_for_device, pages_for
+from jaxinfer.spec_decode.config import SpeculativeConfig
 from sharding.mesh import tp_size
 
 
@@ -94,6 +99,8 @@ class EngineConfig:
     speculative_config: object = None
 
     def __post_init__(self):
+        # A dict or JSON string (LLM, --speculative-config) is checked and parsed now.
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         # What can be checked field by field is checked as soon as it is given.
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages"):
             value = getattr(self, name)

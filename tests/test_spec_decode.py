@@ -311,3 +311,28 @@ def test_penalties_and_min_tokens_do_not_speculate(spec, plain, oracle):
     before = spec.engine.stats()["spec_decode_num_draft_tokens"]
     assert token_ids(spec.generate(prompts, params, use_tqdm=False)) == reference
     assert spec.engine.stats()["spec_decode_num_draft_tokens"] == before
+
+
+def test_speculative_config_flag_and_metrics():
+    import argparse
+
+    from jaxinfer.engine_args import add_engine_arguments, engine_options_from_args
+    from jaxinfer.engine_config import EngineConfig
+    from jaxinfer.server.metrics import ServerMetrics
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    config = EngineConfig(**engine_options_from_args(args))
+    assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=2)
+    with pytest.raises(RequestError):
+        EngineConfig(speculative_config={"num_speculative_tokens": 99})
+
+    metrics = ServerMetrics("m", 128)
+    metrics.update_engine_stats(dict(spec_decode_num_drafts=4, spec_decode_num_draft_tokens=12,
+                                     spec_decode_num_accepted_tokens=6, spec_decode_mean_acceptance_length=2.5),
+                                stepped=True)
+    text = metrics.render().decode()
+    assert 'jaxinfer:spec_decode_num_draft_tokens_total{model_name="m"} 12.0' in text
+    assert 'jaxinfer:spec_decode_num_accepted_tokens_total{model_name="m"} 6.0' in text
+    assert 'jaxinfer:spec_decode_mean_acceptance_length{model_name="m"} 2.5' in text

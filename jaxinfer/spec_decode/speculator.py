@@ -96,8 +96,7 @@ class Speculator:
             spec_decode_num_drafts=self.num_drafts,
             spec_decode_num_draft_tokens=self.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.num_accepted_tokens,
-            spec_decode_mean_acceptance_length=1 + self.num_accepted_tokens / max(1, self.num_drafts),
-            spec_decode_num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos),
+            spec_decode_mean_acceptance_length=mean_acceptance_length(self.num_accepted_tokens, self.num_drafts),
         )
 
     def _step_allows(self, running: list[Sequence]) -> bool:
@@ -111,6 +110,11 @@ class Speculator:
         if params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
             return False
         return seq.num_generated_tokens >= params.min_tokens and seq.seq_id not in self._judged_low
+
+
+def mean_acceptance_length(num_accepted_tokens: int, num_drafts: int) -> float:
+    """Tokens a verify step gives a speculating sequence, on average: its accepted drafts and the one after."""
+    return 1 + num_accepted_tokens / max(1, num_drafts)
 
 
 def roll_back(seq: Sequence, allocator: PageAllocator) -> None:
