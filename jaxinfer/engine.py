@@ -76,7 +76,6 @@ class Engine:
             self.allocator,
         )
         speculative = SpeculativeConfig.from_value(config.speculative_config)
-        self.speculator = Speculator(speculative, config.max_model_len) if speculative is not None else None
         self.runner = ModelRunner(
             model, num_pages=config.num_pages, page_size=config.page_size, max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -85,6 +84,10 @@ class Engine:
         )
         # Prompt logprobs run as their own program over the runner's (possibly sharded) weights,
         # never through the step programs: see jaxinfer.prompt_logprobs.
+        self.speculator = None
+        if speculative is not None:
+            self.speculator = Speculator(speculative, config.max_model_len,
+                                         self._draft_proposer(speculative, mesh) if speculative.model else None)
         self.prompt_scorer = PromptScorer(
             self.runner.model.weights, self.runner.config, page_size=config.page_size,
             attention_impl=config.attention_impl, placement=self.runner.placement,
@@ -103,13 +106,34 @@ class Engine:
         # Host time inside the runner's dispatch: small unless a program syncs with the host
         # (as a lax.cond did on the GPU), which takes the overlap of host and device away.
         self.dispatch_seconds = 0.0
-        self.warmup_seconds = self.runner.warm_up(use_tqdm) if warm_up else 0.0
+        self.warmup_seconds = 0.0
+        if warm_up:
+            self.warmup(use_tqdm)
 
     def warmup(self, use_tqdm: bool = True) -> float:
         """Compile every step shape now (if not done at construction); returns seconds spent."""
         if not self.runner.warmup_done:
-            self.warmup_seconds = self.runner.warm_up(use_tqdm)
+            start = time.perf_counter()
+            self.runner.warm_up(use_tqdm)
+            if self.speculator is not None:
+                self.speculator.proposer.warm_up()
+            self.warmup_seconds = time.perf_counter() - start
         return self.warmup_seconds
+
+    def _draft_proposer(self, speculative: SpeculativeConfig, mesh):
+        """The draft model named by ``speculative.model``, in the target's dtype, with its own cache."""
+        from jaxinfer.checkpoint import load_model
+        from jaxinfer.spec_decode.draft_model import DraftModelProposer
+
+        if mesh is not None:
+            raise RequestError("a draft model runs on one device: use the n-gram proposer with tensor "
+                               "or data parallelism", field="speculative_config.model")
+        draft = load_model(speculative.model, dtype=str(self.model.weights.embed.dtype))
+        return DraftModelProposer(
+            draft, target_vocab_size=self.model_config.vocab_size, num_pages=self.config.num_pages,
+            page_size=self.config.page_size, buckets=self.runner.buckets,
+            num_speculative_tokens=speculative.num_speculative_tokens, allocator=self.allocator,
+            attention_impl=self.config.attention_impl)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None, final_only: bool = False) -> None:
@@ -251,7 +275,8 @@ class Engine:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.output_processor.num_generation_tokens,
             num_tokens_computed=self.num_tokens_computed,
-            num_compilations_after_warmup=self.runner.num_compilations_after_warmup,
+            num_compilations_after_warmup=self.runner.num_compilations_after_warmup + (
+                self.speculator.proposer.num_compilations_after_warmup if self.speculator is not None else 0),
             # Prompt scoring compiles per prompt-length bucket on first use (jaxinfer.prompt_logprobs).
             num_prompt_scoring_programs=len(self.prompt_scorer.buckets_compiled),
             last_step_num_tokens=self.last_step_num_tokens,

@@ -336,3 +336,19 @@ def test_speculative_config_flag_and_metrics():
     assert 'jaxinfer:spec_decode_num_draft_tokens_total{model_name="m"} 12.0' in text
     assert 'jaxinfer:spec_decode_num_accepted_tokens_total{model_name="m"} 6.0' in text
     assert 'jaxinfer:spec_decode_mean_acceptance_length{model_name="m"} 2.5' in text
+
+
+def test_draft_model_proposer_greedy_identical_and_accepts_its_own_tokens(tiny, plain):
+    """The target as its own draft model: every draft is the target's argmax, so (up to f32
+    rounding between chunk shapes) all are accepted, and the output stays token-identical."""
+    shared = prompts_of(1, seed=8, low=20, high=21)[0]
+    prompts = [shared + p for p in prompts_of(4, seed=9, low=2, high=30)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    reference = _greedy_reference(plain, prompts, params)
+    drafted = LLM(loaded=tiny, speculative_config={"model": str(FIXTURES / "tiny-llama3"), "num_speculative_tokens": K},
+                  **OPTIONS)
+    assert token_ids(drafted.generate(prompts, params, use_tqdm=False)) == reference
+    assert [token_ids(drafted.generate([p], params, use_tqdm=False))[0] for p in prompts[:1]] == reference[:1]
+    stats = drafted.engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] >= 0.9 * stats["spec_decode_num_draft_tokens"] > 0
+    assert stats["num_compilations_after_warmup"] == 0 and stats["num_pages_used"] == 0

@@ -30,7 +30,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4  # longest suffix n-gram looked up in the context
     prompt_lookup_min: int = 1  # shortest one tried before giving up this step
-    model: str | None = None  # the draft model ("draft_model"): a name or directory sharing the tokenizer
+    model: str | None = None  # the draft model ("draft_model"): a built-in name or directory sharing the tokenizer
     # A step with more running sequences than this does not speculate (vLLM's key). None:
     # every batch size speculates, as an explicit config asks.
     disable_by_batch_size: int | None = None

@@ -36,11 +36,33 @@ from jaxinfer.spec_decode.ngram import propose_ngram
 _STEP_BLOCKERS = ("structured_outputs", "logit_bias", "bad_words")
 
 
+class NgramProposer:
+    """Prompt lookup (``jaxinfer.spec_decode.ngram``) for each sequence on its own."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.num_compilations_after_warmup = 0
+
+    def warm_up(self) -> None:
+        pass  # nothing to compile
+
+    def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
+        return [propose_ngram(np.asarray(seq.token_ids, np.int32), room, self.min_n, self.max_n)
+                for seq, room in zip(seqs, rooms)]
+
+    def accept(self, seq: Sequence, num_accepted: int, num_drafted: int) -> None:
+        pass  # stateless
+
+    def forget(self, seq: Sequence) -> None:
+        pass
+
+
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
-        if config.method != "ngram":
-            raise NotImplementedError(f"speculative_config.method {config.method!r} has no proposer yet; use 'ngram'")
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer=None):
+        """``proposer``: an object with ``propose(seqs, rooms)``, ``accept``, ``forget``, ``warm_up``
+        (``NgramProposer`` or ``draft_model.DraftModelProposer``); default: n-gram."""
         self.config = config
+        self.proposer = proposer or NgramProposer(config)
         self.max_model_len = max_model_len
         self._drafted: dict[int, int] = {}  # seq_id -> draft tokens verified so far
         self._accepted: dict[int, int] = {}  # seq_id -> of those, accepted
@@ -62,6 +84,7 @@ class Speculator:
         """Set every running sequence's ``draft_token_ids`` for the next schedule (empty: none)."""
         step_allows = self._step_allows(running)
         k = self.config.num_speculative_tokens
+        drafting, rooms = [], []
         for seq in running:
             seq.draft_token_ids = []
             if not step_allows or seq.has_placeholder or seq.num_uncomputed_tokens != 1 or not self._seq_allows(seq):
@@ -69,8 +92,12 @@ class Speculator:
             # The accepted run and the token after it must fit max_tokens and max_model_len.
             room = min(k, seq.sampling.max_tokens - seq.num_generated_tokens - 1,
                        self.max_model_len - seq.num_tokens - 1)
-            seq.draft_token_ids = propose_ngram(np.asarray(seq.token_ids, np.int32), room,
-                                                self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+            if room > 0:
+                drafting.append(seq)
+                rooms.append(room)
+        if drafting:
+            for seq, drafts in zip(drafting, self.proposer.propose(drafting, rooms)):
+                seq.draft_token_ids = list(drafts)
 
     def record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         """Count a verify step's outcome for ``seq`` (``num_drafted`` > 0) and judge its acceptance."""
@@ -79,6 +106,7 @@ class Speculator:
         self.num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             self.num_accepted_tokens_per_pos[position] += 1
+        self.proposer.accept(seq, num_accepted, num_drafted)
         drafted = self._drafted[seq.seq_id] = self._drafted.get(seq.seq_id, 0) + num_drafted
         accepted = self._accepted[seq.seq_id] = self._accepted.get(seq.seq_id, 0) + num_accepted
         if drafted >= self.config.judge_after_drafts and accepted < self.config.min_acceptance_rate * drafted:
@@ -89,6 +117,7 @@ class Speculator:
         self._drafted.pop(seq.seq_id, None)
         self._accepted.pop(seq.seq_id, None)
         self._judged_low.discard(seq.seq_id)
+        self.proposer.forget(seq)
 
     def stats(self) -> dict:
         """Running totals, vLLM's names; the mean acceptance length counts the token after each run."""
