@@ -313,6 +313,38 @@ def test_penalties_and_min_tokens_do_not_speculate(spec, plain, oracle):
     assert spec.engine.stats()["spec_decode_num_draft_tokens"] == before
 
 
+def test_sequences_that_do_not_speculate_share_verify_steps_exactly(spec, plain, oracle):
+    """Penalties, min_tokens and top-k sampling beside a speculating sequence: their single row of
+    each verify step is sampled as in a plain step."""
+    prompts = prompts_of(4, seed=10)
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=16, presence_penalty=1.5, repetition_penalty=1.2, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=16, min_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=5, max_tokens=16, seed=7, ignore_eos=True)]
+    reference = [token_ids(plain.generate([p], q, use_tqdm=False))[0] for p, q in zip(prompts, params)]
+    oracle(prompts[:1], reference[:1])
+    before = spec.engine.stats()["spec_decode_num_accepted_tokens"]
+    got = token_ids(spec.generate(prompts, params, use_tqdm=False))
+    assert spec.engine.stats()["spec_decode_num_accepted_tokens"] > before
+    assert got == reference  # the sampled one too: same seed, same step, same row
+
+
+def test_low_gain_sequences_stop_speculating(tiny, monkeypatch):
+    monkeypatch.setattr(speculator_module, "propose_ngram", lambda context, k, lo, hi: [0] * k)  # always wrong
+    llm = LLM(loaded=tiny, speculative_config={**SPEC, "judge_after_drafts": 6, "judge_after_steps": 4}, **OPTIONS)
+    llm.generate(prompts_of(1, seed=11), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.stats()["spec_decode_num_drafts"] == 2  # judged after 6 drafted tokens, none accepted
+    monkeypatch.setattr(speculator_module, "propose_ngram", lambda context, k, lo, hi: [])  # never a match
+    engine = llm.engine
+    engine.add_request("q", prompts_of(1, seed=11)[0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    may_speculate = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        may_speculate.append(engine.speculator.may_speculate(engine.scheduler.running))
+    # Judged after 4 steps without a draft: from then on its steps run asynchronously again.
+    assert may_speculate[:4] == [True] * 4 and not any(may_speculate[6:])
+
+
 def test_speculative_config_flag_and_metrics():
     import argparse
 
@@ -352,3 +384,20 @@ def test_draft_model_proposer_greedy_identical_and_accepts_its_own_tokens(tiny, 
     stats = drafted.engine.stats()
     assert stats["spec_decode_num_accepted_tokens"] >= 0.9 * stats["spec_decode_num_draft_tokens"] > 0
     assert stats["num_compilations_after_warmup"] == 0 and stats["num_pages_used"] == 0
+
+
+@pytest.mark.slow
+def test_default_model_ngram_greedy_identical_and_accepting(default_model):
+    """SmolLM2-135M with real weights on a prompt that asks for a copy: the n-gram drafts are
+    mostly accepted, and the output is token-identical to speculation off."""
+    passage = ("The committee met on Tuesday to review the budget. It approved the new library roof, "
+               "postponed the bridge repairs until spring, and asked the treasurer for a report on parking fees.")
+    messages = [{"role": "user", "content": f"Repeat this text exactly:\n\n{passage}"}]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    options = dict(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=128, use_tqdm=False, max_wait_s=0.0)
+    expected = LLM(loaded=default_model, **options).chat(messages, params, use_tqdm=False)[0].outputs[0]
+    spec = LLM(loaded=default_model, speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **options)
+    got = spec.chat([messages, messages], params, use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in got] == [expected.token_ids] * 2
+    stats = spec.engine.stats()
+    assert stats["spec_decode_mean_acceptance_length"] > 2

@@ -38,6 +38,11 @@ class SpeculativeConfig:
     # tokens stops speculating: its verify rows would cost work for nothing.
     min_acceptance_rate: float = 0.1
     judge_after_drafts: int = 32
+    # A sequence that gains fewer accepted tokens than this per step it could draft in (the
+    # n-gram finding no match counts as a step without gain), once it has had judge_after_steps
+    # of them, stops speculating: its steps then run asynchronously again.
+    min_accepted_per_step: float = 0.1
+    judge_after_steps: int = 32
 
     def __post_init__(self):
         if self.method not in METHODS:

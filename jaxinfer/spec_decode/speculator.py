@@ -15,7 +15,9 @@ Who speculates (a sequence gets no drafts otherwise):
 - a sequence with repetition/presence/frequency penalties (its later rows would need the
   drafts in their history), or still short of ``min_tokens``, gets none;
 - a sequence whose accepted/drafted ratio is below ``min_acceptance_rate`` once it has drafted
-  ``judge_after_drafts`` tokens gets none for the rest of its life;
+  ``judge_after_drafts`` tokens, or which gained fewer than ``min_accepted_per_step`` accepted
+  tokens per step it could draft in (a proposer finding nothing counts) once it has had
+  ``judge_after_steps`` of them, gets none for the rest of its life;
 - drafts never run past ``max_tokens`` or ``max_model_len``: the accepted run plus its bonus
   token fit.
 
@@ -66,6 +68,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self._drafted: dict[int, int] = {}  # seq_id -> draft tokens verified so far
         self._accepted: dict[int, int] = {}  # seq_id -> of those, accepted
+        self._steps: dict[int, int] = {}  # seq_id -> steps in which it could draft
         self._judged_low: set[int] = set()
         self.num_drafts = 0  # verify proposals: (sequence, step) pairs with at least one draft
         self.num_draft_tokens = 0
@@ -92,7 +95,7 @@ class Speculator:
             # The accepted run and the token after it must fit max_tokens and max_model_len.
             room = min(k, seq.sampling.max_tokens - seq.num_generated_tokens - 1,
                        self.max_model_len - seq.num_tokens - 1)
-            if room > 0:
+            if room > 0 and not self._judge_gain(seq):
                 drafting.append(seq)
                 rooms.append(room)
         if drafting:
@@ -116,6 +119,7 @@ class Speculator:
         """Drop a finished sequence's counters."""
         self._drafted.pop(seq.seq_id, None)
         self._accepted.pop(seq.seq_id, None)
+        self._steps.pop(seq.seq_id, None)
         self._judged_low.discard(seq.seq_id)
         self.proposer.forget(seq)
 
@@ -127,6 +131,15 @@ class Speculator:
             spec_decode_num_accepted_tokens=self.num_accepted_tokens,
             spec_decode_mean_acceptance_length=mean_acceptance_length(self.num_accepted_tokens, self.num_drafts),
         )
+
+    def _judge_gain(self, seq: Sequence) -> bool:
+        """Count a step ``seq`` could draft in; True (and judged low from now on) if its gain stays low."""
+        steps = self._steps[seq.seq_id] = self._steps.get(seq.seq_id, 0) + 1
+        if steps > self.config.judge_after_steps and (
+                self._accepted.get(seq.seq_id, 0) < self.config.min_accepted_per_step * (steps - 1)):
+            self._judged_low.add(seq.seq_id)
+            return True
+        return False
 
     def _step_allows(self, running: list[Sequence]) -> bool:
         limit = self.config.disable_by_batch_size
