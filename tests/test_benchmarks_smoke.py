@@ -182,3 +182,10 @@ def test_loader_memory_loads_a_sharded_bf16_checkpoint_in_a_child_process(tmp_pa
             found.update({name: file for name in f.keys()})
             assert {str(f.get_tensor(name).dtype) for name in f.keys()} == {"bfloat16"}
     assert found == index["weight_map"]
+
+
+def test_spec_decode_step_cost_completes(tmp_path):
+    run_script([BENCHMARKS / "spec_decode.py", "step-cost", "--out", tmp_path, "--shape", "tiny", "--steps", "2",
+                "--context", "128"], tmp_path)
+    rows = json.loads((tmp_path / "spec_step_cost.json").read_text())["rows"]
+    assert [row["k"] for row in rows] == list(range(1, 9))
