@@ -97,6 +97,7 @@ def run_set(plain_results, llm_spec, prompts, max_tokens):
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     totals = dict(output_tokens=0, accepted=0, drafts=0, draft_tokens=0, identical=0, plain_s=0.0, spec_s=0.0)
+    per_prompt = []
     for prompt in prompts:
         messages = [{"role": "user", "content": prompt}]
         plain_ids, plain_s = plain_results[prompt]
@@ -106,8 +107,11 @@ def run_set(plain_results, llm_spec, prompts, max_tokens):
         spec = llm_spec.chat(messages, params, use_tqdm=False)[0].outputs[0]
         totals["spec_s"] += time.perf_counter() - start
         after = llm_spec.engine.stats()
+        accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+        per_prompt.append(dict(prompt=prompt[:60], output_tokens=len(spec.token_ids),
+                               tokens_per_step=len(spec.token_ids) / max(1, len(spec.token_ids) - accepted)))
         totals["output_tokens"] += len(spec.token_ids)
-        totals["accepted"] += after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+        totals["accepted"] += accepted
         totals["drafts"] += after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
         totals["draft_tokens"] += after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
         totals["identical"] += int(spec.token_ids == plain_ids)
@@ -121,6 +125,7 @@ def run_set(plain_results, llm_spec, prompts, max_tokens):
         tokens_per_step=totals["output_tokens"] / max(1, steps),
         share_of_steps_with_drafts=totals["drafts"] / max(1, steps),
         wall_ratio_spec_over_plain=totals["spec_s"] / max(1e-9, totals["plain_s"]),
+        per_prompt=per_prompt,
     )
 
 
@@ -147,7 +152,8 @@ def acceptance(args, log):
             log(f"{name:10s} k={k}: acceptance length {row['mean_acceptance_length']:.2f} per verify step, "
                 f"{row['tokens_per_step']:.2f} tokens per target step, drafts in {row['share_of_steps_with_drafts']:.0%} "
                 f"of steps, rate {row['acceptance_rate']:.0%}, identical {row['identical']}/{row['num_prompts']}, "
-                f"wall spec/plain {row['wall_ratio_spec_over_plain']:.2f}")
+                f"wall spec/plain {row['wall_ratio_spec_over_plain']:.2f}; per prompt "
+                + ", ".join(f"{p['tokens_per_step']:.2f}" for p in row["per_prompt"]))
         assert spec.engine.stats()["num_compilations_after_warmup"] == 0
         del spec
     md = [f"# Speculative decoding acceptance, {args.model} ({dtype}, n-gram, greedy, batch 1)", "",
