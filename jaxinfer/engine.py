@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from jaxinfer.engine_config import EngineConfig
+from jaxinfer.engine_config import EngineConfig, EngineConfigError
 from jaxinfer.errors import PromptTooLongError, RequestError, RequestIdInUseError
 from jaxinfer.input_batch import MAX_BANNED, PackedStep
 from jaxinfer.loaded_model import LoadedModel
@@ -82,12 +82,12 @@ class Engine:
             attention_impl=config.attention_impl, mesh=mesh, overlap=config.overlap,
             num_speculative_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
         )
-        # Prompt logprobs run as their own program over the runner's (possibly sharded) weights,
-        # never through the step programs: see jaxinfer.prompt_logprobs.
         self.speculator = None
         if speculative is not None:
             self.speculator = Speculator(speculative, config.max_model_len,
                                          self._draft_proposer(speculative, mesh) if speculative.model else None)
+        # Prompt logprobs run as their own program over the runner's (possibly sharded) weights,
+        # never through the step programs: see jaxinfer.prompt_logprobs.
         self.prompt_scorer = PromptScorer(
             self.runner.model.weights, self.runner.config, page_size=config.page_size,
             attention_impl=config.attention_impl, placement=self.runner.placement,
@@ -126,8 +126,8 @@ class Engine:
         from jaxinfer.spec_decode.draft_model import DraftModelProposer
 
         if mesh is not None:
-            raise RequestError("a draft model runs on one device: use the n-gram proposer with tensor "
-                               "or data parallelism", field="speculative_config.model")
+            raise EngineConfigError("a draft model runs on one device: use the n-gram proposer with tensor "
+                                    "or data parallelism", field="speculative_config")
         draft = load_model(speculative.model, dtype=str(self.model.weights.embed.dtype))
         return DraftModelProposer(
             draft, target_vocab_size=self.model_config.vocab_size, num_pages=self.config.num_pages,

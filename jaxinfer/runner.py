@@ -7,6 +7,11 @@ stay on the device: the next step reads a decode's input token from the previous
 output wherever the host still holds a placeholder (async scheduling), so the host can
 prepare step n+1 while the device runs step n.
 
+With ``num_speculative_tokens`` k > 0 every bucket also has a *verify* step (``jaxinfer.spec_decode``):
+the same forward with ``k + 1`` logits rows per sequence slot, and a verifier in place of the
+sampler that decides on the device how many drafts each sequence keeps. Both are compiled at
+warm-up; a step is a verify step when its inputs carry drafts (``StepInputs.is_verify``).
+
 The forward and the sampler are two programs, and the host picks the sampler path
 ("basic" or "full") by which program it dispatches. One program with a ``lax.cond``
 between the paths compiled the model once per bucket too, but on the GPU a conditional
