@@ -1,7 +1,7 @@
 """Speculative decoding: acceptance on real weights, and the verify step's cost on the GPU.
 
     python benchmarks/spec_decode.py acceptance --out DIR [--model smollm2-135m-instruct] [--ks 2 4 8]
-    python3 benchmarks/spec_decode.py step-cost --out DIR [--shape llama-3.1-8b] [--acceptance DIR/spec_acceptance.json]
+    python3 benchmarks/spec_decode.py step-cost --out DIR [--shape llama-3.1-8b] [--acceptance DIR/spec_acceptance.json ...]
 
 ``acceptance`` (the ``latency-spec`` workload of shared/BENCHMARKS.md; CPU is fine): the default
 model with real weights, greedy, one request at a time (batch 1), 128 output tokens, on two
@@ -231,7 +231,7 @@ def step_cost(args, log):
     del plain_runner
     log(f"plain decode step: {plain['async'] * 1e3:.3f} ms back to back, {plain['sync'] * 1e3:.3f} ms one at a time "
         f"({plain['async'] * 1e3 / roofline_ms:.2f}x roofline)")
-    acceptance_rows = json.loads(Path(args.acceptance).read_text())["rows"] if args.acceptance else []
+    acceptance_rows = [row for path in args.acceptance or [] for row in json.loads(Path(path).read_text())["rows"]]
     rows = []
     for k in range(1, 9):
         runner = runner_for(k)
@@ -273,7 +273,8 @@ def main():
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=1)
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--acceptance", help="spec_acceptance.json of an acceptance run, for effective time per token")
+    parser.add_argument("--acceptance", nargs="+",
+                        help="spec_acceptance.json files of acceptance runs, for the effective time per token")
     args = parser.parse_args()
     log = Log()
     info = header(log)
