@@ -17,6 +17,7 @@ from jaxinfer.engine import Engine
 from jaxinfer.errors import RequestIdInUseError
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.spec_decode.speculator import mean_acceptance_length
 
 
 class DataParallelEngine:
@@ -70,6 +71,9 @@ class DataParallelEngine:
         total["kv_cache_usage"] = sum(s["kv_cache_usage"] for s in per_replica) / len(per_replica)
         total["last_step_num_tokens"] = max(s["last_step_num_tokens"] for s in per_replica)
         total["num_replicas"] = len(self.engines)
+        if "spec_decode_num_drafts" in total:  # a mean, not a total: from the summed counters
+            total["spec_decode_mean_acceptance_length"] = mean_acceptance_length(
+                total["spec_decode_num_accepted_tokens"], total["spec_decode_num_drafts"])
         return total
 
 

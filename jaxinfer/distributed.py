@@ -59,6 +59,9 @@ class StepChannel:
         self.runner = runner
 
     def send(self, inputs: StepInputs) -> None:
+        if inputs.is_verify:
+            # The followers' template has one sampling row per slot and no drafts.
+            raise NotImplementedError("speculative decoding does not run across hosts yet: drop speculative_config")
         sampling = inputs.sampling
         header = [_STEP, _SAMPLER_PATHS.index(inputs.sampler_path), inputs.batch.num_tokens, inputs.batch.num_seqs,
                   inputs.batch.page_tables.shape[1], sampling.banned_ids.shape[1]]

@@ -18,6 +18,11 @@ runner call back, once the forward is dispatched, for the grammar's token bitmas
 waits for the previous step's tokens of those sequences, advances their matchers and fills the
 mask while the device computes (``jaxinfer.structured_output``, docs/STRUCTURED_OUTPUT.md).
 
+Speculative decoding (``config.speculative_config``, ``jaxinfer.spec_decode``): before each
+schedule the speculator drafts tokens for the running sequences; a step with drafts verifies
+them on the device, and the engine reads its accepted tokens before the next step is
+prepared (the next drafts continue them), then rolls each sequence back to what it kept.
+
 Repetition/presence/frequency penalties read each sequence's history from token pages on
 the device (``jaxinfer.token_history``), so they run under async scheduling too.
 """
@@ -32,7 +37,7 @@ import time
 import numpy as np
 
 from jaxinfer.bad_words import bad_words_token_ids, check_bad_words
-from jaxinfer.engine_config import EngineConfig
+from jaxinfer.engine_config import EngineConfig, EngineConfigError
 from jaxinfer.errors import PromptTooLongError, RequestError, RequestIdInUseError
 from jaxinfer.input_batch import MAX_BANNED, PackedStep
 from jaxinfer.loaded_model import LoadedModel
@@ -46,6 +51,9 @@ from jaxinfer.sampling import SamplerOutput
 from jaxinfer.sampling_params import SamplingParams, SequenceSampling, banned_before_min_tokens
 from jaxinfer.scheduler import Schedule, Scheduler, SchedulerConfig
 from jaxinfer.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+from jaxinfer.spec_decode.config import SpeculativeConfig
+from jaxinfer.spec_decode.rejection import VerifyOutput
+from jaxinfer.spec_decode.speculator import Speculator, roll_back
 from jaxinfer.structured_output import GrammarCompiler, GrammarMatchers, check_grammar, guidance_tokenizer
 
 
@@ -54,7 +62,7 @@ class LaunchedStep:
     """A step dispatched to the device whose sampled tokens the host has not read yet."""
 
     packed: PackedStep
-    sampler_output: SamplerOutput
+    sampler_output: SamplerOutput | VerifyOutput  # VerifyOutput when packed.verify is set
 
 
 class Engine:
@@ -76,12 +84,18 @@ class Engine:
             ),
             self.allocator,
         )
+        speculative = SpeculativeConfig.from_value(config.speculative_config)
         self.runner = ModelRunner(
             model, num_pages=config.num_pages, page_size=config.page_size, max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             attention_impl=config.attention_impl, mesh=mesh, overlap=config.overlap,
             kv_cache_dtype=config.kv_cache_dtype,
+            num_speculative_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
         )
+        self.speculator = None
+        if speculative is not None:
+            self.speculator = Speculator(speculative, config.max_model_len,
+                                         self._draft_proposer(speculative, mesh) if speculative.model else None)
         # Prompt logprobs run as their own program over the runner's (possibly sharded) weights,
         # never through the step programs: see jaxinfer.prompt_logprobs.
         self.prompt_scorer = PromptScorer(
@@ -109,13 +123,34 @@ class Engine:
         # Host time inside the runner's dispatch: small unless a program syncs with the host
         # (as a lax.cond did on the GPU), which takes the overlap of host and device away.
         self.dispatch_seconds = 0.0
-        self.warmup_seconds = self.runner.warm_up(use_tqdm) if warm_up else 0.0
+        self.warmup_seconds = 0.0
+        if warm_up:
+            self.warmup(use_tqdm)
 
     def warmup(self, use_tqdm: bool = True) -> float:
         """Compile every step shape now (if not done at construction); returns seconds spent."""
         if not self.runner.warmup_done:
-            self.warmup_seconds = self.runner.warm_up(use_tqdm)
+            start = time.perf_counter()
+            self.runner.warm_up(use_tqdm)
+            if self.speculator is not None:
+                self.speculator.proposer.warm_up()
+            self.warmup_seconds = time.perf_counter() - start
         return self.warmup_seconds
+
+    def _draft_proposer(self, speculative: SpeculativeConfig, mesh):
+        """The draft model named by ``speculative.model``, in the target's dtype, with its own cache."""
+        from jaxinfer.checkpoint import load_model
+        from jaxinfer.spec_decode.draft_model import DraftModelProposer
+
+        if mesh is not None:
+            raise EngineConfigError("a draft model runs on one device: use the n-gram proposer with tensor "
+                                    "or data parallelism", field="speculative_config")
+        draft = load_model(speculative.model, dtype=str(self.model.weights.embed.dtype))
+        return DraftModelProposer(
+            draft, target_vocab_size=self.model_config.vocab_size, num_pages=self.config.num_pages,
+            page_size=self.config.page_size, buckets=self.runner.buckets,
+            num_speculative_tokens=speculative.num_speculative_tokens, allocator=self.allocator,
+            attention_impl=self.config.attention_impl)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None, final_only: bool = False) -> None:
@@ -238,6 +273,8 @@ class Engine:
         self._admit_compiled_grammars()
         changed = {request.request_id: request for request in self._aborted}
         self._aborted.clear()
+        if self.speculator is not None:
+            self._draft(changed)
         schedule = self.scheduler.schedule()
         previous = self._launched
         self._launched = None if schedule.is_empty else self._launch(schedule, previous)
@@ -252,6 +289,17 @@ class Engine:
             self.grammars.wait(timeout=0.05)
         return self._collect(changed)
 
+    def _draft(self, changed: dict[str, RequestState]) -> None:
+        """Give the running sequences their drafts for the next schedule. Drafts continue a
+        sequence's last token, so the step in flight is read first whenever someone may speculate
+        (and always after a verify step, whose sequences roll back before they are scheduled)."""
+        launched = self._launched
+        running = self.scheduler.running
+        if launched is not None and (launched.packed.verify is not None or self.speculator.may_speculate(running)):
+            self._launched = None
+            self._process(launched, changed)
+        self.speculator.propose(self.scheduler.running)
+
     def stats(self) -> dict:
         return dict(
             num_running=self.scheduler.num_running,
@@ -265,7 +313,8 @@ class Engine:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.output_processor.num_generation_tokens,
             num_tokens_computed=self.num_tokens_computed,
-            num_compilations_after_warmup=self.runner.num_compilations_after_warmup,
+            num_compilations_after_warmup=self.runner.num_compilations_after_warmup + (
+                self.speculator.proposer.num_compilations_after_warmup if self.speculator is not None else 0),
             # Prompt scoring compiles per prompt-length bucket on first use (jaxinfer.prompt_logprobs).
             num_prompt_scoring_programs=len(self.prompt_scorer.buckets_compiled),
             last_step_num_tokens=self.last_step_num_tokens,
@@ -273,6 +322,7 @@ class Engine:
             grammar_cache_hits=self.grammar_compiler.num_cache_hits,
             num_waiting_for_grammar=self.grammars.num_waiting,
             grammar_mask_seconds=self.grammar_mask_seconds,
+            **(self.speculator.stats() if self.speculator is not None else {}),
         )
 
     def _admit_compiled_grammars(self) -> None:
@@ -337,6 +387,8 @@ class Engine:
 
     def _process(self, launched: LaunchedStep, changed: dict[str, RequestState]) -> None:
         """Read a launched step's sampled tokens into their requests; finish the samples that stop."""
+        if launched.packed.verify is not None:
+            return self._process_verified(launched, changed)
         wait_start = time.monotonic()
         fetched = fetch_samples(launched.sampler_output, with_logprobs=launched.packed.wants_logprobs)
         self.device_wait_seconds += time.monotonic() - wait_start
@@ -351,6 +403,27 @@ class Engine:
         for seq, reason in stops:
             self.scheduler.finish(seq, reason)
 
+    def _process_verified(self, launched: LaunchedStep, changed: dict[str, RequestState]) -> None:
+        """A verify step: each sequence keeps its accepted drafts and the token after them (in
+        order, so a stop inside the run ends it where a plain run would), then rolls back."""
+        out: VerifyOutput = launched.sampler_output
+        verify = launched.packed.verify
+        wait_start = time.monotonic()
+        num_accepted = np.asarray(out.num_accepted).tolist()
+        fetched = fetch_samples(out.sampler, with_logprobs=launched.packed.wants_logprobs)
+        self.device_wait_seconds += time.monotonic() - wait_start
+        sampled = [(seq, row) for seq, slot in launched.packed.sampled
+                   for row in verify.rows_of(slot, num_accepted[slot])]
+        stops = self.output_processor.process(sampled, fetched, self._seq_request, changed)
+        for seq, reason in stops:
+            self.scheduler.finish(seq, reason)
+        for seq, slot in launched.packed.sampled:
+            if seq.is_finished:
+                continue
+            roll_back(seq, self.allocator)
+            if verify.num_drafts[slot]:
+                self.speculator.record(seq, verify.num_drafts[slot], num_accepted[slot])
+
     def _collect(self, changed: dict[str, RequestState]) -> list[RequestOutput]:
         outputs = self.output_processor.collect(changed)
         for request in changed.values():
@@ -363,6 +436,8 @@ class Engine:
         for seq in request.seqs:
             self._seq_request.pop(seq.seq_id, None)
             self.grammars.drop(seq)
+            if self.speculator is not None:
+                self.speculator.forget(seq)
 
 
 def _derive_seed(base_seed: int, index: int, n: int) -> int:

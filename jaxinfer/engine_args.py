@@ -51,6 +51,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
       help=f"KV page storage: auto (the model's dtype, the default) or fp8 (e4m3 with per-layer scales: twice "
            f"the tokens of bf16; on {SUPPORTED_FP8_DEVICES})")
+    a("--speculative-config", default=None, metavar="JSON",
+      help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+           '"prompt_lookup_max": 4}\' (default: off; docs/SPECULATIVE.md)')
     a("--tensor-parallel-size", type=int, default=1, help="devices each model replica is split over")
     a("--data-parallel-size", type=int, default=1, help="model replicas, each with its own scheduler")
 

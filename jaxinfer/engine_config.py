@@ -22,6 +22,7 @@ Defaults, by ``platform`` (``jax.default_backend()`` unless given):
 | ``attention_impl`` | ``"auto"``: reference | ``"auto"``: Pallas-Triton | ``"auto"``: Mosaic |
 | ``overlap`` | none | none | none |
 | ``kv_cache_dtype`` | ``"auto"`` (float32 pages) | ``"auto"`` (bfloat16 pages) | ``"auto"`` (bfloat16 pages) |
+| ``speculative_config`` | none | none | none |
 
 Why:
 
@@ -53,6 +54,9 @@ Why:
   per-layer scales, ``jaxinfer.kv_cache_dtype``) halves a bf16 cache and is opt-in, as in vLLM,
   because it costs some accuracy (``benchmarks/results/kv_cache_accuracy.md``). A device
   without FP8 refuses it when the config is resolved, before the cache is allocated.
+- ``speculative_config``: speculative decoding (``jaxinfer.spec_decode``, docs/SPECULATIVE.md) is
+  opt-in: it pays at small batches on text that repeats its context, and a request's drafts need
+  its tokens on the host before the next step is prepared.
 
 ``max_num_seqs`` and ``max_num_batched_tokens`` follow each other: a default ``max_num_seqs``
 is capped at the budget, and a default budget is raised to ``max_num_seqs``, because each
@@ -71,6 +75,7 @@ from jaxinfer.kv_cache_dtype import (KV_CACHE_DTYPES, check_kv_cache_dtype_suppo
                                      storage_dtype)
 from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.memory import DEFAULT_MEMORY_UTILIZATION, num_pages_for_device, pages_for
+from jaxinfer.spec_decode.config import SpeculativeConfig
 from sharding.mesh import tp_size
 
 
@@ -98,8 +103,12 @@ class EngineConfig:
     async_scheduling: bool | None = None
     overlap: object = None  # jaxinfer.compile_options.OverlapConfig: tp communication overlap per phase
     kv_cache_dtype: str | None = None  # "auto" (the serving dtype) or "fp8" (alias "fp8_e4m3")
+    # jaxinfer.spec_decode.SpeculativeConfig, or its dict / JSON (vLLM's keys); None: no speculation.
+    speculative_config: object = None
 
     def __post_init__(self):
+        # A dict or JSON string (LLM, --speculative-config) is checked and parsed now.
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         # What can be checked field by field is checked as soon as it is given.
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages"):
             value = getattr(self, name)

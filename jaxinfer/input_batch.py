@@ -11,8 +11,9 @@ and :class:`PackedStep` names the sequence that owns each row (``sampled``); who
 the output (the engine's output processor, the next step's placeholders) goes through that
 list and never assumes one row per sequence. Today a sequence whose chunk reaches its end
 samples exactly one token, at its own sequence slot; a sequence that puts several rows into
-a step (draft tokens to verify) would add one entry per row, in order, and the last row of
-a sequence is the one its next placeholder reads.
+a step (draft tokens to verify) scores ``k + 1`` rows per slot (``jaxinfer.spec_decode.layout``);
+its ``sampled`` entry names the slot, and the rows it keeps are known once the device has
+decided how many drafts it accepted (``PackedStep.verify``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from jaxinfer.page_allocator import SCRATCH_PAGE
 from jaxinfer.sampling import SamplingTensors
 from jaxinfer.scheduler import Schedule
 from jaxinfer.sequence import PLACEHOLDER_TOKEN, Sequence
+from jaxinfer.spec_decode.layout import VerifyRows, expand_to_rows
 
 # Width of a row's banned-id list (the ids banned before min_tokens); the engine refuses a
 # request that needs more.
@@ -44,6 +46,14 @@ class StepInputs:
     # "basic" or "full", "_masked" when it takes a structured-output token bitmask: which
     # sampler program runs (runner.SAMPLER_PATHS)
     sampler_path: str
+    # A verify step (some sequence carries drafts): [B, k] draft ids and [B] how many are real;
+    # ``sampling`` and ``batch.logits_indices`` then have k + 1 rows per slot. None: a plain step.
+    draft_ids: np.ndarray | None = None
+    num_drafts: np.ndarray | None = None
+
+    @property
+    def is_verify(self) -> bool:
+        return self.draft_ids is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +61,10 @@ class PackedStep:
     """A step's inputs and which sequence owns each row of its sampled tokens."""
 
     inputs: StepInputs
-    # (sequence, row of the sampler output) per token the step samples, in row order.
+    # (sequence, row of the sampler output) per token the step samples, in row order; in a
+    # verify step, (sequence, slot): its rows are ``verify.rows_of(slot, num_accepted)``.
     sampled: list[tuple[Sequence, int]]
+    verify: VerifyRows | None = None
 
     @property
     def wants_logprobs(self) -> bool:
@@ -66,9 +78,12 @@ class PackedStep:
         return {seq.seq_id: row for seq, row in self.sampled}
 
 
-def pack_step(schedule: Schedule, buckets, previous: PackedStep | None, vocab_size: int) -> PackedStep:
+def pack_step(schedule: Schedule, buckets, previous: PackedStep | None, vocab_size: int,
+              num_speculative_tokens: int = 0) -> PackedStep:
     """The inputs of ``schedule``'s step, padded to the smallest of ``buckets`` (a ``runner.Buckets``)
-    that fits; ``previous`` is the step still on the device, whose samples fill placeholders."""
+    that fits; ``previous`` is the step still on the device, whose samples fill placeholders.
+    A schedule whose items carry drafts becomes a verify step of ``num_speculative_tokens + 1``
+    rows per slot."""
     items = schedule.items
     num_tokens = sum(item.num_new_tokens for item in items)
     max_pages = max(len(item.seq.page_table) for item in items)
@@ -85,12 +100,12 @@ def pack_step(schedule: Schedule, buckets, previous: PackedStep | None, vocab_si
     sample_rows, temperatures, seeds, steps = [], [], [], []
     for b, item in enumerate(items):
         seq, start, n = item.seq, item.start_position, item.num_new_tokens
-        if n == 1:  # a decode: its input is usually the placeholder of the step in flight
+        if n == 1 + len(item.draft_token_ids):  # a decode: its input is usually the placeholder of the step in flight
             token = seq.token_ids[start]
             if token == PLACEHOLDER_TOKEN:
                 prev_rows[token_row] = previous_rows[seq.seq_id]
                 token = 0
-            tokens = (token,)
+            tokens = (token, *item.draft_token_ids)
         else:
             tokens = seq.token_ids[start : start + n]
             if seq.has_placeholder:
@@ -114,7 +129,13 @@ def pack_step(schedule: Schedule, buckets, previous: PackedStep | None, vocab_si
     batch = build_step_batch(
         chunks, num_tokens=t_bucket, num_seqs=b_bucket, pages_per_seq=p_bucket, padding_page=SCRATCH_PAGE
     )
-    return PackedStep(StepInputs(batch, sampling, prev_rows, sampler_path), sampled)
+    drafts = [item.draft_token_ids for item in items]
+    if not any(drafts):
+        return PackedStep(StepInputs(batch, sampling, prev_rows, sampler_path), sampled)
+    # The speculator drafts for no step with a constrained row, so a verify step is never masked.
+    batch, sampling, draft_ids, num_drafts = expand_to_rows(batch, sampling, drafts, num_speculative_tokens)
+    verify = VerifyRows(num_speculative_tokens, tuple(len(d) for d in drafts))
+    return PackedStep(StepInputs(batch, sampling, prev_rows, sampler_path, draft_ids, num_drafts), sampled, verify)
 
 
 def empty_step_inputs(num_tokens: int, num_seqs: int, pages_per_seq: int, sampler_path: str = "basic") -> StepInputs:

@@ -41,7 +41,7 @@ class LLM:
         seed: seeds requests that do not set their own ``seed``.
         max_model_len, max_num_seqs, max_num_batched_tokens, page_size, num_pages,
             memory_utilization, enable_prefix_caching, max_wait_s, attention_impl,
-            async_scheduling, overlap, kv_cache_dtype: the ``EngineConfig`` fields; ``None`` (the default) is the
+            async_scheduling, overlap, kv_cache_dtype, speculative_config: the ``EngineConfig`` fields; ``None`` (the default) is the
             platform's default, tabled in ``jaxinfer.engine_config`` and shared with
             ``jaxinfer serve``.
         tensor_parallel_size: devices each replica's layers are split over (heads, ffn, vocabulary).
@@ -69,6 +69,7 @@ class LLM:
         async_scheduling: bool | None = None,
         overlap=None,
         kv_cache_dtype: str | None = None,
+        speculative_config: dict | str | None = None,
         warm_up: bool = True,
         use_tqdm: bool = True,
         loaded: LoadedModel | None = None,
@@ -84,6 +85,7 @@ class LLM:
             page_size=page_size, num_pages=num_pages, memory_utilization=memory_utilization,
             enable_prefix_caching=enable_prefix_caching, max_wait_s=max_wait_s, attention_impl=attention_impl,
             async_scheduling=async_scheduling, overlap=overlap, kv_cache_dtype=kv_cache_dtype,
+            speculative_config=speculative_config,
         )
         self.engine = build_engine(loaded, config, tensor_parallel_size=tensor_parallel_size,
                                    data_parallel_size=data_parallel_size, warm_up=warm_up, use_tqdm=use_tqdm)

@@ -102,14 +102,18 @@ class OutputProcessor:
         now = time.monotonic()
         token_ids, out = fetched.token_ids, fetched.logprobs
         stops = []
+        stopped: set[int] = set()
         for seq, row in sampled:
             request = request_of_seq.get(seq.seq_id)
-            if request is None or seq.is_finished:
-                continue  # aborted or already stopped: this sample is dropped
+            if request is None or seq.is_finished or seq.seq_id in stopped:
+                continue  # aborted or already stopped: this sample (and the rest of its run) is dropped
             token = token_ids[row]
-            # The earliest placeholder is this step's; a later one (the step now running) may follow.
-            index = seq.num_tokens - 1 if seq.token_ids[-2] != PLACEHOLDER_TOKEN else seq.num_tokens - 2
-            seq.set_token(index, token)
+            if seq.has_placeholder:
+                # The earliest placeholder is this step's; a later one (the step now running) may follow.
+                index = seq.num_tokens - 1 if seq.token_ids[-2] != PLACEHOLDER_TOKEN else seq.num_tokens - 2
+                seq.set_token(index, token)
+            else:  # a later token of a verify step's accepted run (jaxinfer.spec_decode)
+                seq.append_token(token)
             self.num_generation_tokens += 1
             i = seq.sampling.index
             request.output_token_ids[i].append(token)
@@ -128,6 +132,7 @@ class OutputProcessor:
             reason = self._stop_reason(request, i, seq, token)
             if reason is not None:
                 stops.append((seq, reason))
+                stopped.add(seq.seq_id)
             changed[request.request_id] = request
         return stops
 

@@ -148,6 +148,24 @@ class PageAllocator:
         seq.num_computed_tokens = 0
         seq.num_registered_pages = 0
 
+    def free_tail(self, seq: Sequence) -> int:
+        """Free ``seq``'s pages wholly past its tokens (rollback of rejected drafts); returns how many.
+
+        Such pages hold only the K/V of rejected drafts: fresh, never registered, owned by
+        ``seq`` alone. ``num_computed_tokens`` must already be rolled back.
+        """
+        num_kept = self.num_pages_for(seq.num_tokens)
+        if seq.num_computed_tokens > num_kept * self.page_size:
+            raise ValueError(f"sequence {seq.seq_id} has computed tokens in the pages it would free")
+        tail = seq.page_table[num_kept:]
+        for page in reversed(tail):
+            if self._ref_counts[page] != 1 or page in self._page_hash:
+                raise AssertionError(f"page {page} past sequence {seq.seq_id}'s tokens is shared or registered")
+            self._ref_counts[page] = 0
+            self._free_pages.append(page)
+        del seq.page_table[num_kept:]
+        return len(tail)
+
     def register_computed(self, seq: Sequence) -> None:
         """Register ``seq``'s newly completed full pages whose K/V are computed and tokens all known.
 

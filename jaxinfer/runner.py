@@ -7,6 +7,11 @@ stay on the device: the next step reads a decode's input token from the previous
 output wherever the host still holds a placeholder (async scheduling), so the host can
 prepare step n+1 while the device runs step n.
 
+With ``num_speculative_tokens`` k > 0 every bucket also has a *verify* step (``jaxinfer.spec_decode``):
+the same forward with ``k + 1`` logits rows per sequence slot, and a verifier in place of the
+sampler that decides on the device how many drafts each sequence keeps. Both are compiled at
+warm-up; a step is a verify step when its inputs carry drafts (``StepInputs.is_verify``).
+
 The forward and the sampler are two programs, and the host picks the sampler path
 ("basic" or "full") by which program it dispatches. One program with a ``lax.cond``
 between the paths compiled the model once per bucket too, but on the GPU a conditional
@@ -43,6 +48,8 @@ from jaxinfer.sampling import SamplerOutput, SamplingFlags, sample
 from jaxinfer.sampling_params import MAX_TOP_LOGPROBS
 from jaxinfer.scheduler import Schedule
 from jaxinfer.structured_output.bitmask import allocate_bitmask, bitmask_width
+from jaxinfer.spec_decode.layout import expand_to_rows
+from jaxinfer.spec_decode.rejection import VerifyOutput, verify
 from jaxinfer.token_history import gather_history, write_tokens
 from sharding.placement import StepPlacement
 
@@ -149,9 +156,12 @@ class ModelRunner:
         mesh=None,
         overlap=None,
         kv_cache_dtype: str = "auto",
+        num_speculative_tokens: int = 0,
     ):
         """``mesh``: a ``sharding.make_mesh`` mesh the model was laid out on (``sharding.shard_model``);
-        ``overlap``: a ``jaxinfer.compile_options.OverlapConfig`` (communication overlap per phase)."""
+        ``overlap``: a ``jaxinfer.compile_options.OverlapConfig`` (communication overlap per phase);
+        ``num_speculative_tokens``: k > 0 compiles verify steps (k + 1 logits rows per sequence
+        slot, ``jaxinfer.spec_decode``) beside the plain ones at warm-up."""
         self.model = model
         self.config = model.config
         self.page_size = page_size
@@ -161,6 +171,7 @@ class ModelRunner:
             max_num_seqs, max_num_batched_tokens, self.max_pages_per_seq, jax.default_backend()
         )
         self.attention_impl = attention_impl
+        self.num_speculative_tokens = num_speculative_tokens
         self.placement = StepPlacement(self.config, mesh)
         self._input_observer: Callable[[StepInputs], None] | None = None
         self.cache = create_kv_cache(
@@ -190,6 +201,11 @@ class ModelRunner:
             static_argnames=("packing", "sampler_path"),
             **self.placement.jit_kwargs(),
         )
+        self._verifier = jax.jit(
+            functools.partial(_verify_step, num_padded=self.buckets.num_seqs[-1]),
+            static_argnames=("packing", "sampler_path"),
+            **self.placement.jit_kwargs(),
+        )
         self.warmup_done = False
 
     def warm_up(self, use_tqdm: bool = True, num_threads: int | None = None) -> float:
@@ -200,9 +216,11 @@ class ModelRunner:
         """
         start = time.perf_counter()
         shapes = self.buckets.all()
-        all_inputs = [self.empty_inputs(t, b, p) for t, b, p in shapes]
-        sampler_inputs = [self.empty_inputs(t, b, p, path)
-                          for t, b, p in self._sampler_shapes() for path in SAMPLER_PATHS]
+        kinds = (False, True) if self.num_speculative_tokens else (False,)
+        all_inputs = [self.empty_inputs(t, b, p, verify=v) for t, b, p in shapes for v in kinds]
+        sampler_inputs = [self.empty_inputs(t, b, p, path, verify=v)
+                          for t, b, p in self._sampler_shapes() for path in SAMPLER_PATHS for v in kinds
+                          if not (v and path in MASKED_SAMPLER_PATHS)]  # a verify step is never masked
         jobs = [functools.partial(self._compile, inputs) for inputs in all_inputs]
         jobs += [functools.partial(self._compile_sampler, inputs) for inputs in sampler_inputs]
         num_threads = num_threads or min(len(jobs), max(1, (os.cpu_count() or 1) // 2))
@@ -211,7 +229,7 @@ class ModelRunner:
             for _ in tqdm(compiled, total=len(jobs), desc="Compiling", unit="program", disable=not use_tqdm):
                 pass
         for inputs in [*all_inputs, *sampler_inputs]:
-            jax.block_until_ready(self.execute(inputs).token_ids)
+            jax.block_until_ready(self.execute(inputs))
         self.warmup_done = True
         self._cache_size_after_warmup = self._num_compiled()
         seconds = time.perf_counter() - start
@@ -227,11 +245,15 @@ class ModelRunner:
     def _compile_sampler(self, inputs: StepInputs) -> None:
         args, kwargs = self._sampler_call(inputs)
         with self.placement.context():
-            self._sampler.lower(*args, **kwargs).compile()
+            if inputs.is_verify:  # the verifier takes no bitmask
+                self._verifier.lower(*args[:3], **kwargs).compile()
+            else:
+                self._sampler.lower(*args, **kwargs).compile()
 
     def _sampler_call(self, inputs: StepInputs):
         """The sampler's arguments for ``inputs``, its logits as a shape: what warm-up compiles."""
-        logits = jax.ShapeDtypeStruct((inputs.batch.num_seqs, self.config.vocab_size), jnp.float32,
+        num_rows = inputs.batch.logits_indices.shape[0]
+        logits = jax.ShapeDtypeStruct((num_rows, self.config.vocab_size), jnp.float32,
                                       sharding=self.placement.replicated)
         packed, packing = pack_host_arrays(_sampler_tree(inputs))
         packed = jax.device_put(packed, self.placement.replicated)
@@ -251,11 +273,17 @@ class ModelRunner:
 
     @property
     def num_programs(self) -> int:
-        """Programs compiled at warm-up: one forward per bucket, a sampler per path per sequence bucket."""
-        return len(self.buckets.all()) + len(SAMPLER_PATHS) * len(self._sampler_shapes())
+        """Programs compiled at warm-up: one forward per bucket, a sampler per path per sequence bucket;
+        with speculation also a verify forward per bucket and a verifier per unmasked path (a verify
+        step is never masked)."""
+        samplers = len(SAMPLER_PATHS) * len(self._sampler_shapes())
+        if not self.num_speculative_tokens:
+            return len(self.buckets.all()) + samplers
+        verifiers = (len(SAMPLER_PATHS) - len(MASKED_SAMPLER_PATHS)) * len(self._sampler_shapes())
+        return 2 * len(self.buckets.all()) + samplers + verifiers
 
     def _num_compiled(self) -> int:
-        return self._step._cache_size() + self._sampler._cache_size()
+        return self._step._cache_size() + self._sampler._cache_size() + self._verifier._cache_size()
 
     @property
     def num_compilations_after_warmup(self) -> int:
@@ -263,14 +291,21 @@ class ModelRunner:
             return 0
         return self._num_compiled() - self._cache_size_after_warmup
 
-    def empty_inputs(self, num_tokens: int, num_seqs: int, pages_per_seq: int, sampler_path: str = "basic") -> StepInputs:
-        """Inputs of a step of this bucket that computes nothing (warm-up; a template to receive into)."""
-        return empty_step_inputs(num_tokens, num_seqs, pages_per_seq, sampler_path)
+    def empty_inputs(self, num_tokens: int, num_seqs: int, pages_per_seq: int, sampler_path: str = "basic",
+                     verify: bool = False) -> StepInputs:
+        """Inputs of a step of this bucket that computes nothing (warm-up; a template to receive into);
+        ``verify``: of the verify step of this bucket (``num_speculative_tokens`` > 0)."""
+        inputs = empty_step_inputs(num_tokens, num_seqs, pages_per_seq, sampler_path)
+        if not verify:
+            return inputs
+        batch, sampling, draft_ids, num_drafts = expand_to_rows(inputs.batch, inputs.sampling, [],
+                                                                self.num_speculative_tokens)
+        return dataclasses.replace(inputs, batch=batch, sampling=sampling, draft_ids=draft_ids, num_drafts=num_drafts)
 
     def prepare(self, schedule: Schedule, previous: PackedStep | None) -> PackedStep:
         """Pack ``schedule``'s step into the smallest bucket that fits; ``previous`` is the step
         still on the device, whose sampled tokens fill this one's placeholders."""
-        return pack_step(schedule, self.buckets, previous, self.config.vocab_size)
+        return pack_step(schedule, self.buckets, previous, self.config.vocab_size, self.num_speculative_tokens)
 
     def observe_inputs(self, observer: Callable[[StepInputs], None] | None) -> None:
         """Have ``observer`` see every step's inputs before the step is dispatched (``None``: stop).
@@ -284,8 +319,9 @@ class ModelRunner:
     def is_observed(self) -> bool:
         return self._input_observer is not None
 
-    def execute(self, inputs: StepInputs, token_bitmask: Callable[[], np.ndarray] | None = None) -> SamplerOutput:
-        """Dispatch one step (asynchronously: nothing here waits for the device); returns the sampler output.
+    def execute(self, inputs: StepInputs, token_bitmask: Callable[[], np.ndarray] | None = None) -> SamplerOutput | VerifyOutput:
+        """Dispatch one step (asynchronously: nothing here waits for the device); returns the sampler
+        output, or a verify step's ``VerifyOutput`` (accepted counts and tokens, still on the device).
 
         ``token_bitmask`` (a "_masked" path): called after the forward is dispatched, so the
         host computes the structured-output mask [B, ceil(V/32)] while the device runs the
@@ -296,13 +332,17 @@ class ModelRunner:
         fn, args, kwargs, (sampler_packed, sampler_packing) = self._calls(inputs)
         with self.placement.context():
             (logits, self.token_pages), self.cache = fn(*args, **kwargs)
-            bitmask = None
-            if inputs.sampler_path in MASKED_SAMPLER_PATHS:
-                host_mask = (token_bitmask() if token_bitmask is not None
-                             else allocate_bitmask(inputs.batch.num_seqs, self.config.vocab_size))
-                bitmask = jax.device_put(host_mask, self.placement.replicated)
-            out = self._sampler(logits, self.token_pages, sampler_packed, bitmask, packing=sampler_packing,
-                                sampler_path=inputs.sampler_path)
+            if inputs.is_verify:
+                out = self._verifier(logits, self.token_pages, sampler_packed, packing=sampler_packing,
+                                     sampler_path=inputs.sampler_path)
+            else:
+                bitmask = None
+                if inputs.sampler_path in MASKED_SAMPLER_PATHS:
+                    host_mask = (token_bitmask() if token_bitmask is not None
+                                 else allocate_bitmask(inputs.batch.num_seqs, self.config.vocab_size))
+                    bitmask = jax.device_put(host_mask, self.placement.replicated)
+                out = self._sampler(logits, self.token_pages, sampler_packed, bitmask, packing=sampler_packing,
+                                    sampler_path=inputs.sampler_path)
         self.last_sampled = out.token_ids_padded
         return out.sampler
 
@@ -323,7 +363,10 @@ class ModelRunner:
 
 
 def _sampler_tree(inputs: StepInputs):
-    """What the sampler program reads: the sampling tensors and, for the penalties' history, the page tables."""
+    """What the sampler program reads: the sampling tensors and, for the penalties' history, the page
+    tables; a verify step's also its drafts."""
+    if inputs.is_verify:
+        return inputs.sampling, inputs.batch.page_tables, inputs.batch.kv_lens, inputs.draft_ids, inputs.num_drafts
     return inputs.sampling, inputs.batch.page_tables, inputs.batch.kv_lens
 
 
@@ -367,7 +410,7 @@ def unpack_device_arrays(packed: jax.Array, packing: tuple):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class _SamplerStepOutput:
-    sampler: SamplerOutput
+    sampler: SamplerOutput | VerifyOutput
     token_ids_padded: jax.Array  # [max_num_seqs]: what the next step's placeholders read
 
 
@@ -404,4 +447,28 @@ def _sample_step(logits, token_pages, packed, token_bitmask, *, packing, sampler
         out = dataclasses.replace(out, top_logprob_ids=jnp.zeros((rows, k), jnp.int32),
                                   top_logprob_values=jnp.zeros((rows, k), jnp.float32))
     padded = jnp.zeros((num_padded,), jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
+    return _SamplerStepOutput(out, padded)
+
+
+def _verify_step(logits, token_pages, packed, *, packing, sampler_path, num_padded):
+    """A verify step's sampler (``jaxinfer.spec_decode.rejection``): logits [B * (k + 1), V], one row per
+    slot and position; the next step's placeholders read each slot's token after its accepted run."""
+    sampling, page_tables, kv_lens, draft_ids, num_drafts = unpack_device_arrays(packed, packing)
+    flags = SAMPLER_PATHS[sampler_path]
+    rows_per_slot = draft_ids.shape[1] + 1
+    if flags.any_penalties:
+        # Only a slot's first row may have penalties (a sequence with penalties does not speculate),
+        # so every row of a slot reads the slot's history.
+        history_ids, history_is_output = gather_history(
+            token_pages, page_tables, kv_lens, sampling.num_prompt_tokens[::rows_per_slot])
+        sampling = dataclasses.replace(sampling, history_ids=jnp.repeat(history_ids, rows_per_slot, axis=0),
+                                       history_is_output=jnp.repeat(history_is_output, rows_per_slot, axis=0))
+    out = verify(logits, sampling, flags, draft_ids, num_drafts)
+    k = SAMPLER_PATHS["full"].num_top_logprobs
+    if flags.num_top_logprobs < k:
+        rows = logits.shape[0]
+        out = dataclasses.replace(out, sampler=dataclasses.replace(
+            out.sampler, top_logprob_ids=jnp.zeros((rows, k), jnp.int32),
+            top_logprob_values=jnp.zeros((rows, k), jnp.float32)))
+    padded = jnp.zeros((num_padded,), jnp.int32).at[: out.last_token.shape[0]].set(out.last_token)
     return _SamplerStepOutput(out, padded)

@@ -2,7 +2,8 @@
 
 Each ``schedule()`` spends one ``max_num_batched_tokens`` budget over, in order:
 
-1. running sequences that decode (one uncomputed token: the last sampled one), 1 token each;
+1. running sequences that decode (one uncomputed token: the last sampled one), 1 token each,
+   plus the drafts the speculator gave them (``seq.draft_token_ids``) to verify;
 2. running sequences part-way through a chunked prefill, as much of the rest as fits;
 3. waiting sequences, first come first served, starting after their cached prefix.
 
@@ -69,6 +70,9 @@ class ScheduledSeq:
     # The chunk reaches the end of the sequence's known tokens, so the step samples its next
     # token from the last row's logits. False for all but the last chunk of a prefill.
     samples_token: bool
+    # Drafts to verify after the decode's input token (jaxinfer.spec_decode): they are the last
+    # len(draft_token_ids) of the num_new_tokens inputs, and the step keeps those it accepts.
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +197,7 @@ class Scheduler:
                 continue  # preempted for an earlier sequence of this loop
             if seq.num_tokens > self.config.max_model_len:
                 raise RuntimeError(f"the engine must finish sequences at max_model_len: {seq}")
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens + len(seq.draft_token_ids), budget)
             while not self.allocator.allocate_slots(seq, num_new):
                 victim = next(s for s in reversed(self.running) if s is seq or s.seq_id not in scheduled_ids)
                 self._preempt(victim)
@@ -201,7 +205,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                items.append(self._item(seq, num_new))
+                items.append(self._item(seq, num_new, tuple(seq.draft_token_ids[: num_new - seq.num_uncomputed_tokens])))
                 scheduled_ids.add(seq.seq_id)
                 budget -= num_new
         return items, preempted, budget
@@ -260,6 +264,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     @staticmethod
-    def _item(seq: Sequence, num_new: int) -> ScheduledSeq:
+    def _item(seq: Sequence, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledSeq:
         start = seq.num_computed_tokens
-        return ScheduledSeq(seq, num_new, start, samples_token=start + num_new == seq.num_tokens)
+        return ScheduledSeq(seq, num_new, start, samples_token=start + num_new - len(drafts) == seq.num_tokens,
+                            draft_token_ids=drafts)

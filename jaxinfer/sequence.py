@@ -64,6 +64,9 @@ class Sequence:
         # it has already offered to the prefix cache.
         self.page_hashes: list[bytes] = []
         self.num_registered_pages = 0
+        # Set by the speculator before each schedule (jaxinfer.spec_decode): tokens proposed to
+        # follow token_ids, verified by the next step. Never part of token_ids.
+        self.draft_token_ids: list[int] = []
         self._num_placeholders = 0
 
     @property

@@ -198,3 +198,10 @@ def test_structured_output_host_fill_completes(tmp_path):
                 "--vocab-size", "600", "--batch", "8", "--steps", "12"], tmp_path)
     results = json.loads((host / "structured_output_host.json").read_text())
     assert results["fill"]["p99_ms"] > 0 and results["batch"] == 8 and results["tokenizer_vocab"] == 512
+
+
+def test_spec_decode_step_cost_completes(tmp_path):
+    run_script([BENCHMARKS / "spec_decode.py", "step-cost", "--out", tmp_path, "--shape", "tiny", "--steps", "2",
+                "--context", "128"], tmp_path)
+    rows = json.loads((tmp_path / "spec_step_cost.json").read_text())["rows"]
+    assert [row["k"] for row in rows] == list(range(1, 9))

@@ -35,6 +35,10 @@ _ENGINE_COUNTERS = {
     "num_preemptions": ("num_preemptions", "Cumulative number of preemption from the engine."),
     "prompt_tokens_total": ("prompt_tokens", "Number of prefill tokens processed."),
     "generation_tokens_total": ("generation_tokens", "Number of generation tokens processed."),
+    # Present only with speculative decoding (jaxinfer.spec_decode).
+    "spec_decode_num_drafts": ("spec_decode_num_drafts", "Number of spec decoding drafts."),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Number of draft tokens."),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Number of accepted tokens."),
 }
 
 
@@ -75,6 +79,9 @@ class ServerMetrics:
         self.num_prompt_scoring_programs = gauge(
             "num_prompt_scoring_programs",
             "Prompt-logprob programs compiled on first use, one per prompt-length bucket (each stalls its request).")
+        self.spec_decode_mean_acceptance_length = gauge(
+            "spec_decode_mean_acceptance_length",
+            "Tokens per verify step of a speculating sequence: accepted drafts + 1 (1 without speculation).")
         self.server_waiting = gauge("server_num_requests_waiting",
                                     "Requests admitted by the HTTP server that have not produced a token yet.")
         self.engine_counters = {key: counter(name, doc) for key, (name, doc) in _ENGINE_COUNTERS.items()}
@@ -123,6 +130,8 @@ class ServerMetrics:
         self.num_pages_used.set(stats.get("num_pages_used", 0))
         self.num_compilations.set(stats.get("num_compilations_after_warmup", 0))
         self.num_prompt_scoring_programs.set(stats.get("num_prompt_scoring_programs", 0))
+        if "spec_decode_mean_acceptance_length" in stats:
+            self.spec_decode_mean_acceptance_length.set(stats["spec_decode_mean_acceptance_length"])
         for key, counter in self.engine_counters.items():
             total = stats.get(key)
             if total is None:

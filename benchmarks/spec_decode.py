@@ -1,0 +1,288 @@
+"""Speculative decoding: acceptance on real weights, and the verify step's cost on the GPU.
+
+    python benchmarks/spec_decode.py acceptance --out DIR [--model smollm2-135m-instruct] [--ks 2 4 8]
+    python3 benchmarks/spec_decode.py step-cost --out DIR [--shape llama-3.1-8b] [--acceptance DIR/spec_acceptance.json ...]
+
+``acceptance`` (the ``latency-spec`` workload of shared/BENCHMARKS.md; CPU is fine): the default
+model with real weights, greedy, one request at a time (batch 1), 128 output tokens, on two
+prompt sets: *copy-heavy* (repeat, quote or edit a given passage; change code) and *plain
+chat*. For each set and each ``k`` it reports the mean acceptance length (tokens a verify
+step gives: accepted drafts + 1), the tokens per target step over the whole output (steps
+without a draft count as 1), whether the output is token-identical to speculation off, and
+the wall time per output token beside speculation off (on a CPU the step is compute-bound,
+so the wall-time ratio says little about a GPU: see ``step-cost``).
+
+``step-cost`` (the GPU; Llama-3.1-8B shapes, random bf16 weights, batch 1, a 1,024-token
+context): the engine's own programs (``ModelRunner.execute``: forward + sampler, or forward +
+verifier) for a plain decode step and a verify step with k = 1..8 drafts, measured in the
+same process two ways: back to back (the device's time per step; the plain engine overlaps
+the host with it) and one at a time, each step's accepted count read by the host before the
+next is dispatched (what a speculating sequence pays, since its next drafts continue the
+accepted tokens). Random weights give meaningless acceptance, so acceptance comes from the
+``acceptance`` run's JSON (``--acceptance``): the effective time per output token is
+
+    t_eff(k) = t_verify_sync(k) / L(k)    against    t_plain = t_plain_back_to_back
+
+where L(k) is the tokens per target step measured on real weights (a step without a draft
+costs a plain synchronous step and gives one token; the JSON's ``tokens_per_step`` already
+counts those). Writes DIR/spec_acceptance.* or DIR/spec_step_cost.{json,md,log}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from common import Log, header, write_results  # noqa: E402
+
+PASSAGE = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk. He wiped the salt from the "
+    "great lens, trimmed the wick, and wrote the weather in a leather book: wind from the north-west, "
+    "swell moderate, two fishing boats returning late. In forty years he had missed the lamp only once, "
+    "on the night his daughter was born, and the harbour master had forgiven him with a bottle of rum."
+)
+CODE = '''def moving_average(values, window):
+    """Mean of each run of `window` consecutive values."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    averages = []
+    for start in range(len(values) - window + 1):
+        chunk = values[start:start + window]
+        averages.append(sum(chunk) / window)
+    return averages
+'''
+COPY_HEAVY = [
+    f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}",
+    f"Fix any spelling mistakes in this text and output the whole corrected text:\n\n{PASSAGE.replace('weather', 'wether')}",
+    f"Rename the function `moving_average` to `rolling_mean` and output the full updated code:\n\n{CODE}",
+    f"Add type hints to this Python function and output the complete function:\n\n{CODE}",
+    f"Quote the sentence about the harbour master from this passage, then explain it:\n\n{PASSAGE}",
+    f"Convert this function to use a list comprehension and show the whole new function:\n\n{CODE}",
+]
+CHAT = [
+    "What is the capital of France, and what is it famous for?",
+    "Write a short poem about the sea at night.",
+    "Give me three tips for learning a new language.",
+    "Explain in simple words how a rainbow forms.",
+    "What should I pack for a weekend hiking trip?",
+    "Why do cats purr?",
+]
+
+
+def run_plain(llm_plain, prompts, max_tokens):
+    """Speculation off, greedy, one request at a time: each prompt's (output token ids, seconds)."""
+    from jaxinfer import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    results = {}
+    for prompt in prompts:
+        start = time.perf_counter()
+        out = llm_plain.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0].outputs[0]
+        results[prompt] = (out.token_ids, time.perf_counter() - start)
+    return results
+
+
+def run_set(plain_results, llm_spec, prompts, max_tokens):
+    """Greedy, one request at a time, through the chat template: per-set acceptance and timing."""
+    from jaxinfer import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    totals = dict(output_tokens=0, accepted=0, drafts=0, draft_tokens=0, identical=0, plain_s=0.0, spec_s=0.0)
+    per_prompt = []
+    for prompt in prompts:
+        messages = [{"role": "user", "content": prompt}]
+        plain_ids, plain_s = plain_results[prompt]
+        totals["plain_s"] += plain_s
+        before = llm_spec.engine.stats()
+        start = time.perf_counter()
+        spec = llm_spec.chat(messages, params, use_tqdm=False)[0].outputs[0]
+        totals["spec_s"] += time.perf_counter() - start
+        after = llm_spec.engine.stats()
+        accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+        per_prompt.append(dict(prompt=prompt[:60], output_tokens=len(spec.token_ids),
+                               tokens_per_step=len(spec.token_ids) / max(1, len(spec.token_ids) - accepted)))
+        totals["output_tokens"] += len(spec.token_ids)
+        totals["accepted"] += accepted
+        totals["drafts"] += after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
+        totals["draft_tokens"] += after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+        totals["identical"] += int(spec.token_ids == plain_ids)
+    # Every target step (prefill's first token included) gives 1 token plus what it accepted.
+    steps = totals["output_tokens"] - totals["accepted"]
+    return dict(
+        totals,
+        num_prompts=len(prompts),
+        mean_acceptance_length=1 + totals["accepted"] / max(1, totals["drafts"]),
+        acceptance_rate=totals["accepted"] / max(1, totals["draft_tokens"]),
+        tokens_per_step=totals["output_tokens"] / max(1, steps),
+        share_of_steps_with_drafts=totals["drafts"] / max(1, steps),
+        wall_ratio_spec_over_plain=totals["spec_s"] / max(1e-9, totals["plain_s"]),
+        per_prompt=per_prompt,
+    )
+
+
+def acceptance(args, log):
+    from jaxinfer import LLM
+    from jaxinfer.checkpoint import load_model
+
+    dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    model = load_model(args.model, dtype=dtype)
+    options = dict(max_model_len=1024, max_num_seqs=1, max_num_batched_tokens=256, use_tqdm=False, max_wait_s=0.0,
+                   enable_prefix_caching=False)
+    plain = LLM(loaded=model, **options)
+    sets = (("copy-heavy", COPY_HEAVY), ("chat", CHAT))
+    plain_results = {name: run_plain(plain, prompts, args.max_tokens) for name, prompts in sets}
+    del plain
+    rows = []
+    for k in args.ks:
+        spec = LLM(loaded=model, speculative_config={"method": "ngram", "num_speculative_tokens": k,
+                                                     "prompt_lookup_max": args.lookup_max,
+                                                     "prompt_lookup_min": args.lookup_min}, **options)
+        for name, prompts in sets:
+            row = dict(set=name, k=k, **run_set(plain_results[name], spec, prompts, args.max_tokens))
+            rows.append(row)
+            log(f"{name:10s} k={k}: acceptance length {row['mean_acceptance_length']:.2f} per verify step, "
+                f"{row['tokens_per_step']:.2f} tokens per target step, drafts in {row['share_of_steps_with_drafts']:.0%} "
+                f"of steps, rate {row['acceptance_rate']:.0%}, identical {row['identical']}/{row['num_prompts']}, "
+                f"wall spec/plain {row['wall_ratio_spec_over_plain']:.2f}; per prompt "
+                + ", ".join(f"{p['tokens_per_step']:.2f}" for p in row["per_prompt"]))
+        assert spec.engine.stats()["num_compilations_after_warmup"] == 0
+        del spec
+    md = [f"# Speculative decoding acceptance, {args.model} ({dtype}, n-gram, greedy, batch 1)", "",
+          f"Command: `{header_command()}`", "",
+          "| set | k | acceptance length | tokens / target step | steps with drafts | acceptance rate | identical | wall spec/plain |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        md.append(f"| {r['set']} | {r['k']} | {r['mean_acceptance_length']:.2f} | {r['tokens_per_step']:.2f} | "
+                  f"{r['share_of_steps_with_drafts']:.0%} | {r['acceptance_rate']:.0%} | {r['identical']}/{r['num_prompts']} | "
+                  f"{r['wall_ratio_spec_over_plain']:.2f} |")
+    return {"rows": rows}, md
+
+
+def header_command():
+    return "python " + " ".join(sys.argv)
+
+
+def step_cost(args, log):
+    import jax.numpy as jnp
+
+    from common import measure_ceilings, random_model
+    from jaxinfer.batch import build_step_batch
+    from jaxinfer.input_batch import StepInputs
+    from jaxinfer.memory import weight_bytes
+    from jaxinfer.runner import ModelRunner
+    from jaxinfer.sampling import SamplingTensors
+    from jaxinfer.spec_decode.layout import expand_to_rows
+
+    ceilings = measure_ceilings(log)
+    model = random_model(args.shape)
+    config = model.config
+    per_token = weight_bytes(config, 2)
+    roofline_ms = per_token / (ceilings["hbm_read_tbs"] * 1e12) * 1e3
+    log(f"roofline (every weight read once): {per_token / 1e9:.2f} GB -> {roofline_ms:.3f} ms")
+    page_size, context = 32, args.context
+    pages = list(range(1, context // page_size + 3))
+
+    def inputs_for(runner, num_drafts):
+        tokens = [7] * (1 + num_drafts)
+        t, b, p = runner.buckets.pick(len(tokens), 1, len(pages))
+        batch = build_step_batch([(tokens, context, pages)], num_tokens=t, num_seqs=b, pages_per_seq=p)
+        sampling = SamplingTensors.neutral(b, 0, 16)
+        inputs = StepInputs(batch, sampling, np.full(t, -1, np.int32), "basic")
+        if runner.num_speculative_tokens == 0:
+            return inputs
+        batch, sampling, draft_ids, counts = expand_to_rows(batch, sampling, [tuple(tokens[1:])],
+                                                            runner.num_speculative_tokens)
+        return dataclasses.replace(inputs, batch=batch, sampling=sampling, draft_ids=draft_ids, num_drafts=counts)
+
+    def time_steps(runner, inputs, synchronous):
+        def one():
+            out = runner.execute(inputs)
+            if synchronous:  # what the host reads before it can draft the next step
+                np.asarray(out.num_accepted if inputs.is_verify else out.token_ids)
+            return out
+
+        for _ in range(3):
+            jax.block_until_ready(one())
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                out = one()
+            jax.block_until_ready(out)
+            best = min(best, (time.perf_counter() - start) / args.steps)
+        return best
+
+    def runner_for(k):
+        return ModelRunner(model, num_pages=len(pages) + 2, page_size=page_size, max_model_len=context + 64 * page_size,
+                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(16, args.max_num_seqs),
+                           num_speculative_tokens=k)
+
+    plain_runner = runner_for(0)
+    plain = {mode: time_steps(plain_runner, inputs_for(plain_runner, 0), mode == "sync") for mode in ("async", "sync")}
+    del plain_runner
+    log(f"plain decode step: {plain['async'] * 1e3:.3f} ms back to back, {plain['sync'] * 1e3:.3f} ms one at a time "
+        f"({plain['async'] * 1e3 / roofline_ms:.2f}x roofline)")
+    acceptance_rows = [row for path in args.acceptance or [] for row in json.loads(Path(path).read_text())["rows"]]
+    rows = []
+    for k in range(1, 9):
+        runner = runner_for(k)
+        cost = {mode: time_steps(runner, inputs_for(runner, k), mode == "sync") for mode in ("async", "sync")}
+        row = dict(k=k, verify_ms=cost["async"] * 1e3, verify_sync_ms=cost["sync"] * 1e3,
+                   ratio_to_plain=cost["async"] / plain["async"], sync_ratio_to_plain=cost["sync"] / plain["async"])
+        for acc in acceptance_rows:
+            if acc["k"] == k:
+                row[f"effective_ms_{acc['set']}"] = cost["sync"] * 1e3 / acc["tokens_per_step"]
+        rows.append(row)
+        log(f"k={k}: verify step {row['verify_ms']:.3f} ms ({row['ratio_to_plain']:.3f}x plain) back to back, "
+            f"{row['verify_sync_ms']:.3f} ms one at a time ({row['sync_ratio_to_plain']:.3f}x plain)"
+            + "".join(f"; effective {v:.3f} ms/token ({key[13:]})" for key, v in row.items() if key.startswith("effective")))
+        del runner
+    md = [f"# Verify step cost, {args.shape}, batch 1, context {context}", "", f"Command: `{header_command()}`  ",
+          f"roofline {roofline_ms:.3f} ms; plain decode {plain['async'] * 1e3:.3f} ms back to back, "
+          f"{plain['sync'] * 1e3:.3f} ms one at a time", "",
+          "effective ms/token = verify step one at a time / tokens per target step (measured on real weights).", "",
+          "| k | verify ms | x plain | one at a time ms | x plain | effective ms/token (copy-heavy) | (chat) |",
+          "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        md.append(f"| {r['k']} | {r['verify_ms']:.3f} | {r['ratio_to_plain']:.3f} | {r['verify_sync_ms']:.3f} | "
+                  f"{r['sync_ratio_to_plain']:.3f} | {r.get('effective_ms_copy-heavy', float('nan')):.3f} | "
+                  f"{r.get('effective_ms_chat', float('nan')):.3f} |")
+    return {"ceilings": ceilings, "roofline_ms": roofline_ms, "plain_ms": plain["async"] * 1e3,
+            "plain_sync_ms": plain["sync"] * 1e3, "rows": rows}, md
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=("acceptance", "step-cost"))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--lookup-max", type=int, default=4)
+    parser.add_argument("--lookup-min", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--max-num-seqs", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--acceptance", nargs="+",
+                        help="spec_acceptance.json files of acceptance runs, for the effective time per token")
+    args = parser.parse_args()
+    log = Log()
+    info = header(log)
+    results, md = acceptance(args, log) if args.mode == "acceptance" else step_cost(args, log)
+    name = "spec_acceptance" if args.mode == "acceptance" else "spec_step_cost"
+    write_results(args.out, name, {"info": info, "args": vars(args) | {"out": str(args.out)}, **results},
+                  "\n".join(md) + "\n", log)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,12 @@
+"""Speculative decoding: propose draft tokens cheaply, verify them all in one target step.
+
+- ``config``: :class:`SpeculativeConfig`, what ``LLM(speculative_config=...)`` and
+  ``--speculative-config`` accept (vLLM's keys).
+- ``ngram``: the prompt-lookup proposer (numpy, on the host).
+- ``rejection``: exact verification on the device (greedy prefix match; rejection sampling).
+- ``layout``: how a step with drafts lays its rows out (``num_seqs x (k + 1)`` logits rows).
+- ``speculator``: the policy (who speculates, how many drafts), rollback after a verify step,
+  and the acceptance counters.
+
+docs/SPECULATIVE.md walks one verify step through the engine.
+"""

@@ -1,0 +1,153 @@
+"""Draft-model proposer: a small model sharing the target's tokenizer drafts ``k`` tokens greedily.
+
+The draft model has its own paged KV cache (its own layers and heads) indexed by the *target's*
+page tables: a draft position lives in the same page id and slot as the target's, so it needs
+no allocator of its own, and the target's pages (allocated here for the drafts before the
+schedule, freed by the rollback) cover both. Per drafting round, one jitted program per bucket:
+
+1. catch-up: the draft computes the tokens it has not seen yet (the prompt on first use, then
+   the accepted tokens of the last verify step), as a ragged batch like the target's prefill;
+   its logits at each sequence's last token give the first draft;
+2. ``k - 1`` decode steps on the device, each feeding the previous draft back (no host trip).
+
+Drafts are the draft model's argmax: a point mass ``q``, which the verifier's rejection
+sampling handles exactly for greedy and random targets alike, and which needs no draft
+distribution kept per token. A sequence whose prompt pages came from the prefix cache still
+runs its whole prompt through the draft once: the draft's K/V of a shared page is only there
+if some earlier sequence drafted over it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.batch import StepBatch, build_step_batch
+from jaxinfer.kv_cache import create_kv_cache
+from jaxinfer.loaded_model import LoadedModel
+from jaxinfer.model import forward
+from jaxinfer.page_allocator import SCRATCH_PAGE, PageAllocator
+from jaxinfer.sequence import Sequence
+
+
+def _draft_round(weights, cache, batch: StepBatch, *, config, attention_impl, num_drafts):
+    """Catch-up over ``batch`` then ``num_drafts - 1`` greedy decode steps: drafts [B, num_drafts] and the cache."""
+    logits, cache = forward(weights, cache, batch, config, attention_impl)
+    token = jnp.argmax(logits, axis=1).astype(jnp.int32)  # [B]
+    drafts = [token]
+    num_slots = batch.kv_lens.shape[0]
+    is_real = batch.kv_lens > 0
+    cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(is_real, dtype=jnp.int32)])
+    for i in range(1, num_drafts):
+        step = StepBatch(
+            token_ids=token,
+            positions=batch.kv_lens + i - 1,
+            cu_q_lens=cu_q_lens,
+            kv_lens=jnp.where(is_real, batch.kv_lens + i, 0),
+            page_tables=batch.page_tables,
+            logits_indices=jnp.arange(num_slots, dtype=jnp.int32),
+        )
+        logits, cache = forward(weights, cache, step, config, attention_impl)
+        token = jnp.argmax(logits, axis=1).astype(jnp.int32)
+        drafts.append(token)
+    return jnp.stack(drafts, axis=1), cache
+
+
+class DraftModelProposer:
+    """Drafts for a batch of sequences with ``model``; see the module docstring."""
+
+    def __init__(self, model: LoadedModel, *, target_vocab_size: int, num_pages: int, page_size: int,
+                 buckets, num_speculative_tokens: int, allocator: PageAllocator, attention_impl: str = "auto"):
+        if model.config.vocab_size > target_vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({model.config.vocab_size}) is larger than the target's "
+                             f"({target_vocab_size}): they must share the tokenizer")
+        self.model = model
+        self.buckets = buckets
+        self.k = num_speculative_tokens
+        self.allocator = allocator
+        self.cache = create_kv_cache(model.config, num_pages, page_size, model.weights.embed.dtype)
+        self._round = jax.jit(
+            functools.partial(_draft_round, config=model.config, attention_impl=attention_impl,
+                              num_drafts=num_speculative_tokens),
+            donate_argnames=("cache",),
+        )
+        # seq_id -> (num_preemptions, tokens whose draft K/V is in the cache): a preemption frees
+        # the pages, so the draft starts over with the sequence.
+        self._computed: dict[int, tuple[int, int]] = {}
+        self._num_compiled_after_warmup = None
+
+    def warm_up(self) -> None:
+        """Compile the round of every bucket now, each run once on empty inputs."""
+        for t, b, p in self.buckets.all():
+            batch = build_step_batch([], num_tokens=t, num_seqs=b, pages_per_seq=p, padding_page=SCRATCH_PAGE)
+            drafts, self.cache = self._round(self.model.weights, self.cache, jax.tree.map(jnp.asarray, batch))
+        jax.block_until_ready(self.cache)
+        self._num_compiled_after_warmup = self._round._cache_size()
+
+    @property
+    def num_compilations_after_warmup(self) -> int:
+        if self._num_compiled_after_warmup is None:
+            return 0
+        return self._round._cache_size() - self._num_compiled_after_warmup
+
+    def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
+        """Up to ``rooms[i]`` drafts for each of ``seqs`` (running decodes with every token known).
+
+        Takes the pages the drafts need now (the verify step needs the same ones); a sequence
+        that cannot get them gets no drafts.
+        """
+        chosen = [(seq, room) for seq, room in zip(seqs, rooms)
+                  if room > 0 and self.allocator.allocate_slots(seq, 1 + self.k)]
+        if not chosen:
+            return [[] for _ in seqs]
+        drafts_of: dict[int, list[int]] = {}
+        pending = [(seq, room, self._start(seq)) for seq, room in chosen]
+        max_tokens, max_seqs = self.buckets.num_tokens[-1], self.buckets.num_seqs[-1]
+        while pending:
+            # One round over as many sequences' catch-up chunks as the largest bucket holds; a
+            # sequence whose chunk does not reach its last token goes round again.
+            chunks, budget, rest = [], max_tokens, []
+            for seq, room, start in pending:
+                if len(chunks) == max_seqs or budget == 0:
+                    rest.append((seq, room, start))
+                    continue
+                end = min(seq.num_tokens, start + budget)
+                chunks.append((seq, room, start, end))
+                budget -= end - start
+            drafts = self._run(chunks)
+            for (seq, room, start, end), row in zip(chunks, drafts):
+                if end < seq.num_tokens:
+                    rest.append((seq, room, end))
+                    continue
+                drafts_of[seq.seq_id] = row[:room].tolist()
+                # The draft K/V of the drafts it fed back is kept; the rollback tells which are right.
+                self._computed[seq.seq_id] = (seq.num_preemptions, seq.num_tokens)
+            pending = rest
+        return [drafts_of.get(seq.seq_id, []) for seq in seqs]
+
+    def accept(self, seq: Sequence, num_accepted: int, num_drafted: int) -> None:
+        """After a verify step: the draft K/V of the accepted drafts it fed back is valid too."""
+        preemptions, computed = self._computed.get(seq.seq_id, (seq.num_preemptions, 0))
+        # Drafts 1..k-1 were fed back (the last one never was); the accepted ones are now tokens.
+        self._computed[seq.seq_id] = (preemptions, computed + min(num_accepted, num_drafted, self.k - 1))
+
+    def forget(self, seq: Sequence) -> None:
+        self._computed.pop(seq.seq_id, None)
+
+    def _start(self, seq: Sequence) -> int:
+        preemptions, computed = self._computed.get(seq.seq_id, (seq.num_preemptions, 0))
+        if preemptions != seq.num_preemptions:
+            computed = 0
+        return min(computed, seq.num_tokens - 1)  # at least the last token, for its logits
+
+    def _run(self, chunks) -> np.ndarray:
+        inputs = [(seq.token_ids[start:end], start, seq.page_table) for seq, _, start, end in chunks]
+        num_tokens = sum(end - start for _, _, start, end in chunks)
+        t, b, p = self.buckets.pick(num_tokens, len(chunks), max(len(seq.page_table) for seq, *_ in chunks))
+        batch = build_step_batch(inputs, num_tokens=t, num_seqs=b, pages_per_seq=p, padding_page=SCRATCH_PAGE)
+        drafts, self.cache = self._round(self.model.weights, self.cache, jax.tree.map(jnp.asarray, batch))
+        return np.asarray(drafts)[: len(chunks)]
