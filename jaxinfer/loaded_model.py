@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
+
 from jaxinfer.config import ModelConfig
 from jaxinfer.params import Weights
 from jaxinfer.tokenizer import Tokenizer
@@ -21,3 +23,11 @@ class LoadedModel:
     weights: Weights
     tokenizer: Tokenizer
     source: Path
+    # Per-layer float32 (k_scales [L], v_scales [L]) of an FP8 KV cache, from a checkpoint's
+    # compressed-tensors kv_cache_scheme; None when the checkpoint has none.
+    kv_cache_scales: tuple[np.ndarray, np.ndarray] | None = None
+
+    @property
+    def quantization(self) -> str | None:
+        """``"fp8"``/``"int8"`` when the projections are quantized, else ``None``."""
+        return self.config.quantization
