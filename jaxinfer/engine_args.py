@@ -12,6 +12,7 @@ import dataclasses
 
 from jaxinfer.attention import IMPLEMENTATIONS
 from jaxinfer.engine_config import PLATFORM_DEFAULTS, EngineConfig
+from jaxinfer.quantization import QUANTIZATIONS
 
 # The fields a flag sets, named as the flags' destinations.
 ENGINE_FLAGS = tuple(field.name for field in dataclasses.fields(EngineConfig) if field.name != "overlap")
@@ -47,6 +48,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
       help="attention kernel (default auto: Pallas on GPU/TPU, the plain-JAX reference on CPU)")
     a("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
       help="prepare the next step on the host while the device runs this one (default: on)")
+    a("--quantization", choices=sorted(QUANTIZATIONS), default=None,
+      help="quantize the projections' weights at load, per output channel: fp8 (e4m3; GPUs sm_89+, TPU v7+, "
+           "CPU emulated) or int8 (weight-only, every platform); default: as the checkpoint stores them "
+           "(docs/QUANTIZATION.md)")
     a("--tensor-parallel-size", type=int, default=1, help="devices each model replica is split over")
     a("--data-parallel-size", type=int, default=1, help="model replicas, each with its own scheduler")
 

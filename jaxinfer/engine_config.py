@@ -21,6 +21,7 @@ Defaults, by ``platform`` (``jax.default_backend()`` unless given):
 | ``async_scheduling`` | on | on | on |
 | ``attention_impl`` | ``"auto"``: reference | ``"auto"``: Pallas-Triton | ``"auto"``: Mosaic |
 | ``overlap`` | none | none | none |
+| ``quantization`` | the model's | the model's | the model's |
 
 Why:
 
@@ -48,6 +49,8 @@ Why:
   (``jaxinfer.attention.resolve_impl``); on a GPU the kernel needs a power-of-two ``head_dim``
   and falls back to the reference otherwise.
 - ``overlap``: tensor-parallel communication overlap (``jaxinfer.compile_options.OverlapConfig``) is opt-in.
+- ``quantization``: the weights are quantized when the model is loaded (``load_model(...,
+  quantization=)``); the engine serves what was loaded, and a value given here must match it.
 
 ``max_num_seqs`` and ``max_num_batched_tokens`` follow each other: a default ``max_num_seqs``
 is capped at the budget, and a default budget is raised to ``max_num_seqs``, because each
@@ -64,6 +67,7 @@ import jax
 from jaxinfer.attention import IMPLEMENTATIONS
 from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.memory import DEFAULT_MEMORY_UTILIZATION, num_pages_for_device, pages_for
+from jaxinfer.quantization import QUANTIZATIONS
 from sharding.mesh import tp_size
 
 
@@ -90,6 +94,7 @@ class EngineConfig:
     attention_impl: str | None = None
     async_scheduling: bool | None = None
     overlap: object = None  # jaxinfer.compile_options.OverlapConfig: tp communication overlap per phase
+    quantization: str | None = None  # "fp8" / "int8" weights (jaxinfer.quantization); resolved: the model's
 
     def __post_init__(self):
         # What can be checked field by field is checked as soon as it is given.
@@ -105,6 +110,9 @@ class EngineConfig:
         if self.attention_impl is not None and self.attention_impl not in IMPLEMENTATIONS:
             raise EngineConfigError(f"attention_impl {self.attention_impl!r} is not one of {IMPLEMENTATIONS}",
                                     field="attention_impl")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise EngineConfigError(f"quantization {self.quantization!r} is not one of {sorted(QUANTIZATIONS)} "
+                                    f"or None", field="quantization")
         if (self.max_num_seqs is not None and self.max_num_batched_tokens is not None
                 and self.max_num_batched_tokens < self.max_num_seqs):
             # Every running sequence needs a token of each step's budget: with fewer, the first
@@ -139,6 +147,12 @@ class EngineConfig:
         unchanged (checked against the model).
         """
         config = self.for_platform(platform)
+        if config.quantization not in (None, model.config.quantization):
+            raise EngineConfigError(
+                f"quantization {config.quantization!r} was asked for, but the loaded model's weights are "
+                f"{model.config.quantization or 'not quantized'}: pass quantization to load_model / LLM",
+                field="quantization",
+            )
         context = model.config.max_position_embeddings
         max_model_len = config.max_model_len or context
         if max_model_len > context:
@@ -160,7 +174,8 @@ class EngineConfig:
                 f"num_pages {num_pages} cannot hold one request of max_model_len {max_model_len}: it needs "
                 f"{min_pages} pages of {config.page_size} tokens (one is scratch)", field="num_pages",
             )
-        return dataclasses.replace(config, max_model_len=max_model_len, num_pages=num_pages)
+        return dataclasses.replace(config, max_model_len=max_model_len, num_pages=num_pages,
+                                   quantization=model.config.quantization)
 
 
 def normalize_platform(platform: str | None) -> str:

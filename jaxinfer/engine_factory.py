@@ -48,9 +48,10 @@ def build_engine(model: LoadedModel, config: EngineConfig | None = None, *, tens
     usable_pages = config.num_pages - 1  # page 0 is scratch
     logger.info(
         "engine ready: %d replica(s), each %d pages x %d tokens = %d tokens of KV cache "
-        "(%d requests of %d tokens at once), up to %d sequences and %d tokens a step",
+        "(%d requests of %d tokens at once), up to %d sequences and %d tokens a step; weights %s",
         len(engines), usable_pages, config.page_size, usable_pages * config.page_size,
         usable_pages // pages_for(config.max_model_len, config.page_size), config.max_model_len,
         config.max_num_seqs, config.max_num_batched_tokens,
+        f"quantized {config.quantization}" if config.quantization else f"in {model.weights.embed.dtype}",
     )
     return engines[0] if len(engines) == 1 else DataParallelEngine(engines)

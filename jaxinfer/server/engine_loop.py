@@ -69,6 +69,11 @@ class EngineLoop:
     def max_model_len(self) -> int | None:
         return None if self.engine is None else self.engine.max_model_len
 
+    @property
+    def quantization(self) -> str | None:
+        """The weights' quantization (``"fp8"``, ``"int8"``; None: dense or not loaded yet)."""
+        return getattr(getattr(self.engine, "config", None), "quantization", None)
+
     def stats(self) -> dict:
         return {**self._last_stats, "server_num_requests_waiting": self.admission.num_waiting}
 
