@@ -270,3 +270,33 @@ def test_the_quantization_flag_reaches_the_engine_options():
     assert engine_options_from_args(parser.parse_args([]))["quantization"] is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int4"])
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_head_padding_for_tensor_parallelism_keeps_quantized_logits(quantization):
+    """9 query / 3 KV heads padded for tp=8: the quantized payloads and scales are padded along
+    their own head axes (q's first, o's second), and the logits do not change."""
+    import dataclasses
+
+    from jaxinfer.batch import build_step_batch
+    from jaxinfer.checkpoint import quantize_weights
+    from jaxinfer.kv_cache import create_kv_cache
+    from jaxinfer.params import init_random
+    from sharding.heads import head_layout, pad_weights, padded_config
+
+    from .all_logits import forward_all_logits
+
+    base = load_model(TINY, "float32")
+    dense_config = dataclasses.replace(base.config, num_q_heads=9, num_kv_heads=3, head_dim=16, hidden_size=96)
+    config = dataclasses.replace(dense_config, quantization=quantization)
+    weights = quantize_weights(init_random(dense_config, jax.random.key(0), jnp.float32), quantization)
+    batch = build_step_batch([([1, 2, 3, 4, 5], 0, [1])], num_tokens=16, num_seqs=1, pages_per_seq=1)
+    step = jax.jit(forward_all_logits, static_argnums=(3, 4))
+    expected, _ = step(weights, create_kv_cache(config, 2, 16, jnp.float32), batch, config, "reference")
+    layout = head_layout(9, 3, 8)
+    padded = padded_config(config, layout)
+    padded_weights = jax.tree.map(jnp.asarray, pad_weights(weights, layout))
+    assert padded_weights.layers[0].q.payload.shape[0] == padded.num_q_heads
+    assert padded_weights.layers[0].o.payload.shape[1] == padded.num_q_heads
+    got, _ = step(padded_weights, create_kv_cache(padded, 2, 16, jnp.float32), batch, padded, "reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-4)
