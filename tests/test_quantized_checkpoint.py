@@ -300,3 +300,17 @@ def test_head_padding_for_tensor_parallelism_keeps_quantized_logits(quantization
     assert padded_weights.layers[0].o.payload.shape[1] == padded.num_q_heads
     got, _ = step(padded_weights, create_kv_cache(padded, 2, 16, jnp.float32), batch, padded, "reference")
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-4)
+
+
+def test_models_endpoint_reports_the_quantization():
+    import types
+
+    import requests
+
+    from tests.fake_engine import FakeEngine, RunningServer
+
+    engine = FakeEngine(max_model_len=64, max_num_seqs=4)
+    engine.config = types.SimpleNamespace(quantization="int8")  # the resolved EngineConfig's field
+    with RunningServer(engine) as server:
+        card = requests.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]
+    assert card["quantization"] == "int8"
