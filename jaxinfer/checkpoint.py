@@ -30,7 +30,8 @@ from jaxinfer.architectures import hf_tensors
 from jaxinfer.config import ModelConfig
 from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.params import Weights, is_declared_weight, param_specs
-from jaxinfer.quantization import QuantizationError, QuantizedWeight, check_platform_supports, check_quantization, quantize
+from jaxinfer.quantization import (QuantizationError, QuantizedWeight, check_platform_supports, check_quantization,
+                                   quantize)
 from jaxinfer.quantized_checkpoint import (CheckpointQuantization, check_input_scale, parse_quantization_config,
                                            read_kv_cache_scales, read_weight_scale)
 from jaxinfer.safetensors_reader import SafetensorsFile

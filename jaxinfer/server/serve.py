@@ -88,7 +88,8 @@ def build_engine(args: argparse.Namespace):
     from jaxinfer.checkpoint import load_model
 
     engine = engine_factory.build_engine(
-        load_model(args.model, args.dtype, quantization=args.quantization), engine_config_from_args(args), warm_up=False,
+        load_model(args.model, args.dtype, quantization=args.quantization), engine_config_from_args(args),
+        warm_up=False,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
     )
     if args.num_processes > 1:
