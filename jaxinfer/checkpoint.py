@@ -74,11 +74,25 @@ def weights_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray], dtype
         if isinstance(spec, QuantizedWeight):
             array = _load_quantized(get, source.name, spec, config.quantization, stored)
         else:
-            array = _to_model_layout(jax.device_put(get(source.name)), source.is_out_in, spec.shape, dtype)
+            host = get(source.name)
+            if host.dtype == jnp.float8_e4m3fn:
+                # An FP8 checkpoint that quantized a weight kept dense here (an lm_head left out of
+                # its `ignore`): dequantized with its per-row scale into the serving dtype.
+                scale = read_weight_scale(get, source.name, host.shape[0])
+                array = _dequantize_to_model_layout(jax.device_put(host), jax.device_put(scale), source.is_out_in,
+                                                    spec.shape, dtype)
+            else:
+                array = _to_model_layout(jax.device_put(host), source.is_out_in, spec.shape, dtype)
         # Once the copy has landed the host array is gone: transfers cannot queue up host memory.
         jax.block_until_ready(array)
         arrays.append(array if place is None else jax.device_put(array, place))
     return jax.tree.unflatten(treedef, arrays)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _dequantize_to_model_layout(x: jax.Array, scale: jax.Array, is_out_in: bool, shape: tuple[int, ...],
+                                dtype) -> jax.Array:
+    return _to_model_layout(x.astype(jnp.float32) * scale[:, None], is_out_in, shape, dtype)
 
 
 def _load_quantized(get, name: str, spec: QuantizedWeight, quantization: str,

@@ -314,3 +314,19 @@ def test_models_endpoint_reports_the_quantization():
     with RunningServer(engine) as server:
         card = requests.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]
     assert card["quantization"] == "int8"
+
+
+def test_an_fp8_lm_head_is_dequantized_into_the_serving_dtype(tmp_path):
+    """A checkpoint whose `ignore` left the lm_head quantized: the model keeps its lm_head dense."""
+    out = tmp_path / "untied"
+    shutil.copytree(TINY, out)
+    hf = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**hf, "tie_word_embeddings": False}))
+    reader = SafetensorsFile(TINY / "model.safetensors")
+    tensors = {n: reader.read(n) for n in reader.names()}
+    lm_head = tensors["model.embed_tokens.weight"][::-1].copy()  # [vocab, E]
+    tensors["lm_head.weight"], tensors["lm_head.weight_scale"] = fp8_rows(lm_head, per_channel=True)
+    write_safetensors(out / "model.safetensors", tensors)
+    model = load_model(out, "float32")
+    want = tensors["lm_head.weight"].astype(np.float32) * tensors["lm_head.weight_scale"]
+    np.testing.assert_allclose(np.asarray(model.weights.lm_head), want.T, rtol=1e-6)
