@@ -49,7 +49,7 @@ NO_W8A8 = 1 << 30
 CONFIGS = [
     {"name": "float32 (baseline)", "llm": {}},
     {"name": "fp8 weights (W8A8 when scoring)", "llm": {"quantization": "fp8"}},
-    {"name": "fp8 weights, weight-only", "llm": {"quantization": "fp8"}, "fp8_w8a8_min_tokens": NO_W8A8,
+    {"name": "fp8 weights (weight-only everywhere)", "llm": {"quantization": "fp8"}, "fp8_w8a8_min_tokens": NO_W8A8,
      "optional": True},
     {"name": "int8 weights (weight-only)", "llm": {"quantization": "int8"}},
 ]
@@ -231,7 +231,7 @@ def _mean_nll(row: dict) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--configs", default=None, help="comma-separated names of CONFIGS rows to run "
+    parser.add_argument("--configs", default=None, help="';'-separated names of CONFIGS rows to run "
                         "(the baseline always runs); default: every row not marked optional")
     parser.add_argument("--greedy-tokens", type=int, default=32)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
@@ -245,7 +245,7 @@ def main() -> None:
     print(info, flush=True)
     texts = load_texts()
     wanted = ([c for c in CONFIGS[1:] if not c.get("optional")] if args.configs is None
-              else [c for c in CONFIGS[1:] if c["name"] in args.configs.split(",")])
+              else [c for c in CONFIGS[1:] if c["name"] in args.configs.split(";")])
     baseline = evaluate(CONFIGS[0], args.model, texts, None, args.greedy_tokens)
     print(f"{baseline['name']}: {baseline['seconds']:.0f} s", flush=True)
     rows = [baseline]
