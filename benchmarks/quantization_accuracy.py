@@ -93,7 +93,12 @@ def full_logprobs(llm, token_ids: list[int]):
     scorer = llm.engine.prompt_scorer
     base = scorer._score.__wrapped__  # functools.partial(score_tokens, **the engine's arguments)
     vocab = llm.model.config.vocab_size
-    full = _full_program(base.func, tuple(sorted({**base.keywords, "num_top": vocab}.items())))
+    from jaxinfer import linear as linear_module
+
+    # Keyed by the W8A8 threshold too: it is read when the program is traced, and jit would
+    # otherwise hand one row's trace to the next (same weight shapes and dtypes).
+    full = _full_program(base.func, tuple(sorted({**base.keywords, "num_top": vocab}.items())),
+                         linear_module.FP8_W8A8_MIN_TOKENS)
     padded = np.zeros(bucket_for(len(token_ids)), np.int32)
     padded[:len(token_ids)] = token_ids
     _, top_ids, top_values = jax.device_get(full(scorer.weights, padded))
@@ -104,7 +109,7 @@ def full_logprobs(llm, token_ids: list[int]):
 
 
 @functools.cache
-def _full_program(func, keywords):
+def _full_program(func, keywords, fp8_w8a8_min_tokens):
     import jax
 
     return jax.jit(functools.partial(func, **dict(keywords)))
