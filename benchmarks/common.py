@@ -127,20 +127,23 @@ def synthetic_tokenizer(vocab_size: int):
     return Tokenizer(tokenizer=raw)
 
 
-def random_model(shape: str, dtype=jnp.bfloat16, seed: int = 0, mesh=None):
+def random_model(shape: str, dtype=jnp.bfloat16, seed: int = 0, mesh=None, quantization: str | None = None):
     """A ``LoadedModel`` of random weights with the named architecture, made on the device.
 
     Weights that fit on one device are made there, and ``sharding.placement.shard_model``
     pads and places them later. Only when they do not (a 70B model on 80-141 GB GPUs), or
     when the device does not report its memory (CPU), and ``mesh``'s tp size divides the head
     counts, each device makes just its own shards: on the H200s XLA took minutes to compile
-    that sharded random init even for 8B, so it is the path of last resort.
+    that sharded random init even for 8B, so it is the path of last resort. ``quantization``
+    ("fp8", "int8"): the projections are drawn, then quantized per channel (``jaxinfer.params``).
     """
     from jaxinfer.loaded_model import LoadedModel
     from jaxinfer.config import ModelConfig
     from jaxinfer.params import init_random
 
-    config = ModelConfig.from_hf(SHAPES[shape])
+    config = ModelConfig.from_hf({**SHAPES[shape], **({"quantization_config": {"quant_method": "jaxinfer",
+                                                                                 "weights": quantization}}
+                                                        if quantization else {})})
     shardings = None
     if mesh is not None:
         from sharding.heads import head_layout

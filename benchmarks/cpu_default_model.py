@@ -95,8 +95,12 @@ def bench_jaxinfer(model: str, dtype: str, batch_sizes: list[int], prompt_len: i
     from jaxinfer import LLM, SamplingParams
 
     start = time.perf_counter()
+    # "float32+int8": float32 activations, int8 weights (LLM(quantization="int8")).
+    label = dtype
+    dtype, _, quantization = dtype.partition("+")
     # No prefix caching: a repeated prompt would skip its prefill.
-    llm = LLM(model=model, dtype=dtype, use_tqdm=False, max_model_len=max_model_len, enable_prefix_caching=False)
+    llm = LLM(model=model, dtype=dtype, use_tqdm=False, max_model_len=max_model_len, enable_prefix_caching=False,
+              quantization=quantization or None)
     ids = prompt_ids(llm.tokenizer, prompt_len)
     result = {"startup_s": time.perf_counter() - start, "prompt_ids": ids,
               "weight_bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(llm.model.weights))}
@@ -118,7 +122,7 @@ def bench_jaxinfer(model: str, dtype: str, batch_sizes: list[int], prompt_len: i
             "decode_tokens_per_s": batch * (new_tokens - 1) / decode_s,
             "decode_ms_per_step": 1000 * decode_s / (new_tokens - 1),
         }
-        print(f"jaxinfer {dtype} batch {batch}: {result[f'batch{batch}']}", flush=True)
+        print(f"jaxinfer {label} batch {batch}: {result[f'batch{batch}']}", flush=True)
     return result
 
 
@@ -128,8 +132,9 @@ def bench_server(model: str, dtype: str, ids: list[int], new_tokens: int, repeat
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    dtype, _, quantization = dtype.partition("+")
     command = [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", model, "--dtype", dtype,
-               "--host", "127.0.0.1", "--port", str(port)]
+               "--host", "127.0.0.1", "--port", str(port)] + (["--quantization", quantization] if quantization else [])
     if max_model_len:
         command += ["--max-model-len", str(max_model_len)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -273,7 +278,8 @@ def worker(args: argparse.Namespace) -> None:
 
 def run_peer(args: argparse.Namespace, peer: str, gguf: Path) -> dict:
     """The worker's JSON for ``peer`` run under ``--hf-python``, or {"skipped": why}."""
-    command = [args.hf_python, __file__, "--worker", peer, "--gguf", str(gguf), "--dtypes", ",".join(args.dtypes),
+    command = [args.hf_python, __file__, "--worker", peer, "--gguf", str(gguf),
+               "--dtypes", ",".join(d for d in args.dtypes if "+" not in d),  # peers run dense weights
                "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--prompt-len", str(args.prompt_len),
                "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
@@ -316,7 +322,9 @@ def markdown(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, Hugging Face directory or .gguf")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="activation dtypes, each optionally +fp8 or +int8 for quantized weights "
+                             "(jaxinfer only: float32+int8)")
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)

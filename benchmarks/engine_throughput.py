@@ -317,6 +317,8 @@ def main():
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--workloads", default="startup,latency,batch128,decode256,throughput-1k,throughput-nano")
     parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--quantization", choices=["fp8", "int8"], default=None,
+                        help="the main shape's projections quantized (docs/QUANTIZATION.md); default bf16")
     parser.add_argument("--nano-shape", default="qwen3-0.6b")
     parser.add_argument("--hf", type=Path, help="hf_peer.json from benchmarks/hf_peer.py, for the ratios")
     # 384: about as many 2,000-token requests as the H200's page pool holds (~848k tokens), so
@@ -357,7 +359,7 @@ def main():
     results["ceilings"] = measure_ceilings(log)
     main_loads = [w for w in workloads if w != "throughput-nano"]
     if main_loads:
-        model = random_model(args.shape)
+        model = random_model(args.shape, quantization=args.quantization)
         if args.structured_fraction:
             from structured_output_host import load_tokenizer
 

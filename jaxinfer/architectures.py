@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.params import LayerWeights, Weights, is_spec, param_specs
+from jaxinfer.params import LayerWeights, Weights, param_specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +93,7 @@ class HFTensor:
 
 def hf_tensors(config: ModelConfig) -> Weights:
     """A ``Weights`` pytree of ``HFTensor``s matching ``param_specs(config)`` leaf for leaf
-    (``None`` where the model has no such weight)."""
+    (``None`` where the model has no such weight; one ``HFTensor`` for a whole ``QuantizedWeight``)."""
     arch = ARCHITECTURES[config.model_type]
     specs = param_specs(config)
 
@@ -102,7 +102,7 @@ def hf_tensors(config: ModelConfig) -> Weights:
 
     layers = [
         LayerWeights(**{
-            field.name: tensor(arch.layer_tensors, field.name, i) if is_spec(getattr(spec, field.name)) else None
+            field.name: tensor(arch.layer_tensors, field.name, i) if getattr(spec, field.name) is not None else None
             for field in dataclasses.fields(LayerWeights)
         })
         for i, spec in enumerate(specs.layers)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxinfer.quantized_checkpoint import weight_quantization
+
 # model_type in config.json -> the flags that distinguish it from plain Llama.
 SUPPORTED_MODEL_TYPES = {
     "llama": {},
@@ -55,6 +57,9 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # "fp8" / "int8": the projections are QuantizedWeights (jaxinfer.quantization); None: dense.
+    # Set from a checkpoint's quantization_config, or by quantize-at-load (jaxinfer.checkpoint).
+    quantization: str | None = None
 
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
         """The design's memory formula: 2 (K and V) * layers * kv_heads * head_dim * bytes."""
@@ -98,6 +103,7 @@ class ModelConfig:
             sliding_window=sliding_window,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            quantization=weight_quantization(hf.get("quantization_config")),
         )
 
 

@@ -13,6 +13,7 @@ import dataclasses
 from jaxinfer.attention import IMPLEMENTATIONS
 from jaxinfer.engine_config import PLATFORM_DEFAULTS, EngineConfig
 from jaxinfer.kv_cache_dtype import KV_CACHE_DTYPES, SUPPORTED_FP8_DEVICES
+from jaxinfer.quantization import QUANTIZATIONS
 
 # The fields a flag sets, named as the flags' destinations.
 ENGINE_FLAGS = tuple(field.name for field in dataclasses.fields(EngineConfig) if field.name != "overlap")
@@ -54,6 +55,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     a("--speculative-config", default=None, metavar="JSON",
       help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
            '"prompt_lookup_max": 4}\' (default: off; docs/SPECULATIVE.md)')
+    a("--quantization", choices=sorted(QUANTIZATIONS), default=None,
+      help="quantize the projections' weights at load, per output channel: fp8 (e4m3; GPUs sm_89+, TPU v7+, "
+           "CPU emulated) or int8 (weight-only, every platform); default: as the checkpoint stores them "
+           "(docs/QUANTIZATION.md)")
     a("--tensor-parallel-size", type=int, default=1, help="devices each model replica is split over")
     a("--data-parallel-size", type=int, default=1, help="model replicas, each with its own scheduler")
 

@@ -23,6 +23,7 @@ Defaults, by ``platform`` (``jax.default_backend()`` unless given):
 | ``overlap`` | none | none | none |
 | ``kv_cache_dtype`` | ``"auto"`` (float32 pages) | ``"auto"`` (bfloat16 pages) | ``"auto"`` (bfloat16 pages) |
 | ``speculative_config`` | none | none | none |
+| ``quantization`` | the model's | the model's | the model's |
 
 Why:
 
@@ -57,6 +58,8 @@ Why:
 - ``speculative_config``: speculative decoding (``jaxinfer.spec_decode``, docs/SPECULATIVE.md) is
   opt-in: it pays at small batches on text that repeats its context, and a request's drafts need
   its tokens on the host before the next step is prepared.
+- ``quantization``: the weights are quantized when the model is loaded (``load_model(...,
+  quantization=)``); the engine serves what was loaded, and a value given here must match it.
 
 ``max_num_seqs`` and ``max_num_batched_tokens`` follow each other: a default ``max_num_seqs``
 is capped at the budget, and a default budget is raised to ``max_num_seqs``, because each
@@ -76,6 +79,7 @@ from jaxinfer.kv_cache_dtype import (KV_CACHE_DTYPES, check_kv_cache_dtype_suppo
 from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.memory import DEFAULT_MEMORY_UTILIZATION, num_pages_for_device, pages_for
 from jaxinfer.spec_decode.config import SpeculativeConfig
+from jaxinfer.quantization import QUANTIZATIONS
 from sharding.mesh import tp_size
 
 
@@ -105,6 +109,7 @@ class EngineConfig:
     kv_cache_dtype: str | None = None  # "auto" (the serving dtype) or "fp8" (alias "fp8_e4m3")
     # jaxinfer.spec_decode.SpeculativeConfig, or its dict / JSON (vLLM's keys); None: no speculation.
     speculative_config: object = None
+    quantization: str | None = None  # "fp8" / "int8" weights (jaxinfer.quantization); resolved: the model's
 
     def __post_init__(self):
         # A dict or JSON string (LLM, --speculative-config) is checked and parsed now.
@@ -125,6 +130,9 @@ class EngineConfig:
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise EngineConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}",
                                     field="kv_cache_dtype")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise EngineConfigError(f"quantization {self.quantization!r} is not one of {sorted(QUANTIZATIONS)} "
+                                    f"or None", field="quantization")
         if (self.max_num_seqs is not None and self.max_num_batched_tokens is not None
                 and self.max_num_batched_tokens < self.max_num_seqs):
             # Every running sequence needs a token of each step's budget: with fewer, the first
@@ -162,6 +170,12 @@ class EngineConfig:
         check_kv_cache_dtype_supported(config.kv_cache_dtype)
         kv_cache_dtype = normalize_kv_cache_dtype(config.kv_cache_dtype)
         kv_bytes = storage_dtype(kv_cache_dtype, model.weights.embed.dtype).itemsize
+        if config.quantization not in (None, model.config.quantization):
+            raise EngineConfigError(
+                f"quantization {config.quantization!r} was asked for, but the loaded model's weights are "
+                f"{model.config.quantization or 'not quantized'}: pass quantization to load_model / LLM",
+                field="quantization",
+            )
         context = model.config.max_position_embeddings
         max_model_len = config.max_model_len or context
         if max_model_len > context:
@@ -184,7 +198,7 @@ class EngineConfig:
                 f"{min_pages} pages of {config.page_size} tokens (one is scratch)", field="num_pages",
             )
         return dataclasses.replace(config, max_model_len=max_model_len, num_pages=num_pages,
-                                   kv_cache_dtype=kv_cache_dtype)
+                                   kv_cache_dtype=kv_cache_dtype, quantization=model.config.quantization)
 
 
 def normalize_platform(platform: str | None) -> str:

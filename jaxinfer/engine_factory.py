@@ -49,10 +49,11 @@ def build_engine(model: LoadedModel, config: EngineConfig | None = None, *, tens
     usable_pages = config.num_pages - 1  # page 0 is scratch
     logger.info(
         "engine ready: %d replica(s), each %d pages x %d tokens = %d tokens of KV cache in %s "
-        "(kv_cache_dtype=%s; %d requests of %d tokens at once), up to %d sequences and %d tokens a step",
+        "(kv_cache_dtype=%s; %d requests of %d tokens at once), up to %d sequences and %d tokens a step; weights %s",
         len(engines), usable_pages, config.page_size, usable_pages * config.page_size,
         storage_dtype(config.kv_cache_dtype, model.weights.embed.dtype).name, config.kv_cache_dtype,
         usable_pages // pages_for(config.max_model_len, config.page_size), config.max_model_len,
         config.max_num_seqs, config.max_num_batched_tokens,
+        f"quantized {config.quantization}" if config.quantization else f"in {model.weights.embed.dtype}",
     )
     return engines[0] if len(engines) == 1 else DataParallelEngine(engines)

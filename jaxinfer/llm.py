@@ -38,6 +38,9 @@ class LLM:
         model: a built-in name (``jaxinfer.model_registry.builtin_models()``), a Hugging Face
             directory, or a GGUF file.
         dtype: ``"float32"``, ``"bfloat16"`` or ``"auto"`` (bfloat16 on an accelerator, float32 on CPU).
+        quantization: ``"fp8"`` or ``"int8"``: quantize the projections' weights at load, per
+            output channel (docs/QUANTIZATION.md); ``None``: as the checkpoint stores them (a
+            pre-quantized FP8 checkpoint stays FP8).
         seed: seeds requests that do not set their own ``seed``.
         max_model_len, max_num_seqs, max_num_batched_tokens, page_size, num_pages,
             memory_utilization, enable_prefix_caching, max_wait_s, attention_impl,
@@ -75,17 +78,18 @@ class LLM:
         loaded: LoadedModel | None = None,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
+        quantization: str | None = None,
     ):
         # Before the weights load: a device without FP8 refuses an FP8 cache before anything is allocated.
         check_kv_cache_dtype_supported(kv_cache_dtype)
-        loaded = loaded or load_model(model, dtype)
+        loaded = loaded or load_model(model, dtype, quantization=quantization)
         self._config = loaded.config
         config = EngineConfig(
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             page_size=page_size, num_pages=num_pages, memory_utilization=memory_utilization,
             enable_prefix_caching=enable_prefix_caching, max_wait_s=max_wait_s, attention_impl=attention_impl,
             async_scheduling=async_scheduling, overlap=overlap, kv_cache_dtype=kv_cache_dtype,
-            speculative_config=speculative_config,
+            speculative_config=speculative_config, quantization=quantization,
         )
         self.engine = build_engine(loaded, config, tensor_parallel_size=tensor_parallel_size,
                                    data_parallel_size=data_parallel_size, warm_up=warm_up, use_tqdm=use_tqdm)

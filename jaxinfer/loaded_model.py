@@ -23,5 +23,11 @@ class LoadedModel:
     weights: Weights
     tokenizer: Tokenizer
     source: Path
-    # Per-layer (K, V) float32 scales of an FP8 KV cache, from a checkpoint that carries them; None: 1.0.
+    # Per-layer float32 (k_scales [L], v_scales [L]) of an FP8 KV cache, from a checkpoint's
+    # compressed-tensors kv_cache_scheme; None when the checkpoint has none.
     kv_cache_scales: tuple[np.ndarray, np.ndarray] | None = None
+
+    @property
+    def quantization(self) -> str | None:
+        """``"fp8"``/``"int8"`` when the projections are quantized, else ``None``."""
+        return self.config.quantization

@@ -5,8 +5,9 @@ One forward serves prefill and decode alike: it takes a ragged batch of new toke
 attention dispatcher, and returns logits at each sequence's last new token. Llama 2/3,
 SmolLM2, Mistral and Qwen2/3 differ only by ``ModelConfig`` flags.
 
-Every matmul goes through :func:`linear`, which runs float32 weights at full float32
-precision on every platform (``pallas_kernels.precision``) and bfloat16 at JAX's default.
+Every matmul goes through :func:`~jaxinfer.linear.linear`, which runs float32 weights at full
+float32 precision on every platform (``pallas_kernels.precision``), bfloat16 at JAX's default,
+and quantized weights (FP8, int8: ``jaxinfer.quantization``) through their own paths.
 
 Shapes: T tokens in the step, B sequence slots, E hidden size, Hq/Hkv query/KV heads,
 D head dim, F ffn size, V vocabulary.
@@ -26,14 +27,10 @@ from jaxinfer.attention import paged_attention
 from jaxinfer.batch import StepBatch
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import KVCache
+from jaxinfer.linear import linear
 from jaxinfer.params import LayerWeights, Weights
+from jaxinfer.quantization import QuantizedWeight
 from pallas_kernels.precision import matmul_precision
-
-
-def linear(subscripts: str, x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
-    """``x`` times the weight ``w`` as the einsum ``subscripts``, at the precision their dtype calls for."""
-    precision = matmul_precision(jnp.result_type(x, w))
-    return jnp.einsum(subscripts, x, w, precision=precision, preferred_element_type=preferred_element_type)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -105,9 +102,9 @@ def attention_block(
     return output_projection(out, layer.o), k_pages, v_pages
 
 
-def output_projection(out: jax.Array, o: jax.Array) -> jax.Array:
-    """Attention output [T, Hq, D] through the o weight [Hq, D, E] -> [T, E]."""
-    if jax.default_backend() == "cpu":
+def output_projection(out: jax.Array, o) -> jax.Array:
+    """Attention output [T, Hq, D] through the o weight [Hq, D, E] (or quantized [E, Hq, D]) -> [T, E]."""
+    if jax.default_backend() == "cpu" and not isinstance(o, QuantizedWeight):
         # jnp.einsum contracts (d, h) in that order, and XLA:CPU transposed the o weight to match
         # on every step: a quarter of a batch-1 decode step of SmolLM2-135M on 2 cores. In the
         # weight's own (h, d) order the dot reads it in place. Other backends keep their program.

@@ -8,17 +8,23 @@ and permuting as ``jaxinfer.checkpoint`` does) and writes the result as a direct
     tokenizer_config.json  special tokens and the chat template
     generation_config.json the end-of-sequence ids
     weights/               Orbax (StandardCheckpointer, OCDBT + tensorstore) checkpoint of ``Weights``
-    jaxinfer_orbax.json    the marker, written last: the format version and the stored dtype
+    jaxinfer_orbax.json    the marker, written last: the format version, the stored dtype (of the
+                           dense weights), the quantization and any FP8 KV-cache scales
 
 Apart from ``weights/`` the directory reads like a Hugging Face checkpoint, so the tokenizer code
 and ``jaxinfer estimate`` need nothing new. :func:`restore` builds an abstract ``Weights`` target
 (``jax.ShapeDtypeStruct`` leaves carrying the wanted shardings) from the weight declarations in
 ``jaxinfer.params``; Orbax then reads only the slice of each tensor that each device holds and
 casts it on the way, so a model sharded 8 ways never exists whole on the host, let alone once per device.
+
+A quantized model (``config.quantization``) saves its ``QuantizedWeight`` leaves (payload and
+scale) like any other, and ``config.json`` says ``"quantization_config": {"quant_method":
+"jaxinfer", "weights": "fp8"}``, so its declaration, and hence the restore target, is quantized too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -30,7 +36,8 @@ import jax.numpy as jnp
 
 from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.config import ModelConfig
-from jaxinfer.params import Weights, is_spec, param_specs
+from jaxinfer.params import Weights, is_spec, param_specs, spec_dtype
+from jaxinfer.quantization import QuantizationError, check_quantization
 from jaxinfer.tokenizer import Tokenizer
 
 MARKER = "jaxinfer_orbax.json"
@@ -92,6 +99,8 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         "use_sliding_window": config.sliding_window is not None,  # read by Qwen2/3 configs only
         "bos_token_id": config.bos_token_id,
         "eos_token_id": list(config.eos_token_ids),
+        **({"quantization_config": {"quant_method": "jaxinfer", "weights": config.quantization}}
+           if config.quantization else {}),
     }
 
 
@@ -107,7 +116,9 @@ def save(model: LoadedModel, out_dir: str | Path, chunk_bytes: int = CHUNK_BYTES
     hf = hf_config(model.config)
     if ModelConfig.from_hf(hf) != model.config:  # a new ModelConfig field that hf_config does not write yet
         raise ValueError(f"the config does not survive the round trip through config.json: {model.config}")
-    dtypes = {str(x.dtype) for x in jax.tree.leaves(model.weights)}
+    # The dense weights share the serving dtype; quantized payloads and scales have their own.
+    specs = jax.tree.leaves(param_specs(model.config), is_leaf=is_spec)
+    dtypes = {str(x.dtype) for x, spec in zip(jax.tree.leaves(model.weights), specs) if spec.dtype is None}
     if len(dtypes) != 1:
         raise ValueError(f"the weights mix dtypes {sorted(dtypes)}; convert loads them in one dtype")
     out.mkdir(parents=True, exist_ok=True)
@@ -118,13 +129,18 @@ def save(model: LoadedModel, out_dir: str | Path, chunk_bytes: int = CHUNK_BYTES
         checkpointer.save(out / WEIGHTS_DIR, model.weights, save_args=save_args)
         checkpointer.wait_until_finished()
     # Last, so that an interrupted conversion is not mistaken for a checkpoint.
-    marker = {"format_version": FORMAT_VERSION, "dtype": dtypes.pop(), "source": str(Path(model.source).absolute())}
+    marker = {"format_version": FORMAT_VERSION, "dtype": dtypes.pop(), "source": str(Path(model.source).absolute()),
+              "quantization": model.config.quantization}
+    if model.kv_cache_scales is not None:
+        marker["kv_cache_scales"] = {"k": [float(x) for x in model.kv_cache_scales[0]],
+                                     "v": [float(x) for x in model.kv_cache_scales[1]]}
     _write_json(out / MARKER, marker)
     return out
 
 
 def restore(
-    path: str | Path, shardings: Shardings | None = None, dtype=None, max_inflight_bytes: int = MAX_INFLIGHT_BYTES
+    path: str | Path, shardings: Shardings | None = None, dtype=None, max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load a converted checkpoint, each weight restored straight onto its devices.
 
@@ -134,6 +150,9 @@ def restore(
             or a function from the ``ModelConfig`` to one; default: everything on the first device.
         dtype: the dtype of the restored weights (cast while reading); default: the stored one.
         max_inflight_bytes: host memory for shards read but not yet placed on their devices.
+        quantization: ``"fp8"``/``"int8"`` to quantize a dense checkpoint's projections after
+            restoring them (one at a time); ``None``: as stored. A quantized checkpoint serves
+            in its own quantization.
     """
     import orbax.checkpoint as ocp
 
@@ -145,6 +164,25 @@ def restore(
             f"this jaxinfer reads format {FORMAT_VERSION}: convert the model again"
         )
     config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    check_quantization(quantization)
+    if config.quantization and quantization not in (None, config.quantization):
+        raise QuantizationError(f"{path} holds {config.quantization} weights; restore it with "
+                                f"quantization={config.quantization!r} or None")
+    if quantization and not config.quantization:
+        from jaxinfer.checkpoint import quantize_weights
+        from jaxinfer.quantization import check_platform_supports
+
+        check_platform_supports(quantization)
+        dense = restore(path, dtype=dtype, max_inflight_bytes=max_inflight_bytes)
+        config = dataclasses.replace(config, quantization=quantization)
+        weights = quantize_weights(dense.weights, quantization)
+        del dense
+        if callable(shardings):
+            shardings = shardings(config)
+        if shardings is not None:
+            weights = jax.device_put(weights, shardings)
+        return LoadedModel(config, weights, Tokenizer.from_hf_dir(path, extra_eos_ids=config.eos_token_ids), path,
+                           kv_cache_scales=_kv_cache_scales(marker))
     specs = param_specs(config)
     if callable(shardings):
         shardings = shardings(config)
@@ -153,7 +191,7 @@ def restore(
         shardings = jax.tree.map(lambda _: first, specs, is_leaf=is_spec)
     dtype = jnp.dtype(dtype or marker["dtype"])
     target = jax.tree.map(
-        lambda spec, sharding: jax.ShapeDtypeStruct(spec.shape, dtype, sharding=sharding),
+        lambda spec, sharding: jax.ShapeDtypeStruct(spec.shape, spec_dtype(spec, dtype), sharding=sharding),
         specs, shardings, is_leaf=is_spec,
     )
     # Orbax reads each shard into a host buffer, then copies it to its device(s); the limit
@@ -166,7 +204,16 @@ def restore(
     with ocp.Checkpointer(handler) as checkpointer:
         weights = checkpointer.restore(path / WEIGHTS_DIR, args=ocp.args.StandardRestore(target))
     tokenizer = Tokenizer.from_hf_dir(path, extra_eos_ids=config.eos_token_ids)
-    return LoadedModel(config, weights, tokenizer, path)
+    return LoadedModel(config, weights, tokenizer, path, kv_cache_scales=_kv_cache_scales(marker))
+
+
+def _kv_cache_scales(marker: dict[str, Any]):
+    import numpy as np
+
+    scales = marker.get("kv_cache_scales")
+    if scales is None:
+        return None
+    return np.asarray(scales["k"], np.float32), np.asarray(scales["v"], np.float32)
 
 
 def _save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:

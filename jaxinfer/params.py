@@ -7,17 +7,29 @@ that one declaration, so laying weights on a mesh never touches model code.
 
 Matrices are stored input-axis first (``[embed, q_heads, head_dim]``) so the model's
 einsums read ``"te,ehd->thd"``; loaders transpose Hugging Face's ``[out, in]`` tensors.
+
+With ``config.quantization`` set (``"fp8"``/``"int8"``) each projection (q, k, v, o, gate, up,
+down) is declared as a :class:`~jaxinfer.quantization.QuantizedWeight` of two specs: the payload
+``[out..., in...]`` (Hugging Face's order, no transpose on loading) in the quantized dtype and the
+per-output-channel scale ``[out...]`` in float32, both with the dense weight's axis names. The
+embedding, norms and lm_head stay in the serving dtype.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.quantization import QUANTIZATIONS, QuantizedWeight, quantization_of_dtype, quantize
+
+# The projections that a quantized model quantizes, and how many of their leading (input) axes
+# the matmul contracts: o is [q_heads, head_dim, embed], the rest [in, out...].
+QUANTIZED_PROJECTIONS = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +37,7 @@ class ParamSpec:
     shape: tuple[int, ...]
     logical_axes: tuple[str, ...]
     init: str  # "normal" (scaled by fan-in), "ones" or "zeros"
+    dtype: str | None = None  # None: the serving dtype (the model's dtype argument); else fixed
 
 
 @jax.tree_util.register_dataclass
@@ -79,16 +92,44 @@ def param_specs(config: ModelConfig) -> Weights:
             k_norm=ParamSpec((d,), ("head_dim",), "ones") if config.qk_norm else None,
         )
 
+    def quantized_layer() -> LayerWeights:
+        dense = layer()
+        return dataclasses.replace(dense, **{
+            name: quantized_spec(getattr(dense, name), num_in, config.quantization)
+            for name, num_in in QUANTIZED_PROJECTIONS.items()
+        })
+
     return Weights(
         embed=ParamSpec((vocab, e), ("vocab", "embed"), "normal"),
-        layers=[layer() for _ in range(config.num_layers)],
+        layers=[quantized_layer() if config.quantization else layer() for _ in range(config.num_layers)],
         final_norm=ParamSpec((e,), ("embed",), "ones"),
         lm_head=None if config.tie_word_embeddings else ParamSpec((e, vocab), ("embed", "vocab"), "normal"),
     )
 
 
+def quantized_spec(dense: ParamSpec, num_in_axes: int, quantization: str) -> QuantizedWeight:
+    """The declaration of a quantized projection: payload [out..., in...] and scale [out...]."""
+    in_shape, out_shape = dense.shape[:num_in_axes], dense.shape[num_in_axes:]
+    in_axes, out_axes = dense.logical_axes[:num_in_axes], dense.logical_axes[num_in_axes:]
+    return QuantizedWeight(
+        payload=ParamSpec(out_shape + in_shape, out_axes + in_axes, dense.init,
+                          jnp.dtype(QUANTIZATIONS[quantization]).name),
+        scale=ParamSpec(out_shape, out_axes, "ones", "float32"),
+    )
+
+
 def is_spec(x: Any) -> bool:
     return isinstance(x, ParamSpec)
+
+
+def is_declared_weight(x: Any) -> bool:
+    """A leaf of the declaration as the loaders see it: a ``ParamSpec`` or a whole ``QuantizedWeight``."""
+    return isinstance(x, (ParamSpec, QuantizedWeight))
+
+
+def spec_dtype(spec: ParamSpec, serving_dtype) -> jnp.dtype:
+    """The dtype a weight is stored in: its fixed dtype, else the serving dtype."""
+    return jnp.dtype(spec.dtype or serving_dtype)
 
 
 def logical_axes(config: ModelConfig) -> Weights:
@@ -106,14 +147,16 @@ def init_random(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, out_sha
     tp-sharded Llama-3.1-8B) into fusions it took minutes to compile.
     """
     specs = param_specs(config)
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
-    shardings = jax.tree.leaves(out_shardings) if out_shardings is not None else [None] * len(leaves)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_declared_weight)
+    shardings = (treedef.flatten_up_to(out_shardings) if out_shardings is not None else [None] * len(leaves))
     if len(shardings) != len(leaves):
         raise ValueError(f"out_shardings has {len(shardings)} leaves, the weights {len(leaves)}")
     keys = jax.random.split(key, len(leaves))
     programs = {}
 
-    def program(spec: ParamSpec, sharding):
+    def program(spec, sharding):
+        if isinstance(spec, QuantizedWeight):
+            return quantized_program(spec, sharding)
         signature = (spec.shape, spec.init, spec.logical_axes[0] == "vocab", sharding)
         if signature not in programs:
             if spec.init in ("ones", "zeros"):
@@ -123,6 +166,18 @@ def init_random(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, out_sha
                 fan_in = spec.shape[0] if spec.logical_axes[0] != "vocab" else spec.shape[-1]
                 make = lambda k, shape=spec.shape, fan_in=fan_in: (  # noqa: E731
                     jax.random.normal(k, shape, jnp.float32) / fan_in**0.5).astype(dtype)
+            programs[signature] = jax.jit(make, out_shardings=sharding)
+        return programs[signature]
+
+    def quantized_program(spec: QuantizedWeight, sharding):
+        # Drawn dense in the [out..., in...] layout (fan-in: the trailing axes), then quantized.
+        num_out = len(spec.scale.shape)
+        shape, quantization = spec.payload.shape, quantization_of_dtype(spec.payload.dtype)
+        signature = (shape, num_out, quantization, sharding)
+        if signature not in programs:
+            fan_in = math.prod(shape[num_out:])
+            make = lambda k: quantize(  # noqa: E731
+                jax.random.normal(k, shape, jnp.float32) / fan_in**0.5, quantization, num_out)
             programs[signature] = jax.jit(make, out_shardings=sharding)
         return programs[signature]
 

@@ -21,6 +21,9 @@ DTYPES = {
     "F32": np.dtype("<f4"),
     "F16": np.dtype("<f2"),
     "BF16": np.dtype(ml_dtypes.bfloat16),
+    # Pre-quantized FP8 checkpoints (compressed-tensors, fbgemm-fp8); safetensors' own numpy
+    # reader refuses this dtype, the raw bytes are read and viewed as e4m3.
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
 }
 
 

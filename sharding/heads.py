@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.params import Weights
+from jaxinfer.quantization import QuantizedWeight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,18 @@ def _take_heads(x: np.ndarray, source: tuple[int, ...], axis: int) -> np.ndarray
     return np.where((index >= 0).reshape(mask_shape), out, np.zeros((), x.dtype))
 
 
+def _take_projection_heads(w, source: tuple[int, ...], axis: int, quantized_axes: tuple[int, int | None]):
+    """``_take_heads`` of a dense projection along ``axis``, or of a ``QuantizedWeight``'s payload
+    and scale along ``quantized_axes`` (the scale has no head axis when heads are contracted)."""
+    if not isinstance(w, QuantizedWeight):
+        return _take_heads(w, source, axis)
+    payload_axis, scale_axis = quantized_axes
+    return QuantizedWeight(
+        payload=_take_heads(w.payload, source, payload_axis),
+        scale=w.scale if scale_axis is None else _take_heads(w.scale, source, scale_axis),
+    )
+
+
 def pad_weights(weights: Weights, layout: HeadLayout) -> Weights:
     """Host (numpy) weights laid out by ``layout``: zero query heads, copied KV heads."""
     weights = _to_numpy(weights)
@@ -90,10 +103,11 @@ def pad_weights(weights: Weights, layout: HeadLayout) -> Weights:
     for layer in weights.layers:
         layers.append(dataclasses.replace(
             layer,
-            q=_take_heads(layer.q, q, 1),  # [E, Hq', D]
-            k=_take_heads(layer.k, kv, 1),  # [E, Hkv', D]
-            v=_take_heads(layer.v, kv, 1),
-            o=_take_heads(layer.o, q, 0),  # [Hq', D, E]: zero rows make zero heads contribute nothing
+            q=_take_projection_heads(layer.q, q, 1, (0, 0)),  # [E, Hq', D] (quantized: [Hq', D, E])
+            k=_take_projection_heads(layer.k, kv, 1, (0, 0)),  # [E, Hkv', D]
+            v=_take_projection_heads(layer.v, kv, 1, (0, 0)),
+            # [Hq', D, E] (quantized: [E, Hq', D]): zero rows make zero heads contribute nothing
+            o=_take_projection_heads(layer.o, q, 0, (1, None)),
             q_bias=None if layer.q_bias is None else _take_heads(layer.q_bias, q, 0),
             k_bias=None if layer.k_bias is None else _take_heads(layer.k_bias, kv, 0),
             v_bias=None if layer.v_bias is None else _take_heads(layer.v_bias, kv, 0),

@@ -10,9 +10,10 @@ from pathlib import Path
 
 from tests.conftest import REPO
 
-# What sharding/ may import from jaxinfer: the declarations of the model, its weights, its cache
-# and a loaded model (not the engine, the runner or the loaders).
-SHARDING_MAY_IMPORT = ("jaxinfer.config", "jaxinfer.params", "jaxinfer.kv_cache", "jaxinfer.loaded_model")
+# What sharding/ may import from jaxinfer: the declarations of the model, its weights (and the
+# quantized weight leaf), its cache and a loaded model (not the engine, the runner or the loaders).
+SHARDING_MAY_IMPORT = ("jaxinfer.config", "jaxinfer.params", "jaxinfer.quantization", "jaxinfer.kv_cache",
+                       "jaxinfer.loaded_model")
 
 
 def imported_modules(path: Path) -> set[str]:

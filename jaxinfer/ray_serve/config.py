@@ -49,7 +49,8 @@ class ModelSpec:
         from jaxinfer.checkpoint import load_model
 
         # Compiled by the replica's EngineLoop.start (warmup), before Serve routes to it.
-        return engine_factory.build_engine(load_model(self.model, self.dtype), self.engine_config, warm_up=False,
+        loaded = load_model(self.model, self.dtype, quantization=self.engine_config.quantization)
+        return engine_factory.build_engine(loaded, self.engine_config, warm_up=False,
                                            tensor_parallel_size=self.tensor_parallel_size, use_tqdm=False)
 
 

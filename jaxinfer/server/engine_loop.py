@@ -81,6 +81,11 @@ class EngineLoop:
         stored = storage_dtype(config.kv_cache_dtype, self.engine.model.weights.embed.dtype)
         return {"kv_cache_dtype": config.kv_cache_dtype, "kv_cache_storage_dtype": stored.name}
 
+    @property
+    def quantization(self) -> str | None:
+        """The weights' quantization (``"fp8"``, ``"int8"``; None: dense or not loaded yet)."""
+        return getattr(getattr(self.engine, "config", None), "quantization", None)
+
     def stats(self) -> dict:
         return {**self._last_stats, "server_num_requests_waiting": self.admission.num_waiting}
 

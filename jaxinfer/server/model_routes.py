@@ -17,6 +17,8 @@ def _model_card() -> dict:
     max_model_len = state.client.max_model_len
     if max_model_len is not None:  # unknown while the model loads
         card["max_model_len"] = max_model_len
+        # Clients that are not the in-process engine loop (a Ray replica's) may not know it.
+        card["quantization"] = getattr(state.client, "quantization", None)
     # How the engine stores its KV cache (EngineLoop's; a client that does not say leaves it out).
     card.update(getattr(state.client, "kv_cache_metadata", None) or {})
     return card

@@ -96,7 +96,8 @@ def build_engine(args: argparse.Namespace):
 
     check_kv_cache_dtype_supported(args.kv_cache_dtype)  # a device without FP8 refuses before the weights load
     engine = engine_factory.build_engine(
-        load_model(args.model, args.dtype), engine_config_from_args(args), warm_up=False,
+        load_model(args.model, args.dtype, quantization=args.quantization), engine_config_from_args(args),
+        warm_up=False,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
     )
     if args.num_processes > 1:
@@ -156,7 +157,8 @@ def run_server(args: argparse.Namespace, engine_factory=build_engine) -> int:
         return 1
     if not stop.is_set():
         http.start(engine)
-        logger.info("ready", extra={"max_model_len": engine.max_model_len, "threads": threads})
+        logger.info("ready", extra={"max_model_len": engine.max_model_len, "threads": threads,
+                                  "quantization": getattr(getattr(engine, "config", None), "quantization", None)})
     while not stop.wait(0.5):
         pass
     logger.info("draining", extra={"in_flight": loop.num_in_flight(), "timeout_s": args.drain_timeout})

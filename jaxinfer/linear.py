@@ -1,0 +1,128 @@
+"""The one weight layer: ``linear(subscripts, x, w)`` for a dense or a quantized weight.
+
+Every projection of the model calls :func:`linear` with einsum subscripts written for the
+*dense* layout (``"te,ehd->thd"``: x ``[T, E]``, q ``[E, Hq, D]``). A dense weight runs that
+einsum. A :class:`~jaxinfer.quantization.QuantizedWeight` (payload ``[out..., in...]``) runs a
+2-D ``dot_general`` ``[M, K] x [N, K] -> [M, N]``, both operands contracting on their minor
+dimension, and applies the scales to the ``[M, N]`` output: per output channel for the weight,
+per token for FP8 activations. Scaling after the dot is exact (a per-row scale commutes with
+the contraction) and is the form XLA's GPU compiler rewrites into cuBLASLt's FP8 GEMM.
+
+The path is chosen per step bucket at trace time (``M``, the token count, is static):
+
+- int8, and FP8 with fewer than :data:`FP8_W8A8_MIN_TOKENS` tokens: **weight-only**. The payload
+  is converted to the activations' dtype inside the dot's fusion and the activations stay in
+  bf16/f32: a decode step is bound by reading the weights, which are half of bf16's bytes.
+- FP8 with at least :data:`FP8_W8A8_MIN_TOKENS` tokens: **W8A8**. Each token row is scaled to
+  e4m3 by its own absmax, the dot runs FP8 x FP8 with float32 accumulation, M padded to a
+  multiple of 16 (cuBLASLt's FP8 GEMM wants it), and both scales multiply the output.
+- FP8 on a GPU with at most :data:`PALLAS_FP8_GEMV_MAX_TOKENS` tokens: the Pallas weight-only
+  kernel of ``pallas_kernels.quantized_matmul``. Off (0) until that kernel has been measured
+  against XLA's weight-only path on the H200.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.quantization import FP8_MAX, QuantizedWeight
+from pallas_kernels.precision import matmul_precision
+
+# At and above this many tokens an FP8 weight runs W8A8, below it weight-only. XLA's GEMMs on an
+# H200 (16 x the Llama-3.1-8B MLP, /work/shared/BENCHMARKS.md): weight-only 0.90 ms vs W8A8
+# 1.23 ms at M=16; 4.10 vs 2.19 ms at M=512. Linear between those points they cross near
+# M = 90, and step buckets are powers of two, so 64-token steps stay weight-only. To be refined
+# by `benchmarks/fp8_hlo_check.py`'s sweep.
+FP8_W8A8_MIN_TOKENS = 128
+# The Pallas FP8 GEMV/GEMM kernel serves GPU steps of at most this many tokens; 0: never (until
+# measured). The lead sets it after the GPU run.
+PALLAS_FP8_GEMV_MAX_TOKENS = 0
+# cuBLASLt's FP8 GEMM needs the row count to be a multiple of 16.
+FP8_GEMM_ROW_MULTIPLE = 16
+_CONTRACT_MINOR = (((1,), (1,)), ((), ()))
+
+
+def linear(subscripts: str, x: jax.Array, w, preferred_element_type=None) -> jax.Array:
+    """``x`` times the weight ``w`` as the einsum ``subscripts`` (written for the dense layout).
+
+    ``w`` is an array (run at the precision its dtype calls for) or a ``QuantizedWeight``.
+    """
+    if isinstance(w, QuantizedWeight):
+        return quantized_linear(subscripts, x, w, preferred_element_type)
+    precision = matmul_precision(jnp.result_type(x, w))
+    return jnp.einsum(subscripts, x, w, precision=precision, preferred_element_type=preferred_element_type)
+
+
+def split_subscripts(subscripts: str) -> tuple[int, int]:
+    """(number of contracted axes, number of output axes of the weight) of a dense projection
+    einsum whose contracted axes are x's trailing ones and whose output is x's leading axes then
+    the weight's output axes, as every projection of the model is (``"thd,hde->te"``: 2, 1)."""
+    inputs, out = subscripts.replace(" ", "").split("->")
+    lhs, rhs = inputs.split(",")
+    contracted = [c for c in rhs if c in lhs and c not in out]
+    weight_out = [c for c in rhs if c not in contracted]
+    n_in = len(contracted)
+    # The payload is [out..., in...] in the dense weight's axis order, so x's trailing axes must
+    # come in that order too.
+    if n_in == 0 or lhs[len(lhs) - n_in:] != "".join(contracted) or out != lhs[:len(lhs) - n_in] + "".join(weight_out):
+        raise ValueError(f"linear({subscripts!r}) on a quantized weight: the contracted axes must be "
+                         "x's trailing axes and the output x's leading axes then the weight's")
+    return n_in, len(weight_out)
+
+
+def quantized_linear(subscripts: str, x: jax.Array, w: QuantizedWeight, preferred_element_type=None) -> jax.Array:
+    n_in, n_out = split_subscripts(subscripts)
+    if w.num_out_axes != n_out:
+        raise ValueError(f"linear({subscripts!r}): the weight has {w.num_out_axes} output axes, "
+                         f"the subscripts {n_out}")
+    lead_shape, in_shape = x.shape[:x.ndim - n_in], x.shape[x.ndim - n_in:]
+    out_shape = w.scale.shape
+    if tuple(w.payload.shape) != tuple(out_shape) + tuple(in_shape):
+        raise ValueError(f"linear({subscripts!r}): x {x.shape} does not fit the payload {w.payload.shape}")
+    m, k, n = math.prod(lead_shape), math.prod(in_shape), math.prod(out_shape)
+    x2 = x.reshape(m, k)  # [M, K]
+    payload = w.payload.reshape(n, k)  # [N, K]: contiguous axes merged, no copy
+    scale = w.scale.reshape(n)  # [N]
+    out_dtype = preferred_element_type or x.dtype
+    if w.quantization == "fp8" and m >= FP8_W8A8_MIN_TOKENS:
+        y = fp8_w8a8_matmul(x2, payload, scale)
+    elif w.quantization == "fp8" and _use_pallas_gemv(m):
+        from pallas_kernels.quantized_matmul import fp8_weight_only_matmul
+
+        y = fp8_weight_only_matmul(x2, payload, scale)
+    else:
+        y = weight_only_matmul(x2, payload, scale)
+    return y.astype(out_dtype).reshape(lead_shape + tuple(out_shape))
+
+
+def weight_only_matmul(x: jax.Array, payload: jax.Array, scale: jax.Array) -> jax.Array:
+    """x [M, K] (bf16/f32) times the int8/fp8 payload [N, K] converted to x's dtype -> [M, N] float32."""
+    precision = matmul_precision(x.dtype)
+    y = jax.lax.dot_general(x, payload.astype(x.dtype), _CONTRACT_MINOR, precision=precision,
+                            preferred_element_type=jnp.float32)
+    return y * scale[None, :]
+
+
+def quantize_activations_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-token (row) absmax scaling of x [M, K] to e4m3: (xq [M, K] float8_e4m3fn, scale [M] float32)."""
+    x32 = x.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(x32), axis=-1) / FP8_MAX, 1e-12)  # [M]
+    return (x32 / scale[:, None]).astype(jnp.float8_e4m3fn), scale
+
+
+def fp8_w8a8_matmul(x: jax.Array, payload: jax.Array, scale: jax.Array) -> jax.Array:
+    """W8A8: x [M, K] quantized per token, times the e4m3 payload [N, K] -> [M, N] float32."""
+    m = x.shape[0]
+    xq, x_scale = quantize_activations_fp8(x)
+    padded = -m % FP8_GEMM_ROW_MULTIPLE
+    if padded:
+        xq = jnp.pad(xq, ((0, padded), (0, 0)))
+    y = jax.lax.dot_general(xq, payload, _CONTRACT_MINOR, preferred_element_type=jnp.float32)[:m]
+    return y * x_scale[:, None] * scale[None, :]
+
+
+def _use_pallas_gemv(m: int) -> bool:
+    return m <= PALLAS_FP8_GEMV_MAX_TOKENS and jax.default_backend() == "gpu"

@@ -1,0 +1,144 @@
+"""Quantized weights: one pytree leaf type that carries a payload and its per-channel scales.
+
+A projection weight is either a plain array (the serving dtype) or a :class:`QuantizedWeight`:
+
+    payload  [out..., in...]  float8_e4m3fn or int8
+    scale    [out...]         float32; the weight is ``payload * scale[..., None]``
+
+The payload is stored *output axes first*, the transpose of the dense declaration
+(``jaxinfer.params``: ``q`` is ``[embed, q_heads, head_dim]`` dense, ``[q_heads, head_dim, embed]``
+quantized), which is Hugging Face's ``[out_features, in_features]`` order. Both operands of the
+matmul then contract on their minor dimension, which is what cuBLASLt's FP8 GEMM wants: with the
+weight stored ``[in, out]``, XLA inserts a transpose of it on every call (measured on an H200,
+``/work/shared/BENCHMARKS.md``).
+
+Both fields are pytree children and keep the logical axis names of the dense weight
+(``q_heads``, ``embed``, ...), so the sharding rules, Orbax and the loaders walk them like any
+other leaf (the idea of jax-llm-examples' ``QuantArray``). :mod:`jaxinfer.linear` is the one
+place that multiplies by one.
+
+Scales are per output channel (one per row of ``[out, in]``), symmetric, absmax: FP8 e4m3 maps
+the row's absmax to 448, int8 to 127.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+# quantization name -> the payload dtype.
+QUANTIZATIONS = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
+FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
+INT8_MAX = 127.0
+# A row of zeros would get scale 0 and divide by it; any positive scale represents it exactly.
+_MIN_SCALE = 1e-12
+
+
+class QuantizationError(ValueError):
+    """A quantization that cannot be served: an unknown name, an unsupported checkpoint scheme,
+    a scale of the wrong shape, or FP8 on a device without it. The message names what is supported."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class QuantizedWeight:
+    payload: Any  # [out..., in...] float8_e4m3fn or int8 (or a ParamSpec / sharding in a spec tree)
+    scale: Any  # [out...] float32
+
+    @property
+    def quantization(self) -> str:
+        """``"fp8"`` or ``"int8"``, from the payload's dtype."""
+        return quantization_of_dtype(self.payload.dtype)
+
+    @property
+    def num_out_axes(self) -> int:
+        return len(self.scale.shape)
+
+
+def is_quantized(x: Any) -> bool:
+    return isinstance(x, QuantizedWeight)
+
+
+def check_quantization(quantization: str | None) -> str | None:
+    """``quantization`` itself when it is ``None`` or a supported name, else a ``ValueError`` naming them."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise QuantizationError(f"quantization {quantization!r} is not supported; choose one of "
+                         f"{sorted(QUANTIZATIONS)} or None")
+    return quantization
+
+
+def quantization_of_dtype(dtype) -> str:
+    dtype = jnp.dtype(dtype)
+    for name, payload_dtype in QUANTIZATIONS.items():
+        if dtype == jnp.dtype(payload_dtype):
+            return name
+    raise ValueError(f"{dtype} is not a quantized payload dtype ({sorted(QUANTIZATIONS)})")
+
+
+def quantize(w: jax.Array, quantization: str, num_out_axes: int) -> QuantizedWeight:
+    """Per-output-channel absmax quantization of ``w`` laid out ``[out..., in...]``.
+
+    The scale is computed in float32 from ``w`` in its own dtype; jit-friendly.
+    """
+    dtype = QUANTIZATIONS[check_quantization(quantization)]
+    in_axes = tuple(range(num_out_axes, w.ndim))
+    w32 = w.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(w32), axis=in_axes)  # [out...]
+    qmax = FP8_MAX if quantization == "fp8" else INT8_MAX
+    scale = jnp.maximum(absmax / qmax, _MIN_SCALE)
+    scaled = w32 / scale.reshape(scale.shape + (1,) * len(in_axes))
+    if quantization == "int8":
+        payload = jnp.clip(jnp.round(scaled), -INT8_MAX, INT8_MAX).astype(dtype)
+    else:
+        # The conversion rounds to nearest; |scaled| <= 448 by construction, so nothing saturates.
+        payload = scaled.astype(dtype)
+    return QuantizedWeight(payload=payload, scale=scale)
+
+
+def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
+    """The ``[out..., in...]`` weight the quantized one stands for, in ``dtype``."""
+    in_ndim = w.payload.ndim - w.num_out_axes
+    scale = w.scale.reshape(w.scale.shape + (1,) * in_ndim)
+    return (w.payload.astype(jnp.float32) * scale).astype(dtype)
+
+
+def fp8_support(device: jax.Device | None = None) -> tuple[bool, str]:
+    """Whether ``device`` (default: the first) computes FP8 matmuls, and a sentence saying why.
+
+    CPUs run FP8 emulated (XLA upcasts), exact to the format; NVIDIA GPUs need compute
+    capability 8.9 (Ada) or later (Hopper is 9.0); TPUs before v7 have no FP8 unit.
+    """
+    device = device or jax.devices()[0]
+    platform = device.platform
+    if platform == "cpu":
+        return True, "CPU: FP8 runs emulated (upcast to float32), exact to the format but slow"
+    if platform in ("gpu", "cuda", "rocm"):
+        capability = getattr(device, "compute_capability", None)
+        try:
+            major, minor = (int(p) for p in str(capability).split(".")[:2])
+        except ValueError:
+            return False, f"GPU {device.device_kind!r}: compute capability {capability!r} unknown"
+        if (major, minor) >= (8, 9):
+            return True, f"GPU {device.device_kind!r} (sm_{major}{minor}) has FP8 tensor cores"
+        return False, f"GPU {device.device_kind!r} (sm_{major}{minor}) has no FP8 tensor cores (need sm_89 or later)"
+    if platform == "tpu":
+        match = re.search(r"v?(\d+)", device.device_kind.replace("TPU", ""))
+        generation = int(match.group(1)) if match else 0
+        if generation >= 7:
+            return True, f"TPU {device.device_kind!r} has FP8"
+        return False, f"TPU {device.device_kind!r} has no FP8 (TPU v7 and later do)"
+    return False, f"platform {platform!r} is not known to compute FP8"
+
+
+def check_platform_supports(quantization: str | None, device: jax.Device | None = None) -> None:
+    """Refuse ``quantization="fp8"`` where the device has no FP8, naming what is supported."""
+    if check_quantization(quantization) != "fp8":
+        return
+    ok, why = fp8_support(device)
+    if not ok:
+        raise QuantizationError(f"quantization='fp8' is not supported here: {why}. Use quantization='int8' "
+                         f"(weight-only, every platform) or None")
