@@ -200,6 +200,27 @@ s7a)
     on_gpu 0 gemv.log 155 python3 benchmarks/gemv_decode.py --out "$R/gemv_decode" --budget-s 125
     on_gpu 0 so_host.log 70 python3 benchmarks/structured_output_host.py --out "$R/so_host" \
         --tokenizer .cache/smollm2-tokenizer --steps 200 ;;
+s7b)
+    # Session 7, second call: the FP8 HLO assertions and crossover, the verify step's cost for
+    # k = 2/4/8 at batch 1 (8B shapes), then latency and throughput-1k with fp8 weights and an
+    # fp8 KV cache (fp8 weights alone if the fp8 cache fails to build).
+    wheels
+    on_gpu 0 fp8_hlo.log 75 python3 benchmarks/fp8_hlo_check.py --out "$R/fp8_hlo"
+    on_gpu 0 spec.log 150 python3 benchmarks/spec_decode.py step-cost --out "$R/spec" --ks 2 4 8 \
+        --acceptance benchmarks/results/spec_acceptance_cpu.json benchmarks/results/spec_acceptance_cpu_k4.json
+    start=$SECONDS
+    on_gpu 0 fp8.log 230 python3 benchmarks/engine_throughput.py --out "$R/fp8" --quantization fp8 \
+        --kv-cache-dtype fp8 --workloads latency,throughput-1k
+    if ! grep -q "throughput-1k" "$R/fp8/engine_throughput.json" 2>/dev/null && (( SECONDS - start < 90 )); then
+        on_gpu 0 fp8_weights.log 200 python3 benchmarks/engine_throughput.py --out "$R/fp8_weights" \
+            --quantization fp8 --workloads latency,throughput-1k
+    fi ;;
+s7c)
+    # Session 7, third call: bf16 latency, then throughput-1k unconstrained and with every request
+    # under a JSON schema, at half scale (500 requests x 500 / 500: the device time left).
+    wheels
+    on_gpu 0 bf16.log 170 python3 benchmarks/engine_throughput.py --out "$R/bf16" --workloads latency,throughput-1k \
+        --scale 0.5 --structured-fraction 1.0 --structured-tokenizer .cache/smollm2-tokenizer ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac
