@@ -224,11 +224,14 @@ CHECK_CASES = [  # (seqs, page_size, kernel overrides)
 # --quick-check: what run 1 did not cover or what changed since (the Pallas merge kernel, the
 # einsum merge), and one ragged case per dtype; (case index, q dtype, cache dtype or None).
 QUICK_CHECKS = [(2, jnp.bfloat16, None), (5, jnp.bfloat16, None), (6, jnp.bfloat16, None),
-                (8, jnp.bfloat16, None)]
+                (8, jnp.bfloat16, None), (0, jnp.bfloat16, jnp.float8_e4m3fn)]
+# Checks run on both kernels: the fused one (gpu_fused.py) and the engine's default (gpu.py),
+# the latter only where the overrides name no switch it lacks.
+FUSED_ONLY_OPTIONS = {"prefetch_pages", "plan_in_kernel", "merge_kernel"}
 
 
 def check_correctness(results, quick: bool = False):
-    worst = {"bfloat16": 0.0, "float32": 0.0, "float8_e4m3fn": 0.0}
+    worst = {k: {"bfloat16": 0.0, "float32": 0.0, "float8_e4m3fn": 0.0} for k in ("fused", "default")}
     cache_exact = True
     for i, (seqs, page_size, overrides) in enumerate(CHECK_CASES[:2] if INTERPRET else CHECK_CASES):
         for dtype, cache_dtype in ((jnp.bfloat16, None), (jnp.float32, None), (jnp.bfloat16, jnp.float8_e4m3fn)):
@@ -238,30 +241,34 @@ def check_correctness(results, quick: bool = False):
                 continue  # the option variants (odd cases) in bfloat16 only
             if dtype == jnp.float32 and i > 2:
                 continue
-            case = make_case(100 + i, seqs, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
-                             page_size=page_size, dtype=dtype, pad_tokens=3)
-            args = list(case.args())
-            if cache_dtype is not None:
-                args[1:5] = [x.astype(cache_dtype) for x in args[1:5]]
-            ref_args = [x.astype(jnp.float32) if j in (1, 2, 3, 4) and cache_dtype is not None else x
-                        for j, x in enumerate(args)]
-            ref_out, ref_k, ref_v = ragged_paged_attention_reference(*ref_args, sm_scale=case.sm_scale)
-            out, k_out, v_out = gpu_kernel.ragged_paged_attention_gpu_fused(*[jnp.array(a) for a in args],
-                                                                      sm_scale=case.sm_scale, interpret=INTERPRET,
-                                                                      **overrides)
-            out, ref_out = out.astype(jnp.float32), ref_out.astype(jnp.float32)
-            err = float(jnp.linalg.norm(out - ref_out) / jnp.linalg.norm(ref_out))
-            nan = bool(jnp.isnan(out).any())
-            # Cache: every row bit-identical to the reference's write (NaN where nothing was written).
-            same = all(np.array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)),
-                                      equal_nan=True) for a, b in ((k_out, ref_k), (v_out, ref_v)))
-            name = jnp.dtype(cache_dtype or dtype).name
-            say(f"check case {i} q {jnp.dtype(dtype).name} cache {name} {overrides}: rel err {err:.2e} "
-                f"nan={nan} cache rows exact={same}")
-            worst[name] = max(worst[name], err if not nan else float("inf"))
-            cache_exact &= same
-            results.append({"workload": "check", "case": i, "q_dtype": jnp.dtype(dtype).name, "cache_dtype": name,
-                            "overrides": overrides, "rel_err": err, "nan": nan, "cache_exact": same})
+            for kernel_name, kernel in (("fused", gpu_kernel.ragged_paged_attention_gpu_fused),
+                                        ("default", baseline_gpu.ragged_paged_attention_gpu)):
+                if kernel_name == "default" and overrides.keys() & FUSED_ONLY_OPTIONS:
+                    continue  # the default kernel has no such switches
+                case = make_case(100 + i, seqs, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS,
+                                 head_dim=HEAD_DIM, page_size=page_size, dtype=dtype, pad_tokens=3)
+                args = list(case.args())
+                if cache_dtype is not None:
+                    args[1:5] = [x.astype(cache_dtype) for x in args[1:5]]
+                ref_args = [x.astype(jnp.float32) if j in (1, 2, 3, 4) and cache_dtype is not None else x
+                            for j, x in enumerate(args)]
+                ref_out, ref_k, ref_v = ragged_paged_attention_reference(*ref_args, sm_scale=case.sm_scale)
+                out, k_out, v_out = kernel(*[jnp.array(a) for a in args], sm_scale=case.sm_scale,
+                                           interpret=INTERPRET, **overrides)
+                out, ref_out = out.astype(jnp.float32), ref_out.astype(jnp.float32)
+                err = float(jnp.linalg.norm(out - ref_out) / jnp.linalg.norm(ref_out))
+                nan = bool(jnp.isnan(out).any())
+                # Cache: every row bit-identical to the reference's write (NaN where nothing was written).
+                same = all(np.array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)),
+                                          equal_nan=True) for a, b in ((k_out, ref_k), (v_out, ref_v)))
+                name = jnp.dtype(cache_dtype or dtype).name
+                say(f"check {kernel_name} case {i} q {jnp.dtype(dtype).name} cache {name} {overrides}: "
+                    f"rel err {err:.2e} nan={nan} cache rows exact={same}")
+                worst[kernel_name][name] = max(worst[kernel_name][name], err if not nan else float("inf"))
+                cache_exact &= same
+                results.append({"workload": "check", "kernel": kernel_name, "case": i,
+                                "q_dtype": jnp.dtype(dtype).name, "cache_dtype": name, "overrides": overrides,
+                                "rel_err": err, "nan": nan, "cache_exact": same})
     say(f"check: worst rel err {worst}; cache rows exact everywhere: {cache_exact}")
     return {"worst_rel_err": worst, "cache_exact": cache_exact}
 
