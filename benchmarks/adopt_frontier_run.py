@@ -9,6 +9,10 @@ count) and other committed entries stay, so a run that covered only some shapes 
 An entry whose best full call was not faster than the frozen baseline's full call at that shape
 is *not* adopted: there the heuristics, which equal the baseline's choices, decide.
 Prints what it adopted and skipped, then ``git add`` the listed files and commit.
+
+The table is read only by the opt-in fused-write kernel (``gpu_fused.py``, ``gpu_block_sizes(fused=True)``):
+its entries are timed on that kernel. The engine's default GPU kernel (``gpu.py``) always takes the
+baseline's heuristics, so adopting a table never changes the default path.
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def decode_inputs(batch, context, page_size, seed=0, kv_dtype=DTYPE):
 
 
 def time_ours(sizes, args):
-    """Seconds per full call of our kernel (K/V write fused with attention, one launch); returns (seconds, args).
+    """Seconds per full call of our default kernel (XLA scatter of the K/V, then attention); returns (seconds, args).
 
     The cache rides in the chain's carry and is donated, as in the engine: the kernel writes it in
     place, and a non-donated cache would be copied on every call. The returned args hold the

@@ -1,5 +1,11 @@
 """Issue 21 on one H200: the decode and prefill attention frontier, swept and decided in one run.
 
+Since GPU run 2 the engine's default GPU kernel is the baseline's code again (``gpu.py``, plus fp8
+pages), so the "baseline" columns below time the default path (``gpu.ragged_paged_attention_gpu``,
+sizes from ``gpu_block_sizes(fused=False)``, equal to the frozen baseline's), and "current" / "best"
+mean the opt-in fused-write kernel (``gpu_fused.py``, sizes from the measured table with
+``fused=True``); ``gpu_decode_table.json`` is that kernel's table.
+
 What one call answers, in priority order (a time budget stops the sweeps early, keeping
 everything measured so far):
 
@@ -24,7 +30,7 @@ everything measured so far):
    against cuDNN's output in the same run.
 5. No-regression shapes (B=256 ctx 1k/4k, B=32 ctx 32k) and the fixed cost of a call (B=1 ctx 1k,
    4 MB of K/V): baseline vs current at the table's sizes.
-6. float8_e4m3fn pages (B=32 ctx 4k, B=1 ctx 32k): the current kernel, TB/s of the fp8 bytes.
+6. float8_e4m3fn pages (B=32 ctx 4k, B=1 ctx 32k): both kernels, TB/s of the fp8 bytes.
 
 Timing: ``REPEATS`` chained calls unrolled in one jitted program, the cache donated into it so
 the in-place write costs what it costs in the engine (no cache copies), median of 3 runs.
@@ -53,11 +59,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.baseline_kernel import gpu as baseline_gpu  # noqa: E402
-from benchmarks.baseline_kernel.block_sizes import gpu_block_sizes as baseline_block_sizes  # noqa: E402
 from kernel_attention import decode_inputs, prefill_inputs, pseudo_random  # noqa: E402
 from mosaic_gpu_prefill_prototype import causal_prefill_attention_mosaic_gpu  # noqa: E402
-from pallas_kernels.paged_attention import gpu as gpu_kernel  # noqa: E402
+# "baseline" columns time the engine's default kernel (gpu.py: the frozen baseline's code, its sizes, plus
+# fp8 pages, a no-op for bf16); "current"/"best" columns time and sweep the opt-in fused-write kernel.
+from pallas_kernels.paged_attention import gpu as baseline_gpu  # noqa: E402
+from pallas_kernels.paged_attention import gpu_fused as gpu_kernel  # noqa: E402
 from pallas_kernels.paged_attention import work_tiles as wt  # noqa: E402
 from pallas_kernels.paged_attention.block_sizes import GPU_TABLE_PATH, BlockSizes, gpu_block_sizes  # noqa: E402
 from pallas_kernels.paged_attention.reference import ragged_paged_attention_reference  # noqa: E402
@@ -184,14 +191,14 @@ def baseline_attend_step(sizes):
 def table_sizes(num_tokens, num_seqs, max_kv_len, page_size, **overrides) -> BlockSizes:
     tuned = gpu_block_sizes(num_tokens=num_tokens, max_num_seqs=num_seqs, max_kv_len=max_kv_len,
                             num_kv_heads=NUM_KV_HEADS, group=GROUP, head_dim=HEAD_DIM, page_size=page_size,
-                            itemsize=2)
+                            itemsize=2, fused=True)
     return dataclasses.replace(tuned, **overrides)
 
 
 def baseline_sizes(num_tokens, num_seqs, max_kv_len, page_size):
-    return baseline_block_sizes(num_tokens=num_tokens, max_num_seqs=num_seqs, max_kv_len=max_kv_len,
-                                num_kv_heads=NUM_KV_HEADS, group=GROUP, head_dim=HEAD_DIM, page_size=page_size,
-                                itemsize=2)
+    return gpu_block_sizes(num_tokens=num_tokens, max_num_seqs=num_seqs, max_kv_len=max_kv_len,
+                           num_kv_heads=NUM_KV_HEADS, group=GROUP, head_dim=HEAD_DIM, page_size=page_size,
+                           itemsize=2, fused=False)
 
 
 def sizes_label(s: BlockSizes) -> str:
@@ -217,11 +224,14 @@ CHECK_CASES = [  # (seqs, page_size, kernel overrides)
 # --quick-check: what run 1 did not cover or what changed since (the Pallas merge kernel, the
 # einsum merge), and one ragged case per dtype; (case index, q dtype, cache dtype or None).
 QUICK_CHECKS = [(2, jnp.bfloat16, None), (5, jnp.bfloat16, None), (6, jnp.bfloat16, None),
-                (8, jnp.bfloat16, None)]
+                (8, jnp.bfloat16, None), (0, jnp.bfloat16, jnp.float8_e4m3fn)]
+# Checks run on both kernels: the fused one (gpu_fused.py) and the engine's default (gpu.py),
+# the latter only where the overrides name no switch it lacks.
+FUSED_ONLY_OPTIONS = {"prefetch_pages", "plan_in_kernel", "merge_kernel"}
 
 
 def check_correctness(results, quick: bool = False):
-    worst = {"bfloat16": 0.0, "float32": 0.0, "float8_e4m3fn": 0.0}
+    worst = {k: {"bfloat16": 0.0, "float32": 0.0, "float8_e4m3fn": 0.0} for k in ("fused", "default")}
     cache_exact = True
     for i, (seqs, page_size, overrides) in enumerate(CHECK_CASES[:2] if INTERPRET else CHECK_CASES):
         for dtype, cache_dtype in ((jnp.bfloat16, None), (jnp.float32, None), (jnp.bfloat16, jnp.float8_e4m3fn)):
@@ -231,30 +241,34 @@ def check_correctness(results, quick: bool = False):
                 continue  # the option variants (odd cases) in bfloat16 only
             if dtype == jnp.float32 and i > 2:
                 continue
-            case = make_case(100 + i, seqs, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
-                             page_size=page_size, dtype=dtype, pad_tokens=3)
-            args = list(case.args())
-            if cache_dtype is not None:
-                args[1:5] = [x.astype(cache_dtype) for x in args[1:5]]
-            ref_args = [x.astype(jnp.float32) if j in (1, 2, 3, 4) and cache_dtype is not None else x
-                        for j, x in enumerate(args)]
-            ref_out, ref_k, ref_v = ragged_paged_attention_reference(*ref_args, sm_scale=case.sm_scale)
-            out, k_out, v_out = gpu_kernel.ragged_paged_attention_gpu(*[jnp.array(a) for a in args],
-                                                                      sm_scale=case.sm_scale, interpret=INTERPRET,
-                                                                      **overrides)
-            out, ref_out = out.astype(jnp.float32), ref_out.astype(jnp.float32)
-            err = float(jnp.linalg.norm(out - ref_out) / jnp.linalg.norm(ref_out))
-            nan = bool(jnp.isnan(out).any())
-            # Cache: every row bit-identical to the reference's write (NaN where nothing was written).
-            same = all(np.array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)),
-                                      equal_nan=True) for a, b in ((k_out, ref_k), (v_out, ref_v)))
-            name = jnp.dtype(cache_dtype or dtype).name
-            say(f"check case {i} q {jnp.dtype(dtype).name} cache {name} {overrides}: rel err {err:.2e} "
-                f"nan={nan} cache rows exact={same}")
-            worst[name] = max(worst[name], err if not nan else float("inf"))
-            cache_exact &= same
-            results.append({"workload": "check", "case": i, "q_dtype": jnp.dtype(dtype).name, "cache_dtype": name,
-                            "overrides": overrides, "rel_err": err, "nan": nan, "cache_exact": same})
+            for kernel_name, kernel in (("fused", gpu_kernel.ragged_paged_attention_gpu_fused),
+                                        ("default", baseline_gpu.ragged_paged_attention_gpu)):
+                if kernel_name == "default" and overrides.keys() & FUSED_ONLY_OPTIONS:
+                    continue  # the default kernel has no such switches
+                case = make_case(100 + i, seqs, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS,
+                                 head_dim=HEAD_DIM, page_size=page_size, dtype=dtype, pad_tokens=3)
+                args = list(case.args())
+                if cache_dtype is not None:
+                    args[1:5] = [x.astype(cache_dtype) for x in args[1:5]]
+                ref_args = [x.astype(jnp.float32) if j in (1, 2, 3, 4) and cache_dtype is not None else x
+                            for j, x in enumerate(args)]
+                ref_out, ref_k, ref_v = ragged_paged_attention_reference(*ref_args, sm_scale=case.sm_scale)
+                out, k_out, v_out = kernel(*[jnp.array(a) for a in args], sm_scale=case.sm_scale,
+                                           interpret=INTERPRET, **overrides)
+                out, ref_out = out.astype(jnp.float32), ref_out.astype(jnp.float32)
+                err = float(jnp.linalg.norm(out - ref_out) / jnp.linalg.norm(ref_out))
+                nan = bool(jnp.isnan(out).any())
+                # Cache: every row bit-identical to the reference's write (NaN where nothing was written).
+                same = all(np.array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)),
+                                          equal_nan=True) for a, b in ((k_out, ref_k), (v_out, ref_v)))
+                name = jnp.dtype(cache_dtype or dtype).name
+                say(f"check {kernel_name} case {i} q {jnp.dtype(dtype).name} cache {name} {overrides}: "
+                    f"rel err {err:.2e} nan={nan} cache rows exact={same}")
+                worst[kernel_name][name] = max(worst[kernel_name][name], err if not nan else float("inf"))
+                cache_exact &= same
+                results.append({"workload": "check", "kernel": kernel_name, "case": i,
+                                "q_dtype": jnp.dtype(dtype).name, "cache_dtype": name, "overrides": overrides,
+                                "rel_err": err, "nan": nan, "cache_exact": same})
     say(f"check: worst rel err {worst}; cache rows exact everywhere: {cache_exact}")
     return {"worst_rel_err": worst, "cache_exact": cache_exact}
 
@@ -264,7 +278,7 @@ def check_copies(page_size=32):
     batch, context = (2, 256) if INTERPRET else (64, 4096)
     q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens = decode_inputs(batch, context, page_size)
     k_new = pseudo_random((batch, NUM_KV_HEADS, HEAD_DIM), 15)
-    text = gpu_kernel.ragged_paged_attention_gpu.lower(
+    text = gpu_kernel.ragged_paged_attention_gpu_fused.lower(
         q, k_new, k_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=SM_SCALE,
         interpret=INTERPRET).compile().as_text()
     dims = [",".join(str(d) for d in k_pages.shape), f"{NUM_KV_HEADS},{k_pages.shape[1] * page_size},{HEAD_DIM}"]
@@ -468,7 +482,7 @@ def _parse(label: str) -> BlockSizes:
 
 
 def run_fp8_decode(batch, context, page_size, results):
-    """The current kernel over float8_e4m3fn pages at the table's sizes: TB/s of the fp8 bytes read."""
+    """Both kernels over float8_e4m3fn pages (fused at its table's sizes, the default at its own): TB/s of fp8 bytes."""
     (q, k_pages, v_pages), (k_new, v_new, *rest) = decode_args(batch, context, page_size)
     fp8 = jnp.float8_e4m3fn
     state = (q, k_pages.astype(fp8), v_pages.astype(fp8))
@@ -476,13 +490,15 @@ def run_fp8_decode(batch, context, page_size, results):
     consts = (k_new.astype(fp8), v_new.astype(fp8), *rest)
     sizes = table_sizes(batch, batch, context, page_size)
     t, state = time_chain(current_full_step(sizes), state, *consts, donate=True)
+    t_default, state = time_chain(baseline_full_step, state, *consts, donate=True)
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM  # one byte an element
     row = {"workload": "decode-fp8", "batch": batch, "context": context, "page_size": page_size,
            "kv_bytes": kv_bytes, "current_default_s": t, "current_default_tbs": kv_bytes / t / 1e12,
+           "engine_default_s": t_default, "engine_default_tbs": kv_bytes / t_default / 1e12,
            "sizes": dataclasses.asdict(sizes)}
     results.append(row)
-    say(f"decode fp8 pages B={batch} ctx={context}: {t * 1e6:.1f}us {kv_bytes / t / 1e12:.2f}TB/s of fp8 K/V "
-        f"[{sizes_label(sizes)}]")
+    say(f"decode fp8 pages B={batch} ctx={context}: fused {t * 1e6:.1f}us {kv_bytes / t / 1e12:.2f}TB/s of fp8 K/V "
+        f"[{sizes_label(sizes)}]; default kernel {t_default * 1e6:.1f}us {kv_bytes / t_default / 1e12:.2f}TB/s")
 
 
 # 4. Prefill ----------------------------------------------------------------------------------
@@ -631,9 +647,12 @@ def write_outputs(out_dir, report):
             f"{', Pallas merge' if bs.get('merge_kernel') and bs['num_splits'] > 1 else ''} |")
     fp8_rows = [r for r in report["results"] if r["workload"] == "decode-fp8"]
     if fp8_rows:
-        lines += ["", "Decode over float8_e4m3fn pages (current kernel, table sizes), TB/s of the fp8 bytes read:", ""]
-        lines += [f"- B={r['batch']} ctx {r['context']}: {r['current_default_s'] * 1e6:.1f} µs, "
+        lines += ["", "Decode over float8_e4m3fn pages, TB/s of the fp8 bytes read (fused kernel at its table's "
+                  "sizes; the engine's default kernel at its own):", ""]
+        lines += [f"- B={r['batch']} ctx {r['context']}: fused {r['current_default_s'] * 1e6:.1f} µs, "
                   f"{r['current_default_tbs']:.2f} TB/s ({r['current_default_tbs'] / read:.0%} of the read ceiling)"
+                  + (f"; default {r['engine_default_s'] * 1e6:.1f} µs, {r['engine_default_tbs']:.2f} TB/s "
+                     f"({r['engine_default_tbs'] / read:.0%})" if "engine_default_s" in r else "")
                   for r in fp8_rows]
     lines += ["", "Prefill (+ 32 decode tokens at 2k), TFLOP/s; cuDNN: causal flash attention on the same chunks, "
                   "contiguous, without the decode tokens.", "",

@@ -3,7 +3,9 @@
 The model calls :func:`paged_attention` and never names an implementation. ``impl``
 chooses: ``"auto"`` picks the Pallas kernel for the platform being compiled for (GPU or
 TPU) and the context-bounded CPU path on a CPU; tests force ``"reference"``, ``"cpu"``, ``"pallas_gpu"``,
-``"pallas_tpu"``, or their ``_interpret`` variants to run a kernel on the CPU.
+``"pallas_tpu"``, or their ``_interpret`` variants to run a kernel on the CPU. ``"pallas_gpu_fused"``
+(opt-in, never chosen by ``"auto"``) is the GPU kernel with the K/V write fused in, kept for its
+benchmark: GPU run 2 measured it slower than ``"pallas_gpu"`` at large batches (docs/KERNELS.md).
 
 FP8 pages (``kv_cache_dtype="fp8"``) are scaled here, so that every kernel only converts the
 tiles it loads: the new K/V are quantized before the kernel writes them, ``k_scale`` is folded
@@ -22,7 +24,8 @@ from pallas_kernels.paged_attention.cpu import ragged_paged_attention_cpu
 from pallas_kernels.paged_attention.reference import ragged_paged_attention_reference
 from sharding.rules import shard_over_heads
 
-IMPLEMENTATIONS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret")
+IMPLEMENTATIONS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret",
+                   "pallas_gpu_fused", "pallas_gpu_fused_interpret")
 
 
 def resolve_impl(impl: str, platform: str | None = None, head_dim: int | None = None) -> str:
@@ -78,6 +81,8 @@ def _attend(*args, impl, sm_scale, sliding_window):
         return ragged_paged_attention_cpu(*args, **kwargs)
     import pallas_kernels.paged_attention as pa
 
+    if impl.startswith("pallas_gpu_fused"):
+        return pa.ragged_paged_attention_gpu_fused(*args, **kwargs, interpret=impl.endswith("_interpret"))
     if impl.startswith("pallas_gpu"):
         return pa.ragged_paged_attention_gpu(*args, **kwargs, interpret=impl.endswith("_interpret"))
     if impl == "pallas_tpu_interpret":

@@ -1,4 +1,9 @@
-"""The GPU tile-size lookup: measured table entries decide near their shapes, heuristics elsewhere."""
+"""The GPU tile-size lookup.
+
+The fused-write kernel (``fused=True``): measured table entries decide near their shapes, heuristics
+elsewhere. The default kernel: the frozen baseline's sizes everywhere (the table was measured on the
+fused kernel).
+"""
 
 from pallas_kernels.paged_attention.block_sizes import BlockSizes, gpu_block_sizes
 
@@ -18,7 +23,23 @@ TABLE = (
 
 def sizes(num_tokens, max_num_seqs, max_kv_len, table=TABLE, **shape):
     return gpu_block_sizes(num_tokens=num_tokens, max_num_seqs=max_num_seqs, max_kv_len=max_kv_len, table=table,
-                           **{**LLAMA, **shape})
+                           fused=True, **{**LLAMA, **shape})
+
+
+BASELINE_SHAPES = [(1, 1, 32768), (1, 1, 16384), (8, 8, 16384), (32, 32, 4096), (64, 64, 4096), (256, 256, 1024),
+                   (1, 1, 1024), (4128, 34, 2048)]
+
+
+def test_default_kernel_gets_the_frozen_baseline_sizes_and_ignores_the_table():
+    from benchmarks.baseline_kernel.block_sizes import gpu_block_sizes as baseline_block_sizes
+    fields = ("block_q", "block_kv", "num_splits", "num_warps", "num_stages")
+    for num_tokens, max_num_seqs, max_kv_len in BASELINE_SHAPES:
+        for itemsize in (2, 4):
+            shape = dict(LLAMA, itemsize=itemsize, num_tokens=num_tokens, max_num_seqs=max_num_seqs,
+                         max_kv_len=max_kv_len)
+            ours = gpu_block_sizes(**shape, table=TABLE)  # fused=False: the table is not read
+            theirs = baseline_block_sizes(**shape)
+            assert [getattr(ours, f) for f in fields] == [getattr(theirs, f) for f in fields], shape
 
 
 def test_measured_shape_gets_its_entry():
@@ -51,8 +72,7 @@ def test_heuristics_match_the_frozen_baseline_where_nothing_is_measured():
     # GPU run 1: the current kernel at the heuristic's sizes must not lose to the baseline kernel,
     # so off-table shapes get the baseline's tiles and split count, and XLA's merge (the baseline's).
     from benchmarks.baseline_kernel.block_sizes import gpu_block_sizes as baseline_block_sizes
-    for num_tokens, max_num_seqs, max_kv_len in [(1, 1, 32768), (1, 1, 16384), (8, 8, 16384), (32, 32, 4096),
-                                                 (64, 64, 4096), (256, 256, 1024), (1, 1, 1024), (4128, 34, 2048)]:
+    for num_tokens, max_num_seqs, max_kv_len in BASELINE_SHAPES:
         for itemsize in (2, 4):
             shape = dict(LLAMA, itemsize=itemsize)
             ours = sizes(num_tokens, max_num_seqs, max_kv_len, table=(), **shape)

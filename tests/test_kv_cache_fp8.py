@@ -73,15 +73,17 @@ def _batch(case) -> StepBatch:
                      page_tables=case.page_tables, logits_indices=None)
 
 
-@pytest.mark.parametrize("impl", ["reference", "cpu"])
+@pytest.mark.parametrize("impl", ["reference", "cpu", "pallas_gpu_interpret", "pallas_gpu_fused_interpret"])
 def test_scaled_fp8_attention_equals_dequantize_then_attend(impl):
     """The dispatcher over e4m3 pages with scales vs the oracle: dequantize every page and the
     quantized new K/V to float32 and attend over those in float32."""
     case = make_case(5, [(1, 37), (6, 40), (0, 0), (17, 17)], num_q_heads=8, num_kv_heads=2, pad_tokens=2)
     k_scale, v_scale = jnp.float32(0.05), jnp.float32(3.0)  # |k| up to ~22 fits; v's small values go subnormal
     k_pages, v_pages = quantize_to_fp8(case.k_pages, k_scale), quantize_to_fp8(case.v_pages, v_scale)
-    out, new_k, new_v = paged_attention(case.q, case.k_new, case.v_new, k_pages, v_pages, _batch(case),
-                                        sm_scale=case.sm_scale, impl=impl, k_scale=k_scale, v_scale=v_scale)
+    # Copies: the GPU kernels donate the pages they are given.
+    out, new_k, new_v = paged_attention(case.q, case.k_new, case.v_new, jnp.array(k_pages), jnp.array(v_pages),
+                                        _batch(case), sm_scale=case.sm_scale, impl=impl, k_scale=k_scale,
+                                        v_scale=v_scale)
     assert new_k.dtype == new_v.dtype == F8 and out.dtype == jnp.float32
 
     def dequantize(x, scale):

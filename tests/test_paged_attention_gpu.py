@@ -1,11 +1,19 @@
-"""GPU (Pallas-Triton) ragged paged attention vs the plain-JAX reference, in interpret mode on CPU."""
+"""GPU (Pallas-Triton) ragged paged attention vs the plain-JAX reference, in interpret mode on CPU.
+
+Two kernels: the default (``ragged_paged_attention_gpu``: XLA scatter, then attention) runs every
+case; the opt-in fused-write kernel (``ragged_paged_attention_gpu_fused``) a subset and its own options.
+"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import ragged_paged_attention_gpu, ragged_paged_attention_reference
+from pallas_kernels.paged_attention import (
+    ragged_paged_attention_gpu,
+    ragged_paged_attention_gpu_fused,
+    ragged_paged_attention_reference,
+)
 from tests.attention_cases import make_case
 from pallas_kernels.paged_attention.work_tiles import plan_work_tiles
 
@@ -45,32 +53,42 @@ def test_gpu_kernel_matches_reference(name):
     assert_matches_reference(ragged_paged_attention_gpu, case, dtype, **options)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_gpu_kernel_sliding_window_and_soft_cap(num_splits):
+@pytest.mark.parametrize("name", ["decode_split_small_tiles", "mixed_chunked_empty_slots", "gqa3_prefill_like"])
+def test_fused_gpu_kernel_matches_reference(name):
+    seqs, hq, hkv, head_dim, page_size, dtype, pad, options = CASES[name]
+    case = make_case(hash(name) % 1000, seqs, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
+                     page_size=page_size, dtype=dtype, pad_tokens=pad)
+    assert_matches_reference(ragged_paged_attention_gpu_fused, case, dtype, **options)
+
+
+@pytest.mark.parametrize("kernel,num_splits", [(ragged_paged_attention_gpu, 1), (ragged_paged_attention_gpu, 3),
+                                               (ragged_paged_attention_gpu_fused, 3)])
+def test_gpu_kernel_sliding_window_and_soft_cap(kernel, num_splits):
     # The KV walk has masked edge blocks (causal end, window start) and unmasked ones between;
     # with splits, a split's range can start or end inside either kind.
     case = make_case(7, [(1, 150), (20, 45), (0, 0), (40, 130)], num_q_heads=4, num_kv_heads=1, head_dim=64,
                      page_size=16)
-    assert_matches_reference(ragged_paged_attention_gpu, case, F32, sliding_window=24, soft_cap=5.0, block_kv=16,
+    assert_matches_reference(kernel, case, F32, sliding_window=24, soft_cap=5.0, block_kv=16,
                              num_splits=num_splits)
-    assert_matches_reference(ragged_paged_attention_gpu, case, F32, sliding_window=70, block_kv=16,
+    assert_matches_reference(kernel, case, F32, sliding_window=70, block_kv=16,
                              num_splits=num_splits)
 
 
 @pytest.mark.parametrize("prefetch_pages,plan_in_kernel,merge_kernel",
                          [(False, False, False), (True, False, True), (False, True, False)])
-def test_gpu_kernel_options_match_reference(prefetch_pages, plan_in_kernel, merge_kernel):
+def test_fused_gpu_kernel_options_match_reference(prefetch_pages, plan_in_kernel, merge_kernel):
     # The defaults (all on) run in every other test; other combinations on a mixed batch with
     # splits: chunked prefill over a cached prefix, decode, an empty slot, padding tokens.
     case = make_case(11, [(1, 50), (0, 0), (24, 80), (1, 33)], num_q_heads=8, num_kv_heads=2, head_dim=64,
                      page_size=16, pad_tokens=2)
-    assert_matches_reference(ragged_paged_attention_gpu, case, F32, block_kv=16, num_splits=2,
+    assert_matches_reference(ragged_paged_attention_gpu_fused, case, F32, block_kv=16, num_splits=2,
                              prefetch_pages=prefetch_pages, plan_in_kernel=plan_in_kernel,
                              merge_kernel=merge_kernel)
 
 
-@pytest.mark.parametrize("q_dtype", [F32, BF16])
-def test_gpu_kernel_fp8_pages_match_reference_on_dequantized_pages(q_dtype):
+@pytest.mark.parametrize("kernel,q_dtype", [(ragged_paged_attention_gpu, F32), (ragged_paged_attention_gpu, BF16),
+                                            (ragged_paged_attention_gpu_fused, BF16)])
+def test_gpu_kernel_fp8_pages_match_reference_on_dequantized_pages(kernel, q_dtype):
     # float8_e4m3fn pages (and new K/V, already quantized by the dispatcher): the kernel converts
     # loaded tiles to q's dtype. Oracle: the reference over the same values held in float32.
     fp8 = jnp.float8_e4m3fn
@@ -82,8 +100,8 @@ def test_gpu_kernel_fp8_pages_match_reference_on_dequantized_pages(q_dtype):
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
     ref_out, ref_k, ref_v = ragged_paged_attention_reference(
         q, up(k_new), up(v_new), up(k_pages), up(v_pages), *rest, sm_scale=case.sm_scale)
-    out, k_out, v_out = ragged_paged_attention_gpu(q, k_new, v_new, k_pages, v_pages, *rest,
-                                                   sm_scale=case.sm_scale, interpret=True, num_splits=2)
+    out, k_out, v_out = kernel(q, k_new, v_new, k_pages, v_pages, *rest, sm_scale=case.sm_scale, interpret=True,
+                               num_splits=2)
     assert out.dtype == q_dtype and k_out.dtype == fp8
     tol = 1e-4 if q_dtype == F32 else 3e-2
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32), rtol=tol, atol=tol)
@@ -104,9 +122,10 @@ def test_tile_planning_and_token_positions_have_no_loops():
     np.testing.assert_array_equal(token_sequence_ids(cu_q_lens, 12), [0, 0, 0, 1, 1, 3, 3, 3, 3, 4, 4, 4])
 
 
-def test_gpu_kernel_aliases_the_cache():
+@pytest.mark.parametrize("kernel", [ragged_paged_attention_gpu, ragged_paged_attention_gpu_fused])
+def test_gpu_kernel_aliases_the_cache(kernel):
     case = make_case(3, [(1, 20), (3, 9)], num_q_heads=4, num_kv_heads=1, head_dim=64, page_size=16)
-    text = ragged_paged_attention_gpu.lower(*case.args(), sm_scale=case.sm_scale, interpret=True).as_text()
+    text = kernel.lower(*case.args(), sm_scale=case.sm_scale, interpret=True).as_text()
     # Outputs 1 and 2 (k_pages, v_pages) reuse the donated input buffers: no cache-sized copy.
     assert "tf.aliasing_output = 1" in text and "tf.aliasing_output = 2" in text
 
@@ -121,7 +140,11 @@ def test_work_tiles_cover_every_query_once():
     assert live.tolist() == [[0, 4, 1, 0], [2, 20, 4, 1], [2, 24, 4, 5], [2, 28, 2, 9], [3, 0, 1, 11]]
 
 
-def test_gpu_kernel_lowers_through_triton_from_cpu():
+FUSED_ONLY = dict(plan_in_kernel=False, prefetch_pages=False, merge_kernel=False)
+
+
+@pytest.mark.parametrize("kernel", [ragged_paged_attention_gpu, ragged_paged_attention_gpu_fused])
+def test_gpu_kernel_lowers_through_triton_from_cpu(kernel):
     # Lowers Pallas -> Triton IR for an abstract H200, on the split (decode) and the prefill paths:
     # catches primitives the Triton lowering lacks, which interpret mode does not.
     from jax._src.mesh import AbstractDevice, AbstractMesh
@@ -130,14 +153,15 @@ def test_gpu_kernel_lowers_through_triton_from_cpu():
         device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
     for seqs, options, cache_dtype in (([(1, 300), (0, 0), (1, 16)], dict(num_splits=4), BF16),
                                        ([(90, 90), (1, 20)], {}, BF16),
-                                       ([(1, 300), (40, 90)], dict(plan_in_kernel=False, prefetch_pages=False,
-                                                                   merge_kernel=False, num_splits=2), BF16),
+                                       ([(1, 300), (40, 90)], dict(FUSED_ONLY, num_splits=2), BF16),
                                        ([(1, 300), (40, 90)], dict(num_splits=2), jnp.float8_e4m3fn)):
+        if kernel is ragged_paged_attention_gpu and options.keys() & FUSED_ONLY.keys():
+            continue  # the default kernel has no such options
         case = make_case(1, seqs, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=BF16)
         args = list(case.args())
         args[1:5] = [x.astype(cache_dtype) for x in args[1:5]]
         with jax.sharding.use_abstract_mesh(mesh):
-            lowered = ragged_paged_attention_gpu.trace(*args, sm_scale=case.sm_scale, **options).lower(
+            lowered = kernel.trace(*args, sm_scale=case.sm_scale, **options).lower(
                 lowering_platforms=("cuda",))
         assert "triton" in lowered.as_text()
 

@@ -1,6 +1,8 @@
 """Ragged paged attention over the paged KV cache: plain-JAX reference, GPU and TPU kernels.
 
-All three share one signature (``ragged_paged_attention_reference``'s) and return
+The GPU has two kernels: ``ragged_paged_attention_gpu`` (the default: XLA scatter, then
+attention) and ``ragged_paged_attention_gpu_fused`` (opt-in: the write fused into the kernel).
+All share one signature (``ragged_paged_attention_reference``'s) and return
 ``(out, k_pages, v_pages)``; the kernels take extra keyword-only tile sizes and an
 interpret switch. The cache layout and the ragged-batch metadata are documented in
 ``reference.py``.
@@ -8,6 +10,7 @@ interpret switch. The cache layout and the ragged-batch metadata are documented 
 
 from pallas_kernels.paged_attention.block_sizes import BlockSizes, gpu_block_sizes, tpu_block_sizes
 from pallas_kernels.paged_attention.gpu import ragged_paged_attention_gpu
+from pallas_kernels.paged_attention.gpu_fused import ragged_paged_attention_gpu_fused
 from pallas_kernels.paged_attention.reference import ragged_paged_attention_reference
 from pallas_kernels.paged_attention.tpu import ragged_paged_attention_tpu
 
@@ -15,6 +18,7 @@ __all__ = [
     "BlockSizes",
     "gpu_block_sizes",
     "ragged_paged_attention_gpu",
+    "ragged_paged_attention_gpu_fused",
     "ragged_paged_attention_reference",
     "ragged_paged_attention_tpu",
     "tpu_block_sizes",

@@ -22,6 +22,8 @@ from pallas_kernels.paged_attention.work_tiles import next_power_of_2, num_work_
 
 # Measured table (``benchmarks/kernel_frontier.py`` writes it as gpu_decode_table.json; copied
 # here with the run's results in benchmarks/results/). Absent: the heuristics below decide.
+# Its entries were timed on the fused-write kernel (``gpu_fused.py``), so only that kernel reads
+# it (``fused=True``); the default kernel takes the heuristics, which are the frozen baseline's.
 GPU_TABLE_PATH = Path(__file__).with_name("gpu_decode_table.json")
 # A measured entry decides for shapes within this distance: |log2| of the ratio of programs
 # (tiles x KV heads, before splitting) plus |log2| of the ratio of contexts. 1.5 reaches, e.g.,
@@ -59,15 +61,18 @@ class BlockSizes:
 # tiles plus the fused write's new rows), so that tile no longer fits where the baseline's did.
 _GPU_SHARED_MEMORY = 232448
 _SHARED_BYTES_PER_KV_ELEMENT = 3
+# The default kernel stages only the K and V tiles (its 128 x 3-stage tile ran in runs 1 and 2).
+_SHARED_BYTES_PER_KV_ELEMENT_DEFAULT = 2
 
 
-def _shared_memory_bytes(sizes: BlockSizes, head_dim: int, itemsize: int) -> int:
-    return sizes.num_stages * sizes.block_kv * head_dim * itemsize * _SHARED_BYTES_PER_KV_ELEMENT
+def _shared_memory_bytes(sizes: BlockSizes, head_dim: int, itemsize: int, fused: bool = True) -> int:
+    per_element = _SHARED_BYTES_PER_KV_ELEMENT if fused else _SHARED_BYTES_PER_KV_ELEMENT_DEFAULT
+    return sizes.num_stages * sizes.block_kv * head_dim * itemsize * per_element
 
 
-def _fit_shared_memory(sizes: BlockSizes, head_dim: int, itemsize: int) -> BlockSizes:
+def _fit_shared_memory(sizes: BlockSizes, head_dim: int, itemsize: int, fused: bool = True) -> BlockSizes:
     """Fewer pipeline stages (down to 2), then shorter KV steps, until the estimate fits shared memory."""
-    while _shared_memory_bytes(sizes, head_dim, itemsize) > _GPU_SHARED_MEMORY:
+    while _shared_memory_bytes(sizes, head_dim, itemsize, fused) > _GPU_SHARED_MEMORY:
         if sizes.num_stages > 2:
             sizes = dataclasses.replace(sizes, num_stages=sizes.num_stages - 1)
         elif sizes.block_kv > 16:
@@ -121,17 +126,22 @@ def _from_table(kind: str, *, programs: int, num_tokens: int, max_kv_len: int, n
 
 def gpu_block_sizes(
     *, num_tokens: int, max_num_seqs: int, max_kv_len: int, num_kv_heads: int, group: int,
-    head_dim: int, page_size: int, itemsize: int, table=None,
+    head_dim: int, page_size: int, itemsize: int, table=None, fused: bool = False,
 ) -> BlockSizes:
-    """Tile sizes for ``ragged_paged_attention_gpu``: the nearest measured entry, else the heuristics.
+    """Tile sizes for the GPU kernels.
 
-    ``table`` replaces the measured table (tests); entries are dicts as in gpu_decode_table.json.
-    Either way the sizes are cut to fit shared memory (``_fit_shared_memory``).
+    ``fused=False`` (the default kernel, ``ragged_paged_attention_gpu``): the heuristics, the frozen
+    baseline's tiles and splits. ``fused=True`` (``ragged_paged_attention_gpu_fused``): the nearest
+    measured entry, else the same heuristics. ``table`` replaces the measured table (tests; only
+    with ``fused``); entries are dicts as in gpu_decode_table.json. Either way the sizes are cut
+    to fit that kernel's shared memory (``_fit_shared_memory``).
     """
+    if not fused:
+        table = ()
     return _fit_shared_memory(
         _gpu_block_sizes(num_tokens=num_tokens, max_num_seqs=max_num_seqs, max_kv_len=max_kv_len,
                          num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, page_size=page_size,
-                         itemsize=itemsize, table=table), head_dim, itemsize)
+                         itemsize=itemsize, table=table), head_dim, itemsize, fused)
 
 
 def _gpu_block_sizes(
