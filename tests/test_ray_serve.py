@@ -467,3 +467,14 @@ def test_serve_config_yaml_builds_the_application():
     assert engine._deployment_config.max_ongoing_requests == 16 + 256 + NUM_CONTROL_SLOTS
     with pytest.raises(ValueError, match="unknown args"):
         build_app({"min_replica": 1, "accelerator": "cpu"})
+
+
+def test_tool_call_parser_reaches_the_ingress():
+    """serve-ray takes --tool-call-parser as serve does, and hands it to the ingress's app."""
+    from jaxinfer.ray_serve.serve_ray import build_app
+
+    app = build_app({"tool_call_parser": "llama3_json", "accelerator": "cpu"})
+    options = app._bound_deployment.init_args[2]  # (engine handle, batch handle, IngressOptions)
+    assert options.tool_call_parser == "llama3_json"
+    with pytest.raises(ValueError, match="tool_call_parser"):  # serve_config.yaml skips argparse's choices
+        build_app({"tool_call_parser": "no_such_format", "accelerator": "cpu"})

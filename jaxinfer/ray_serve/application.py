@@ -72,7 +72,8 @@ def build_application(build_engine: Callable[[], object], config: RayServeConfig
     )
     return ingress.bind(engine, batch_runner, IngressOptions(
         config.served_model_name, num_threads, config.admission.retry_after_s, config.api_key,
-        config.max_body_bytes, config.max_file_bytes, config.batch_store, config.batch_window_s))
+        config.max_body_bytes, config.max_file_bytes, config.batch_store, config.batch_window_s,
+        config.tool_call_parser))
 
 
 def engine_actor_options(config: RayServeConfig) -> dict:

@@ -113,12 +113,17 @@ class RayServeConfig:
     batch_runner: BatchRunnerConfig = dataclasses.field(default_factory=BatchRunnerConfig)
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     batch_window_s: float | None = None  # tests and debugging: how long a batch's "24h" window lasts
+    tool_call_parser: str | None = None  # the format tool calls are parsed in; None: from the chat template
 
     def __post_init__(self):
         if not 1 <= self.min_replicas <= self.max_replicas:
             raise ValueError(f"need 1 <= min_replicas ({self.min_replicas}) <= max_replicas ({self.max_replicas})")
         if self.router not in ROUTERS:
             raise ValueError(f"router {self.router!r} is not one of {ROUTERS}")
+        from jaxinfer.tool_parsers import PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser {self.tool_call_parser!r} is not one of {sorted(PARSERS)}")
 
     @property
     def engine_max_ongoing_requests(self) -> int:

@@ -37,6 +37,7 @@ class IngressOptions:
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     batch_store: BatchStoreOptions | None = None  # None: no Files and Batch API
     batch_window_s: float | None = None  # tests: how long a batch's "24h" window lasts
+    tool_call_parser: str | None = None  # --tool-call-parser; None: chosen from the chat template
 
 
 class OpenAIIngress:
@@ -53,7 +54,8 @@ class OpenAIIngress:
                            else RemoteBatchStore(batch_handle))
         app = create_app(client, options.served_model_name, metrics=metrics, api_key=options.api_key,
                          max_body_bytes=options.max_body_bytes, batch_store=batch_store,
-                         max_file_bytes=options.max_file_bytes, batch_window_s=options.batch_window_s)
+                         max_file_bytes=options.max_file_bytes, batch_window_s=options.batch_window_s,
+                         tool_call_parser=options.tool_call_parser)
         self._asgi_app = WSGIBridge(app, options.num_threads)
 
     def __serve_build_asgi_app__(self):

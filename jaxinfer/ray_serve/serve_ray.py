@@ -23,6 +23,7 @@ from jaxinfer.server.admission import (DEFAULT_MAX_WAITING_PROMPT_TOKENS, DEFAUL
                                        DEFAULT_RETRY_AFTER_S, AdmissionConfig)
 from jaxinfer.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_FILE_BYTES
 from jaxinfer.server.serve import default_served_name
+from jaxinfer.tool_parsers import PARSERS
 
 APP_NAME = "jaxinfer"
 # Serve's low-latency path (--low-latency; docs/RAY.md, benchmarks/results/ray_overhead.cpu.md:
@@ -42,6 +43,8 @@ def add_serve_ray_arguments(parser: argparse.ArgumentParser) -> None:
     a("--host", default="127.0.0.1", help="address Serve's HTTP proxy binds (default 127.0.0.1: local only)")
     a("--port", type=int, default=8000)
     a("--api-key", default=os.environ.get("JAXINFER_API_KEY"), help="require 'Authorization: Bearer KEY' on /v1/*")
+    a("--tool-call-parser", default=None, choices=sorted(PARSERS),
+      help="the format the model writes tool calls in (default: from the chat template's markers)")
     add_engine_arguments(parser)
     r = parser.add_argument_group("ray", "replicas, autoscaling and routing (docs/RAY.md)").add_argument
     r("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
@@ -106,6 +109,7 @@ def config_from_args(args: argparse.Namespace, accelerator: str) -> RayServeConf
         batch_store=None if args.no_batch_api else BatchStoreOptions(
             args.batch_db, args.batch_redis, args.batch_lease_s, args.batch_runners),
         max_file_bytes=args.max_file_bytes, batch_window_s=args.batch_window_s,
+        tool_call_parser=args.tool_call_parser,
     )
 
 
