@@ -149,3 +149,24 @@ def test_probes_and_routes_follow_the_clients_state(client, base_url):
     assert requests.get(base_url + "/health", timeout=5).json() == {"status": "ok"}
     r = requests.get(base_url + "/metrics", timeout=5)  # this app was made without metrics
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_an_idle_engine_loop_reports_the_engines_counters():
+    """Before its first step the loop already answers stats with the engine's own (zero) counters:
+    a Ray replica the router never picked was asked for them and answered with nothing."""
+
+    class IdleEngine:
+        def stats(self) -> dict:
+            return {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_running": 0}
+
+        def has_unfinished_requests(self) -> bool:
+            return False
+
+    loop = EngineLoop()
+    loop.start(IdleEngine(), warmup=False)
+    try:
+        stats = loop.stats()
+        assert stats["prefix_cache_hits"] == 0 and stats["prefix_cache_queries"] == 0
+        assert "server_num_requests_waiting" in stats
+    finally:
+        loop.stop()

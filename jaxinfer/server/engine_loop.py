@@ -99,6 +99,9 @@ class EngineLoop:
         if warmup and hasattr(engine, "warmup"):
             self.state = "warming"
             engine.warmup()
+        # An engine that has not stepped yet still reports its counters (zeros), not nothing: a Ray
+        # replica the router never picked was asked for stats and answered {}.
+        self._last_stats = engine.stats() if hasattr(engine, "stats") else {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.state = "ready"
         self._thread.start()
