@@ -8,6 +8,7 @@ behind the same methods.
 
 import json
 import threading
+import time
 
 import pytest
 import requests
@@ -165,6 +166,9 @@ def test_an_idle_engine_loop_reports_the_engines_counters():
     loop = EngineLoop()
     loop.start(IdleEngine(), warmup=False)
     try:
+        deadline = time.monotonic() + 5
+        while "prefix_cache_hits" not in loop.stats() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the loop's thread reads them as it starts
         stats = loop.stats()
         assert stats["prefix_cache_hits"] == 0 and stats["prefix_cache_queries"] == 0
         assert "server_num_requests_waiting" in stats

@@ -99,9 +99,6 @@ class EngineLoop:
         if warmup and hasattr(engine, "warmup"):
             self.state = "warming"
             engine.warmup()
-        # An engine that has not stepped yet still reports its counters (zeros), not nothing: a Ray
-        # replica the router never picked was asked for stats and answered {}.
-        self._last_stats = engine.stats() if hasattr(engine, "stats") else {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.state = "ready"
         self._thread.start()
@@ -166,6 +163,10 @@ class EngineLoop:
     def _run(self) -> None:
         engine = self.engine
         try:
+            # An engine that has not stepped yet still reports its counters (zeros), not nothing: a
+            # Ray replica the router never picked was asked for stats and answered {}. (Here, on the
+            # loop's thread: the engine is only ever touched from it.)
+            self._update_stats(stepped=False)
             while not self._stop:
                 busy = engine.has_unfinished_requests()
                 self._handle_commands(block=not busy)
