@@ -32,8 +32,12 @@
 #   lab     GPU0: latency_lab (where batch-1 decode time goes), then throughput-1k with a trace of
 #           8 steady decode steps and its kernel breakdown. GPU1: the kernel's tile-size sweep
 #           (the data behind block_sizes.py).
+#   s7a, s7b, s7c  one GPU, session 7 (carry .whl and .cache/smollm2-tokenizer): s7a the attention
+#           frontier sweep, the GEMV table and the structured-output host cost; s7b the FP8 HLO check,
+#           the verify step's cost and fp8 latency/throughput-1k; s7c bf16 latency and throughput-1k
+#           with and without a JSON schema (half scale).
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2 or ab3}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b or s7c}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
