@@ -16,7 +16,7 @@ everything measured so far):
    ``input_output_alias`` and no cache-sized copy.
 2. Ceilings of this run: HBM read (sum over 8 GiB) and the bf16 matmul rate.
 3. Decode at the goal shapes (B=1 at 32k/16k/4k, B=8 at 16k, B=32 at 4k, B=64 at 4k): the
-   baseline kernel (``benchmarks/baseline_kernel``, the code before this issue) as it ran
+   baseline kernel (the default ``gpu.py``, the code before this issue, plus fp8 pages) as it ran
    (attend only, as ``kernel_attention.py`` timed it, and the full call with its XLA scatter),
    cuDNN's dense kernel on a contiguous cache of the same shape, and the current kernel's full
    call (write + attend, one launch) at its table sizes, then a coordinate search: the KV split

@@ -45,9 +45,9 @@ from kernel_attention import (
 from mosaic_gpu_prototype import paged_decode_attention_mosaic_gpu
 
 # The Triton side of this historical comparison is the kernel it was run against (before issue 21).
-from benchmarks.baseline_kernel import block_sizes as bs
-from benchmarks.baseline_kernel import gpu as gpu_kernel
-from benchmarks.baseline_kernel.block_sizes import BlockSizes
+from pallas_kernels.paged_attention import block_sizes as bs
+from pallas_kernels.paged_attention import gpu as gpu_kernel
+from pallas_kernels.paged_attention.block_sizes import BlockSizes
 from pallas_kernels.paged_attention.reference import attend_reference
 from tests.attention_cases import make_case
 

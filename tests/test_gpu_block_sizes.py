@@ -26,20 +26,38 @@ def sizes(num_tokens, max_num_seqs, max_kv_len, table=TABLE, **shape):
                            fused=True, **{**LLAMA, **shape})
 
 
-BASELINE_SHAPES = [(1, 1, 32768), (1, 1, 16384), (8, 8, 16384), (32, 32, 4096), (64, 64, 4096), (256, 256, 1024),
-                   (1, 1, 1024), (4128, 34, 2048)]
+# The pre-issue-21 kernel's sizes (block_q, block_kv, num_splits, num_warps, num_stages) per
+# (num_tokens, max_num_seqs, max_kv_len, itemsize) for LLAMA's shape: what the default kernel must
+# keep choosing (its measured speed is the baseline), and what the fused kernel's heuristic starts
+# from. Written down from the frozen copy of that kernel before it was deleted (it had become
+# gpu.py itself).
+PRE_ISSUE_21_SIZES = {
+    (1, 1, 32768, 2): (4, 64, 64, 4, 4),
+    (1, 1, 32768, 4): (4, 64, 64, 4, 2),
+    (1, 1, 16384, 2): (4, 64, 64, 4, 4),
+    (1, 1, 16384, 4): (4, 64, 64, 4, 2),
+    (8, 8, 16384, 2): (4, 64, 8, 4, 4),
+    (8, 8, 16384, 4): (4, 64, 8, 4, 2),
+    (32, 32, 4096, 2): (4, 128, 1, 4, 3),
+    (32, 32, 4096, 4): (4, 64, 1, 4, 2),
+    (64, 64, 4096, 2): (4, 64, 1, 2, 3),
+    (64, 64, 4096, 4): (4, 64, 1, 4, 2),
+    (256, 256, 1024, 2): (4, 64, 1, 2, 3),
+    (256, 256, 1024, 4): (4, 64, 1, 4, 2),
+    (1, 1, 1024, 2): (4, 64, 4, 4, 4),
+    (1, 1, 1024, 4): (4, 64, 4, 4, 2),
+    (4128, 34, 2048, 2): (16, 32, 1, 4, 2),
+    (4128, 34, 2048, 4): (16, 32, 1, 4, 2),
+}
+FIELDS = ("block_q", "block_kv", "num_splits", "num_warps", "num_stages")
 
 
-def test_default_kernel_gets_the_frozen_baseline_sizes_and_ignores_the_table():
-    from benchmarks.baseline_kernel.block_sizes import gpu_block_sizes as baseline_block_sizes
-    fields = ("block_q", "block_kv", "num_splits", "num_warps", "num_stages")
-    for num_tokens, max_num_seqs, max_kv_len in BASELINE_SHAPES:
-        for itemsize in (2, 4):
-            shape = dict(LLAMA, itemsize=itemsize, num_tokens=num_tokens, max_num_seqs=max_num_seqs,
-                         max_kv_len=max_kv_len)
-            ours = gpu_block_sizes(**shape, table=TABLE)  # fused=False: the table is not read
-            theirs = baseline_block_sizes(**shape)
-            assert [getattr(ours, f) for f in fields] == [getattr(theirs, f) for f in fields], shape
+def test_default_kernel_gets_the_pre_issue_21_sizes_and_ignores_the_table():
+    for (num_tokens, max_num_seqs, max_kv_len, itemsize), expected in PRE_ISSUE_21_SIZES.items():
+        shape = dict(LLAMA, itemsize=itemsize, num_tokens=num_tokens, max_num_seqs=max_num_seqs,
+                     max_kv_len=max_kv_len)
+        ours = gpu_block_sizes(**shape, table=TABLE)  # fused=False: the table is not read
+        assert tuple(getattr(ours, f) for f in FIELDS) == expected, shape
 
 
 def test_measured_shape_gets_its_entry():
@@ -71,18 +89,12 @@ def test_prefill_entry_by_token_count():
 def test_heuristics_match_the_frozen_baseline_where_nothing_is_measured():
     # GPU run 1: the current kernel at the heuristic's sizes must not lose to the baseline kernel,
     # so off-table shapes get the baseline's tiles and split count, and XLA's merge (the baseline's).
-    from benchmarks.baseline_kernel.block_sizes import gpu_block_sizes as baseline_block_sizes
-    for num_tokens, max_num_seqs, max_kv_len in BASELINE_SHAPES:
-        for itemsize in (2, 4):
-            shape = dict(LLAMA, itemsize=itemsize)
-            ours = sizes(num_tokens, max_num_seqs, max_kv_len, table=(), **shape)
-            theirs = baseline_block_sizes(num_tokens=num_tokens, max_num_seqs=max_num_seqs, max_kv_len=max_kv_len,
-                                          **shape)
-            fields = ("block_q", "block_kv", "num_splits", "num_warps")
-            assert [getattr(ours, f) for f in fields] == [getattr(theirs, f) for f in fields], (num_tokens, max_kv_len)
-            # Stages: the baseline's, or fewer where the current kernel's tiles would overflow shared memory.
-            assert 2 <= ours.num_stages <= theirs.num_stages
-            assert ours.merge_kernel is False
+    for (num_tokens, max_num_seqs, max_kv_len, itemsize), expected in PRE_ISSUE_21_SIZES.items():
+        ours = sizes(num_tokens, max_num_seqs, max_kv_len, table=(), **dict(LLAMA, itemsize=itemsize))
+        assert tuple(getattr(ours, f) for f in FIELDS[:4]) == expected[:4], (num_tokens, max_kv_len)
+        # Stages: the baseline's, or fewer where the fused kernel's tiles would overflow shared memory.
+        assert 2 <= ours.num_stages <= expected[4]
+        assert ours.merge_kernel is False
 
 
 def test_sizes_fit_shared_memory():

@@ -1,7 +1,7 @@
 """Ragged paged attention for NVIDIA Hopper, in Pallas with the Triton lowering: the engine's default.
 
-This is the kernel as it stood before issue 21 (frozen in ``benchmarks/baseline_kernel``), plus
-float8 pages. GPU run 2 (H200) measured it, with its separate XLA scatter for the K/V write,
+This is the kernel as it stood before issue 21 (session 7 froze a copy of it as the baseline to
+beat; once it was the default again the copy was deleted), plus float8 pages. GPU run 2 (H200) measured it, with its separate XLA scatter for the K/V write,
 17-32% faster than the fused-write variant (``gpu_fused.py``) at B=256 decode, and the fused
 kernel was not reliably faster anywhere (B=1 ctx 16k: +14% best-of-sweep in one run, within the
 ~10% run-to-run spread seen at B=1), so this is the default and the fused kernel is opt-in
