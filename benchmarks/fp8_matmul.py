@@ -233,8 +233,13 @@ def sweep_candidates(m: int, n: int, k: int) -> list[MatmulBlockSizes]:
                c("mma_swapped", 128, 128, 8, 4), c("mma", 128, 128, 8, 3), c("mma", 16, 512),
                c("mma", 32, 128, 4, 6), c("mma", 64, 128, 4, 3, split_factor=2), c("mma_swapped", 128, 64, 4, 5),
                c("mma", 32, 256, 4, 3), c("mma", 64, 64, 4, 6)]
-    out = [default_block_sizes(m, n, k)]
-    for sizes in raw:
+    return fitting_candidates(default_block_sizes(m, n, k), raw, m, n, k)
+
+
+def fitting_candidates(first: MatmulBlockSizes, candidates, m: int, n: int, k: int) -> list[MatmulBlockSizes]:
+    """``first``, then each of ``candidates`` that fits an ``[m, k] x [n, k]`` product, once each."""
+    out = [first]
+    for sizes in candidates:
         try:
             check_block_sizes(sizes, m, n, k)
         except ValueError:
@@ -271,21 +276,14 @@ def grid_candidates(m: int, n: int, k: int, seed: int = 0) -> list[MatmulBlockSi
             for num_warps in (4, 8):
                 grid.append(("mma_swapped", block_n, block_k, num_warps, 4, False))
     order = np.random.default_rng(seed + 97 * m + n + k).permutation(len(grid))
-    out = [default_block_sizes(m, n, k)]
+    candidates = []
     for index in order:
         algorithm, block_n, block_k, num_warps, num_stages, prefetch = grid[index]
         block_k = min(block_k, k)
-        if n % block_n:
-            continue
-        sizes = MatmulBlockSizes(algorithm, block_n, block_k, num_k_splits(n, k, block_n, block_k), num_warps,
-                                 num_stages, prefetch)
-        try:
-            check_block_sizes(sizes, m, n, k)
-        except ValueError:
-            continue
-        if sizes not in out:
-            out.append(sizes)
-    return out
+        if n % block_n == 0:
+            candidates.append(MatmulBlockSizes(algorithm, block_n, block_k, num_k_splits(n, k, block_n, block_k),
+                                               num_warps, num_stages, prefetch))
+    return fitting_candidates(default_block_sizes(m, n, k), candidates, m, n, k)
 
 
 def describe(sizes: MatmulBlockSizes) -> str:

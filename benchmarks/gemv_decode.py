@@ -54,7 +54,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from common import Log, header, write_results  # noqa: E402
-from fp8_matmul import layer_shapes, measure_read_ceiling, rel_error, time_program, xla_bf16, xla_w8a16  # noqa: E402
+from fp8_matmul import (  # noqa: E402
+    fitting_candidates, layer_shapes, measure_read_ceiling, rel_error, time_program, xla_bf16, xla_w8a16,
+)
 
 from pallas_kernels.quantized_matmul import (  # noqa: E402
     bf16_weight_only_matmul,
@@ -68,7 +70,6 @@ from pallas_kernels.quantized_matmul.block_sizes import (  # noqa: E402
     default_block_sizes,
     num_k_splits,
 )
-from pallas_kernels.quantized_matmul.validation import check_block_sizes  # noqa: E402
 
 FP8 = jnp.float8_e4m3fn
 BF16 = jnp.bfloat16
@@ -172,15 +173,7 @@ def candidates(m: int, n: int, k: int, fmt: str) -> list[MatmulBlockSizes]:
             raw += [c("gemv", 16, 16, 4, 1, True), c("gemv", 32, 32, 8, 1, True)]
         if fmt == "fp8":
             raw += [c("mma", 32, 0, 4, 4, block_k=256)]
-    out = [default_block_sizes(m, n, k, FORMATS[fmt], table=())]
-    for sizes in raw:
-        try:
-            check_block_sizes(sizes, m, n, k)
-        except ValueError:
-            continue
-        if sizes not in out:
-            out.append(sizes)
-    return out
+    return fitting_candidates(default_block_sizes(m, n, k, FORMATS[fmt], table=()), raw, m, n, k)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -30,28 +30,8 @@ first new token on is read from ``k_new``/``v_new``), so the writes race with no
 float8_e4m3fn cache is loaded as such and converted to the query's dtype in registers
 (the dispatcher quantizes the new K/V and applies the scales outside the kernel).
 
-Lowering choice: Pallas-Triton, chosen by measurement against a Mosaic GPU prototype
-(``mosaic_gpu_prototype.py``: one warpgroup per sequence x KV head x split, one TMA copy
-per page at the coordinate read from the page table, Q K^T and P V as wgmma, pages
-pipelined 2/4/8 deep by ``plgpu.emit_pipeline``). ``benchmarks/kernel_lowering_choice.py``
-timed both in one run on the H200 (bf16, 32 q / 8 KV heads, d 128, page 32, 32 chained
-calls per timed program; ``benchmarks/results/kernel_lowering_choice.md``), best Mosaic
-variant vs this kernel at its tuned sizes, two runs:
-
-    shape          Triton TB/s (of 4.53 ceiling)   best Mosaic / Triton time
-    B=64 ctx 4k    3.87-3.91 (85-86%)              1.06, 1.07
-    B=8  ctx 16k   3.31-3.52 (73-78%)              0.95, 1.04
-    B=1  ctx 32k   2.39-2.61 (53-58%)              1.07, 1.03
-    B=32 ctx 4k    3.54 (78%)                      1.07 (second run only)
-
-Mosaic GPU can express paged decode (page-table indirection for TMA works: the
-coordinate is a scalar loaded from GMEM inside the BlockSpec's ``index_map``), but the
-prototype is no faster: 3-8% slower at three of four shapes, and within the 6-9%
-run-to-run spread at the fourth. This kernel also already serves prefill, mixed and
-chunked batches, sliding windows and soft caps, and never reads unowned cache rows (masked
-loads), so it stays. Where Mosaic GPU might still win: prefill (wgmma at M=64 rows of real
-queries, not 4 of 64 as in decode) and decode with two warpgroups overlapping softmax and
-the next page's matmuls; neither was built.
+Lowering choice: Pallas-Triton, as for the default kernel (``gpu.py``'s docstring has the
+measurement against the Mosaic GPU prototype).
 """
 
 from __future__ import annotations
