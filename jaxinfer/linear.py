@@ -10,7 +10,10 @@ the contraction) and is the form XLA's GPU compiler rewrites into cuBLASLt's FP8
 
 The path is chosen per step bucket at trace time (``M``, the token count, is static):
 
-- int8, and FP8 with fewer than :data:`FP8_W8A8_MIN_TOKENS` tokens: **weight-only**. The payload
+- int8 on XLA:CPU: **weight-only through a native kernel** (``jaxinfer.cpu_int8_matmul``, an XLA
+  FFI call), because XLA:CPU writes a converted payload out in full before its dot, which made
+  int8 slower than float32 there. When no C++ compiler is found, the XLA path below.
+- int8 elsewhere, and FP8 with fewer than :data:`FP8_W8A8_MIN_TOKENS` tokens: **weight-only**. The payload
   is converted to the activations' dtype inside the dot's fusion and the activations stay in
   bf16/f32: a decode step is bound by reading the weights, which are half of bf16's bytes.
 - FP8 with at least :data:`FP8_W8A8_MIN_TOKENS` tokens: **W8A8**. Each token row is scaled to
@@ -28,6 +31,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.cpu_int8_matmul import int8_matmul_cpu
+from jaxinfer.cpu_int8_matmul import is_available as cpu_int8_kernel_is_available
 from jaxinfer.quantization import FP8_MAX, QuantizedWeight
 from pallas_kernels.precision import matmul_precision
 
@@ -89,6 +94,8 @@ def quantized_linear(subscripts: str, x: jax.Array, w: QuantizedWeight, preferre
     out_dtype = preferred_element_type or x.dtype
     if w.quantization == "fp8" and m >= FP8_W8A8_MIN_TOKENS:
         y = fp8_w8a8_matmul(x2, payload, scale)
+    elif w.quantization == "int8" and _use_cpu_int8_kernel():
+        y = int8_matmul_cpu(x2, payload, scale)
     elif w.quantization == "fp8" and _use_pallas_gemv(m):
         from pallas_kernels.quantized_matmul import fp8_weight_only_matmul
 
@@ -126,3 +133,7 @@ def fp8_w8a8_matmul(x: jax.Array, payload: jax.Array, scale: jax.Array) -> jax.A
 
 def _use_pallas_gemv(m: int) -> bool:
     return m <= PALLAS_FP8_GEMV_MAX_TOKENS and jax.default_backend() == "gpu"
+
+
+def _use_cpu_int8_kernel() -> bool:
+    return jax.default_backend() == "cpu" and cpu_int8_kernel_is_available()

@@ -129,7 +129,9 @@ def dot_operand_dtypes(fn, *args):
     (512, "fp8", ["float8_e4m3fn", "float8_e4m3fn"]),
     (512, "int8", ["bfloat16", "bfloat16"]),  # int8 is weight-only at every size
 ])
-def test_each_token_bucket_puts_its_dtypes_into_the_dot(tokens, quantization, want):
+def test_each_token_bucket_puts_its_dtypes_into_the_dot(tokens, quantization, want, monkeypatch):
+    # The accelerators' program: on CPU int8 goes through a native kernel (test_cpu_int8_matmul).
+    monkeypatch.setattr(linear_module, "_use_cpu_int8_kernel", lambda: False)
     q = quantized_from_dense(weights((32, 48), scale_rows=False), 1, quantization)
     x = jnp.ones((tokens, 32), jnp.bfloat16)
     dtypes, dims = dot_operand_dtypes(lambda x, q: linear("te,ef->tf", x, q), x, q)
