@@ -122,17 +122,21 @@ class Buckets:
 def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int, platform: str) -> Buckets:
     """GPU/TPU: powers of two, sequences tied to tokens (one program per token bucket).
 
-    CPU: powers of four from 4, sequences tied too: fewer buckets, since compiling costs more
-    than padding there, but none so coarse that a small batch pays for a large one.
+    CPU: 1, then powers of four from 4, sequences tied too: fewer buckets, since compiling
+    costs more than padding there, but none so coarse that a small batch pays for a large one.
     """
     if platform == "cpu":
         # A step gives each of its sequences at least one token, so it never holds more than
         # max_num_batched_tokens of them: the sequence buckets stop there.
         # One sequence bucket (max_num_seqs) padded a batch-1 decode to 16 rows offline and 64
         # through the server (its max_num_seqs): every step sampled and attended for them all.
+        # A 1-row bucket of its own: padded to 4 rows, a batch-1 decode ran every projection as
+        # a 4-row matmul (XLA:CPU hands those to its YNNPACK fusion, slower here than its
+        # matrix-vector path) and the lm_head over 4 rows of 49k logits.
         top_seqs = min(max_num_seqs, max_num_batched_tokens)
-        seqs = powers_of_two(min(4, top_seqs), top_seqs, factor=4)
-        tokens = powers_of_two(min(4, max_num_batched_tokens), max_num_batched_tokens, factor=4)
+        seqs = (1,) + powers_of_two(min(4, top_seqs), top_seqs, factor=4) if top_seqs > 1 else (1,)
+        tokens = (1,) + powers_of_two(min(4, max_num_batched_tokens), max_num_batched_tokens, factor=4) \
+            if max_num_batched_tokens > 1 else (1,)
         # The CPU attention path reads only each token's own context, whatever the table's width.
         return Buckets(tokens, seqs, (max_pages_per_seq,), tied_seqs=True)
     seqs = powers_of_two(min(8, max_num_seqs), max_num_seqs)
