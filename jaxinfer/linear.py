@@ -45,6 +45,10 @@ FP8_W8A8_MIN_TOKENS = 128
 # The Pallas FP8 GEMV/GEMM kernel serves GPU steps of at most this many tokens; 0: never (until
 # measured). The lead sets it after the GPU run.
 PALLAS_FP8_GEMV_MAX_TOKENS = 0
+# Threads of XLA's intra-op pool the native int8 CPU matmul splits a projection over. On a
+# shared machine a thread waiting for its share costs more than the split saves
+# (benchmarks/results/cpu_default_model.md); benchmarks/cpu_step_profile.py varies it.
+CPU_INT8_MAX_THREADS = 2
 # cuBLASLt's FP8 GEMM needs the row count to be a multiple of 16.
 FP8_GEMM_ROW_MULTIPLE = 16
 _CONTRACT_MINOR = (((1,), (1,)), ((), ()))
@@ -95,7 +99,7 @@ def quantized_linear(subscripts: str, x: jax.Array, w: QuantizedWeight, preferre
     if w.quantization == "fp8" and m >= FP8_W8A8_MIN_TOKENS:
         y = fp8_w8a8_matmul(x2, payload, scale)
     elif w.quantization == "int8" and _use_cpu_int8_kernel():
-        y = int8_matmul_cpu(x2, payload, scale)
+        y = int8_matmul_cpu(x2, payload, scale, max_threads=CPU_INT8_MAX_THREADS)
     elif w.quantization == "fp8" and _use_pallas_gemv(m):
         from pallas_kernels.quantized_matmul import fp8_weight_only_matmul
 
