@@ -15,7 +15,8 @@ dequantized, llama.cpp runs it quantized):
 
 transformers and llama-cpp-python are not in jaxinfer's environment: ``--hf-python`` names an
 interpreter that has them (torch, transformers, gguf; llama-cpp-python optional), and this
-same file runs there as a worker (``--worker``) that prints its results as JSON. ``llama-bench``
+same file runs there as a worker (``--worker``) that prints its results as JSON. jaxinfer's dtypes
+(``--dtypes float32,bfloat16,float32+int8``) are built first and timed in turn, interleaved. ``llama-bench``
 on PATH is used when llama-cpp-python is missing. Each timing is the best of ``--repeats``
 (the machine may be shared: the load average before and after is recorded beside the results).
 Writes ``cpu_default_model.json`` and ``.md`` into ``--out``.
@@ -88,24 +89,27 @@ def prompt_ids(tokenizer, length: int) -> list[int]:
 
 # ---- jaxinfer ------------------------------------------------------------------------------
 
-def bench_jaxinfer(model: str, dtype: str, batch_sizes: list[int], prompt_len: int, new_tokens: int,
-                   repeats: int, max_model_len: int | None) -> dict:
+def bench_jaxinfer(model: str, dtypes: list[str], batch_sizes: list[int], prompt_len: int, new_tokens: int,
+                   repeats: int, max_model_len: int | None) -> dict[str, dict]:
+    """Every dtype's LLM is built first, then each timing runs the dtypes in turn (interleaved:
+    on a shared machine each sees the same load), best of ``repeats``."""
     import jax
 
     from jaxinfer import LLM, SamplingParams
 
-    start = time.perf_counter()
-    # "float32+int8": float32 activations, int8 weights (LLM(quantization="int8")).
-    label = dtype
-    dtype, _, quantization = dtype.partition("+")
-    # No prefix caching: a repeated prompt would skip its prefill.
-    llm = LLM(model=model, dtype=dtype, use_tqdm=False, max_model_len=max_model_len, enable_prefix_caching=False,
-              quantization=quantization or None)
-    ids = prompt_ids(llm.tokenizer, prompt_len)
-    result = {"startup_s": time.perf_counter() - start, "prompt_ids": ids,
-              "weight_bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(llm.model.weights))}
+    llms, results = {}, {}
+    for label in dtypes:
+        start = time.perf_counter()
+        # "float32+int8": float32 activations, int8 weights (LLM(quantization="int8")).
+        dtype, _, quantization = label.partition("+")
+        # No prefix caching: a repeated prompt would skip its prefill.
+        llms[label] = LLM(model=model, dtype=dtype, use_tqdm=False, max_model_len=max_model_len,
+                          enable_prefix_caching=False, quantization=quantization or None)
+        ids = prompt_ids(llms[label].tokenizer, prompt_len)
+        results[label] = {"startup_s": time.perf_counter() - start, "prompt_ids": ids,
+                          "weight_bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(llms[label].model.weights))}
 
-    def generate(batch: int, max_tokens: int):
+    def generate(llm, ids: list[int], batch: int, max_tokens: int):
         # Distinct prompts (a different first token each), so prefix caching shares nothing.
         prompts = [[(ids[0] + i) % llm.model.config.vocab_size, *ids[1:]] for i in range(batch)]
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -113,17 +117,24 @@ def bench_jaxinfer(model: str, dtype: str, batch_sizes: list[int], prompt_len: i
         assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
 
     for batch in batch_sizes:
-        generate(batch, new_tokens)  # the first run of each shape pays for nothing but itself
-        first = best_of(repeats, lambda: generate(batch, 1))
-        full = best_of(repeats, lambda: generate(batch, new_tokens))
-        decode_s = max(full - first, 1e-9)
-        result[f"batch{batch}"] = {
-            "prompt_tokens_per_s": batch * len(ids) / first,
-            "decode_tokens_per_s": batch * (new_tokens - 1) / decode_s,
-            "decode_ms_per_step": 1000 * decode_s / (new_tokens - 1),
-        }
-        print(f"jaxinfer {label} batch {batch}: {result[f'batch{batch}']}", flush=True)
-    return result
+        firsts, fulls = {label: [] for label in dtypes}, {label: [] for label in dtypes}
+        for label in dtypes:  # the first run of each shape pays for nothing but itself
+            generate(llms[label], results[label]["prompt_ids"], batch, new_tokens)
+        for _ in range(repeats):
+            for label in dtypes:
+                ids = results[label]["prompt_ids"]
+                firsts[label].append(best_of(1, lambda: generate(llms[label], ids, batch, 1)))
+                fulls[label].append(best_of(1, lambda: generate(llms[label], ids, batch, new_tokens)))
+        for label in dtypes:
+            first, full = min(firsts[label]), min(fulls[label])
+            decode_s = max(full - first, 1e-9)
+            results[label][f"batch{batch}"] = {
+                "prompt_tokens_per_s": batch * len(results[label]["prompt_ids"]) / first,
+                "decode_tokens_per_s": batch * (new_tokens - 1) / decode_s,
+                "decode_ms_per_step": 1000 * decode_s / (new_tokens - 1),
+            }
+            print(f"jaxinfer {label} batch {batch}: {results[label][f'batch{batch}']}", flush=True)
+    return results
 
 
 def bench_server(model: str, dtype: str, ids: list[int], new_tokens: int, repeats: int,
@@ -360,9 +371,9 @@ def main() -> None:
     print(f"read roofline: {bandwidth / 1e9:.1f} GB/s", flush=True)
 
     results["roofline_tokens_per_s"] = {}
-    for dtype in args.dtypes:
-        entry = bench_jaxinfer(args.model, dtype, args.batch_sizes, args.prompt_len, args.new_tokens,
-                               args.repeats, args.max_model_len)
+    entries = bench_jaxinfer(args.model, args.dtypes, args.batch_sizes, args.prompt_len, args.new_tokens,
+                             args.repeats, args.max_model_len)
+    for dtype, entry in entries.items():
         results["roofline_tokens_per_s"][dtype] = bandwidth / entry["weight_bytes"]
         results["engines"][f"jaxinfer {dtype}"] = entry
 

@@ -104,7 +104,8 @@ def main() -> None:
         # is read when the step programs are traced, which LLM() does while warming up.
         spec, _, threads = variant.partition("@")
         dtype, _, quantization = spec.partition("+")
-        jaxinfer.linear.CPU_INT8_MAX_THREADS = int(threads or 2)
+        if threads:
+            jaxinfer.linear.CPU_INT8_MAX_THREADS = int(threads)
         llms[variant] = LLM(model=args.model, dtype=dtype, quantization=quantization or None, use_tqdm=False,
                             enable_prefix_caching=False)
 

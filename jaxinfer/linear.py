@@ -45,10 +45,11 @@ FP8_W8A8_MIN_TOKENS = 128
 # The Pallas FP8 GEMV/GEMM kernel serves GPU steps of at most this many tokens; 0: never (until
 # measured). The lead sets it after the GPU run.
 PALLAS_FP8_GEMV_MAX_TOKENS = 0
-# Threads of XLA's intra-op pool the native int8 CPU matmul splits a projection over. On a
-# shared machine a thread waiting for its share costs more than the split saves
-# (benchmarks/results/cpu_default_model.md); benchmarks/cpu_step_profile.py varies it.
-CPU_INT8_MAX_THREADS = 2
+# Threads of XLA's intra-op pool the native int8 CPU matmul splits a projection over. On the
+# shared 2-core machine (load average ~10) a batch-1 step took 47.6 ms on 1 thread, 61.5 ms on 2
+# (float32: 58.8): a share waiting for a busy core costs more than the split saves. A quiet
+# machine may prefer 2 (unmeasured): benchmarks/cpu_step_profile.py --variants float32+int8@1,float32+int8@2.
+CPU_INT8_MAX_THREADS = 1
 # cuBLASLt's FP8 GEMM needs the row count to be a multiple of 16.
 FP8_GEMM_ROW_MULTIPLE = 16
 _CONTRACT_MINOR = (((1,), (1,)), ((), ()))
