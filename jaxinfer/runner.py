@@ -119,11 +119,13 @@ class Buckets:
         return [(t, b, p) for (t, b), p in itertools.product(pairs, self.pages_per_seq)]
 
 
-def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int, platform: str) -> Buckets:
+def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int, platform: str,
+                    one_row_bucket: bool = True) -> Buckets:
     """GPU/TPU: powers of two, sequences tied to tokens (one program per token bucket).
 
-    CPU: 1, then powers of four from 4, sequences tied too: fewer buckets, since compiling
-    costs more than padding there, but none so coarse that a small batch pays for a large one.
+    CPU: powers of four from 4, sequences tied too: fewer buckets, since compiling costs more
+    than padding there, but none so coarse that a small batch pays for a large one; with
+    ``one_row_bucket`` (float32 and int8 models) a 1-row bucket first.
     """
     if platform == "cpu":
         # A step gives each of its sequences at least one token, so it never holds more than
@@ -131,11 +133,13 @@ def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, max_pages_pe
         # One sequence bucket (max_num_seqs) padded a batch-1 decode to 16 rows offline and 64
         # through the server (its max_num_seqs): every step sampled and attended for them all.
         # A 1-row bucket of its own: padded to 4 rows, a batch-1 decode ran every projection as
-        # a 4-row matmul (XLA:CPU hands those to its YNNPACK fusion, slower here than its
-        # matrix-vector path) and the lm_head over 4 rows of 49k logits.
+        # a 4-row matmul and the lm_head over 4 rows of 49k logits; int8's native CPU matmul is
+        # fastest at 1 row. Not for bfloat16: XLA:CPU's 1-row bf16 dot was 5x slower than the
+        # 4-row one (its YNNPACK fusion): 290 vs ~50 ms a step, benchmarks/results/cpu_default_model.md.
         top_seqs = min(max_num_seqs, max_num_batched_tokens)
-        seqs = (1,) + powers_of_two(min(4, top_seqs), top_seqs, factor=4) if top_seqs > 1 else (1,)
-        tokens = (1,) + powers_of_two(min(4, max_num_batched_tokens), max_num_batched_tokens, factor=4) \
+        first = (1,) if one_row_bucket else ()
+        seqs = first + powers_of_two(min(4, top_seqs), top_seqs, factor=4) if top_seqs > 1 else (1,)
+        tokens = first + powers_of_two(min(4, max_num_batched_tokens), max_num_batched_tokens, factor=4) \
             if max_num_batched_tokens > 1 else (1,)
         # The CPU attention path reads only each token's own context, whatever the table's width.
         return Buckets(tokens, seqs, (max_pages_per_seq,), tied_seqs=True)
@@ -172,7 +176,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_pages_per_seq = math.ceil(max_model_len / page_size)
         self.buckets = buckets or default_buckets(
-            max_num_seqs, max_num_batched_tokens, self.max_pages_per_seq, jax.default_backend()
+            max_num_seqs, max_num_batched_tokens, self.max_pages_per_seq, jax.default_backend(),
+            one_row_bucket=model.weights.embed.dtype != jnp.bfloat16,
         )
         self.attention_impl = attention_impl
         self.num_speculative_tokens = num_speculative_tokens

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <latch>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -26,18 +27,34 @@ constexpr int64_t kLanes = 16;  // one AVX-512 register of floats (two AVX2 ones
 constexpr int64_t kRowsAtOnce = 4;  // independent accumulators: hides the add latency
 
 // y[r, j..j+rows) for every r: `rows` (<= kRowsAtOnce) weight rows share each load of x, and
-// their accumulators are independent chains (one chain is bound by the add's latency).
+// their accumulators are independent chains (one chain is bound by the add's latency). With
+// more than one row of x the group is widened once into `widened` (rows x K floats, L1-sized for
+// K up to ~2k) instead of once per row of x.
 template <int64_t rows>
 void RowGroup(const float* __restrict x, const int8_t* __restrict w, const float* __restrict scale,
-              float* __restrict y, int64_t m_rows, int64_t k, int64_t n, int64_t j) {
+              float* __restrict y, int64_t m_rows, int64_t k, int64_t n, int64_t j, float* __restrict widened) {
   const int64_t k_main = k - k % kLanes;
+  if (m_rows > 1) {
+    for (int64_t q = 0; q < rows; ++q) {
+      for (int64_t i = 0; i < k; ++i) widened[q * k + i] = static_cast<float>(w[(j + q) * k + i]);
+    }
+  }
   for (int64_t r = 0; r < m_rows; ++r) {
     const float* __restrict xr = x + r * k;
     float acc[rows][kLanes] = {};
-    for (int64_t k0 = 0; k0 < k_main; k0 += kLanes) {
-      for (int64_t q = 0; q < rows; ++q) {
-        const int8_t* __restrict wq = w + (j + q) * k + k0;
-        for (int64_t l = 0; l < kLanes; ++l) acc[q][l] += xr[k0 + l] * static_cast<float>(wq[l]);
+    if (m_rows > 1) {
+      for (int64_t k0 = 0; k0 < k_main; k0 += kLanes) {
+        for (int64_t q = 0; q < rows; ++q) {
+          const float* __restrict wq = widened + q * k + k0;
+          for (int64_t l = 0; l < kLanes; ++l) acc[q][l] += xr[k0 + l] * wq[l];
+        }
+      }
+    } else {
+      for (int64_t k0 = 0; k0 < k_main; k0 += kLanes) {
+        for (int64_t q = 0; q < rows; ++q) {
+          const int8_t* __restrict wq = w + (j + q) * k + k0;
+          for (int64_t l = 0; l < kLanes; ++l) acc[q][l] += xr[k0 + l] * static_cast<float>(wq[l]);
+        }
       }
     }
     for (int64_t q = 0; q < rows; ++q) {
@@ -52,9 +69,12 @@ void RowGroup(const float* __restrict x, const int8_t* __restrict w, const float
 // Rows [n_begin, n_end) of y.
 void MatmulRows(const float* x, const int8_t* w, const float* scale, float* y, int64_t m_rows, int64_t k,
                 int64_t n, int64_t n_begin, int64_t n_end) {
+  std::vector<float> widened(m_rows > 1 ? kRowsAtOnce * k : 0);
   int64_t j = n_begin;
-  for (; j + kRowsAtOnce <= n_end; j += kRowsAtOnce) RowGroup<kRowsAtOnce>(x, w, scale, y, m_rows, k, n, j);
-  for (; j < n_end; ++j) RowGroup<1>(x, w, scale, y, m_rows, k, n, j);
+  for (; j + kRowsAtOnce <= n_end; j += kRowsAtOnce) {
+    RowGroup<kRowsAtOnce>(x, w, scale, y, m_rows, k, n, j, widened.data());
+  }
+  for (; j < n_end; ++j) RowGroup<1>(x, w, scale, y, m_rows, k, n, j, widened.data());
 }
 
 ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
