@@ -76,6 +76,7 @@ def _build_and_register_once() -> str | None:
         if done.returncode != 0:
             partial.unlink(missing_ok=True)
             return f"{' '.join(command)} failed: {done.stderr[-2000:]}"
+        partial.chmod(0o755)  # the temporary file was private to its creator
         partial.replace(library)
     handler = getattr(ctypes.cdll.LoadLibrary(str(library)), SYMBOL)
     jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(handler), platform="cpu")
