@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import shlex
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -76,7 +75,7 @@ def make_weights(variant: str, rng: np.random.Generator) -> list[tuple[jax.Array
 def compile_pass(variant: str, rows: int, weights, iters: int):
     def one_pass(x, weights):
         def body(_, x):  # x [rows, 1536]: each projection reads its first K columns
-            for i, (w, scale) in enumerate(weights):
+            for w, scale in weights:
                 n, k = w.shape
                 y = project(variant, x[:, :k], w, scale)  # [rows, N]
                 x = x + 1e-6 * jnp.pad(y, ((0, 0), (0, 1536 - n)))

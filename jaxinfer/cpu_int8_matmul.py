@@ -38,7 +38,8 @@ TARGET_NAME = "jaxinfer_int8_matmul_cpu"
 SYMBOL = "JaxinferInt8MatmulCpu"
 # 512-bit vectors where the CPU has them (GCC defaults to 256). -ffast-math lets the compiler keep several partial sums in the dot (reassociation); the kernel
 # has no NaN/inf handling to lose.
-COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-std=c++20", "-shared", "-fPIC")
+COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-std=c++20", "-shared",
+                 "-fPIC")
 
 
 def cache_dir() -> Path:
