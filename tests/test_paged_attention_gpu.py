@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import core as jax_core
 
 from pallas_kernels.paged_attention import (
     ragged_paged_attention_gpu,
@@ -120,16 +121,18 @@ def _kernel_converts_of_fp8(jaxpr) -> set[str]:
             found.add(jnp.dtype(eqn.params["new_dtype"]).name)
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                if isinstance(sub, jax_core.ClosedJaxpr):
                     found |= _kernel_converts_of_fp8(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
+                elif isinstance(sub, jax_core.Jaxpr):
                     found |= _kernel_converts_of_fp8(sub)
     return found
 
 
-@pytest.mark.parametrize("q_dtype,options,widened_to", [
-    (BF16, {}, {"float16"}), (BF16, dict(fp8_widen_to="query"), {"bfloat16"}), (F32, {}, {"float32"})])
-def test_gpu_kernel_widens_fp8_tiles_to_float16_for_bf16_queries(q_dtype, options, widened_to):
+@pytest.mark.parametrize("kernel,q_dtype,options,widened_to", [
+    (ragged_paged_attention_gpu, BF16, {}, {"float16"}),
+    (ragged_paged_attention_gpu, BF16, dict(fp8_widen_to="query"), {"bfloat16"}),
+    (ragged_paged_attention_gpu, F32, {}, {"float32"}), (ragged_paged_attention_gpu_fused, BF16, {}, {"float16"})])
+def test_gpu_kernel_widens_fp8_tiles_to_float16_for_bf16_queries(kernel, q_dtype, options, widened_to):
     # On sm_90 Triton widens e4m3 to f16 in one instruction per two values and to bf16 in several;
     # that conversion rate bounded the kernel over fp8 pages. The scatter converts nothing (its
     # K/V are fp8 already), so every float8 conversion in the program is the kernel's tile widening.
@@ -137,8 +140,7 @@ def test_gpu_kernel_widens_fp8_tiles_to_float16_for_bf16_queries(q_dtype, option
     args = list(case.args())
     args[0] = args[0].astype(q_dtype)
     args[1:5] = [x.astype(jnp.float8_e4m3fn) for x in args[1:5]]
-    jaxpr = jax.make_jaxpr(lambda *a: ragged_paged_attention_gpu(*a, sm_scale=case.sm_scale, interpret=True,
-                                                                 **options))(*args)
+    jaxpr = jax.make_jaxpr(lambda *a: kernel(*a, sm_scale=case.sm_scale, interpret=True, **options))(*args)
     assert _kernel_converts_of_fp8(jaxpr.jaxpr) == widened_to
 
 

@@ -80,7 +80,7 @@ from pallas_kernels.precision import matmul_precision
 _MASK_VALUE = -1e30
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
-_F16_MAX = 65504.0
+F16_MAX = 65504.0
 FP8_WIDEN_CHOICES = ("float16", "query")
 
 
@@ -137,7 +137,7 @@ def _attention_kernel(
     row_mask = jnp.broadcast_to(is_row[:, None], (rows, head_dim))
     q = plgpu.load(q_ref.at[jnp.minimum(token_2d, dummy_token - 1), head_2d, lane_2d], mask=row_mask, other=0.0)
     if q.dtype != tile_dtype:  # fp8 pages, f16 tiles: once per program, clipped so no row becomes inf
-        q = jnp.clip(q.astype(jnp.float32), -_F16_MAX, _F16_MAX).astype(tile_dtype)
+        q = jnp.clip(q.astype(jnp.float32), -F16_MAX, F16_MAX).astype(tile_dtype)
 
     # Scores are kept in log2 units (scaled by log2(e)) so the softmax uses exp2, one
     # instruction, instead of exp's extra range reduction.
