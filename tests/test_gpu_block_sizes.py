@@ -144,3 +144,34 @@ def test_fp8_table_adoption_keeps_only_entries_faster_than_the_sizes_in_use():
     assert entries == [faster] and notes[0].startswith("adopted") and notes[1].startswith("skipped")
     entries, _ = adopt.merge_fp8_tables([old], [dict(old, us=520.0, default_us=500.0)])
     assert entries == [old]
+
+
+def test_default_kernel_takes_its_fp8_sizes_from_the_pages_dtype(tmp_path, monkeypatch):
+    # The wiring: ragged_paged_attention_gpu passes the pages' itemsize, so the fp8 table decides
+    # for fp8 pages (here 8 warps, which no heuristic picks) and not for bf16 pages.
+    import json
+
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.paged_attention import block_sizes, ragged_paged_attention_gpu
+    from tests.attention_cases import make_case
+
+    case = make_case(3, [(1, 60), (1, 20)], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+                     dtype=jnp.bfloat16)
+    max_kv_len = case.page_tables.shape[1] * 16
+    entry = {"kind": "decode", "batch": 2, "context": max_kv_len, "num_kv_heads": 2, "group": 4, "head_dim": 64,
+             "page_size": 16, "itemsize": 2, "kv_itemsize": 1,
+             "sizes": dict(block_q=4, block_kv=32, num_splits=1, num_warps=8, num_stages=2)}
+    path = tmp_path / "gpu_fp8_decode_table.json"
+    path.write_text(json.dumps({"source": "test", "entries": [entry]}))
+    monkeypatch.setattr(block_sizes, "GPU_FP8_TABLE_PATH", path)
+
+    def warps(cache_dtype):
+        args = list(case.args())
+        args[1:5] = [x.astype(cache_dtype) for x in args[1:5]]
+        text = str(jax.make_jaxpr(lambda *a: ragged_paged_attention_gpu(*a, sm_scale=case.sm_scale,
+                                                                        interpret=True))(*args))
+        return "num_warps=8" in text
+
+    assert warps(jnp.float8_e4m3fn) and not warps(jnp.bfloat16)
