@@ -31,7 +31,7 @@ K/V tile is widened in registers to ``fp8_tile_dtype``: float16 for bf16/f16 que
 to f16 with one ``cvt.rn.f16x2.e4m3x2`` per two values but to bf16 through f16 and f32, several
 conversions per two values, and conversions issue at 16 a clock per SM; that conversion rate,
 not HBM, bounded the bf16-widening kernel (measured: fp8 pages took as long as bf16 pages,
-about 32 SM clocks a KV token at B=256 ctx 4k). Every e4m3 value is exact in f16, and so is a
+about 32 SM clocks per KV token and KV head at B=256 ctx 4k). Every e4m3 value is exact in f16, and so is a
 bf16 query within f16's range (it is clipped to +-65504 first); the softmax weights round to
 f16 (3 more mantissa bits than bf16). The dispatcher (``jaxinfer.attention``) has already
 quantized the new K/V (so the scatter stores fp8) and folds the scales into q and out.
