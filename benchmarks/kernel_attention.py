@@ -142,10 +142,10 @@ def time_ours(sizes, args):
     return float(np.median(times)) / 32, (*state, page_tables, cu_q_lens, kv_lens)
 
 
-def ours_sizes(num_tokens, max_num_seqs, max_kv_len, page_size, **overrides):
+def ours_sizes(num_tokens, max_num_seqs, max_kv_len, page_size, kv_itemsize=2, **overrides):
     tuned = gpu_block_sizes(num_tokens=num_tokens, max_num_seqs=max_num_seqs, max_kv_len=max_kv_len,
                             num_kv_heads=NUM_KV_HEADS, group=NUM_Q_HEADS // NUM_KV_HEADS, head_dim=HEAD_DIM,
-                            page_size=page_size, itemsize=2)
+                            page_size=page_size, itemsize=2, kv_itemsize=kv_itemsize)
     fields = {f: overrides.get(f) or getattr(tuned, f) for f in BlockSizes.__dataclass_fields__}
     return BlockSizes(**fields)
 
@@ -188,7 +188,7 @@ def run_decode(ceil, batches, contexts, page_size, impls, results, save=lambda: 
             args = decode_inputs(batch, context, page_size, kv_dtype=kv_dtype)
             q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens = args
             if "ours" in impls:
-                sizes = ours_sizes(batch, batch, context, page_size)
+                sizes = ours_sizes(batch, batch, context, page_size, kv_itemsize=kv_dtype.itemsize)
                 row["ours_s"], args = time_ours(sizes, args)
                 q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens = args
                 row["ours_sizes"] = sizes.__dict__

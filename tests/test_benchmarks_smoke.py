@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 BENCHMARKS = REPO / "benchmarks"
@@ -205,3 +207,21 @@ def test_spec_decode_step_cost_completes(tmp_path):
                 "--context", "128"], tmp_path)
     rows = json.loads((tmp_path / "spec_step_cost.json").read_text())["rows"]
     assert [row["k"] for row in rows] == list(range(1, 9))
+
+
+@pytest.mark.slow
+def test_kernel_frontier_fp8_stage_writes_an_adoptable_table(tmp_path):
+    # The fp8 stage the lead runs on the H200 (bf16 vs fp8 pages, the fp8 sweep, the table), in the
+    # interpreter on two tiny shapes; then the adopt script reads its output (dry run).
+    out = tmp_path / "fp8"
+    run_script([BENCHMARKS / "kernel_frontier.py", "--smoke", "--only", "fp8", "--out", out], tmp_path)
+    report = json.loads((out / "kernel_frontier.json").read_text())
+    rows = [r for r in report["results"] if r["workload"] == "decode-fp8"]
+    assert len(rows) == 2 and all(r.get("bf16_s") and r.get("fp8_s") and r.get("best_s") for r in rows)
+    checks = [r for r in report["results"] if r["workload"] == "check-fp8"]
+    assert {c["fp8_widen_to"] for c in checks} == {"float16", "query"} and all(c["rel_err"] < 3e-2 for c in checks)
+    entries = json.loads((out / "gpu_fp8_decode_table.json").read_text())["entries"]
+    assert {(e["batch"], e["context"], e["kv_itemsize"]) for e in entries} == {(2, 256, 1), (1, 512, 1)}
+    assert "fp8 ÷ bf16 tok/s" in (out / "kernel_frontier.md").read_text()
+    printed = run_script([BENCHMARKS / "adopt_frontier_run.py", out, "--dry-run"], tmp_path)
+    assert "fp8 ('decode'" in printed
