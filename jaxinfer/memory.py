@@ -24,6 +24,19 @@ logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 1 << 30  # no device memory to measure on CPU: a modest fixed pool
 
+# The GPU kernels (Pallas-Triton) address a layer's K or V array, [kv_heads, pages, page_size,
+# head_dim], with 32-bit element offsets. An array of more elements faults: on the H200 the
+# decode benchmark at 256 sequences x 16k tokens of FP8 pages (4.3e9 elements) hit an illegal
+# memory access (benchmarks/results/kernel_fp8_pages.session8.md). An FP8 cache of Llama-3.1-8B
+# on one H200 already holds 1.9e9, so the pool is capped below the limit on GPUs.
+GPU_MAX_KV_ARRAY_ELEMENTS = 2**31 - 1
+
+
+def max_num_pages(config: ModelConfig, page_size: int) -> int:
+    """The most pages a GPU KV cache may have: each layer's K (and V) array stays addressable
+    with 32-bit offsets (``config`` with the KV heads one device holds)."""
+    return GPU_MAX_KV_ARRAY_ELEMENTS // (config.num_kv_heads * page_size * config.head_dim)
+
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
