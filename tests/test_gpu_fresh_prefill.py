@@ -142,3 +142,27 @@ def test_bundled_kernel_call_lowers_for_hopper_from_cpu(monkeypatch):
     attend = jax.jit(lambda q, k, v: fp.causal_attention_mgpu(q, k, v, sm_scale=128**-0.5))
     lowered = attend.trace(q, kv, kv).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_dispatcher_takes_the_fresh_prefill_path_only_by_name_and_only_on_a_gpu():
+    from jaxinfer.attention import resolve_impl
+
+    assert resolve_impl("pallas_gpu_fresh_prefill", "gpu", head_dim=128) == "pallas_gpu_fresh_prefill"
+    assert resolve_impl("auto", "gpu", head_dim=128) == "pallas_gpu"  # opt-in until the lead measures it
+    assert resolve_impl("pallas_gpu_fresh_prefill", "cpu") == "cpu"
+    assert resolve_impl("pallas_gpu_fresh_prefill", "tpu") == "pallas_tpu"
+    assert resolve_impl("pallas_gpu_fresh_prefill", "gpu", head_dim=96) == "reference"  # as "auto" would
+    assert resolve_impl("pallas_gpu_fresh_prefill") == "cpu"  # this machine: no Hopper GPU
+
+
+def test_model_step_with_the_fresh_prefill_impl_runs_on_cpu_as_auto():
+    from jaxinfer.attention import paged_attention
+    from jaxinfer.batch import StepBatch
+
+    case = make_case(3, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+    batch = StepBatch(token_ids=None, positions=None, cu_q_lens=case.cu_q_lens, kv_lens=case.kv_lens,
+                      page_tables=case.page_tables, logits_indices=None)
+    args = (case.q, case.k_new, case.v_new, case.k_pages, case.v_pages, batch)
+    got = paged_attention(*args, sm_scale=case.sm_scale, impl="pallas_gpu_fresh_prefill")[0]
+    want = paged_attention(*args, sm_scale=case.sm_scale, impl="auto")[0]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
