@@ -23,7 +23,7 @@ error is printed and recorded, the run goes on):
 
 The dense peers take the chunk as ``[n, L, H, D]`` (the ragged batch: one call per sequence,
 all in one jitted step). TFLOP/s count 4 * D * Hq per visible (query, key) pair for everyone
-(``kernel_attention.causal_flops``), beside the bf16 matmul rate (8192^3) measured in this run.
+(``kernel_attention.causal_flops``, through ``ragged_inputs``), beside the bf16 matmul rate (8192^3) measured in this run.
 Each implementation's output is checked in the same run against the XLA reference (chunks up to
 4k) or cuDNN (rel. Frobenius error). Timing: ``kernel_frontier.time_chain`` (calls chained,
 unrolled in one jit, median of 3); a time budget skips what is left, results are written after
@@ -54,7 +54,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kernel_frontier as kf  # noqa: E402
-from kernel_attention import causal_flops, pseudo_random, ragged_inputs  # noqa: E402
+from kernel_attention import pseudo_random, ragged_inputs  # noqa: E402
 from kernel_frontier import Budget, OutOfTime, say, time_chain  # noqa: E402
 from mosaic_gpu_prefill_prototype import causal_prefill_attention_mosaic_gpu  # noqa: E402
 from pallas_kernels.paged_attention import gpu, gpu_fresh_prefill  # noqa: E402
