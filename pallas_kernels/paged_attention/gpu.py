@@ -203,17 +203,21 @@ def _attention_kernel(
 def attend_gpu(
     q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sliding_window=None,
     soft_cap=None, sizes: BlockSizes, interpret: bool = False, fp8_widen_to: str = "float16",
+    tiles: wt.WorkTiles | None = None,
 ):
     """Attention of packed queries over their (already written) pages; returns out [T, Hq, D].
 
-    ``fp8_widen_to``: see ``fp8_tile_dtype`` (only float8 pages read it).
+    ``fp8_widen_to``: see ``fp8_tile_dtype`` (only float8 pages read it). ``tiles``: the work
+    tiles, when the caller planned them itself (``gpu_fresh_prefill`` empties the tiles of the
+    sequence another kernel serves); by default planned here with ``sizes.block_q``.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
     group_padded = wt.next_power_of_2(group)
     block_q, splits = sizes.block_q, sizes.num_splits
-    tiles = wt.plan_work_tiles(cu_q_lens, kv_lens, num_tokens, block_q)
+    if tiles is None:
+        tiles = wt.plan_work_tiles(cu_q_lens, kv_lens, num_tokens, block_q)
     num_tiles = tiles.meta.shape[0]
     # Flattening pages is a bitcast: row page * page_size + r is token r of that page.
     k_flat = k_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
