@@ -200,7 +200,7 @@ class EngineConfig:
                 f"num_pages {num_pages} cannot hold one request of max_model_len {max_model_len}: it needs "
                 f"{min_pages} pages of {config.page_size} tokens (one is scratch)", field="num_pages",
             )
-        if normalize_platform(platform) == "gpu":
+        if normalize_platform(platform) == "gpu" and kv_bytes == 1:
             num_pages = cap_gpu_num_pages(num_pages, model.config, mesh, config.page_size,
                                           explicit=config.num_pages is not None)
         return dataclasses.replace(config, max_model_len=max_model_len, num_pages=num_pages,
@@ -208,20 +208,20 @@ class EngineConfig:
 
 
 def cap_gpu_num_pages(num_pages: int, model_config, mesh, page_size: int, explicit: bool) -> int:
-    """``num_pages`` within what the GPU kernels can address (``memory.max_num_pages``): a pool
-    sized from free memory is cut down to it (logged); an explicit one past it is an error."""
+    """``num_pages`` of FP8 pages within what the GPU kernel can address (``memory.max_num_pages``):
+    a pool sized from free memory is cut down to it (logged); an explicit one past it is an error."""
     per_device = dataclasses.replace(model_config, num_kv_heads=max(1, model_config.num_kv_heads // tp_size(mesh)))
     limit = max_num_pages(per_device, page_size)
     if num_pages <= limit:
         return num_pages
     if explicit:
         raise EngineConfigError(
-            f"num_pages {num_pages} is more than the GPU attention kernels can address: each layer's K/V "
-            f"array must stay under 2**31 elements, at most {limit} pages of {page_size} tokens here",
+            f"num_pages {num_pages} of FP8 pages is more than the GPU attention kernel can address: each "
+            f"layer's K/V array must stay under 2**31 elements, at most {limit} pages of {page_size} tokens here",
             field="num_pages",
         )
     logger.warning("KV cache capped at %d pages (from %d): each layer's K/V array must stay under 2**31 "
-                   "elements for the GPU kernels' 32-bit offsets", limit, num_pages)
+                   "elements for the GPU kernel's 8-bit page loads", limit, num_pages)
     return limit
 
 
