@@ -45,6 +45,12 @@ FP8_GEMM_ROW_MULTIPLE = 16
 _CONTRACT_MINOR = (((1,), (1,)), ((), ()))
 
 
+def uses_fp8_w8a8(num_tokens: int) -> bool:
+    """Whether an FP8 weight runs W8A8 in a step of ``num_tokens`` token rows (else weight-only);
+    ``jaxinfer.compile_options`` compiles those steps' GPU programs without Triton GEMMs."""
+    return num_tokens >= FP8_W8A8_MIN_TOKENS
+
+
 def linear(subscripts: str, x: jax.Array, w, preferred_element_type=None) -> jax.Array:
     """``x`` times the weight ``w`` as the einsum ``subscripts`` (written for the dense layout).
 
@@ -87,7 +93,7 @@ def quantized_linear(subscripts: str, x: jax.Array, w: QuantizedWeight, preferre
     payload = w.payload.reshape(n, k)  # [N, K]: contiguous axes merged, no copy
     scale = w.scale.reshape(n)  # [N]
     out_dtype = preferred_element_type or x.dtype
-    if w.quantization == "fp8" and m >= FP8_W8A8_MIN_TOKENS:
+    if w.quantization == "fp8" and uses_fp8_w8a8(m):
         y = fp8_w8a8_matmul(x2, payload, scale)
     elif w.quantization == "fp8" and _use_pallas_gemv(m):
         from pallas_kernels.quantized_matmul import fp8_weight_only_matmul

@@ -187,11 +187,13 @@ class ModelRunner:
         self.token_pages = jax.jit(
             lambda: jnp.full((num_pages, page_size), -1, jnp.int32), **self.placement.jit_kwargs()
         )()
-        # Prefill and decode programs may compile with different overlap options (jaxinfer.compile_options).
+        # Programs may compile with different options per token count: overlap per phase, no
+        # Triton GEMMs for FP8 W8A8 steps on GPU (jaxinfer.compile_options).
         self._step = PhasedJit(
             functools.partial(_forward_step, config=self.config, attention_impl=attention_impl),
             overlap, self.buckets.num_seqs[-1],
             base_compiler_options=graph_options(1 if mesh is None else mesh.size),
+            quantization=model.quantization,
             static_argnames=("packing",),
             donate_argnames=("cache", "token_pages"),
             **self.placement.jit_kwargs(with_cache=True),
