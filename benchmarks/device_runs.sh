@@ -38,7 +38,7 @@
 #           with and without a JSON schema (half scale).
 #   s8fp8   one GPU, session 8 (carry .whl): fp8 weights + fp8 KV with W8A8 programs compiled
 #           without Triton GEMMs: cold start-up, latency, throughput-1k at max_num_seqs 1024 with
-#           a trace of 8 steady decode steps and its kernel table; then, if time is left,
+#           a trace of 8 steady decode steps, its kernel and host tables; then, if time is left,
 #           throughput-1k at 896 (no preemption).
 set -u
 PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c or s8fp8}
@@ -242,6 +242,9 @@ s8fp8)
         --kv-cache-dtype fp8 --workloads startup,latency,throughput-1k --max-num-seqs 1024 --profile-steps 8
     python3 benchmarks/profile_collectives.py "$R/fp8" --steps 8 --top 25 \
         --json "$R/fp8/throughput-1k_decode_kernels.json" >>"$R/fp8.log" 2>&1
+    # Decode steps spent 27% of their wall time in dispatch in session 8: where the host's goes.
+    python3 benchmarks/profile_host.py "$R/fp8" --steps 8 --top 30 \
+        --json "$R/fp8/throughput-1k_decode_host.json" >>"$R/fp8.log" 2>&1
     if (( SECONDS < 300 )); then
         on_gpu 0 fp8_896.log $(( 520 - SECONDS )) python3 benchmarks/engine_throughput.py --out "$R/fp8_896" \
             --quantization fp8 --kv-cache-dtype fp8 --workloads throughput-1k --max-num-seqs 896

@@ -120,7 +120,8 @@ class PhasedJit:
         self.quantization = quantization
         self.platform = platform or jax.default_backend()
         self._fun, self._jit_kwargs = fun, jit_kwargs
-        self._jits: dict[tuple, object] = {}
+        self._jits: dict[tuple, object] = {}  # options -> jit
+        self._by_tokens: dict[int, object] = {}  # token count -> jit: each step asks, keep it cheap
         self._lock = threading.Lock()  # warm-up asks for programs from several threads
 
     def compiler_options(self, num_tokens: int) -> dict | None:
@@ -131,11 +132,15 @@ class PhasedJit:
         return options or None
 
     def for_tokens(self, num_tokens: int):
+        jitted = self._by_tokens.get(num_tokens)
+        if jitted is not None:
+            return jitted
         options = self.compiler_options(num_tokens)
         key = tuple(sorted((options or {}).items()))
         with self._lock:
             if key not in self._jits:
                 self._jits[key] = jax.jit(self._fun, compiler_options=options, **self._jit_kwargs)
+            self._by_tokens[num_tokens] = self._jits[key]
             return self._jits[key]
 
     def _cache_size(self) -> int:
