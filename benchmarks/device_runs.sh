@@ -36,8 +36,12 @@
 #           frontier sweep, the GEMV table and the structured-output host cost; s7b the FP8 HLO check,
 #           the verify step's cost and fp8 latency/throughput-1k; s7c bf16 latency and throughput-1k
 #           with and without a JSON schema (half scale).
+#   s8fp8   one GPU, session 8 (carry .whl): fp8 weights + fp8 KV with W8A8 programs compiled
+#           without Triton GEMMs: cold start-up, latency, throughput-1k at max_num_seqs 1024 with
+#           a trace of 8 steady decode steps, its kernel and host tables; then, if time is left,
+#           throughput-1k at 896 (no preemption).
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b or s7c}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c or s8fp8}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -225,6 +229,26 @@ s7c)
     wheels
     on_gpu 0 bf16.log 170 python3 benchmarks/engine_throughput.py --out "$R/bf16" --workloads latency,throughput-1k \
         --scale 0.5 --structured-fraction 1.0 --structured-tokenizer .cache/smollm2-tokenizer ;;
+s8fp8)
+    # Session 8: the FP8 engine (fp8 weights + fp8 KV). Start-up is cold (a fresh cache dir):
+    # 43 programs, the 7 forwards of 128-8192 tokens W8A8 without Triton GEMMs
+    # (jaxinfer.compile_options; 324 s cold with them in session 8). max_num_seqs 1024: token
+    # buckets 8..8192 (11 forwards), sequence buckets 8..1024, so a decode of ~1000 sequences runs
+    # the (1024, 1024) bucket. The fp8 pool (58,219 pages x 32 at 0.95) holds 1.86M tokens: 1000
+    # requests x 63 pages is 63,000, so the last steps may preempt (counted in the results);
+    # 896 x 63 = 56,448 fits, hence the second run.
+    wheels
+    on_gpu 0 fp8.log 400 python3 benchmarks/engine_throughput.py --out "$R/fp8" --quantization fp8 \
+        --kv-cache-dtype fp8 --workloads startup,latency,throughput-1k --max-num-seqs 1024 --profile-steps 8
+    python3 benchmarks/profile_collectives.py "$R/fp8" --steps 8 --top 25 \
+        --json "$R/fp8/throughput-1k_decode_kernels.json" >>"$R/fp8.log" 2>&1
+    # Decode steps spent 27% of their wall time in dispatch in session 8: where the host's goes.
+    python3 benchmarks/profile_host.py "$R/fp8" --steps 8 --top 30 \
+        --json "$R/fp8/throughput-1k_decode_host.json" >>"$R/fp8.log" 2>&1
+    if (( SECONDS < 300 )); then
+        on_gpu 0 fp8_896.log $(( 520 - SECONDS )) python3 benchmarks/engine_throughput.py --out "$R/fp8_896" \
+            --quantization fp8 --kv-cache-dtype fp8 --workloads throughput-1k --max-num-seqs 896
+    fi ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac

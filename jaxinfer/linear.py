@@ -16,6 +16,8 @@ The path is chosen per step bucket at trace time (``M``, the token count, is sta
 - FP8 with at least :data:`FP8_W8A8_MIN_TOKENS` tokens: **W8A8**. Each token row is scaled to
   e4m3 by its own absmax, the dot runs FP8 x FP8 with float32 accumulation, M padded to a
   multiple of 16 (cuBLASLt's FP8 GEMM wants it), and both scales multiply the output.
+  Projections that share one input (q/k/v, gate/up) go through :func:`linear_many`, which
+  quantizes that input once for all of them.
 - FP8 on a GPU with at most :data:`PALLAS_FP8_GEMV_MAX_TOKENS` tokens: the Pallas weight-only
   kernel of ``pallas_kernels.quantized_matmul``. Off (0) until that kernel has been measured
   against XLA's weight-only path on the H200.
@@ -45,6 +47,12 @@ FP8_GEMM_ROW_MULTIPLE = 16
 _CONTRACT_MINOR = (((1,), (1,)), ((), ()))
 
 
+def uses_fp8_w8a8(num_tokens: int) -> bool:
+    """Whether an FP8 weight runs W8A8 in a step of ``num_tokens`` token rows (else weight-only);
+    ``jaxinfer.compile_options`` compiles those steps' GPU programs without Triton GEMMs."""
+    return num_tokens >= FP8_W8A8_MIN_TOKENS
+
+
 def linear(subscripts: str, x: jax.Array, w, preferred_element_type=None) -> jax.Array:
     """``x`` times the weight ``w`` as the einsum ``subscripts`` (written for the dense layout).
 
@@ -54,6 +62,25 @@ def linear(subscripts: str, x: jax.Array, w, preferred_element_type=None) -> jax
         return quantized_linear(subscripts, x, w, preferred_element_type)
     precision = matmul_precision(jnp.result_type(x, w))
     return jnp.einsum(subscripts, x, w, precision=precision, preferred_element_type=preferred_element_type)
+
+
+def linear_many(subscripts: str, x: jax.Array, weights, preferred_element_type=None) -> list[jax.Array]:
+    """``x`` times each of ``weights`` as the einsum ``subscripts``: projections that share one
+    input (q/k/v, gate/up).
+
+    The same as one :func:`linear` per weight, except that an input which runs FP8 W8A8 is
+    quantized once for all of them: quantizing is a pass over ``x`` (absmax reduce, scale,
+    convert) that would otherwise repeat per weight (XLA may merge the copies, or not).
+    """
+    prequantized = None
+    if any(isinstance(w, QuantizedWeight) and w.quantization == "fp8" for w in weights):
+        n_in, _ = split_subscripts(subscripts)
+        m, k = math.prod(x.shape[:x.ndim - n_in]), math.prod(x.shape[x.ndim - n_in:])
+        if uses_fp8_w8a8(m):
+            prequantized = quantize_activations_fp8(x.reshape(m, k))
+    return [quantized_linear(subscripts, x, w, preferred_element_type, prequantized)
+            if isinstance(w, QuantizedWeight) else linear(subscripts, x, w, preferred_element_type)
+            for w in weights]
 
 
 def split_subscripts(subscripts: str) -> tuple[int, int]:
@@ -73,7 +100,10 @@ def split_subscripts(subscripts: str) -> tuple[int, int]:
     return n_in, len(weight_out)
 
 
-def quantized_linear(subscripts: str, x: jax.Array, w: QuantizedWeight, preferred_element_type=None) -> jax.Array:
+def quantized_linear(subscripts: str, x: jax.Array, w: QuantizedWeight, preferred_element_type=None,
+                     prequantized: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """``linear`` over a quantized weight; ``prequantized``: ``quantize_activations_fp8`` of x
+    as [M, K] (:func:`linear_many`), used when the step runs FP8 W8A8."""
     n_in, n_out = split_subscripts(subscripts)
     if w.num_out_axes != n_out:
         raise ValueError(f"linear({subscripts!r}): the weight has {w.num_out_axes} output axes, "
@@ -87,8 +117,8 @@ def quantized_linear(subscripts: str, x: jax.Array, w: QuantizedWeight, preferre
     payload = w.payload.reshape(n, k)  # [N, K]: contiguous axes merged, no copy
     scale = w.scale.reshape(n)  # [N]
     out_dtype = preferred_element_type or x.dtype
-    if w.quantization == "fp8" and m >= FP8_W8A8_MIN_TOKENS:
-        y = fp8_w8a8_matmul(x2, payload, scale)
+    if w.quantization == "fp8" and uses_fp8_w8a8(m):
+        y = fp8_w8a8_matmul(x2, payload, scale, prequantized)
     elif w.quantization == "fp8" and _use_pallas_gemv(m):
         from pallas_kernels.quantized_matmul import fp8_weight_only_matmul
 
@@ -113,10 +143,14 @@ def quantize_activations_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (x32 / scale[:, None]).astype(jnp.float8_e4m3fn), scale
 
 
-def fp8_w8a8_matmul(x: jax.Array, payload: jax.Array, scale: jax.Array) -> jax.Array:
-    """W8A8: x [M, K] quantized per token, times the e4m3 payload [N, K] -> [M, N] float32."""
+def fp8_w8a8_matmul(x: jax.Array, payload: jax.Array, scale: jax.Array,
+                    prequantized: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """W8A8: x [M, K] quantized per token, times the e4m3 payload [N, K] -> [M, N] float32.
+
+    ``prequantized``: ``quantize_activations_fp8(x)`` already made (shared by several weights).
+    """
     m = x.shape[0]
-    xq, x_scale = quantize_activations_fp8(x)
+    xq, x_scale = prequantized if prequantized is not None else quantize_activations_fp8(x)
     padded = -m % FP8_GEMM_ROW_MULTIPLE
     if padded:
         xq = jnp.pad(xq, ((0, padded), (0, 0)))

@@ -120,7 +120,7 @@ class Buckets:
 
 
 def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int, platform: str) -> Buckets:
-    """GPU/TPU: powers of two, sequences tied to tokens (one program per token bucket).
+    """GPU/TPU: powers of two and ``max_num_seqs``, sequences tied to tokens (one program per token bucket).
 
     CPU: powers of four from 4, sequences tied too: fewer buckets, since compiling costs more
     than padding there, but none so coarse that a small batch pays for a large one.
@@ -137,6 +137,10 @@ def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, max_pages_pe
         return Buckets(tokens, seqs, (max_pages_per_seq,), tied_seqs=True)
     seqs = powers_of_two(min(8, max_num_seqs), max_num_seqs)
     tokens = powers_of_two(min(8, max_num_batched_tokens), max(max_num_batched_tokens, max_num_seqs))
+    # A full decode step (max_num_seqs tokens) gets a bucket of its own: with 384 sequences the
+    # next power of two ran every steady decode step's matmuls over 512 rows (33% padding).
+    if tokens[0] < max_num_seqs < tokens[-1]:
+        tokens = tuple(sorted(set(tokens) | {max_num_seqs}))
     pages = (max_pages_per_seq,)  # the kernels read only each sequence's pages
     return Buckets(tokens, seqs, pages, tied_seqs=True)
 
@@ -187,11 +191,13 @@ class ModelRunner:
         self.token_pages = jax.jit(
             lambda: jnp.full((num_pages, page_size), -1, jnp.int32), **self.placement.jit_kwargs()
         )()
-        # Prefill and decode programs may compile with different overlap options (jaxinfer.compile_options).
+        # Programs may compile with different options per token count: overlap per phase, no
+        # Triton GEMMs for FP8 W8A8 steps on GPU (jaxinfer.compile_options).
         self._step = PhasedJit(
             functools.partial(_forward_step, config=self.config, attention_impl=attention_impl),
             overlap, self.buckets.num_seqs[-1],
             base_compiler_options=graph_options(1 if mesh is None else mesh.size),
+            quantization=model.quantization,
             static_argnames=("packing",),
             donate_argnames=("cache", "token_pages"),
             **self.placement.jit_kwargs(with_cache=True),

@@ -43,6 +43,8 @@ def test_engine_throughput_workloads_complete(tmp_path):
                tmp_path)
     run_script([*args[:-1], "startup", "--resume"], tmp_path)  # the cache the first run filled: warm
     assert list(out.glob("profile_throughput-1k_decode/plugins/profile/*/*.xplane.pb"))
+    profile = json.loads((out / "engine_throughput.json").read_text())["workloads"]["throughput-1k"]["profile"]
+    assert profile["num_traced_steps"] == 2 and len(profile["trace_files"]) == 1
     results = json.loads((out / "engine_throughput.json").read_text())
     workloads = results["workloads"]
     assert workloads["startup"]["cache_files_before"] == 0
@@ -225,3 +227,68 @@ def test_kernel_frontier_fp8_stage_writes_an_adoptable_table(tmp_path):
     assert "fp8 ÷ bf16 tok/s" in (out / "kernel_frontier.md").read_text()
     printed = run_script([BENCHMARKS / "adopt_frontier_run.py", out, "--dry-run"], tmp_path)
     assert "fp8 ('decode'" in printed
+
+
+def fake_engine_steps(steps):
+    """An engine stand-in for a run_requests capture: (tokens scheduled, sequences running) per step."""
+    import types
+
+    import numpy as np
+
+    engine = types.SimpleNamespace(scheduler=types.SimpleNamespace(num_running=0, num_waiting=7),
+                                   runner=types.SimpleNamespace(last_sampled=np.zeros(4)), last_step_num_tokens=0)
+    for tokens, running in steps:
+        engine.last_step_num_tokens, engine.scheduler.num_running = tokens, running
+        yield engine
+
+
+def test_decode_profiler_traces_steps_after_a_settled_decode_only_run(tmp_path, monkeypatch):
+    import engine_throughput
+    import jax
+
+    calls = []
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda path: calls.append(("start", path)))
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: calls.append(("stop",)))
+    profiler = engine_throughput.DecodeProfiler(tmp_path, num_steps=3, min_running=4, settle_steps=2, log=lambda _: None)
+    # A prefill; decode-only but too few running; a mixed step; two decode-only steps of 4 (it
+    # starts after the second, step 5); three traced steps; later steps are left alone.
+    steps = [(50, 2), (2, 2), (60, 4), (4, 4), (4, 4), (4, 4), (4, 4), (3, 3), (3, 3), (3, 3)]
+    for i, engine in enumerate(fake_engine_steps(steps), start=1):
+        profiler(engine)
+        if i == 5:
+            assert calls == [("start", str(tmp_path))]
+        if i == 7:
+            assert profiler.active
+    assert calls == [("start", str(tmp_path)), ("stop",)]
+    profiler.stop(engine)  # the run's end: nothing left to stop
+    assert calls[-1] == ("stop",) and len(calls) == 2
+    report = profiler.report()
+    assert report["started_at_step"] == 5 and report["num_traced_steps"] == 3
+
+
+def test_decode_profiler_says_why_it_never_started(tmp_path, monkeypatch):
+    import engine_throughput
+    import jax
+
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda path: pytest.fail("started"))
+    lines = []
+    profiler = engine_throughput.DecodeProfiler(tmp_path, num_steps=2, min_running=8, settle_steps=2, log=lines.append)
+    for engine in fake_engine_steps([(6, 6)] * 5 + [(40, 8), (8, 8), (40, 8)]):  # never two decode-only steps of 8
+        profiler(engine)
+    report = profiler.report()
+    assert report["started_at_step"] is None and report["max_decode_only_running"] == 8
+    assert "never started" in lines[-1] and "largest decode-only batch 8" in lines[-1]
+
+
+def test_profile_collectives_says_what_a_directory_without_traces_holds(tmp_path):
+    from profile_collectives import explain_missing, find_traces
+
+    xplane = tmp_path / "profile_throughput-1k_decode" / "plugins" / "profile" / "2026_01_01" / "vm.xplane.pb"
+    xplane.parent.mkdir(parents=True)
+    xplane.write_bytes(b"")
+    assert find_traces(tmp_path) == []
+    assert "1 xplane file(s)" in explain_missing(tmp_path)
+    trace = xplane.with_name("vm.trace.json.gz")
+    trace.write_bytes(b"")
+    assert find_traces(tmp_path) == [("throughput-1k_decode", trace)]
+    assert find_traces(tmp_path / "profile_throughput-1k_decode") == [("throughput-1k_decode", trace)]
