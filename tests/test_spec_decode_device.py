@@ -86,3 +86,41 @@ def test_device_ngram_rejects_bad_lookup_range():
     with pytest.raises(ValueError, match="min_n"):
         propose_ngram_on_device(jnp.zeros((1, 4), jnp.int32), jnp.ones(1, jnp.int32), jnp.ones(1, jnp.int32),
                                 num_speculative_tokens=2, min_n=3, max_n=2)
+
+
+def test_proposals_after_a_verify_step_continue_the_kept_tokens():
+    """A verify step's inputs written to token pages as the runner writes them; each slot keeps its
+    accepted drafts and the token after them, and the device drafts from exactly those tokens."""
+    from jaxinfer.batch import build_step_batch
+    from jaxinfer.sampling import SamplingTensors
+    from jaxinfer.spec_decode.device_ngram import propose_after_verify
+    from jaxinfer.spec_decode.layout import expand_to_rows
+    from jaxinfer.token_history import write_tokens
+
+    page_size, k, num_pages = 4, 3, 16
+    rng = np.random.default_rng(3)
+    contexts = [rng.integers(0, 3, size=n).tolist() for n in (9, 14, 5)]  # tokens before this step, last = input
+    drafts = [(1, 2, 0), (2,), ()]
+    page_tables = [[3, 7, 1, 12], [0, 5, 9, 2, 14], [11, 6, 8]]
+    token_pages = np.full((num_pages, page_size), -1, np.int32)
+    for context, table in zip(contexts, page_tables):
+        for position, token in enumerate(context[:-1]):  # computed by earlier steps
+            token_pages[table[position // page_size], position % page_size] = token
+    chunks = [([context[-1], *d], len(context) - 1, table) for context, d, table in zip(contexts, drafts, page_tables)]
+    batch = build_step_batch(chunks, num_tokens=16, num_seqs=4, pages_per_seq=5)
+    batch, _, _, num_drafts = expand_to_rows(batch, SamplingTensors.neutral(4, 0, 16), list(drafts), k)
+    token_pages = write_tokens(jnp.asarray(token_pages), jnp.asarray(batch.token_ids), batch)
+
+    num_accepted = np.array([2, 0, 0, 0], np.int32)  # slot 0 keeps d_1 d_2, slot 1 rejects its draft
+    next_token = np.array([1, 0, 2, 0], np.int32)
+    rooms = np.array([3, 2, 3, 3], np.int32)
+    draft_ids, counts = propose_after_verify(
+        token_pages, jnp.asarray(batch.page_tables), jnp.asarray(batch.kv_lens), jnp.asarray(num_drafts),
+        jnp.asarray(num_accepted), jnp.asarray(next_token), jnp.asarray(rooms), num_speculative_tokens=k, min_n=1,
+        max_n=3)
+    draft_ids, counts = np.asarray(draft_ids), np.asarray(counts)
+    for slot, (context, d) in enumerate(zip(contexts, drafts)):
+        kept = [*context, *d[: num_accepted[slot]], int(next_token[slot])]
+        assert draft_ids[slot, : counts[slot]].tolist() == propose_ngram(np.array(kept), int(rooms[slot]), 1, 3)
+    assert counts[3] == 0  # the empty slot
+    assert counts[:3].sum() > 0

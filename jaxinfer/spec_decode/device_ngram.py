@@ -22,6 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.token_history import gather_history
+
 
 def propose_ngram_on_device(history: jax.Array, lengths: jax.Array, rooms: jax.Array, *, num_speculative_tokens: int,
                             min_n: int, max_n: int) -> tuple[jax.Array, jax.Array]:
@@ -63,3 +65,28 @@ def propose_ngram_on_device(history: jax.Array, lengths: jax.Array, rooms: jax.A
     index = jnp.clip(start[:, None] + position, 0, width - 1)
     draft_ids = jnp.where(position < num_drafts[:, None], jnp.take_along_axis(history, index, axis=1), 0)
     return draft_ids.astype(jnp.int32), num_drafts.astype(jnp.int32)
+
+
+def propose_after_verify(token_pages: jax.Array, page_tables: jax.Array, kv_lens: jax.Array, num_drafts: jax.Array,
+                         num_accepted: jax.Array, next_token: jax.Array, rooms: jax.Array, *, num_speculative_tokens: int,
+                         min_n: int, max_n: int) -> tuple[jax.Array, jax.Array]:
+    """The next step's drafts of each slot of a verify step, from what that step left on the device.
+
+    The verify step wrote its inputs ``[last, d_1..d_n]`` (``n`` = ``num_drafts`` [B]) to
+    ``token_pages`` through ``page_tables`` [B, P], ``kv_lens`` [B] counting all of them. A slot
+    that accepted ``a`` (``num_accepted`` [B]) drafts keeps its first ``kv_lens - n + a`` tokens
+    there; ``next_token`` [B] (the token after the run, not yet written: it is the next step's
+    input) ends its history. ``rooms`` [B]: drafts each slot may take (max_tokens and
+    max_model_len, as ``Speculator.propose`` limits them).
+
+    Returns ``draft_ids`` [B, k] and ``num_drafts`` [B]: what the host proposer would draft for
+    the same tokens, without the host ever reading them.
+    """
+    num_kept = kv_lens - num_drafts + num_accepted  # [B]: tokens in the cache the slot keeps
+    history, _ = gather_history(token_pages, page_tables, num_kept, jnp.zeros_like(num_kept))
+    history = jnp.concatenate([history, jnp.full((history.shape[0], 1), -1, history.dtype)], axis=1)  # room for next_token
+    rows = jnp.arange(history.shape[0])
+    lengths = jnp.where(kv_lens > 0, num_kept + 1, 0)  # an empty slot proposes nothing
+    history = history.at[rows, jnp.maximum(lengths - 1, 0)].set(jnp.where(kv_lens > 0, next_token, -1))
+    return propose_ngram_on_device(history, lengths, rooms, num_speculative_tokens=num_speculative_tokens,
+                                   min_n=min_n, max_n=max_n)
