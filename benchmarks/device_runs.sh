@@ -36,8 +36,11 @@
 #           frontier sweep, the GEMV table and the structured-output host cost; s7b the FP8 HLO check,
 #           the verify step's cost and fp8 latency/throughput-1k; s7c bf16 latency and throughput-1k
 #           with and without a JSON schema (half scale).
+#   s8spec  one GPU (carry .whl): speculative decoding through the engine loop at batch 1 (8B shapes):
+#           plain async decode, asynchronous and synchronous verify steps at k = 5, and the
+#           low-gain switch's cost, combined with the CPU-measured acceptance.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b or s7c}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c or s8spec}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -219,6 +222,10 @@ s7b)
         on_gpu 0 fp8_weights.log 200 python3 benchmarks/engine_throughput.py --out "$R/fp8_weights" \
             --quantization fp8 --workloads latency,throughput-1k
     fi ;;
+s8spec)
+    wheels
+    on_gpu 0 spec_engine.log 230 python3 benchmarks/spec_decode.py engine --out "$R/spec_engine" --ks 5 \
+        --acceptance benchmarks/results/spec_acceptance_cpu.json ;;
 s7c)
     # Session 7, third call: bf16 latency, then throughput-1k unconstrained and with every request
     # under a JSON schema, at half scale (500 requests x 500 / 500: the device time left).

@@ -205,3 +205,13 @@ def test_spec_decode_step_cost_completes(tmp_path):
                 "--context", "128"], tmp_path)
     rows = json.loads((tmp_path / "spec_step_cost.json").read_text())["rows"]
     assert [row["k"] for row in rows] == list(range(1, 9))
+
+
+def test_spec_decode_engine_completes(tmp_path):
+    acceptance = tmp_path / "acceptance.json"
+    acceptance.write_text(json.dumps({"rows": [{"set": "copy-heavy", "k": 2, "tokens_per_step": 2.0}]}))
+    run_script([BENCHMARKS / "spec_decode.py", "engine", "--out", tmp_path, "--shape", "tiny", "--ks", "2",
+                "--context", "64", "--max-tokens", "12", "--acceptance", acceptance], tmp_path)
+    row = json.loads((tmp_path / "spec_engine.json").read_text())["rows"][0]
+    assert row["async_step_ms"] > 0 and row["sync_step_ms"] > 0 and row["judged_tpot_ms"] > 0
+    assert row["effective_ms_copy-heavy"] == row["async_step_ms"] / 2
