@@ -21,7 +21,9 @@ mask while the device computes (``jaxinfer.structured_output``, docs/STRUCTURED_
 Speculative decoding (``config.speculative_config``, ``jaxinfer.spec_decode``): before each
 schedule the speculator drafts tokens for the running sequences; a step with drafts verifies
 them on the device, and the engine reads its accepted tokens before the next step is
-prepared (the next drafts continue them), then rolls each sequence back to what it kept.
+prepared (the next drafts continue them), then rolls each sequence back to what it kept. With
+``async_verify`` the device drafts the next step itself and the engine reads each verify step a
+step late, as it reads sampled tokens (``jaxinfer.spec_decode.lagged``).
 
 Repetition/presence/frequency penalties read each sequence's history from token pages on
 the device (``jaxinfer.token_history``), so they run under async scheduling too.

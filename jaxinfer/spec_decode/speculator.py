@@ -21,8 +21,10 @@ Who speculates (a sequence gets no drafts otherwise):
 - drafts never run past ``max_tokens`` or ``max_model_len``: the accepted run plus its bonus
   token fit.
 
-Drafts need the sequence's last token on the host: while speculation may happen, the engine
-reads each step's tokens before it prepares the next (see docs/SPECULATIVE.md).
+Host drafts need the sequence's last token on the host: while speculation may happen, the engine
+reads each step's tokens before it prepares the next, unless verify steps are asynchronous
+(``async_verify``): then the device drafts for the sequences of the verify step in flight and
+the host only sizes their drafts (see docs/SPECULATIVE.md).
 """
 
 from __future__ import annotations
