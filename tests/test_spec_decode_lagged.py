@@ -23,7 +23,8 @@ from jaxinfer.spec_decode import device_ngram as device_ngram_module
 from jaxinfer.spec_decode import speculator as speculator_module
 
 from .test_page_allocator import check_allocator_invariants
-from .test_spec_decode import GREEDY, K, OPTIONS, SPEC, _greedy_reference, plain, prompts_of, tiny, token_ids  # noqa: F401 (fixtures)
+from .test_spec_decode import GREEDY, K, OPTIONS, SPEC, _greedy_reference, prompts_of, token_ids
+from .test_spec_decode import plain, tiny  # noqa: F401 (fixtures)
 
 LAGGED = {**SPEC, "async_verify": True}
 _KNOWN: list[tuple[list[int], list[int]]] = []  # (prompt, continuation) pairs the oracle drafts from
