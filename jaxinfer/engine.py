@@ -306,7 +306,7 @@ class Engine:
         if launched is not None and (launched.packed.verify is not None or self.speculator.may_speculate(running)):
             self._launched = None
             self._process(launched, changed)
-        self.speculator.propose(self.scheduler.running)
+        self.speculator.propose(self.scheduler.running, waiting=self.scheduler.waiting)
 
     def _draft_lagged(self, changed: dict[str, RequestState]) -> None:
         """Asynchronous verify steps: the sequences of a verify step in flight continue it with the
@@ -324,7 +324,7 @@ class Engine:
         continuing = frozenset()
         if launched is not None and launched.packed.verify is not None:
             continuing = frozenset(seq.seq_id for seq, _ in launched.packed.sampled if not seq.is_finished)
-        self.speculator.propose(self.scheduler.running, continuing)
+        self.speculator.propose(self.scheduler.running, continuing, self.scheduler.waiting)
 
     def stats(self) -> dict:
         return dict(

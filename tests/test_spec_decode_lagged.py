@@ -12,6 +12,8 @@ an unknown context (no drafts) or a changed token. The real device lookup runs o
 default model (slow) and in ``test_spec_decode_device``.
 """
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -192,6 +194,35 @@ def test_sequences_that_do_not_speculate_share_lagged_steps_exactly(plain, lagge
     got = token_ids(lagged.generate(prompts, params, use_tqdm=False))
     assert lagged.engine.stats()["spec_decode_num_accepted_tokens"] > before
     assert got == reference
+
+
+def test_a_constrained_request_arriving_mid_run_ends_lagged_steps_exactly(plain, lagged, host_reads):
+    """A grammar needs a plain (masked) step: the engine reads the verify step in flight, steps
+    plainly while the constrained request runs, then speculates again; every output unchanged."""
+    from jaxinfer.sampling_params import StructuredOutputsParams
+
+    prompts = prompts_of(2, seed=12)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    constrained = SamplingParams(temperature=0, max_tokens=6, structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+    reference = _greedy_reference(plain, prompts, params)
+    expected = plain.generate([prompts[1]], constrained, use_tqdm=False)[0].outputs[0]
+    know(prompts[:1], reference[:1])
+    engine = lagged.engine
+    engine.add_request("free", prompts[0], params)
+    outputs = {}
+    for step in itertools.count():
+        if step == 8:
+            engine.add_request("constrained", prompts[1], constrained)
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output.outputs[0]
+        if not engine.has_unfinished_requests():
+            break
+    assert outputs["free"].token_ids == reference[0]
+    assert (outputs["constrained"].token_ids, outputs["constrained"].text) == (expected.token_ids, expected.text)
+    assert not all(host_reads) and sum(host_reads) > 3  # read alone to stop, a step late otherwise
+    stats = engine.stats()
+    assert stats["num_compilations_after_warmup"] == 0 and stats["num_pages_used"] == 0
 
 
 def test_async_verify_needs_the_ngram_method():

@@ -29,6 +29,8 @@ the host only sizes their drafts (see docs/SPECULATIVE.md).
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from jaxinfer.page_allocator import PageAllocator
@@ -84,17 +86,17 @@ class Speculator:
     def may_speculate(self, running: list[Sequence], waiting=()) -> bool:
         """Whether the next step could carry drafts: then its tokens must be known on the host first.
         ``waiting``: sequences the step may admit, whose sampling may rule drafts out for the step."""
-        return (self._step_allows(running) and self._step_allows(list(waiting), len(running))
-                and any(self._seq_allows(seq) for seq in running))
+        return self._step_allows(running, waiting) and any(self._seq_allows(seq) for seq in running)
 
-    def propose(self, running: list[Sequence], continuing: frozenset[int] = frozenset()) -> None:
+    def propose(self, running: list[Sequence], continuing: frozenset[int] = frozenset(), waiting=()) -> None:
         """Set every running sequence's ``draft_token_ids`` for the next schedule (empty: none).
+        ``waiting``: sequences the step may admit (a constrained one rules drafts out for the step).
 
         ``continuing``: ids of the sequences of an asynchronous verify step still in flight; the
         device drafts theirs (``PLACEHOLDER_TOKEN`` drafts here, as many as the host schedules),
         assuming the step in flight accepted as many as it could (``num_lookahead_slots``).
         """
-        step_allows = self._step_allows(running)
+        step_allows = self._step_allows(running, waiting)
         k = self.config.num_speculative_tokens
         drafting, rooms = [], []
         for seq in running:
@@ -157,11 +159,14 @@ class Speculator:
             return True
         return False
 
-    def _step_allows(self, running: list[Sequence], num_others: int = 0) -> bool:
+    def _step_allows(self, running: list[Sequence], waiting=()) -> bool:
         limit = self.config.disable_by_batch_size
-        if limit is not None and len(running) + num_others > limit and running:
+        if limit is not None and len(running) > limit:
             return False
-        return not any(getattr(seq.sampling.params, field, None) for seq in running for field in _STEP_BLOCKERS)
+        # A waiting sequence the step admits counts too: drafts would make its step a verify step,
+        # which applies no grammar mask, logit bias or bad words.
+        return not any(getattr(seq.sampling.params, field, None)
+                       for seq in itertools.chain(running, waiting) for field in _STEP_BLOCKERS)
 
     def _seq_allows(self, seq: Sequence) -> bool:
         params = seq.sampling.params
