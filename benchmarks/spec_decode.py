@@ -35,7 +35,8 @@ accepted counts read a step late) and with synchronous ones (the host reads each
 before it drafts). Each is timed as wall time per *target step* (a step's fixed shapes make its
 cost independent of how many drafts the random weights accept: the step count comes from the
 engine's own counters). The low-gain switch is off for these runs, so every step verifies
-``k`` drafts' worth of rows. Then
+``k`` drafts' worth of rows, and both proposers are forced to draft every step
+(``force_drafts``: prompt lookup finds nothing in random tokens). Then
 
     t_eff(k) = t_step_async(k) / L(k)    against    t_plain (the same engine loop, no speculation)
 
@@ -277,6 +278,30 @@ def step_cost(args, log):
             "plain_sync_ms": plain["sync"] * 1e3, "rows": rows}, md
 
 
+def force_drafts(vocab_size: int):
+    """Make both n-gram proposers always draft, as many as there is room for: on random weights
+    prompt lookup finds nothing, and a step without drafts would run plain. The drafts (the
+    token after the last one, repeated) are all but never accepted, even when a random model
+    loops on one token: every step is a rejection, the pattern a sequence the proposer cannot
+    help has. A verify step's device cost does not depend on what is accepted (its shapes are
+    fixed); the acceptance comes from real weights (``--acceptance``)."""
+    import jax.numpy as jnp
+
+    from jaxinfer.spec_decode import device_ngram, speculator
+
+    def on_host(context, num_drafts, min_n, max_n):
+        return [(int(context[-1]) + 1) % vocab_size] * num_drafts
+
+    def on_device(history, lengths, rooms, *, num_speculative_tokens, min_n, max_n):
+        last = jnp.take_along_axis(history, jnp.maximum(lengths - 1, 0)[:, None], axis=1)  # [B, 1]
+        last = (last + 1) % vocab_size
+        num_drafts = jnp.where(lengths > 0, jnp.minimum(rooms, num_speculative_tokens), 0).astype(jnp.int32)
+        return jnp.broadcast_to(last, (history.shape[0], num_speculative_tokens)).astype(jnp.int32), num_drafts
+
+    speculator.propose_ngram = on_host
+    device_ngram.propose_ngram_on_device = on_device  # before any verifier is traced
+
+
 def engine_steps(args, log):
     from common import random_model, random_prompts
     from jaxinfer import SamplingParams
@@ -284,6 +309,7 @@ def engine_steps(args, log):
     from jaxinfer.engine_config import EngineConfig
 
     model = random_model(args.shape)
+    force_drafts(model.config.vocab_size)
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -297,14 +323,13 @@ def engine_steps(args, log):
         return engine, time.perf_counter() - start
 
     def run(engine, tag):
-        """One request alone: (seconds per target step, tokens per target step, seconds per output token)."""
+        """One request alone: (seconds per target step, tokens per target step, seconds per output token,
+        the share of its decode steps that verified drafts)."""
         before = engine.stats()
         engine.add_request(tag, random_prompts(rng, [args.context], vocab)[0], params, final_only=True)
         first = last = None
-        steps = 0
         while engine.has_unfinished_requests():
             outputs = engine.step()
-            steps += 1
             for output in outputs:
                 metrics = output.metrics
                 first, last = metrics.first_token_time, metrics.last_token_time
@@ -312,7 +337,9 @@ def engine_steps(args, log):
         accepted = after.get("spec_decode_num_accepted_tokens", 0) - before.get("spec_decode_num_accepted_tokens", 0)
         # Steps after the first token: each gives one token plus what it accepted.
         decode_steps = args.max_tokens - 1 - accepted
-        return (last - first) / decode_steps, (args.max_tokens - 1) / decode_steps, (last - first) / (args.max_tokens - 1)
+        verified = after.get("spec_decode_num_drafts", 0) - before.get("spec_decode_num_drafts", 0)
+        return ((last - first) / decode_steps, (args.max_tokens - 1) / decode_steps,
+                (last - first) / (args.max_tokens - 1), verified / decode_steps)
 
     def best_of(engine, tag, repeats=3):
         run(engine, f"{tag}-warm")
@@ -320,7 +347,7 @@ def engine_steps(args, log):
         return min(results)
 
     plain_engine, seconds = build(None)
-    plain_step, _, plain_tpot = best_of(plain_engine, "plain")
+    plain_step, _, plain_tpot, _ = best_of(plain_engine, "plain")
     log(f"plain async decode: {plain_step * 1e3:.3f} ms per step (engine built in {seconds:.1f} s)")
     del plain_engine
     acceptance_rows = [row for path in args.acceptance or [] for row in json.loads(Path(path).read_text())["rows"]]
@@ -336,8 +363,9 @@ def engine_steps(args, log):
             # Every step verifies: random weights would otherwise be judged low and run plain.
             engine.speculator.config = dataclasses.replace(engine.speculator.config, min_acceptance_rate=0.0,
                                                            min_accepted_per_step=0.0)
-            step, _, _ = best_of(engine, mode)
+            step, _, _, verified = best_of(engine, mode)
             row[f"{mode}_step_ms"] = step * 1e3
+            row[f"{mode}_share_of_steps_verifying"] = verified
             row[f"{mode}_ratio_to_plain"] = step / plain_step
             del engine
         for acc in acceptance_rows:
@@ -346,7 +374,8 @@ def engine_steps(args, log):
                 row[f"effective_sync_ms_{acc['set']}"] = row["sync_step_ms"] / acc["tokens_per_step"]
         rows.append(row)
         log(f"k={k}: async verify step {row['async_step_ms']:.3f} ms ({row['async_ratio_to_plain']:.3f}x plain), "
-            f"sync {row['sync_step_ms']:.3f} ms ({row['sync_ratio_to_plain']:.3f}x); low-gain switch on: "
+            f"sync {row['sync_step_ms']:.3f} ms ({row['sync_ratio_to_plain']:.3f}x); steps verifying drafts "
+            f"{row['async_share_of_steps_verifying']:.0%} / {row['sync_share_of_steps_verifying']:.0%}; low-gain switch on: "
             f"{row['judged_tpot_ms']:.3f} ms/token ({row['judged_tpot_ms'] / (plain_tpot * 1e3):.3f}x plain)"
             + "".join(f"; {key} {v:.3f}" for key, v in row.items() if key.startswith("effective")))
     md = [f"# Speculative decoding through the engine loop, {args.shape}, batch 1, prompt {args.context}", "",

@@ -214,4 +214,6 @@ def test_spec_decode_engine_completes(tmp_path):
                 "--context", "64", "--max-tokens", "12", "--acceptance", acceptance], tmp_path)
     row = json.loads((tmp_path / "spec_engine.json").read_text())["rows"][0]
     assert row["async_step_ms"] > 0 and row["sync_step_ms"] > 0 and row["judged_tpot_ms"] > 0
+    # Forced drafts: every decode step verifies but the last few (no room left under max_tokens).
+    assert row["async_share_of_steps_verifying"] > 0.6 and row["sync_share_of_steps_verifying"] > 0.6
     assert row["effective_ms_copy-heavy"] == row["async_step_ms"] / 2
