@@ -299,10 +299,10 @@ class Engine:
         """Give the running sequences their drafts for the next schedule. Drafts continue a
         sequence's last token, so the step in flight is read first whenever someone may speculate
         (and always after a verify step, whose sequences roll back before they are scheduled)."""
-        launched = self._launched
-        running = self.scheduler.running
         if self.is_verify_lagged:
             return self._draft_lagged(changed)
+        launched = self._launched
+        running = self.scheduler.running
         if launched is not None and (launched.packed.verify is not None or self.speculator.may_speculate(running)):
             self._launched = None
             self._process(launched, changed)
