@@ -40,8 +40,11 @@
 #           without Triton GEMMs: cold start-up, latency, throughput-1k at max_num_seqs 1024 with
 #           a trace of 8 steady decode steps, its kernel and host tables; then, if time is left,
 #           throughput-1k at 896 (no preemption).
+#   s8spec  one GPU (carry .whl): speculative decoding through the engine loop at batch 1 (8B shapes):
+#           plain async decode, asynchronous and synchronous verify steps at k = 5, and the
+#           low-gain switch's cost, combined with the CPU-measured acceptance.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c or s8fp8}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8 or s8spec}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -223,6 +226,10 @@ s7b)
         on_gpu 0 fp8_weights.log 200 python3 benchmarks/engine_throughput.py --out "$R/fp8_weights" \
             --quantization fp8 --workloads latency,throughput-1k
     fi ;;
+s8spec)
+    wheels
+    on_gpu 0 spec_engine.log 230 python3 benchmarks/spec_decode.py engine --out "$R/spec_engine" --ks 5 \
+        --acceptance benchmarks/results/spec_acceptance_cpu.json ;;
 s7c)
     # Session 7, third call: bf16 latency, then throughput-1k unconstrained and with every request
     # under a JSON schema, at half scale (500 requests x 500 / 500: the device time left).

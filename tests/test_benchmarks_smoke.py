@@ -292,3 +292,14 @@ def test_profile_collectives_says_what_a_directory_without_traces_holds(tmp_path
     trace.write_bytes(b"")
     assert find_traces(tmp_path) == [("throughput-1k_decode", trace)]
     assert find_traces(tmp_path / "profile_throughput-1k_decode") == [("throughput-1k_decode", trace)]
+
+def test_spec_decode_engine_completes(tmp_path):
+    acceptance = tmp_path / "acceptance.json"
+    acceptance.write_text(json.dumps({"rows": [{"set": "copy-heavy", "k": 2, "tokens_per_step": 2.0}]}))
+    run_script([BENCHMARKS / "spec_decode.py", "engine", "--out", tmp_path, "--shape", "tiny", "--ks", "2",
+                "--context", "64", "--max-tokens", "12", "--acceptance", acceptance], tmp_path)
+    row = json.loads((tmp_path / "spec_engine.json").read_text())["rows"][0]
+    assert row["async_step_ms"] > 0 and row["sync_step_ms"] > 0 and row["judged_tpot_ms"] > 0
+    # Forced drafts: every decode step verifies but the last few (no room left under max_tokens).
+    assert row["async_share_of_steps_verifying"] > 0.6 and row["sync_share_of_steps_verifying"] > 0.6
+    assert row["effective_ms_copy-heavy"] == row["async_step_ms"] / 2
