@@ -95,6 +95,47 @@ def test_bf16_weights_match_reference(m, algorithm, dtype):
     assert_close(out, weight_only_matmul_reference(x, w, jnp.ones((N,), jnp.float32)), dtype)
 
 
+@pytest.mark.parametrize("m,algorithm", [(1, "gemv"), (5, "gemv"), (1, "fma"), (3, "mma"), (16, "mma_swapped")])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_bf16_weights_in_the_dense_layout_match_reference(m, algorithm, dtype):
+    # layout="kn": w [K, N] as the model's einsum weights are stored, the result x @ w.
+    x, w = bf16_case(m, dtype=dtype, seed=60 + m)  # w [N, K]; its transpose is the dense weight
+    w_kn = jnp.asarray(np.asarray(w, np.float32).T, jnp.bfloat16)  # [K, N], a real copy, contiguous along N
+    out = bf16_weight_only_matmul(x, w_kn, interpret=True, layout="kn", algorithm=algorithm, k_splits=2,
+                                  prefetch=2 if m == 5 else 0, **TILES)
+    assert_close(out, weight_only_matmul_reference(x, w, jnp.ones((N,), jnp.float32)), dtype)
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_dense_layout_default_sizes_run_and_match(m):
+    xb, wb = bf16_case(m, n=256, k=512, seed=70 + m)
+    w_kn = jnp.asarray(np.asarray(wb, np.float32).T, jnp.bfloat16)
+    sizes = default_block_sizes(m, 256, 512, jnp.bfloat16, table=(), layout="kn")
+    assert sizes.block_n >= 64  # whole 128-byte lines per tile row
+    out = bf16_weight_only_matmul(xb, w_kn, interpret=True, layout="kn")
+    assert_close(out, weight_only_matmul_reference(xb, wb, jnp.ones((256,), jnp.float32)), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("algorithm,m", [("gemv", 3), ("mma_swapped", 8)])
+def test_deeper_prefetch_gives_the_same_result(depth, algorithm, m):
+    # depth tiles loaded ahead: K has 3 steps per split, so depth 3 also clamps its look-ahead.
+    x, w, scale = make_case(m, seed=80 + m)
+    out = fp8_weight_only_matmul(x, w, scale, interpret=True, algorithm=algorithm, k_splits=2, prefetch=depth,
+                                 **TILES)
+    assert_close(out, weight_only_matmul_reference(x, w, scale), jnp.bfloat16)
+
+
+def test_dense_layout_bad_input_names_the_field():
+    xb, wb = bf16_case(2)  # wb [N=48, K=192]: the wrong orientation for layout "kn"
+    with pytest.raises(ValueError, match="w's K \\(48\\) must equal x's K \\(192\\)"):
+        bf16_weight_only_matmul(xb, wb, interpret=True, layout="kn")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        bf16_weight_only_matmul(xb, wb, interpret=True, layout="nkk")
+    with pytest.raises(ValueError, match="prefetch .* must be in \\[0, 3\\]"):
+        bf16_weight_only_matmul(xb, wb, interpret=True, prefetch=4)
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 16, 64])
 def test_default_sizes_run_and_match(m):
     x, w, scale = make_case(m, n=64, k=512, seed=20 + m)
@@ -248,6 +289,10 @@ def test_int8_entry_point_refuses_fp8_weights():
     dict(algorithm="mma_swapped", block_n=64, block_k=128, k_splits=4),
     dict(algorithm="gemv", block_n=32, block_k=1024, num_warps=8, num_stages=1, prefetch=True),
     dict(algorithm="gemv", block_n=16, block_k=512, k_splits=2),
+    dict(algorithm="gemv", block_n=16, block_k=1024, num_warps=8, num_stages=1, prefetch=2),
+    dict(algorithm="gemv", block_n=128, block_k=64, k_splits=4, num_stages=1, prefetch=1, layout="kn"),
+    dict(algorithm="mma", block_n=128, block_k=64, k_splits=4, layout="kn"),
+    dict(algorithm="mma_swapped", block_n=64, block_k=128, layout="kn"),
 ])
 def test_kernel_lowers_through_triton_from_cpu(options):
     # Lowers Pallas -> Triton IR for an abstract H200: catches primitives the Triton
@@ -257,13 +302,14 @@ def test_kernel_lowers_through_triton_from_cpu(options):
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
     max_rows = {"fma": 8, "gemv": 16}.get(options["algorithm"], 64)
-    cases = [(fn, weight_dtype, m) for fn, weight_dtype in ((fp8_weight_only_matmul, FP8),
-                                                              (int8_weight_only_matmul, jnp.int8),
-                                                              (bf16_weight_only_matmul, jnp.bfloat16))
-             for m in (1, 3, 8, 16, 64) if m <= max_rows]
+    formats = ((fp8_weight_only_matmul, FP8), (int8_weight_only_matmul, jnp.int8),
+               (bf16_weight_only_matmul, jnp.bfloat16))
+    if options.get("layout") == "kn":  # the dense layout is the bf16 weights' only
+        formats = formats[2:]
+    cases = [(fn, weight_dtype, m) for fn, weight_dtype in formats for m in (1, 3, 8, 16, 64) if m <= max_rows]
     for fn, weight_dtype, m in cases:
         x = jax.ShapeDtypeStruct((m, 4096), jnp.bfloat16)
-        w = jax.ShapeDtypeStruct((1024, 4096), weight_dtype)
+        w = jax.ShapeDtypeStruct((4096, 1024) if options.get("layout") == "kn" else (1024, 4096), weight_dtype)
         scale = () if weight_dtype == jnp.bfloat16 else (jax.ShapeDtypeStruct((1024,), jnp.float32),)
         with jax.sharding.use_abstract_mesh(mesh):
             lowered = fn.trace(x, w, *scale, **options).lower(lowering_platforms=("cuda",))
