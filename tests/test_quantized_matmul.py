@@ -126,6 +126,41 @@ def test_deeper_prefetch_gives_the_same_result(depth, algorithm, m):
     assert_close(out, weight_only_matmul_reference(x, w, scale), jnp.bfloat16)
 
 
+@pytest.mark.parametrize("algorithm,m", [("mma", 3), ("mma_swapped", 16)])
+@pytest.mark.parametrize("weight_dtype", [FP8, jnp.int8], ids=["fp8", "int8"])
+def test_f16_dot_matches_reference(algorithm, m, weight_dtype):
+    # fp8 and int8 are exact in f16; bf16 x is too (f16 has more mantissa bits, and these
+    # values are far inside its range), so only the f32 accumulation order differs.
+    x, w, scale = make_case(m, seed=90 + m, weight_dtype=weight_dtype)
+    fn = fp8_weight_only_matmul if weight_dtype == FP8 else int8_weight_only_matmul
+    out = fn(x, w, scale, interpret=True, algorithm=algorithm, k_splits=2, dot_dtype="float16", **TILES)
+    assert_close(out, weight_only_matmul_reference(x, w, scale), jnp.bfloat16)
+
+
+def test_f16_dot_saturates_instead_of_overflowing():
+    x, w, scale = make_case(2, seed=7)
+    x = x.at[0, 0].set(1e6)  # past f16's 65504
+    out = fp8_weight_only_matmul(x, w, scale, interpret=True, algorithm="mma", dot_dtype="float16", **TILES)
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+
+
+def test_f16_dot_refuses_what_it_cannot_serve_and_measured_defaults_step_aside(monkeypatch):
+    x, w, scale = make_case(2, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="needs bfloat16 x"):
+        fp8_weight_only_matmul(x, w, scale, interpret=True, algorithm="mma", dot_dtype="float16", **TILES)
+    with pytest.raises(ValueError, match="tensor-core forms"):
+        fp8_weight_only_matmul(x.astype(jnp.bfloat16), w, scale, interpret=True, algorithm="gemv",
+                               dot_dtype="float16", **TILES)
+    # A table entry measured with bf16 x and dot_dtype f16, used by an f32 caller: the f32 dot.
+    from pallas_kernels.quantized_matmul import gpu
+
+    f16_sizes = MatmulBlockSizes("mma", 16, 32, 2, 4, 4, 0, "float16")
+    monkeypatch.setattr(gpu, "default_block_sizes", lambda *args, **kwargs: f16_sizes)
+    out = gpu._weight_only_matmul(x, w, scale, FP8, interpret=True, algorithm=None, block_n=None, block_k=None,
+                                  k_splits=None, num_warps=None, num_stages=None, prefetch=None)
+    assert_close(out, weight_only_matmul_reference(x, w, scale), jnp.float32)
+
+
 def test_dense_layout_bad_input_names_the_field():
     xb, wb = bf16_case(2)  # wb [N=48, K=192]: the wrong orientation for layout "kn"
     with pytest.raises(ValueError, match="w's K \\(48\\) must equal x's K \\(192\\)"):
@@ -293,6 +328,8 @@ def test_int8_entry_point_refuses_fp8_weights():
     dict(algorithm="gemv", block_n=128, block_k=64, k_splits=4, num_stages=1, prefetch=1, layout="kn"),
     dict(algorithm="mma", block_n=128, block_k=64, k_splits=4, layout="kn"),
     dict(algorithm="mma_swapped", block_n=64, block_k=128, layout="kn"),
+    dict(algorithm="mma", block_n=32, block_k=256, dot_dtype="float16"),
+    dict(algorithm="mma_swapped", block_n=64, block_k=256, k_splits=2, dot_dtype="float16"),
 ])
 def test_kernel_lowers_through_triton_from_cpu(options):
     # Lowers Pallas -> Triton IR for an abstract H200: catches primitives the Triton
@@ -306,6 +343,8 @@ def test_kernel_lowers_through_triton_from_cpu(options):
                (bf16_weight_only_matmul, jnp.bfloat16))
     if options.get("layout") == "kn":  # the dense layout is the bf16 weights' only
         formats = formats[2:]
+    if options.get("dot_dtype"):  # an f16 dot is for quantized weights only
+        formats = formats[:2]
     cases = [(fn, weight_dtype, m) for fn, weight_dtype in formats for m in (1, 3, 8, 16, 64) if m <= max_rows]
     for fn, weight_dtype, m in cases:
         x = jax.ShapeDtypeStruct((m, 4096), jnp.bfloat16)

@@ -22,6 +22,11 @@ Four ways to multiply a tile (``algorithm``):
   keeps 16-64 KB of weights in flight (with ``prefetch``, the next tile loads while this one
   is multiplied). M <= 16 (M multiply-adds per weight: the CUDA cores keep up to ~8-16).
 
+``prefetch`` (0-3) is how many weight tiles a program loads ahead of the arithmetic;
+``dot_dtype="float16"`` makes the tensor-core forms convert fp8 with one instruction per two
+weights. Weights stored ``[K, N]`` (``layout="kn"``, the dense bf16 weights) get their own
+heuristic: tiles 128 columns wide, K split until the programs fill the GPU.
+
 Run 1 on the H200 (docs/KERNELS.md) measured only the first defaults (fma n16 k512 at M <= 2,
 mma n32 k256 above): 41-50% of the HBM read rate. The defaults here are the redesign's
 heuristics; where ``benchmarks/gemv_decode.py`` measured the shape, its table
@@ -38,6 +43,7 @@ import numpy as np
 from pallas_kernels.quantized_matmul.tuning_table import measured_block_sizes
 
 ALGORITHMS = ("mma", "mma_swapped", "fma", "gemv")
+DOT_DTYPES = (None, "float16")
 # How the weights are stored: "nk" = [out, in] (the quantized payload), "kn" = [in, out] (the
 # dense einsum layout of bf16 weights).
 LAYOUTS = ("nk", "kn")
@@ -70,6 +76,11 @@ class MatmulBlockSizes:
     # Weight tiles loaded ahead of this step's arithmetic (registers, prefetch + 1 in flight);
     # tables written before it was a count say true/false, which read as 1/0.
     prefetch: int = 0
+    # The tensor-core forms' operand dtype: None = x's. "float16" (fp8 / int8 weights, bf16 x):
+    # e4m3 and int8 are exact in f16, and fp8 -> f16 is one cvt per two weights on sm_89+, where
+    # fp8 -> bf16 goes through f16 and f32 (three); x is saturated to f16's range (|x| <= 65504)
+    # and keeps 3 more mantissa bits than bf16.
+    dot_dtype: str | None = None
 
 
 def next_power_of_2(n: int) -> int:

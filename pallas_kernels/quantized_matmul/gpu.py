@@ -42,7 +42,12 @@ from pallas_kernels.quantized_matmul.block_sizes import (
     num_k_splits,
     padded_rows,
 )
-from pallas_kernels.quantized_matmul.validation import check_block_sizes, check_inputs
+from pallas_kernels.quantized_matmul.validation import (
+    check_block_sizes, check_dot_dtype, check_inputs, dot_dtype_fits,
+)
+
+
+F16_MAX = 65504.0
 
 
 def _load_x_tile(x_ref, k0, *, m: int, block_m: int, block_k: int):
@@ -171,7 +176,11 @@ def _matmul_kernel(
 
     def mma_step(i, k0, tile, acc):
         w = _convert_weights(tile, compute_dtype)
-        x = _load_x_tile(x_ref, k0, m=m, block_m=block_m, block_k=block_k).astype(compute_dtype)
+        x = _load_x_tile(x_ref, k0, m=m, block_m=block_m, block_k=block_k)
+        if jnp.dtype(compute_dtype) == jnp.float16:
+            # Saturate rather than overflow to inf: f16 tops out at 65504 where bf16 does not.
+            x = jnp.clip(x.astype(jnp.float32), -F16_MAX, F16_MAX)
+        x = x.astype(compute_dtype)
         if swapped:  # acc [block_n, block_m]
             return acc + plgpu.dot(w, x, trans_a=k_major, trans_b=True, precision=precision)
         return acc + plgpu.dot(x, w, trans_b=not k_major, precision=precision)  # acc [block_m, block_n]
@@ -197,7 +206,8 @@ def weight_only_matmul_gpu(x, w, scale, *, sizes: MatmulBlockSizes, interpret: b
     scaled = scale is not None
     # bf16 x: weights convert to bf16 (exact) and the dot runs on bf16 tensor cores with
     # f32 accumulation; f32 x: weights convert to f32 and the dot is IEEE f32 (HIGHEST).
-    compute_dtype = x.dtype
+    # dot_dtype "float16" (fp8 / int8 weights, bf16 x): the dot runs in f16 instead (see block_sizes).
+    compute_dtype = jnp.float16 if sizes.dot_dtype == "float16" else x.dtype
     kernel = functools.partial(_matmul_kernel, m=m, sizes=sizes, compute_dtype=compute_dtype,
                                precision=matmul_precision(compute_dtype), scaled=scaled, layout=layout)
     if splits == 1:
@@ -245,17 +255,22 @@ def resolve_block_sizes(m: int, n: int, k: int, weight_dtype=jnp.float8_e4m3fn, 
     return sizes
 
 
-_STATIC = ("interpret", "algorithm", "block_n", "block_k", "k_splits", "num_warps", "num_stages", "prefetch")
+_STATIC = ("interpret", "algorithm", "block_n", "block_k", "k_splits", "num_warps", "num_stages", "prefetch",
+           "dot_dtype")
 
 
 def _weight_only_matmul(x, w, scale, weight_dtype, *, interpret, algorithm, block_n, block_k, k_splits,
-                        num_warps, num_stages, prefetch, layout="nk"):
+                        num_warps, num_stages, prefetch, dot_dtype=None, layout="nk"):
     check_inputs(x, w, scale, weight_dtype, layout)
     m, k = x.shape
     n = w.shape[1] if layout == "kn" else w.shape[0]
     sizes = resolve_block_sizes(m, n, k, weight_dtype, layout, algorithm=algorithm, block_n=block_n,
                                 block_k=block_k, k_splits=k_splits, num_warps=num_warps, num_stages=num_stages,
-                                prefetch=prefetch)
+                                prefetch=prefetch, dot_dtype=dot_dtype)
+    if dot_dtype is None and sizes.dot_dtype is not None and not dot_dtype_fits(sizes, x.dtype, weight_dtype):
+        # A measured default for bf16 x does not apply to an f32 caller: it keeps its exact dot.
+        sizes = dataclasses.replace(sizes, dot_dtype=None)
+    check_dot_dtype(sizes, x.dtype, weight_dtype)
     return weight_only_matmul_gpu(x, w, scale, sizes=sizes, interpret=interpret, layout=layout)
 
 
@@ -264,8 +279,9 @@ def fp8_weight_only_matmul(
     x: jax.Array, w: jax.Array, scale: jax.Array, *, interpret: bool = False, algorithm: str | None = None,
     block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, prefetch: int | None = None,
+    dot_dtype: str | None = None,
 ) -> jax.Array:
-    """``x @ (w * scale[:, None]).T`` for few tokens, reading the fp8 weights once: ``[M, N]`` in ``x.dtype``.
+    """``x @ (w * scale[:, None]).T for few tokens, reading the fp8 weights once: ``[M, N]`` in ``x.dtype``.
 
     Accepts ``x [M, K]`` bfloat16 or float32 with ``1 <= M <= 64``, ``w [N, K]``
     float8_e4m3fn stored ``[out, in]`` (contracting on its minor dimension), ``scale [N]``
@@ -274,12 +290,13 @@ def fp8_weight_only_matmul(
     else raises ``ValueError`` naming the field. Tile sizes default to
     ``block_sizes.default_block_sizes`` (the measured table where it has the shape); each
     can be forced (sweeps, tests); ``prefetch`` is how many weight tiles a program loads
-    ahead (0-3; True means 1). ``interpret=True`` runs the kernel in Pallas's interpreter
+    ahead (0-3; True means 1); ``dot_dtype="float16"`` runs the tensor-core forms in f16
+    (bf16 x only, saturated to f16's range). ``interpret=True`` runs the kernel in Pallas's interpreter
     (CPU tests). Needs compute capability >= 8.9 on the GPU (Triton's fp8 conversion).
     """
     return _weight_only_matmul(x, w, scale, jnp.float8_e4m3fn, interpret=interpret, algorithm=algorithm,
                                block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
-                               num_stages=num_stages, prefetch=prefetch)
+                               num_stages=num_stages, prefetch=prefetch, dot_dtype=dot_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -287,6 +304,7 @@ def int8_weight_only_matmul(
     x: jax.Array, w: jax.Array, scale: jax.Array, *, interpret: bool = False, algorithm: str | None = None,
     block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, prefetch: int | None = None,
+    dot_dtype: str | None = None,
 ) -> jax.Array:
     """``fp8_weight_only_matmul`` for int8 weights ``w [N, K]`` (per-channel ``scale [N]``), same kernel and contract.
 
@@ -295,7 +313,7 @@ def int8_weight_only_matmul(
     """
     return _weight_only_matmul(x, w, scale, jnp.int8, interpret=interpret, algorithm=algorithm,
                                block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
-                               num_stages=num_stages, prefetch=prefetch)
+                               num_stages=num_stages, prefetch=prefetch, dot_dtype=dot_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("layout",))
@@ -303,7 +321,7 @@ def bf16_weight_only_matmul(
     x: jax.Array, w: jax.Array, *, interpret: bool = False, algorithm: str | None = None,
     block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, prefetch: int | None = None,
-    layout: str = "nk",
+    dot_dtype: str | None = None, layout: str = "nk",
 ) -> jax.Array:
     """``x @ w.T`` for few tokens with unquantized bfloat16 weights ``w [N, K]`` (no scale): the plain decode GEMV.
 
@@ -316,4 +334,4 @@ def bf16_weight_only_matmul(
     """
     return _weight_only_matmul(x, w, None, jnp.bfloat16, interpret=interpret, algorithm=algorithm,
                                block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
-                               num_stages=num_stages, prefetch=prefetch, layout=layout)
+                               num_stages=num_stages, prefetch=prefetch, dot_dtype=dot_dtype, layout=layout)

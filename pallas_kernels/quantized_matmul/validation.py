@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels.quantized_matmul.block_sizes import (
-    ALGORITHMS, LAYOUTS, MAX_FMA_ROWS, MAX_GEMV_ROWS, MAX_PREFETCH, MAX_ROWS, MatmulBlockSizes,
+    ALGORITHMS, DOT_DTYPES, LAYOUTS, MAX_FMA_ROWS, MAX_GEMV_ROWS, MAX_PREFETCH, MAX_ROWS, MatmulBlockSizes,
 )
 
 ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -80,3 +80,27 @@ def check_block_sizes(sizes: MatmulBlockSizes, m: int, n: int, k: int) -> None:
         raise ValueError(f"N={n} must be a multiple of block_n={sizes.block_n}")
     if k % (sizes.block_k * sizes.k_splits):
         raise ValueError(f"K={k} must be a multiple of block_k * k_splits = {sizes.block_k} * {sizes.k_splits}")
+
+
+def dot_dtype_fits(sizes: MatmulBlockSizes, x_dtype, weight_dtype) -> bool:
+    """Whether ``sizes.dot_dtype`` may serve these operands (``check_dot_dtype`` says why not)."""
+    try:
+        check_dot_dtype(sizes, x_dtype, weight_dtype)
+    except ValueError:
+        return False
+    return True
+
+
+def check_dot_dtype(sizes: MatmulBlockSizes, x_dtype, weight_dtype) -> None:
+    """``dot_dtype="float16"`` needs bf16 x, quantized weights and a tensor-core form."""
+    if sizes.dot_dtype not in DOT_DTYPES:
+        raise ValueError(f"dot_dtype must be one of {DOT_DTYPES}, got {sizes.dot_dtype!r}")
+    if sizes.dot_dtype is None:
+        return
+    if jnp.dtype(x_dtype) != jnp.bfloat16 or jnp.dtype(weight_dtype) == jnp.bfloat16:
+        raise ValueError(f"dot_dtype={sizes.dot_dtype!r} needs bfloat16 x and fp8/int8 weights "
+                         f"(f32 x keeps its exact f32 dot; bf16 weights do not fit f16's range), "
+                         f"got x {jnp.dtype(x_dtype)}, weights {jnp.dtype(weight_dtype)}")
+    if sizes.algorithm not in ("mma", "mma_swapped"):
+        raise ValueError(f"dot_dtype={sizes.dot_dtype!r} applies to the tensor-core forms (mma, mma_swapped), "
+                         f"got algorithm {sizes.algorithm!r}")
