@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import json
 import re
 import sys
 import time
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import Log, header, measure_ceilings, random_model, write_results  # noqa: E402
+from common import Log, decode_weight_bytes, header, measure_ceilings, random_model, write_results  # noqa: E402
 from profile_collectives import busy_time, load_trace  # noqa: E402
 
 from jaxinfer.batch import build_step_batch  # noqa: E402
@@ -173,16 +174,10 @@ def time_and_trace(log: Log, run, carry, weights, steps: int, repeats: int, trac
     return float(np.median(times)) / steps
 
 
-def per_token_bytes(weights) -> int:
-    """Bytes of every weight a decode step reads: all leaves but the input embedding (a gather of one row)."""
-    total = sum(leaf.nbytes for leaf in jax.tree.leaves(weights))
-    return total - (weights.embed.nbytes if weights.lm_head is not None else 0)
-
-
 def measure_format(log: Log, args, fmt: str, ceiling_tbs: float) -> dict:
     model = random_model(args.shape, quantization=None if fmt == "bf16" else fmt)
     config, weights = model.config, model.weights
-    per_token = per_token_bytes(weights)
+    per_token = decode_weight_bytes(weights)
     roofline = per_token / (ceiling_tbs * 1e12)
     log(f"[{fmt}] roofline: {per_token / 1e9:.2f} GB / {ceiling_tbs:.2f} TB/s = {roofline * 1e3:.3f} ms")
     impl = "pallas_gpu" if jax.default_backend() == "gpu" else "reference"
@@ -278,6 +273,8 @@ def main():
             raise SystemExit(f"--weights: {fmt!r} is not one of bf16, fp8, int8")
     for fmt in formats:
         results["formats"][fmt] = measure_format(log, args, fmt, ceilings["hbm_read_tbs"])
+        # What is measured so far survives a timeout that cuts the next format short.
+        (args.out / f"{NAME}.partial.json").write_text(json.dumps(results, indent=1, default=str))
     results["args"] = {k: str(v) for k, v in vars(args).items()}
     write_results(args.out, NAME, results, markdown(results, args), log)
 
