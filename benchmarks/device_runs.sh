@@ -36,8 +36,14 @@
 #           frontier sweep, the GEMV table and the structured-output host cost; s7b the FP8 HLO check,
 #           the verify step's cost and fp8 latency/throughput-1k; s7c bf16 latency and throughput-1k
 #           with and without a JSON schema (half scale).
+#   s8lat, s8lat2  one GPU, session 8, batch-1 decode (carry .whl), two calls with a step between:
+#           s8lat (~5 min) latency_lab's per-kernel breakdown of the batch-1 step, bf16 and fp8
+#           weights, then gemv_decode's sweep (new fp8 candidates, bf16 in the dense [K, N] layout).
+#           Then adopt its table here: cp <files>/s8lat/gemv_decode/gpu_gemv_table.json
+#           pallas_kernels/quantized_matmul/ (commit it). s8lat2 (~4 min) engine latency bf16 and
+#           fp8 weights + fp8 KV with the adopted table, and latency_lab again without traces.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b or s7c}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8lat or s8lat2}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -225,6 +231,25 @@ s7c)
     wheels
     on_gpu 0 bf16.log 170 python3 benchmarks/engine_throughput.py --out "$R/bf16" --workloads latency,throughput-1k \
         --scale 0.5 --structured-fraction 1.0 --structured-tokenizer .cache/smollm2-tokenizer ;;
+s8lat)
+    # Session 8, first call: where the batch-1 step's time goes (a trace of the jitted step loop
+    # parsed per kernel kind, bf16 and fp8 weights in one run), then the GEMV sweep whose table
+    # decides where the weight layer runs our kernels.
+    wheels
+    on_gpu 0 lab.log 175 python3 benchmarks/latency_lab.py --out "$R/lab" --steps 16 --repeats 5
+    on_gpu 0 gemv.log 140 python3 benchmarks/gemv_decode.py --out "$R/gemv_decode" --budget-s 125 ;;
+s8lat2)
+    # Session 8, second call, after the s8lat table is committed: latency through the engine (small
+    # buckets: a 128-token prompt chunked into 64-token steps, so no W8A8 program compiles; the
+    # decode program is the same 8x8 bucket as with the defaults), bf16 then fp8 weights + fp8 KV,
+    # then the step loops again with the adopted table (no traces).
+    wheels
+    for q in bf16 fp8; do
+        flags=(); [[ $q == fp8 ]] && flags=(--quantization fp8 --kv-cache-dtype fp8)
+        on_gpu 0 "latency_$q.log" 90 python3 benchmarks/engine_throughput.py --out "$R/latency_$q" \
+            --workloads latency --max-num-seqs 8 --max-num-batched-tokens 64 "${flags[@]}"
+    done
+    on_gpu 0 lab.log 120 python3 benchmarks/latency_lab.py --out "$R/lab" --steps 16 --repeats 5 --no-trace ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac
