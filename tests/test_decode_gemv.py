@@ -63,3 +63,26 @@ def test_dense_path_matches_the_einsum(subscripts, x_shape, w_shape):
     assert out.shape == ref.shape and out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), rtol=2**-7,
                                atol=2**-7 * float(jnp.abs(ref).max()))
+
+
+def test_the_weight_layer_routes_dense_bf16_projections_only_where_told(monkeypatch):
+    # On a GPU with a table that prefers ours, linear() takes the kernel for a bf16 projection
+    # and keeps XLA's dot for the lm_head's f32 logits (the kernel returns x's dtype).
+    from jaxinfer import linear as linear_module
+
+    asked = []
+    monkeypatch.setattr(linear_module, "use_pallas_gemv", lambda *args: asked.append(args) or True)
+    monkeypatch.setattr(linear_module, "dense_pallas_matmul",
+                        lambda s, x, w: dense_pallas_matmul(s, x, w, interpret=True))
+    kx, kw = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(kx, (2, 64), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (64, 128), jnp.float32) / 8).astype(jnp.bfloat16)
+    out = linear_module.linear("te,ef->tf", x, w)
+    assert asked == [(2, 128, 64, jnp.bfloat16, "kn")]
+    ref = jnp.einsum("te,ef->tf", x.astype(jnp.float32), w.astype(jnp.float32), precision="highest")
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), rtol=2**-7,
+                               atol=2**-7 * float(jnp.abs(ref).max()))
+    logits = linear_module.linear("ne,ev->nv", x, w, preferred_element_type=jnp.float32)
+    assert logits.dtype == jnp.float32 and len(asked) == 1  # not asked: XLA's dot
+    linear_module.linear("te,ef->tf", x.astype(jnp.float32), w.astype(jnp.float32))
+    assert len(asked) == 1  # f32 operands: XLA's dot
