@@ -400,13 +400,16 @@ def test_gemv_benchmark_runs_on_cpu_with_tiny_shapes(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "gemv_decode.json").read_text())
     timed = [r for r in results["sweep"] if "us" in r]
-    assert {r["method"] for r in timed} >= {"xla_bf16", "xla_w8a16"}
+    assert {r["method"] for r in timed} >= {"xla_bf16", "xla_w8a16", "xla_bf16_kn"}
     assert all(r["rel_error"] < 2e-2 for r in timed)
-    assert {(r["weights"], r["m"]) for r in timed if "sizes" in r} == {(f, m) for f in ("fp8", "bf16") for m in (1, 8)}
+    formats = ("fp8", "bf16", "bf16kn")  # bf16kn: bf16 weights in the dense [K, N] layout
+    assert {(r["weights"], r["m"]) for r in timed if "sizes" in r} == {(f, m) for f in formats for m in (1, 8)}
     table = json.loads((tmp_path / "gpu_gemv_table.json").read_text())["entries"]
-    assert len(table) == 8  # 2 shapes x 2 Ms x 2 formats
+    assert len(table) == 12  # 2 shapes x 2 Ms x 3 formats
+    assert sorted(e["layout"] for e in table).count("kn") == 4
     for entry in table:  # every entry is usable as the kernel's table
-        default_block_sizes(entry["m"], entry["n"], entry["k"], entry["weights"], table=table)
-        prefer_pallas(entry["m"], entry["n"], entry["k"], entry["weights"], table=table)
+        default_block_sizes(entry["m"], entry["n"], entry["k"], entry["weights"], table=table, layout=entry["layout"])
+        prefer_pallas(entry["m"], entry["n"], entry["k"], entry["weights"], table=table, layout=entry["layout"])
     chains = {(r["m"], r["method"]) for r in results["chains"] if "ms" in r}
-    assert {(1, "ours fp8"), (1, "ours bf16"), (8, "dispatch fp8"), (8, "xla_w8a16")} <= chains
+    assert {(1, "ours fp8"), (1, "ours bf16"), (1, "ours bf16kn"), (8, "dispatch fp8"), (8, "dispatch bf16kn"),
+            (8, "xla_w8a16"), (8, "xla_bf16_kn")} <= chains
