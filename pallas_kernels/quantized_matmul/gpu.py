@@ -22,6 +22,11 @@ so neither x nor the output is copied to pad M.
 Tile sizes and the four multiply forms (tensor-core dot, swapped dot, element-wise FMA
 with a tile-sized accumulator, GEMV reducing every step) are in ``block_sizes``; the
 measured table that picks among them per shape is ``tuning_table``.
+
+bf16 weights may also come as the model stores them, ``w [K, N]`` (``layout="kn"``): then
+``w_ref`` is ``[K / k_splits, block_n]`` and each step's tile is ``block_k`` rows, each
+contiguous along N, so a program owning 64-256 output columns reads whole cache lines and
+the model needs no transposed copy of its weights.
 """
 
 from __future__ import annotations
