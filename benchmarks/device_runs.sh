@@ -236,9 +236,9 @@ s8lat)
     # parsed per kernel kind, bf16 and fp8 weights in one run), then the GEMV sweep whose table
     # decides where the weight layer runs our kernels.
     wheels
-    on_gpu 0 lab.log 175 python3 benchmarks/latency_lab.py --out "$R/lab" --steps 16 --repeats 5
+    on_gpu 0 lab.log 200 python3 benchmarks/latency_lab.py --out "$R/lab" --steps 16 --repeats 5
     # 276 sweep programs (run 2: 168, compiled and timed in 57 s), new candidates in the first rounds.
-    on_gpu 0 gemv.log 165 python3 benchmarks/gemv_decode.py --out "$R/gemv_decode" --budget-s 150 ;;
+    on_gpu 0 gemv.log 155 python3 benchmarks/gemv_decode.py --out "$R/gemv_decode" --budget-s 140 ;;
 s8lat2)
     # Session 8, second call, after the s8lat table is committed: latency through the engine (small
     # buckets: a 128-token prompt chunked into 64-token steps, so no W8A8 program compiles; the
