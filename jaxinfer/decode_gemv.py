@@ -18,8 +18,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quantized_matmul import bf16_weight_only_matmul, prefer_pallas, supports_shape
-
 # The kernels are measured (and the sweep's tables written) at M <= 16; above it XLA's GEMMs
 # are near their own ceiling and the kernels' tiles were not tuned.
 PALLAS_GEMV_MAX_TOKENS = 16
@@ -36,9 +34,13 @@ def use_pallas_gemv(m: int, n: int, k: int, weight_dtype, layout: str, *, platfo
     """
     platform = platform or jax.default_backend()
     num_devices = jax.device_count() if num_devices is None else num_devices
-    if platform != "gpu" or num_devices != 1 or m > PALLAS_GEMV_MAX_TOKENS or not supports_shape(m, n, k):
+    if platform != "gpu" or num_devices != 1 or m > PALLAS_GEMV_MAX_TOKENS:
         return False
-    return prefer_pallas(m, n, k, weight_dtype, table=table, layout=layout)
+    # Imported here: the kernels' package pulls in Pallas's Triton backend, which CPU and TPU
+    # processes never need.
+    from pallas_kernels.quantized_matmul import prefer_pallas, supports_shape
+
+    return supports_shape(m, n, k) and prefer_pallas(m, n, k, weight_dtype, table=table, layout=layout)
 
 
 def dense_contraction(subscripts: str) -> int | None:
@@ -71,6 +73,8 @@ def dense_gemv_shape(subscripts: str, x: jax.Array, w: jax.Array) -> tuple[int, 
 
 def dense_pallas_matmul(subscripts: str, x: jax.Array, w: jax.Array, *, interpret: bool = False) -> jax.Array:
     """The einsum ``subscripts`` of bf16 ``x`` and a dense bf16 weight through the "kn" GEMV kernel, in bf16."""
+    from pallas_kernels.quantized_matmul import bf16_weight_only_matmul
+
     m, n, k = dense_gemv_shape(subscripts, x, w)
     n_in = dense_contraction(subscripts)
     y = bf16_weight_only_matmul(x.reshape(m, k), w.reshape(k, n), layout="kn", interpret=interpret)  # [M, N]
