@@ -74,14 +74,38 @@ def kernel_kind(text: str) -> str:
     return "other (copies, memset, ...)"
 
 
-def event_text(event: dict) -> str:
-    """A kernel event's name and string annotations, lower-cased, for ``kernel_kind``."""
+_HLO_OP = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*?op_name="([^"]*)"', re.M)
+
+
+def op_scopes(hlo_text: str) -> dict[str, str]:
+    """Each instruction of a compiled module's HLO text -> the JAX name stack it came from (``op_name``).
+
+    Kernels in a GPU trace are named after the HLO instruction that launched them, with "."
+    written "_" (``fusion.12`` -> ``fusion_12``), so both spellings map; the name stack carries
+    the ``jax.named_scope``s (``.../lm_head/dot_general``), which names a kernel's purpose even
+    where the trace annotates it with nothing but its own name.
+    """
+    scopes = {}
+    for name, op_name in _HLO_OP.findall(hlo_text):
+        scopes[name] = scopes[name.replace(".", "_").replace("-", "_")] = op_name
+    return scopes
+
+
+def event_text(event: dict, scopes: dict[str, str]) -> str:
+    """A kernel event's name, string annotations and HLO name stack, lower-cased, for ``kernel_kind``."""
     args = event.get("args", {})
-    return " ".join([event["name"]] + [str(v) for v in args.values() if isinstance(v, str)]).lower()
+    strings = [event["name"]] + [str(v) for v in args.values() if isinstance(v, str)]
+    names = [event["name"].split("(")[0]] + [str(args[key]) for key in ("hlo_op", "name") if key in args]
+    strings += [scopes[n] for n in names if n in scopes]
+    return " ".join(strings).lower()
 
 
-def breakdown(trace_path: Path, steps: int, top: int) -> dict:
-    """µs per step by kind and by kernel, busy vs the span (the rest are gaps), from the GPU's kernel events."""
+def breakdown(trace_path: Path, steps: int, top: int, scopes: dict[str, str] | None = None) -> dict:
+    """µs per step by kind and by kernel, busy vs the span (the rest are gaps), from the GPU's kernel events.
+
+    ``scopes``: ``op_scopes`` of the traced program's HLO, so kernels are sorted by the named
+    scope they ran in (lm_head, sampler) as well as by their own names."""
+    scopes = scopes or {}
     events, processes = load_trace(trace_path)
     gpus = [pid for pid, name in processes.items() if "GPU" in name or "gpu" in name]
     kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpus and "dur" in e
@@ -93,7 +117,7 @@ def breakdown(trace_path: Path, steps: int, top: int) -> dict:
     busy = busy_time(intervals)
     by_kind, by_name, counts = collections.Counter(), collections.Counter(), collections.Counter()
     for e in kernels:
-        kind = kernel_kind(event_text(e))
+        kind = kernel_kind(event_text(e, scopes))
         by_kind[kind] += e["dur"] / steps
         name = e["name"].split("(")[0][:90]
         by_name[f"{kind}: {name}"] += e["dur"] / steps
@@ -160,9 +184,15 @@ def static_loop(body, steps: int):
     return run
 
 
+def compile_loop(run, carry, weights):
+    """The loop compiled ahead of time (one compile), and its HLO's name stacks per instruction."""
+    compiled = run.lower(carry, weights).compile()
+    return compiled, op_scopes(compiled.as_text() or "")
+
+
 def time_and_trace(log: Log, run, carry, weights, steps: int, repeats: int, trace_dir: Path | None):
     """Seconds per step (median of ``repeats`` calls) and, with ``trace_dir``, one more call under the profiler."""
-    jax.block_until_ready(run(carry, weights))  # compile and warm
+    jax.block_until_ready(run(carry, weights))  # warm
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -197,6 +227,7 @@ def measure_format(log: Log, args, fmt: str, ceiling_tbs: float) -> dict:
                 cache = create_kv_cache(config, 64, PAGE_SIZE, jnp.bfloat16)
                 carry = (cache, jax.tree.map(jnp.asarray, decode_batch(t, b, max_pages)))
                 run = static_loop(step_body(model, impl, b), args.steps)
+            run, scopes = compile_loop(run, carry, weights)
             seconds = time_and_trace(log, run, carry, weights, args.steps, args.repeats, trace_dir)
         except Exception as error:  # noqa: BLE001  (reported, not hidden)
             log(f"[{fmt}] {label}: failed: {type(error).__name__}: {str(error)[:300]}")
@@ -208,7 +239,7 @@ def measure_format(log: Log, args, fmt: str, ceiling_tbs: float) -> dict:
             f"({row['weights_tbs']:.2f} TB/s of weights)")
         if trace_dir is not None:
             traces = sorted(trace_dir.glob("plugins/profile/*/*.trace.json.gz"))
-            row["breakdown"] = (breakdown(traces[-1], args.steps, args.top) if traces
+            row["breakdown"] = (breakdown(traces[-1], args.steps, args.top, scopes) if traces
                                 else {"error": f"no trace under {trace_dir}"})
             log_breakdown(log, f"[{fmt}] {label}", row["breakdown"])
         rows.append(row)

@@ -73,3 +73,27 @@ def test_latency_lab_runs_on_cpu_with_tiny_shapes(tmp_path):
         assert "no GPU kernel events" in fmt["variants"][0]["breakdown"]["error"]
     # fp8 projections are half the bytes of bf16 ones; the lm_head stays bf16.
     assert results["formats"]["fp8"]["per_token_bytes"] < results["formats"]["bf16"]["per_token_bytes"]
+
+
+def test_kernels_take_their_named_scope_from_the_compiled_hlo(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    from latency_lab import breakdown, op_scopes
+
+    def step(x, w):
+        with jax.named_scope("lm_head"):
+            logits = jnp.tanh(x @ w)
+        with jax.named_scope("sampler"):
+            return jnp.argmax(logits, axis=1)
+
+    compiled = jax.jit(step).lower(jnp.ones((2, 8)), jnp.ones((8, 16))).compile()
+    scopes = op_scopes(compiled.as_text())
+    assert any("lm_head" in s for s in scopes.values()) and any("sampler" in s for s in scopes.values())
+    # A kernel named only after its HLO instruction ("." written "_") gets that instruction's scope.
+    name = next(n for n, s in scopes.items() if "sampler" in s and "." in n)
+    kernel = name.replace(".", "_")
+    path = tmp_path / "vm.trace.json.gz"
+    write_trace(path, [(kernel, 0, 4, {}), ("unknown_kernel", 4, 6, {})])
+    b = breakdown(path, steps=1, top=2, scopes=scopes)
+    assert b["by_kind_us"]["sampler"] == pytest.approx(4)
