@@ -77,9 +77,9 @@ class MatmulBlockSizes:
     # tables written before it was a count say true/false, which read as 1/0.
     prefetch: int = 0
     # The tensor-core forms' operand dtype: None = x's. "float16" (fp8 / int8 weights, bf16 x):
-    # e4m3 and int8 are exact in f16, and fp8 -> f16 is one cvt per two weights on sm_89+, where
-    # fp8 -> bf16 goes through f16 and f32 (three); x is saturated to f16's range (|x| <= 65504)
-    # and keeps 3 more mantissa bits than bf16.
+    # e4m3 and int8 are exact in f16, and fp8 -> f16 is one cvt per two weights on sm_89+, while
+    # fp8 -> bf16 takes more steps after it (a hypothesis for run 2's M-independent 27 µs, to be
+    # measured); x is saturated to f16's range (|x| <= 65504) and keeps 3 more mantissa bits than bf16.
     dot_dtype: str | None = None
 
 
