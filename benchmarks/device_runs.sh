@@ -43,8 +43,18 @@
 #   s8spec  one GPU (carry .whl): speculative decoding through the engine loop at batch 1 (8B shapes):
 #           plain async decode, asynchronous and synchronous verify steps at k = 5, and the
 #           low-gain switch's cost, combined with the CPU-measured acceptance.
+#   s8lat, s8lat2  one GPU, session 8, batch-1 decode (carry .whl), two calls with a step between:
+#           s8lat (~5 min) latency_lab's per-kernel breakdown of the batch-1 step, bf16 and fp8
+#           weights, then gemv_decode's sweep (new fp8 candidates, bf16 in the dense [K, N] layout).
+#           Then adopt its table here: cp <files>/s8lat/gemv_decode/gpu_gemv_table.json
+#           pallas_kernels/quantized_matmul/ (commit it). s8lat2 (~4 min) engine latency bf16 and
+#           fp8 weights + fp8 KV with the adopted table, and latency_lab again without traces.
+#   s8final one GPU, session 8's last call (carry .whl): the FP8 engine (cold start, latency,
+#           throughput-1k at 1024 sequences with a trace), then the GEMV sweep at M = 8 and 1, its
+#           table adopted in place for engine latency in bf16 and fp8, then prefill_peers with the
+#           time left.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8 or s8spec}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2 or s8final}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -256,6 +266,44 @@ s8fp8)
         on_gpu 0 fp8_896.log $(( 520 - SECONDS )) python3 benchmarks/engine_throughput.py --out "$R/fp8_896" \
             --quantization fp8 --kv-cache-dtype fp8 --workloads throughput-1k --max-num-seqs 896
     fi ;;
+s8lat)
+    # Session 8, first call: where the batch-1 step's time goes (a trace of the jitted step loop
+    # parsed per kernel kind, bf16 and fp8 weights in one run), then the GEMV sweep whose table
+    # decides where the weight layer runs our kernels.
+    wheels
+    on_gpu 0 lab.log 200 python3 benchmarks/latency_lab.py --out "$R/lab" --steps 16 --repeats 5
+    # 276 sweep programs (run 2: 168, compiled and timed in 57 s), new candidates in the first rounds.
+    on_gpu 0 gemv.log 155 python3 benchmarks/gemv_decode.py --out "$R/gemv_decode" --budget-s 140 ;;
+s8lat2)
+    # Session 8, second call, after the s8lat table is committed: latency through the engine (small
+    # buckets: a 128-token prompt chunked into 64-token steps, so no W8A8 program compiles; the
+    # decode program is the same 8x8 bucket as with the defaults), bf16 then fp8 weights + fp8 KV,
+    # then the step loops again with the adopted table (no traces).
+    wheels
+    for q in bf16 fp8; do
+        flags=(); [[ $q == fp8 ]] && flags=(--quantization fp8 --kv-cache-dtype fp8)
+        on_gpu 0 "latency_$q.log" 90 python3 benchmarks/engine_throughput.py --out "$R/latency_$q" \
+            --workloads latency --max-num-seqs 8 --max-num-batched-tokens 64 "${flags[@]}"
+    done
+    on_gpu 0 lab.log 120 python3 benchmarks/latency_lab.py --out "$R/lab" --steps 16 --repeats 5 --no-trace ;;
+s8final)
+    # Session 8's last call, in priority order within ~9 minutes of device time.
+    wheels
+    on_gpu 0 fp8.log 250 python3 benchmarks/engine_throughput.py --out "$R/fp8" --quantization fp8 \
+        --kv-cache-dtype fp8 --workloads startup,latency,throughput-1k --max-num-seqs 1024 --profile-steps 8
+    python3 benchmarks/profile_collectives.py "$R/fp8" --steps 8 --top 25 \
+        --json "$R/fp8/throughput-1k_decode_kernels.json" >>"$R/fp8.log" 2>&1
+    on_gpu 0 gemv.log 95 python3 benchmarks/gemv_decode.py --out "$R/gemv_decode" --budget-s 75 --ms 8,1
+    # Adopt the sweep's table in this copy of the tree, so the engine runs below use it.
+    [[ -f "$R/gemv_decode/gpu_gemv_table.json" ]] && cp "$R/gemv_decode/gpu_gemv_table.json" pallas_kernels/quantized_matmul/
+    for q in bf16 fp8; do
+        flags=(); [[ $q == fp8 ]] && flags=(--quantization fp8 --kv-cache-dtype fp8)
+        on_gpu 0 "latency_$q.log" 70 python3 benchmarks/engine_throughput.py --out "$R/latency_$q" \
+            --workloads latency --max-num-seqs 8 --max-num-batched-tokens 64 "${flags[@]}"
+    done
+    left=$(( 530 - SECONDS ))
+    (( left > 60 )) && on_gpu 0 prefill.log "$left" python3 benchmarks/prefill_peers.py --out "$R/prefill_peers" \
+        --budget-s $(( left - 30 )) ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac

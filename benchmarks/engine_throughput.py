@@ -51,11 +51,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from common import Log, header, measure_ceilings, random_model, random_prompts, write_results  # noqa: E402
+from common import (  # noqa: E402
+    Log, decode_weight_bytes, header, measure_ceilings, random_model, random_prompts, write_results,
+)
 
 from jaxinfer.engine import Engine, EngineConfig  # noqa: E402
 from jaxinfer.kv_cache_dtype import storage_dtype  # noqa: E402
-from jaxinfer.memory import num_pages_for_device, pages_for, weight_bytes  # noqa: E402
+from jaxinfer.memory import num_pages_for_device, pages_for  # noqa: E402
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 NAME = "engine_throughput"
@@ -419,7 +421,7 @@ def main():
             results["workloads"][key] = {"shape": args.shape, "cache_files_before": cached_before, **engine_info}
         save()
         if "latency" in workloads:
-            per_token = weight_bytes(model.config, 2) - model.config.vocab_size * model.config.hidden_size * 2
+            per_token = decode_weight_bytes(model.weights)  # fp8 payloads at 1 byte: the fp8 roofline
             w = latency(engine, per_token, results["ceilings"]["hbm_read_tbs"], log)
             if "latency" in hf:
                 w["hf_tpot_ms"] = hf["latency"]["tpot_ms"]

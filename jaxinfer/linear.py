@@ -18,9 +18,9 @@ The path is chosen per step bucket at trace time (``M``, the token count, is sta
   multiple of 16 (cuBLASLt's FP8 GEMM wants it), and both scales multiply the output.
   Projections that share one input (q/k/v, gate/up) go through :func:`linear_many`, which
   quantizes that input once for all of them.
-- FP8 on a GPU with at most :data:`PALLAS_FP8_GEMV_MAX_TOKENS` tokens: the Pallas weight-only
-  kernel of ``pallas_kernels.quantized_matmul``. Off (0) until that kernel has been measured
-  against XLA's weight-only path on the H200.
+- FP8 weight-only, and dense bf16, on one GPU at few tokens: the Pallas GEMV kernels of
+  ``pallas_kernels.quantized_matmul`` where the committed measurement table says they beat
+  XLA for that shape and M (``jaxinfer.decode_gemv``); XLA's path everywhere else.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.decode_gemv import dense_gemv_shape, dense_pallas_matmul, use_pallas_gemv
 from jaxinfer.quantization import FP8_MAX, QuantizedWeight
 from pallas_kernels.precision import matmul_precision
 
@@ -39,9 +40,6 @@ from pallas_kernels.precision import matmul_precision
 # M = 90, and step buckets are powers of two, so 64-token steps stay weight-only. To be refined
 # by `benchmarks/fp8_hlo_check.py`'s sweep.
 FP8_W8A8_MIN_TOKENS = 128
-# The Pallas FP8 GEMV/GEMM kernel serves GPU steps of at most this many tokens; 0: never (until
-# measured). The lead sets it after the GPU run.
-PALLAS_FP8_GEMV_MAX_TOKENS = 0
 # cuBLASLt's FP8 GEMM needs the row count to be a multiple of 16.
 FP8_GEMM_ROW_MULTIPLE = 16
 _CONTRACT_MINOR = (((1,), (1,)), ((), ()))
@@ -60,6 +58,10 @@ def linear(subscripts: str, x: jax.Array, w, preferred_element_type=None) -> jax
     """
     if isinstance(w, QuantizedWeight):
         return quantized_linear(subscripts, x, w, preferred_element_type)
+    # The kernel returns bf16: a caller asking for another output type (the lm_head's f32 logits) keeps XLA's dot.
+    shape = dense_gemv_shape(subscripts, x, w) if preferred_element_type in (None, jnp.bfloat16) else None
+    if shape is not None and use_pallas_gemv(*shape, jnp.bfloat16, "kn"):
+        return dense_pallas_matmul(subscripts, x, w)
     precision = matmul_precision(jnp.result_type(x, w))
     return jnp.einsum(subscripts, x, w, precision=precision, preferred_element_type=preferred_element_type)
 
@@ -119,7 +121,7 @@ def quantized_linear(subscripts: str, x: jax.Array, w: QuantizedWeight, preferre
     out_dtype = preferred_element_type or x.dtype
     if w.quantization == "fp8" and uses_fp8_w8a8(m):
         y = fp8_w8a8_matmul(x2, payload, scale, prequantized)
-    elif w.quantization == "fp8" and _use_pallas_gemv(m):
+    elif w.quantization == "fp8" and use_pallas_gemv(m, n, k, payload.dtype, "nk"):
         from pallas_kernels.quantized_matmul import fp8_weight_only_matmul
 
         y = fp8_weight_only_matmul(x2, payload, scale)
@@ -156,7 +158,3 @@ def fp8_w8a8_matmul(x: jax.Array, payload: jax.Array, scale: jax.Array,
         xq = jnp.pad(xq, ((0, padded), (0, 0)))
     y = jax.lax.dot_general(xq, payload, _CONTRACT_MINOR, preferred_element_type=jnp.float32)[:m]
     return y * x_scale[:, None] * scale[None, :]
-
-
-def _use_pallas_gemv(m: int) -> bool:
-    return m <= PALLAS_FP8_GEMV_MAX_TOKENS and jax.default_backend() == "gpu"
