@@ -158,6 +158,14 @@ def random_model(shape: str, dtype=jnp.bfloat16, seed: int = 0, mesh=None, quant
                        source=Path(f"random:{shape}"))
 
 
+def decode_weight_bytes(weights) -> int:
+    """Bytes of every weight a decode step reads, at their stored width (fp8 payloads + scales count as
+    they are): all leaves but the input embedding, of which a step gathers a row per token. A tied
+    lm_head is the embedding itself, read whole, so it stays in."""
+    total = sum(leaf.nbytes for leaf in jax.tree.leaves(weights))
+    return total - (weights.embed.nbytes if weights.lm_head is not None else 0)
+
+
 def fits_one_device(config, itemsize: int, fraction: float = 0.6) -> bool:
     """Whether the weights fit in ``fraction`` of device 0's memory (False when it is not reported)."""
     from jaxinfer.memory import weight_bytes

@@ -69,8 +69,10 @@ def main() -> None:
         begin = time.perf_counter()
         jax.block_until_ready(runner.execute(inputs))
         first_run = time.perf_counter() - begin
-        results["programs"].append({"bucket": by_tokens[t], "compile_seconds": compiled, "first_run_seconds": first_run})
-        log(f"bucket {by_tokens[t]}: compiled in {compiled:.1f} s, first run {first_run:.2f} s")
+        options = runner._step.compiler_options(t)  # per token count: jaxinfer.compile_options
+        results["programs"].append({"bucket": by_tokens[t], "compile_seconds": compiled, "first_run_seconds": first_run,
+                                    "compiler_options": options})
+        log(f"bucket {by_tokens[t]}: compiled in {compiled:.1f} s, first run {first_run:.2f} s, options {options}")
         path.write_text(json.dumps(results, indent=1))
     log(f"done in {time.perf_counter() - start:.1f} s -> {path}")
 

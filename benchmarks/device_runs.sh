@@ -36,8 +36,25 @@
 #           frontier sweep, the GEMV table and the structured-output host cost; s7b the FP8 HLO check,
 #           the verify step's cost and fp8 latency/throughput-1k; s7c bf16 latency and throughput-1k
 #           with and without a JSON schema (half scale).
+#   s8fp8   one GPU, session 8 (carry .whl): fp8 weights + fp8 KV with W8A8 programs compiled
+#           without Triton GEMMs: cold start-up, latency, throughput-1k at max_num_seqs 1024 with
+#           a trace of 8 steady decode steps, its kernel and host tables; then, if time is left,
+#           throughput-1k at 896 (no preemption).
+#   s8spec  one GPU (carry .whl): speculative decoding through the engine loop at batch 1 (8B shapes):
+#           plain async decode, asynchronous and synchronous verify steps at k = 5, and the
+#           low-gain switch's cost, combined with the CPU-measured acceptance.
+#   s8lat, s8lat2  one GPU, session 8, batch-1 decode (carry .whl), two calls with a step between:
+#           s8lat (~5 min) latency_lab's per-kernel breakdown of the batch-1 step, bf16 and fp8
+#           weights, then gemv_decode's sweep (new fp8 candidates, bf16 in the dense [K, N] layout).
+#           Then adopt its table here: cp <files>/s8lat/gemv_decode/gpu_gemv_table.json
+#           pallas_kernels/quantized_matmul/ (commit it). s8lat2 (~4 min) engine latency bf16 and
+#           fp8 weights + fp8 KV with the adopted table, and latency_lab again without traces.
+#   s8final one GPU, session 8's last call (carry .whl): the FP8 engine (cold start, latency,
+#           throughput-1k at 1024 sequences with a trace), then the GEMV sweep at M = 8 and 1, its
+#           table adopted in place for engine latency in bf16 and fp8, then prefill_peers with the
+#           time left.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b or s7c}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2 or s8final}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -219,12 +236,74 @@ s7b)
         on_gpu 0 fp8_weights.log 200 python3 benchmarks/engine_throughput.py --out "$R/fp8_weights" \
             --quantization fp8 --workloads latency,throughput-1k
     fi ;;
+s8spec)
+    wheels
+    on_gpu 0 spec_engine.log 230 python3 benchmarks/spec_decode.py engine --out "$R/spec_engine" --ks 5 \
+        --acceptance benchmarks/results/spec_acceptance_cpu.json ;;
 s7c)
     # Session 7, third call: bf16 latency, then throughput-1k unconstrained and with every request
     # under a JSON schema, at half scale (500 requests x 500 / 500: the device time left).
     wheels
     on_gpu 0 bf16.log 170 python3 benchmarks/engine_throughput.py --out "$R/bf16" --workloads latency,throughput-1k \
         --scale 0.5 --structured-fraction 1.0 --structured-tokenizer .cache/smollm2-tokenizer ;;
+s8fp8)
+    # Session 8: the FP8 engine (fp8 weights + fp8 KV). Start-up is cold (a fresh cache dir):
+    # 43 programs, the 7 forwards of 128-8192 tokens W8A8 without Triton GEMMs
+    # (jaxinfer.compile_options; 324 s cold with them in session 8). max_num_seqs 1024: token
+    # buckets 8..8192 (11 forwards), sequence buckets 8..1024, so a decode of ~1000 sequences runs
+    # the (1024, 1024) bucket. The fp8 pool (58,219 pages x 32 at 0.95) holds 1.86M tokens: 1000
+    # requests x 63 pages is 63,000, so the last steps may preempt (counted in the results);
+    # 896 x 63 = 56,448 fits, hence the second run.
+    wheels
+    on_gpu 0 fp8.log 400 python3 benchmarks/engine_throughput.py --out "$R/fp8" --quantization fp8 \
+        --kv-cache-dtype fp8 --workloads startup,latency,throughput-1k --max-num-seqs 1024 --profile-steps 8
+    python3 benchmarks/profile_collectives.py "$R/fp8" --steps 8 --top 25 \
+        --json "$R/fp8/throughput-1k_decode_kernels.json" >>"$R/fp8.log" 2>&1
+    # Decode steps spent 27% of their wall time in dispatch in session 8: where the host's goes.
+    python3 benchmarks/profile_host.py "$R/fp8" --steps 8 --top 30 \
+        --json "$R/fp8/throughput-1k_decode_host.json" >>"$R/fp8.log" 2>&1
+    if (( SECONDS < 300 )); then
+        on_gpu 0 fp8_896.log $(( 520 - SECONDS )) python3 benchmarks/engine_throughput.py --out "$R/fp8_896" \
+            --quantization fp8 --kv-cache-dtype fp8 --workloads throughput-1k --max-num-seqs 896
+    fi ;;
+s8lat)
+    # Session 8, first call: where the batch-1 step's time goes (a trace of the jitted step loop
+    # parsed per kernel kind, bf16 and fp8 weights in one run), then the GEMV sweep whose table
+    # decides where the weight layer runs our kernels.
+    wheels
+    on_gpu 0 lab.log 200 python3 benchmarks/latency_lab.py --out "$R/lab" --steps 16 --repeats 5
+    # 276 sweep programs (run 2: 168, compiled and timed in 57 s), new candidates in the first rounds.
+    on_gpu 0 gemv.log 155 python3 benchmarks/gemv_decode.py --out "$R/gemv_decode" --budget-s 140 ;;
+s8lat2)
+    # Session 8, second call, after the s8lat table is committed: latency through the engine (small
+    # buckets: a 128-token prompt chunked into 64-token steps, so no W8A8 program compiles; the
+    # decode program is the same 8x8 bucket as with the defaults), bf16 then fp8 weights + fp8 KV,
+    # then the step loops again with the adopted table (no traces).
+    wheels
+    for q in bf16 fp8; do
+        flags=(); [[ $q == fp8 ]] && flags=(--quantization fp8 --kv-cache-dtype fp8)
+        on_gpu 0 "latency_$q.log" 90 python3 benchmarks/engine_throughput.py --out "$R/latency_$q" \
+            --workloads latency --max-num-seqs 8 --max-num-batched-tokens 64 "${flags[@]}"
+    done
+    on_gpu 0 lab.log 120 python3 benchmarks/latency_lab.py --out "$R/lab" --steps 16 --repeats 5 --no-trace ;;
+s8final)
+    # Session 8's last call, in priority order within ~9 minutes of device time.
+    wheels
+    on_gpu 0 fp8.log 250 python3 benchmarks/engine_throughput.py --out "$R/fp8" --quantization fp8 \
+        --kv-cache-dtype fp8 --workloads startup,latency,throughput-1k --max-num-seqs 1024 --profile-steps 8
+    python3 benchmarks/profile_collectives.py "$R/fp8" --steps 8 --top 25 \
+        --json "$R/fp8/throughput-1k_decode_kernels.json" >>"$R/fp8.log" 2>&1
+    on_gpu 0 gemv.log 95 python3 benchmarks/gemv_decode.py --out "$R/gemv_decode" --budget-s 75 --ms 8,1
+    # Adopt the sweep's table in this copy of the tree, so the engine runs below use it.
+    [[ -f "$R/gemv_decode/gpu_gemv_table.json" ]] && cp "$R/gemv_decode/gpu_gemv_table.json" pallas_kernels/quantized_matmul/
+    for q in bf16 fp8; do
+        flags=(); [[ $q == fp8 ]] && flags=(--quantization fp8 --kv-cache-dtype fp8)
+        on_gpu 0 "latency_$q.log" 70 python3 benchmarks/engine_throughput.py --out "$R/latency_$q" \
+            --workloads latency --max-num-seqs 8 --max-num-batched-tokens 64 "${flags[@]}"
+    done
+    left=$(( 530 - SECONDS ))
+    (( left > 60 )) && on_gpu 0 prefill.log "$left" python3 benchmarks/prefill_peers.py --out "$R/prefill_peers" \
+        --budget-s $(( left - 30 )) ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac

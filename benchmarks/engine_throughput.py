@@ -51,11 +51,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from common import Log, header, measure_ceilings, random_model, random_prompts, write_results  # noqa: E402
+from common import (  # noqa: E402
+    Log, decode_weight_bytes, header, measure_ceilings, random_model, random_prompts, write_results,
+)
 
 from jaxinfer.engine import Engine, EngineConfig  # noqa: E402
 from jaxinfer.kv_cache_dtype import storage_dtype  # noqa: E402
-from jaxinfer.memory import num_pages_for_device, pages_for, weight_bytes  # noqa: E402
+from jaxinfer.memory import num_pages_for_device, pages_for  # noqa: E402
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 NAME = "engine_throughput"
@@ -92,9 +94,11 @@ def run_requests(engine, prompts, output_lens, tag, capture=None, structured_fra
     ``structured_fraction``: that share of the requests, spread evenly, run under
     ``LONG_OUTPUT_SCHEMA`` (a JSON schema that cannot complete within their output).
     """
-    from structured_output_host import LONG_OUTPUT_SCHEMA
+    constraint = None
+    if structured_fraction:  # structured_output_host needs llguidance: only then
+        from structured_output_host import LONG_OUTPUT_SCHEMA
 
-    constraint = StructuredOutputsParams(json=LONG_OUTPUT_SCHEMA)
+        constraint = StructuredOutputsParams(json=LONG_OUTPUT_SCHEMA)
     for i, (prompt, n) in enumerate(zip(prompts, output_lens)):
         is_structured = int((i + 1) * structured_fraction) > int(i * structured_fraction)
         params = SamplingParams(max_tokens=int(n), ignore_eos=True, temperature=0.0,
@@ -214,30 +218,67 @@ def compilation_cache_files() -> int:
 
 
 class DecodeProfiler:
-    """A ``run_requests`` capture that traces ``num_steps`` steps once the batch is in full decode.
+    """A ``run_requests`` capture that traces ``num_steps`` steps once the batch is in steady decode.
 
-    Starts when a step had as many tokens as running sequences (decode only) and at least
-    ``min_running`` of them, so the trace shows the steady state ``throughput-1k`` spends its
-    time in; ``profile_collectives.py --top`` lists its kernels by time.
+    A step is decode-only when it scheduled one token per running sequence. Tracing starts after
+    ``settle_steps`` decode-only steps in a row with at least ``min_running`` sequences (past
+    the admission ramp, so the trace shows the state ``throughput-1k`` spends its time in), and
+    stops after ``num_steps`` more steps, once the device has run them. ``profile_collectives.py
+    --top`` lists the trace's kernels by time. :meth:`report` says what happened, including why
+    tracing never started (the largest decode-only batch seen), so a run without a trace says so.
     """
 
-    def __init__(self, out_dir: Path, num_steps: int, min_running: int):
-        self.out_dir, self.num_steps, self.min_running = out_dir, num_steps, min_running
-        self.traced = 0
+    def __init__(self, out_dir: Path, num_steps: int, min_running: int, settle_steps: int = 4, log=print):
+        self.out_dir, self.num_steps, self.min_running, self.settle_steps = out_dir, num_steps, min_running, settle_steps
+        self.log = log
+        self.num_seen = self.num_traced = self.decode_run = self.max_decode_running = 0
+        self.started_at_step = None
         self.active = False
 
+    @property
+    def is_done(self) -> bool:
+        return self.started_at_step is not None and not self.active
+
     def __call__(self, engine) -> None:
-        if self.traced >= self.num_steps:
+        self.num_seen += 1
+        if self.is_done:
             return
         if self.active:
-            self.traced += 1
-            if self.traced == self.num_steps:
-                jax.block_until_ready(engine.runner.last_sampled)
-                jax.profiler.stop_trace()
-                self.active = False
-        elif engine.last_step_num_tokens == engine.scheduler.num_running >= self.min_running:
+            self.num_traced += 1
+            if self.num_traced == self.num_steps:
+                self.stop(engine)
+            return
+        running = engine.scheduler.num_running
+        is_decode_only = running > 0 and engine.last_step_num_tokens == running
+        self.decode_run = self.decode_run + 1 if is_decode_only else 0
+        if is_decode_only:
+            self.max_decode_running = max(self.max_decode_running, running)
+        if self.decode_run >= self.settle_steps and running >= self.min_running:
+            jax.block_until_ready(engine.runner.last_sampled)  # the trace starts at a step boundary
             jax.profiler.start_trace(str(self.out_dir))
-            self.active = True
+            self.active, self.started_at_step = True, self.num_seen
+            self.log(f"profile: tracing {self.num_steps} decode steps from step {self.num_seen} "
+                     f"({running} running, {engine.scheduler.num_waiting} waiting) into {self.out_dir}")
+
+    def stop(self, engine) -> None:
+        """Stop tracing once the device has run the steps launched so far (also when the run ends first)."""
+        if not self.active:
+            return
+        jax.block_until_ready(engine.runner.last_sampled)
+        jax.profiler.stop_trace()
+        self.active = False
+
+    def report(self) -> dict:
+        traces = sorted(str(p.relative_to(self.out_dir)) for p in self.out_dir.glob("plugins/profile/*/*.trace.json.gz"))
+        if self.started_at_step is None:
+            self.log(f"profile: never started: no {self.settle_steps} decode-only steps in a row with >= "
+                     f"{self.min_running} running (largest decode-only batch {self.max_decode_running})")
+        else:
+            self.log(f"profile: traced {self.num_traced} steps from step {self.started_at_step}; "
+                     f"{len(traces)} trace file(s) {traces}")
+        return {"started_at_step": self.started_at_step, "num_traced_steps": self.num_traced,
+                "min_running": self.min_running, "max_decode_only_running": self.max_decode_running,
+                "trace_files": traces}
 
 
 def throughput(engine, prompt_lens, output_lens, tag, log, profile: DecodeProfiler | None = None,
@@ -256,8 +297,9 @@ def throughput(engine, prompt_lens, output_lens, tag, log, profile: DecodeProfil
         if masked_steps:
             summary["mask_fill_ms_p50"] = 1e3 * float(np.percentile([s["mask"] for s in masked_steps], 50))
             summary["mask_fill_ms_p99"] = 1e3 * float(np.percentile([s["mask"] for s in masked_steps], 99))
-    if profile is not None and profile.active:  # the run ended first
-        jax.profiler.stop_trace()
+    if profile is not None:
+        profile.stop(engine)  # when the run ended first
+        summary["profile"] = profile.report()
     decode_steps = [s for s in steps if s["num_tokens"] == s["num_running"] and s["num_running"] > 0]
     if decode_steps:
         wall = sum(s["wall"] for s in decode_steps)
@@ -379,7 +421,7 @@ def main():
             results["workloads"][key] = {"shape": args.shape, "cache_files_before": cached_before, **engine_info}
         save()
         if "latency" in workloads:
-            per_token = weight_bytes(model.config, 2) - model.config.vocab_size * model.config.hidden_size * 2
+            per_token = decode_weight_bytes(model.weights)  # fp8 payloads at 1 byte: the fp8 roofline
             w = latency(engine, per_token, results["ceilings"]["hbm_read_tbs"], log)
             if "latency" in hf:
                 w["hf_tpot_ms"] = hf["latency"]["tpot_ms"]
@@ -405,7 +447,8 @@ def main():
         if "throughput-1k" in workloads:
             n, length = scaled(1000), scaled(1000)
             profile = (DecodeProfiler(args.out / "profile_throughput-1k_decode", args.profile_steps,
-                                      min_running=min(n, args.max_num_seqs) // 2) if args.profile_steps else None)
+                                      min_running=max(1, min(n, args.max_num_seqs) // 2), log=log)
+                       if args.profile_steps else None)
             w = throughput(engine, [length] * n, [length] * n, "throughput-1k", log, profile)
             results["workloads"]["throughput-1k"] = {"shape": args.shape, **w}
             save()

@@ -3,7 +3,9 @@
 A focused run (the second GPU run of the weight-only kernel, see docs/KERNELS.md): Llama-3.1-8B's
 two largest projection shapes, gate/up ``14336 x 4096`` and down ``4096 x 14336`` (``[out, in]``),
 at M in {1, 4, 8, 16} tokens, with fp8 weights (per-channel scales; XLA's peer: W8A16, convert
-then dot) and with bf16 weights (no scale; XLA's peer: its bf16 dot):
+then dot), with bf16 weights stored ``[out, in]`` (no scale; XLA's peer: its bf16 dot) and with
+bf16 weights in the dense ``[in, out]`` layout the model keeps them in ("bf16kn": the kernel's
+``layout="kn"``; XLA's peer: the model's own einsum, what the weight layer runs today):
 
 * ceiling: the HBM read rate of a jitted ``jnp.sum`` over ``--ceiling-gib`` of bf16, this run;
 * sweep: per shape, M and weight format, XLA's peer, our defaults, then our candidate sizes
@@ -14,9 +16,11 @@ then dot) and with bf16 weights (no scale; XLA's peer: its bf16 dot):
   output is checked against the float32 reference (relative error; > 2e-2 disqualifies);
 * table: per shape, M and format, our fastest correct sizes, our time and XLA's, written as
   ``gpu_gemv_table.json`` (the format ``pallas_kernels/quantized_matmul/tuning_table.py``
-  reads; copy it there to make those sizes the defaults and ``prefer_pallas`` answer);
+  reads; copy it there to make those sizes the defaults and ``prefer_pallas`` answer: the
+  weight layer, ``jaxinfer.decode_gemv``, then runs ours for fp8 weight-only and dense bf16
+  projections at the (M, N, K) where it won);
 * chains: ``--layers`` layers of q, k, v, o, gate, up, down (silu(gate) * up into down, a
-  residual add) per M: XLA bf16, XLA W8A16, ours fp8 and ours bf16 (gate/up/down at the
+  residual add) per M: XLA bf16 (both layouts), XLA W8A16, ours per format (gate/up/down at the
   table's sizes, q/k/v/o at the heuristics), then "dispatch" chains that use ours only where
   ``prefer_pallas`` says so (what the weight layer would do), until the budget is spent.
 
@@ -73,14 +77,21 @@ from pallas_kernels.quantized_matmul.block_sizes import (  # noqa: E402
 
 FP8 = jnp.float8_e4m3fn
 BF16 = jnp.bfloat16
-FORMATS = {"fp8": FP8, "bf16": BF16}
-XLA_PEER = {"fp8": "xla_w8a16", "bf16": "xla_bf16"}  # what the weight layer runs without our kernel
+# "bf16kn": bf16 weights stored [K, N], as the model's dense weights are (einsum "te,ef->tf"),
+# through the kernel's layout="kn"; its XLA peer is that einsum.
+FORMATS = {"fp8": FP8, "bf16": BF16, "bf16kn": BF16}
+LAYOUT = {"fp8": "nk", "bf16": "nk", "bf16kn": "kn"}
+XLA_PEER = {"fp8": "xla_w8a16", "bf16": "xla_bf16", "bf16kn": "xla_bf16_kn"}  # what the weight layer runs without ours
 SWEEP_SHAPES = {"gate": ("gate", "up"), "down": ("down",)}  # one representative timed on all of these weights
 MAX_REL_ERROR = 2e-2
 
 
+def xla_bf16_kn(x, w):  # w: [K, N] bf16, the dense layout: what linear()'s einsum runs
+    return jnp.einsum("te,ef->tf", x, w)
+
+
 def xla_peer(fmt: str):
-    return xla_w8a16 if fmt == "fp8" else xla_bf16
+    return {"fp8": xla_w8a16, "bf16": xla_bf16, "bf16kn": xla_bf16_kn}[fmt]
 
 
 def ours(fmt: str, sizes: MatmulBlockSizes | None, interpret: bool):
@@ -88,11 +99,11 @@ def ours(fmt: str, sizes: MatmulBlockSizes | None, interpret: bool):
     options = {} if sizes is None else dataclasses.asdict(sizes)
     if fmt == "fp8":
         return lambda x, wq: fp8_weight_only_matmul(x, wq[0], wq[1], interpret=interpret, **options)
-    return lambda x, w: bf16_weight_only_matmul(x, w, interpret=interpret, **options)
+    return lambda x, w: bf16_weight_only_matmul(x, w, interpret=interpret, layout=LAYOUT[fmt], **options)
 
 
 def weight_bytes(n: int, k: int, fmt: str) -> int:
-    return n * k * 2 if fmt == "bf16" else n * k + 4 * n
+    return n * k + 4 * n if fmt == "fp8" else n * k * 2
 
 
 def traffic(m: int, n: int, k: int, fmt: str) -> int:
@@ -102,7 +113,8 @@ def traffic(m: int, n: int, k: int, fmt: str) -> int:
 
 def describe(sizes: MatmulBlockSizes) -> str:
     return (f"{sizes.algorithm} n{sizes.block_n} k{sizes.block_k} s{sizes.k_splits} "
-            f"w{sizes.num_warps} st{sizes.num_stages}{' pf' if sizes.prefetch else ''}")
+            f"w{sizes.num_warps} st{sizes.num_stages}{f' pf{int(sizes.prefetch)}' if sizes.prefetch else ''}"
+            f"{' f16' if sizes.dot_dtype == 'float16' else ''}")
 
 
 def make_weights(shapes: dict[str, tuple[int, int]], num_layers: int, seed: int = 0) -> list[dict]:
@@ -115,13 +127,14 @@ def make_weights(shapes: dict[str, tuple[int, int]], num_layers: int, seed: int 
         w = (w * jnp.exp(0.5 * jax.random.normal(jax.random.fold_in(key, 1), (n, 1)))).astype(BF16)
         return w, quantize_per_channel(w, FP8)
 
+    transpose = jax.jit(lambda w: w.T)  # a real [K, N] copy, contiguous along N
     layers, key = [], jax.random.key(seed)
     for _ in range(num_layers):
         entry = {}
         for name, shape in shapes.items():
             key, sub = jax.random.split(key)
             w_bf16, w_fp8 = draw(sub, shape)
-            entry[name] = {"bf16": w_bf16, "fp8": w_fp8}
+            entry[name] = {"bf16": w_bf16, "fp8": w_fp8, "bf16kn": transpose(w_bf16)}
         layers.append(entry)
     return jax.block_until_ready(layers)
 
@@ -135,6 +148,8 @@ def reference(x, weight, fmt: str):
     if fmt == "fp8":
         w, scale = weight
         w32 = w.astype(jnp.float32) * scale[:, None]
+    elif fmt == "bf16kn":
+        w32 = weight.astype(jnp.float32).T
     else:
         w32 = weight.astype(jnp.float32)
     return jnp.dot(x.astype(jnp.float32), w32.T, precision=jax.lax.Precision.HIGHEST)
@@ -148,18 +163,37 @@ def candidates(m: int, n: int, k: int, fmt: str) -> list[MatmulBlockSizes]:
     """Our sizes to try for one shape, M and format, most promising first; the defaults (heuristics) lead.
 
     Tiles are named by their weight bytes (16 KB = block_n * block_k * itemsize), so fp8 and
-    bf16 get tiles of equal bytes in flight.
+    bf16 get tiles of equal bytes in flight. Session 8's additions come first in each list
+    (the sweep goes in rounds, so early candidates are timed even when the budget runs out):
+    for fp8, deeper prefetch (3 tiles in flight), extra K splits (more, shorter programs: less
+    of a last-wave tail on 132 SMs) and the f16 tensor-core dot (fp8 -> f16 is one cvt per two
+    weights); for bf16 weights in the dense [K, N] layout ("bf16kn"), tiles 64-256 columns wide.
     """
-    itemsize = 2 if fmt == "bf16" else 1
+    itemsize = 1 if fmt == "fp8" else 2
 
-    def c(algorithm, block_n, tile_kb, num_warps=4, num_stages=4, prefetch=False, block_k=None):
+    def c(algorithm, block_n, tile_kb, num_warps=4, num_stages=4, prefetch=0, block_k=None, split_factor=1,
+          dot_dtype=None):
         block_k = block_k or tile_kb * 1024 // (block_n * itemsize)
         block_k = min(block_k, k)
-        return MatmulBlockSizes(algorithm, block_n, block_k, num_k_splits(n, k, block_n, block_k) if n % block_n == 0
-                                else 1, num_warps, num_stages, prefetch)
+        splits = num_k_splits(n, k, block_n, block_k) * split_factor if n % block_n == 0 else 1
+        return MatmulBlockSizes(algorithm, block_n, block_k, splits, num_warps, num_stages, int(prefetch), dot_dtype)
 
     raw = []
+    if fmt == "bf16kn":
+        if m <= 4:
+            raw += [c("gemv", 128, 16, 4, 1, 1), c("gemv", 64, 16, 4, 1, 1), c("gemv", 128, 32, 8, 1, 1),
+                    c("gemv", 256, 16, 8, 1, 1), c("gemv", 128, 16, 4, 1, 2), c("gemv", 128, 16, 4, 1, 1, split_factor=2),
+                    c("mma", 128, 16, 4, 4), c("gemv", 64, 32, 4, 1, 1)]
+        else:
+            raw += [c("mma", 128, 16, 4, 4), c("mma", 64, 16, 4, 4), c("mma", 128, 32, 8, 3), c("mma", 256, 32, 8, 3),
+                    c("mma_swapped", 64, 16, 4, 4), c("mma", 128, 16, 4, 4, split_factor=2)]
+            if m <= MAX_GEMV_ROWS:
+                raw += [c("gemv", 128, 16, 4, 1, 1)]
+        return fitting_candidates(default_block_sizes(m, n, k, BF16, table=(), layout="kn"), raw, m, n, k)
     if m <= 4:
+        if fmt == "fp8":
+            raw += [c("gemv", 16, 16, 4, 1, 2), c("gemv", 16, 32, 8, 1, 1, split_factor=2), c("gemv", 32, 32, 8, 1, 2),
+                    c("gemv", 16, 16, 4, 1, 1, split_factor=4), c("gemv", 16, 32, 8, 1, 2)]
         raw += [c("gemv", 32, 32, 8, 1, True), c("gemv", 16, 32, 8, 1, True), c("gemv", 16, 16, 4, 3),
                 c("mma_swapped", 64, 16, 4, 4), c("gemv", 64, 32, 8, 1, True), c("gemv", 16, 8, 4, 1, True),
                 c("gemv", 8, 8, 2, 1, True), c("gemv", 32, 16, 4, 1, True), c("gemv", 16, 16, 4, 1, True),
@@ -167,6 +201,14 @@ def candidates(m: int, n: int, k: int, fmt: str) -> list[MatmulBlockSizes]:
         if fmt == "fp8":  # run 1's defaults, for the before/after
             raw += [c("fma", 16, 0, 4, 4, block_k=512) if m == 1 else c("mma", 32, 0, 4, 4, block_k=256)]
     else:
+        if fmt == "fp8":
+            # Session 7's winners (mma n32/n64 k256), then the same with the f16 dot and more splits.
+            raw += [c("mma", 32, 0, 4, 4, block_k=256, dot_dtype="float16"),
+                    c("mma", 64, 0, 4, 4, block_k=256, dot_dtype="float16"),
+                    c("mma_swapped", 64, 16, 4, 4, dot_dtype="float16"),
+                    c("mma", 32, 0, 4, 4, block_k=256, split_factor=2, dot_dtype="float16"),
+                    c("mma", 32, 0, 4, 3, block_k=512, dot_dtype="float16"),
+                    c("mma_swapped", 128, 32, 8, 3, dot_dtype="float16")]
         raw += [c("mma_swapped", 64, 32, 4, 3), c("mma_swapped", 128, 16, 8, 4), c("mma", 64, 16, 4, 4),
                 c("mma_swapped", 128, 32, 8, 3), c("mma_swapped", 64, 8, 4, 5), c("mma_swapped", 64, 16, 8, 4)]
         if m <= MAX_GEMV_ROWS:
@@ -318,6 +360,7 @@ def build_table(sweep_rows: list[dict]) -> list[dict]:
             continue
         best = min(mine, key=lambda r: r["us"])
         entries.append({"m": m, "n": best["n"], "k": best["k"], "weights": np.dtype(FORMATS[fmt]).name,
+                        "layout": LAYOUT[fmt],
                         "sizes": best["sizes"], "ours_us": best["us"], "ours_tbs": best["tbs"],
                         "xla_method": XLA_PEER[fmt], "xla_us": xla["us"], "xla_tbs": xla["tbs"]})
     return entries
@@ -343,18 +386,21 @@ def chain_jobs(layers, shapes, ms, table: list[dict], interpret: bool) -> list[J
     def ours_for(m, fmt, only_preferred: bool):
         def linear_for(name):
             n, k = shapes[name]
-            if only_preferred and not prefer_pallas(m, n, k, FORMATS[fmt], table=table):
+            if only_preferred and not prefer_pallas(m, n, k, FORMATS[fmt], table=table, layout=LAYOUT[fmt]):
                 return xla_peer(fmt)
-            return ours(fmt, default_block_sizes(m, n, k, FORMATS[fmt], table=table), interpret)
+            return ours(fmt, default_block_sizes(m, n, k, FORMATS[fmt], table=table, layout=LAYOUT[fmt]), interpret)
         return linear_for
 
     tiers = []
     for m in ms:
         plans = [("xla_bf16", "bf16", lambda name: xla_bf16), ("xla_w8a16", "fp8", lambda name: xla_w8a16),
-                 ("ours fp8", "fp8", ours_for(m, "fp8", False)), ("ours bf16", "bf16", ours_for(m, "bf16", False))]
+                 ("xla_bf16_kn", "bf16kn", lambda name: xla_bf16_kn),
+                 ("ours fp8", "fp8", ours_for(m, "fp8", False)), ("ours bf16", "bf16", ours_for(m, "bf16", False)),
+                 ("ours bf16kn", "bf16kn", ours_for(m, "bf16kn", False))]
         tiers.append((0, m, plans))
         tiers.append((1, m, [("dispatch fp8", "fp8", ours_for(m, "fp8", True)),
-                             ("dispatch bf16", "bf16", ours_for(m, "bf16", True))]))
+                             ("dispatch bf16", "bf16", ours_for(m, "bf16", True)),
+                             ("dispatch bf16kn", "bf16kn", ours_for(m, "bf16kn", True))]))
     jobs = []
     for _tier, m, plans in sorted(tiers, key=lambda t: t[0]):
         for method, fmt, linear_for in plans:
@@ -363,10 +409,12 @@ def chain_jobs(layers, shapes, ms, table: list[dict], interpret: bool) -> list[J
             entry = {"m": m, "method": method, "weights": fmt, "layers": num_layers, "bytes": bytes_}
             if method.startswith(("ours", "dispatch")):
                 entry["sizes"] = {name: dataclasses.asdict(default_block_sizes(m, *shapes[name], FORMATS[fmt],
+                                                                               layout=LAYOUT[fmt],
                                                                                table=table)) for name in names}
             if method.startswith("dispatch"):
                 entry["ours_for"] = [name for name in names
-                                     if prefer_pallas(m, *shapes[name], FORMATS[fmt], table=table)]
+                                     if prefer_pallas(m, *shapes[name], FORMATS[fmt], table=table,
+                                                      layout=LAYOUT[fmt])]
 
             def build(m=m, fmt=fmt, linear_for=linear_for, names=names):
                 weights = [{name: layer[name][fmt] for name in names} for layer in layers]
@@ -411,13 +459,15 @@ def markdown_summary(info, ceiling, sweep_rows, table, chain_rows, ms, shapes) -
                 xla = next((r for r in rows if r["method"] == XLA_PEER[fmt]), None)
                 default = next((r for r in rows if r.get("default")), None)
                 entry = next((e for e in table if (e["n"], e["k"], e["m"]) == (n, k, m)
-                              and e["weights"] == np.dtype(FORMATS[fmt]).name), None)
+                              and e["weights"] == np.dtype(FORMATS[fmt]).name
+                              and e.get("layout", "nk") == LAYOUT[fmt]), None)
                 best = next((r for r in rows if entry and r.get("sizes") == entry["sizes"] and "us" in r), None)
                 ratio = f"{entry['ours_us'] / entry['xla_us']:.2f}" if entry else "-"
                 lines.append(f"| {shape_key} {n}x{k} | {m} | {fmt} | {XLA_PEER[fmt]} {fmt_cell(xla)} | "
                              f"{fmt_cell(default)} | {fmt_cell(best)} | "
                              f"{describe(MatmulBlockSizes(**entry['sizes'])) if entry else '-'} | {ratio} |")
-    methods = ["xla_bf16", "ours bf16", "dispatch bf16", "xla_w8a16", "ours fp8", "dispatch fp8"]
+    methods = ["xla_bf16", "ours bf16", "dispatch bf16", "xla_bf16_kn", "ours bf16kn", "dispatch bf16kn",
+               "xla_w8a16", "ours fp8", "dispatch fp8"]
     lines += ["", "## Chains (all layers' q/k/v/o/gate/up/down, ms per chain, TB/s)", "",
               "| M | " + " | ".join(methods) + " |", "|" + " --- |" * (len(methods) + 1)]
     for m in ms:
@@ -442,7 +492,8 @@ def main():
     parser.add_argument("--shape", default="llama-3.1-8b")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--ms", default="1,8,4,16", help="token counts, in priority order (chains go M by M)")
-    parser.add_argument("--weights", default="fp8,bf16", help="weight formats to sweep and chain")
+    parser.add_argument("--weights", default="fp8,bf16kn,bf16",
+                        help="weight formats to sweep and chain (fp8, bf16kn: bf16 in the dense [K, N] layout, bf16)")
     parser.add_argument("--budget-s", type=float, default=130.0,
                         help="wall seconds from the start of main; the sweep's compiles stop at --sweep-share of "
                              "it, the chains' at --chain-share, and results are written before it ends")

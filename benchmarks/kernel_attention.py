@@ -142,10 +142,10 @@ def time_ours(sizes, args):
     return float(np.median(times)) / 32, (*state, page_tables, cu_q_lens, kv_lens)
 
 
-def ours_sizes(num_tokens, max_num_seqs, max_kv_len, page_size, **overrides):
+def ours_sizes(num_tokens, max_num_seqs, max_kv_len, page_size, kv_itemsize=2, **overrides):
     tuned = gpu_block_sizes(num_tokens=num_tokens, max_num_seqs=max_num_seqs, max_kv_len=max_kv_len,
                             num_kv_heads=NUM_KV_HEADS, group=NUM_Q_HEADS // NUM_KV_HEADS, head_dim=HEAD_DIM,
-                            page_size=page_size, itemsize=2)
+                            page_size=page_size, itemsize=2, kv_itemsize=kv_itemsize)
     fields = {f: overrides.get(f) or getattr(tuned, f) for f in BlockSizes.__dataclass_fields__}
     return BlockSizes(**fields)
 
@@ -188,7 +188,7 @@ def run_decode(ceil, batches, contexts, page_size, impls, results, save=lambda: 
             args = decode_inputs(batch, context, page_size, kv_dtype=kv_dtype)
             q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens = args
             if "ours" in impls:
-                sizes = ours_sizes(batch, batch, context, page_size)
+                sizes = ours_sizes(batch, batch, context, page_size, kv_itemsize=kv_dtype.itemsize)
                 row["ours_s"], args = time_ours(sizes, args)
                 q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens = args
                 row["ours_sizes"] = sizes.__dict__
@@ -226,6 +226,15 @@ def run_decode(ceil, batches, contexts, page_size, impls, results, save=lambda: 
 def prefill_inputs(prefill_tokens, num_decode, decode_context, page_size, chunk):
     """Prefill chunks of ``chunk`` tokens (fresh sequences) plus ``num_decode`` decode tokens."""
     seqs = [(chunk, chunk)] * (prefill_tokens // chunk) + [(1, decode_context)] * num_decode
+    return ragged_inputs(seqs, page_size)
+
+
+def ragged_inputs(seqs, page_size, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM):
+    """A ragged batch of ``(q_len, kv_len)`` sequences over scattered pages; returns (args, causal FLOPs).
+
+    args: ``(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)``. FLOPs count 4 * D * Hq per
+    visible (query, key) pair, the causal count every prefill benchmark uses.
+    """
     q_lens = np.array([s[0] for s in seqs]); kv_lens = np.array([s[1] for s in seqs])
     pages = -(-kv_lens // page_size)
     pages_per_seq = int(pages.max())
@@ -236,16 +245,19 @@ def prefill_inputs(prefill_tokens, num_decode, decode_context, page_size, chunk)
     for b, n in enumerate(pages):
         table[b, :n] = physical[start:start + n]
         start += n
-    shape = (NUM_KV_HEADS, int(pages.sum()), page_size, HEAD_DIM)
+    shape = (num_kv_heads, int(pages.sum()), page_size, head_dim)
     num_tokens = int(q_lens.sum())
-    q = pseudo_random((num_tokens, NUM_Q_HEADS, HEAD_DIM), 9, scale=2.0)
-    flops = 0
-    for q_len, kv_len in seqs:
-        visible = sum(kv_len - q_len + i + 1 for i in range(q_len))
-        flops += 4 * HEAD_DIM * NUM_Q_HEADS * visible
+    q = pseudo_random((num_tokens, num_q_heads, head_dim), 9, scale=2.0)
+    flops = sum(causal_flops(q_len, kv_len, num_q_heads, head_dim) for q_len, kv_len in seqs)
     args = (q, pseudo_random(shape, 10), pseudo_random(shape, 11), jnp.asarray(table),
             jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)), jnp.asarray(kv_lens.astype(np.int32)))
     return args, flops
+
+
+def causal_flops(q_len, kv_len, num_q_heads=NUM_Q_HEADS, head_dim=HEAD_DIM):
+    """4 * D * Hq per visible pair: the chunk's last ``q_len`` positions of ``kv_len``, causal."""
+    visible = q_len * (kv_len - q_len) + q_len * (q_len + 1) // 2
+    return 4 * head_dim * num_q_heads * visible
 
 
 def run_prefill(ceil, page_size, results, impls):

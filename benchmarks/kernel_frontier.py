@@ -30,7 +30,12 @@ everything measured so far):
    against cuDNN's output in the same run.
 5. No-regression shapes (B=256 ctx 1k/4k, B=32 ctx 32k) and the fixed cost of a call (B=1 ctx 1k,
    4 MB of K/V): baseline vs current at the table's sizes.
-6. float8_e4m3fn pages (B=32 ctx 4k, B=1 ctx 32k): both kernels, TB/s of the fp8 bytes.
+6. float8_e4m3fn pages (``--only ceilings,fp8``, B in {1, 32, 64, 256} x ctx in {1k, 4k, 16k}): the
+   engine's default kernel over bf16 pages and over fp8 pages at its sizes, in the same run (TB/s
+   of each dtype's own bytes, tokens/s, the fp8 / bf16 speed-up), the fp8 kernel as it was (tiles
+   widened to bf16) at four shapes, then a tile sweep over fp8 pages, goal shapes (B >= 32, ctx >= 4k)
+   first. The best per swept shape is written as ``gpu_fp8_decode_table.json``, the form
+   ``block_sizes.py`` reads for fp8 pages; ``adopt_frontier_run.py RUN_DIR`` adopts it.
 
 Timing: ``REPEATS`` chained calls unrolled in one jitted program, the cache donated into it so
 the in-place write costs what it costs in the engine (no cache copies), median of 3 runs.
@@ -481,24 +486,187 @@ def _parse(label: str) -> BlockSizes:
                       merge_kernel=fields["merge_kernel"] == "1")
 
 
-def run_fp8_decode(batch, context, page_size, results):
-    """Both kernels over float8_e4m3fn pages (fused at its table's sizes, the default at its own): TB/s of fp8 bytes."""
-    (q, k_pages, v_pages), (k_new, v_new, *rest) = decode_args(batch, context, page_size)
-    fp8 = jnp.float8_e4m3fn
-    state = (q, k_pages.astype(fp8), v_pages.astype(fp8))
-    del k_pages, v_pages
-    consts = (k_new.astype(fp8), v_new.astype(fp8), *rest)
-    sizes = table_sizes(batch, batch, context, page_size)
-    t, state = time_chain(current_full_step(sizes), state, *consts, donate=True)
-    t_default, state = time_chain(baseline_full_step, state, *consts, donate=True)
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM  # one byte an element
-    row = {"workload": "decode-fp8", "batch": batch, "context": context, "page_size": page_size,
-           "kv_bytes": kv_bytes, "current_default_s": t, "current_default_tbs": kv_bytes / t / 1e12,
-           "engine_default_s": t_default, "engine_default_tbs": kv_bytes / t_default / 1e12,
-           "sizes": dataclasses.asdict(sizes)}
-    results.append(row)
-    say(f"decode fp8 pages B={batch} ctx={context}: fused {t * 1e6:.1f}us {kv_bytes / t / 1e12:.2f}TB/s of fp8 K/V "
-        f"[{sizes_label(sizes)}]; default kernel {t_default * 1e6:.1f}us {kv_bytes / t_default / 1e12:.2f}TB/s")
+# 6. Float8 pages ------------------------------------------------------------------------------
+
+# Every shape gets the fixed columns (bf16 pages, fp8 pages at the engine's sizes, and at a few
+# shapes the fp8 kernel as it was: tiles widened to bf16); the goal shapes (B >= 32, ctx >= 4k)
+# are swept first, the rest as the budget allows.
+# 256 x 16k is left out: with FP8 pages its cache (4.3e9 elements a layer) hit an illegal address
+# on the H200 (jaxinfer.memory.GPU_MAX_KV_ARRAY_ELEMENTS; the engine caps an FP8 pool below it).
+# 128 x 16k is the largest of that context under the limit.
+FP8_SHAPES = [(b, c) for c in (1024, 4096) for b in (1, 32, 64, 256)] + [(b, 16384) for b in (1, 32, 64, 128)]
+FP8_SWEEP_SHAPES = [(32, 4096), (256, 4096), (64, 4096), (32, 16384), (128, 16384), (64, 16384), (1, 16384),
+                    (1, 4096), (256, 1024), (32, 1024)]
+FP8_WIDEN_QUERY_SHAPES = {(32, 4096), (256, 4096), (32, 16384), (128, 16384)}
+# (block_kv, warps, stages): an fp8 tile of 128 KV tokens holds the bytes of a bf16 tile of 64.
+FP8_TILE_VARIANTS = [(128, 2, 3), (128, 4, 3), (256, 4, 2), (64, 4, 3), (256, 8, 2)]
+
+
+def fp8_sizes(batch, context, page_size, kv_itemsize):
+    """The default kernel's sizes (the engine's) for these pages: bf16's heuristics, or the fp8 table's entry."""
+    return gpu_block_sizes(num_tokens=batch, max_num_seqs=batch, max_kv_len=context, num_kv_heads=NUM_KV_HEADS,
+                           group=GROUP, head_dim=HEAD_DIM, page_size=page_size, itemsize=2, kv_itemsize=kv_itemsize)
+
+
+def default_full_step(sizes: BlockSizes, fp8_widen_to: str = "float16"):
+    """One full call of the engine's default kernel (XLA scatter + attention) at the given sizes."""
+    def step(state, k_new, v_new, page_tables, cu_q_lens, kv_lens):
+        q, k_pages, v_pages = state
+        return baseline_gpu.attend_and_write_gpu(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens,
+                                                 sm_scale=SM_SCALE, sizes=sizes, interpret=INTERPRET,
+                                                 fp8_widen_to=fp8_widen_to)
+    return step
+
+
+def fp8_abstract_args(batch, context, page_size, kv_dtype):
+    """Shapes of the chain's carry and constants (compiling reads nothing else)."""
+    pages = batch * (context // page_size)
+    sds = jax.ShapeDtypeStruct
+    cache = sds((NUM_KV_HEADS, pages, page_size, HEAD_DIM), kv_dtype)
+    state = (sds((batch, NUM_Q_HEADS, HEAD_DIM), jnp.bfloat16), cache, cache)
+    new = sds((batch, NUM_KV_HEADS, HEAD_DIM), kv_dtype)
+    consts = (new, new, sds((batch, context // page_size), jnp.int32), sds((batch + 1,), jnp.int32),
+              sds((batch,), jnp.int32))
+    return state, consts
+
+
+def fp8_real_args(batch, context, page_size, kv_dtype):
+    q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens = decode_inputs(batch, context, page_size, kv_dtype=kv_dtype)
+    k_new = pseudo_random((batch, NUM_KV_HEADS, HEAD_DIM), 16, kv_dtype)
+    v_new = pseudo_random((batch, NUM_KV_HEADS, HEAD_DIM), 17, kv_dtype)
+    return (q, k_pages, v_pages), (k_new, v_new, page_tables, cu_q_lens, kv_lens)
+
+
+def fp8_sweep_candidates(default: BlockSizes, context: int) -> list[BlockSizes]:
+    """FP8_TILE_VARIANTS at the default's split count (capped so that each split walks two tiles)."""
+    out = []
+    for block_kv, warps, stages in FP8_TILE_VARIANTS:
+        splits = max(1, min(default.num_splits, context // (block_kv * 2)))
+        out.append(dataclasses.replace(default, block_kv=block_kv, num_warps=warps, num_stages=stages,
+                                       num_splits=splits))
+    return out
+
+
+def run_fp8_stage(results, table, budget, page_size, shapes=None, sweep_shapes=None):
+    """bf16 vs fp8 pages through the engine's default kernel, then an fp8 tile sweep; fills ``table``.
+
+    Pass 1 compiles every shape's fixed columns at once (thread pool, abstract shapes) and times
+    them; pass 2 does the same for the sweep candidates of ``sweep_shapes``, in order, until the
+    budget ends. Bytes are counted at one a value for fp8 pages, two for bf16; tokens/s is one
+    layer's attention call (B tokens a call).
+    """
+    fp8 = jnp.dtype(jnp.float8_e4m3fn)
+    check_fp8_widening(results)
+    shapes = shapes or FP8_SHAPES
+    sweep_shapes = [s for s in (sweep_shapes if sweep_shapes is not None else FP8_SWEEP_SHAPES) if s in shapes]
+    rows = {}
+    jobs = {}
+    for batch, context in shapes:
+        bf16_sizes, fp8_default = fp8_sizes(batch, context, page_size, 2), fp8_sizes(batch, context, page_size, 1)
+        rows[batch, context] = {"workload": "decode-fp8", "batch": batch, "context": context, "page_size": page_size,
+                                "fp8_bytes": 2 * batch * context * NUM_KV_HEADS * HEAD_DIM,
+                                "bf16_sizes": dataclasses.asdict(bf16_sizes), "fp8_sizes": dataclasses.asdict(fp8_default)}
+        bf16_args = fp8_abstract_args(batch, context, page_size, jnp.bfloat16)
+        fp8_args = fp8_abstract_args(batch, context, page_size, fp8)
+        jobs[batch, context, "bf16"] = (default_full_step(bf16_sizes), bf16_args[0], bf16_args[1], True)
+        jobs[batch, context, "fp8"] = (default_full_step(fp8_default), fp8_args[0], fp8_args[1], True)
+        if (batch, context) in FP8_WIDEN_QUERY_SHAPES or INTERPRET:
+            jobs[batch, context, "fp8_widen_query"] = (default_full_step(fp8_default, "query"), *fp8_args, True)
+    start = time.time()
+    compiled = compile_jobs(jobs)
+    say(f"fp8: compiled {len(jobs)} fixed programs for {len(shapes)} shapes in {time.time() - start:.1f}s")
+    tried = {}
+    for (batch, context), row in rows.items():
+        results.append(row)
+        for kind in ("bf16", "fp8", "fp8_widen_query"):
+            run = compiled.get((batch, context, kind))
+            if run is None:
+                continue
+            if isinstance(run, Exception):
+                row[f"{kind}_error"] = f"{type(run).__name__}: {str(run)[:200]}"
+                continue
+            budget.check(3)
+            state, consts = fp8_real_args(batch, context, page_size, jnp.bfloat16 if kind == "bf16" else fp8)
+            row[f"{kind}_s"], state = time_compiled(run, state, *consts)
+            del state, consts
+        _fp8_row_summary(row)
+        tried[batch, context] = {sizes_label(BlockSizes(**row["fp8_sizes"])): row.get("fp8_s", float("inf"))}
+    del compiled
+    for batch, context in sweep_shapes:
+        if budget.left() < 20:
+            say(f"fp8 sweep B={batch} ctx={context}: skipped, out of time")
+            continue
+        row = rows[batch, context]
+        default = BlockSizes(**row["fp8_sizes"])
+        candidates = {sizes_label(c): c for c in fp8_sweep_candidates(default, context)}
+        candidates = {k: v for k, v in candidates.items() if k not in tried[batch, context]}
+        if INTERPRET:
+            candidates = dict(list(candidates.items())[:1])
+        state_shape, consts_shape = fp8_abstract_args(batch, context, page_size, fp8)
+        start = time.time()
+        compiled = compile_jobs({k: (default_full_step(v), state_shape, consts_shape, True) for k, v in candidates.items()})
+        say(f"  fp8 sweep B={batch} ctx={context}: compiled {len(compiled)} candidates in {time.time() - start:.1f}s")
+        state, consts = fp8_real_args(batch, context, page_size, fp8)
+        try:
+            for key, run in compiled.items():
+                budget.check(3)
+                if isinstance(run, Exception):
+                    say(f"  fp8 sweep B={batch} ctx={context} {key}: {type(run).__name__} {str(run)[:150]}")
+                    continue
+                t, state = time_compiled(run, state, *consts)
+                tried[batch, context][key] = t
+                say(f"  fp8 sweep B={batch} ctx={context} {key}: {t * 1e6:8.1f}us "
+                    f"{row['fp8_bytes'] / t / 1e12:.2f}TB/s of fp8 bytes")
+                results.append({"workload": "sweep-decode-fp8", "batch": batch, "context": context,
+                                "sizes": dataclasses.asdict(candidates[key]), "s": t,
+                                "tbs": row["fp8_bytes"] / t / 1e12})
+        except OutOfTime:
+            say(f"fp8 sweep B={batch} ctx={context}: stopped by the time budget")
+        del state, consts, compiled
+        best_label = min(tried[batch, context], key=tried[batch, context].get)
+        best_s = tried[batch, context][best_label]
+        row["best_s"], row["best_sizes"] = best_s, dataclasses.asdict(_parse(best_label))
+        row["best_tbs"] = row["fp8_bytes"] / best_s / 1e12
+        table.append({"kind": "decode", "batch": batch, "context": context, "num_kv_heads": NUM_KV_HEADS,
+                      "group": GROUP, "head_dim": HEAD_DIM, "page_size": page_size, "itemsize": 2, "kv_itemsize": 1,
+                      "sizes": row["best_sizes"], "us": best_s * 1e6, "tbs": row["best_tbs"],
+                      "default_us": row.get("fp8_s", float("nan")) * 1e6})
+        say(f"fp8 B={batch} ctx={context} RESULT: best {best_s * 1e6:.1f}us {row['best_tbs']:.2f}TB/s of fp8 bytes "
+            f"[{best_label}] | engine's sizes {row.get('fp8_s', float('nan')) * 1e6:.1f}us | bf16 pages "
+            f"{row.get('bf16_s', float('nan')) * 1e6:.1f}us")
+
+
+def check_fp8_widening(results):
+    """Compiled on this GPU: the default kernel over fp8 pages (bf16 queries, ragged batch, NaN in unowned
+    rows) against the reference on the same values in f32, tiles widened to f16 (the default) and to bf16."""
+    case = make_case(105, [(1, 700), (0, 0), (1, 16), (37, 500), (1, 1)] * 2, num_q_heads=NUM_Q_HEADS,
+                     num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, page_size=32, dtype=jnp.bfloat16, pad_tokens=3)
+    args = list(case.args())
+    args[1:5] = [x.astype(jnp.float8_e4m3fn) for x in args[1:5]]
+    ref_args = [x.astype(jnp.float32) if j in (1, 2, 3, 4) else x for j, x in enumerate(args)]
+    ref_out = ragged_paged_attention_reference(*ref_args, sm_scale=case.sm_scale)[0].astype(jnp.float32)
+    for widen in ("float16", "query"):
+        out = baseline_gpu.ragged_paged_attention_gpu(*[jnp.array(a) for a in args], sm_scale=case.sm_scale,
+                                                      interpret=INTERPRET, fp8_widen_to=widen)[0].astype(jnp.float32)
+        err = float(jnp.linalg.norm(out - ref_out) / jnp.linalg.norm(ref_out))
+        nan = bool(jnp.isnan(out).any())
+        say(f"fp8 check (default kernel, fp8 pages, tiles widened to {widen}): rel err {err:.2e} vs reference, nan={nan}")
+        results.append({"workload": "check-fp8", "fp8_widen_to": widen, "rel_err": err, "nan": nan})
+
+
+def _fp8_row_summary(row):
+    """TB/s (each page dtype's own bytes), tokens/s and the fp8 / bf16 speed-up; printed."""
+    fp8_bytes = row["fp8_bytes"]
+    for kind, nbytes in (("bf16", 2 * fp8_bytes), ("fp8", fp8_bytes), ("fp8_widen_query", fp8_bytes)):
+        if row.get(f"{kind}_s"):
+            row[f"{kind}_tbs"] = nbytes / row[f"{kind}_s"] / 1e12
+            row[f"{kind}_tok_s"] = row["batch"] / row[f"{kind}_s"]
+    if row.get("bf16_s") and row.get("fp8_s"):
+        row["fp8_speedup"] = row["bf16_s"] / row["fp8_s"]
+    fmt = lambda k: (f"{row[k + '_s'] * 1e6:.1f}us {row[k + '_tbs']:.2f}TB/s {row[k + '_tok_s'] / 1e3:.0f}k tok/s"  # noqa: E731
+                     if row.get(k + "_s") else "-")
+    say(f"fp8 B={row['batch']} ctx={row['context']}: bf16 pages {fmt('bf16')} | fp8 pages {fmt('fp8')} "
+        f"(x{row.get('fp8_speedup', float('nan')):.2f} tok/s) | fp8 widened to bf16 (before) {fmt('fp8_widen_query')}")
 
 
 # 4. Prefill ----------------------------------------------------------------------------------
@@ -616,6 +784,11 @@ def write_outputs(out_dir, report):
     report["log"] = LOG
     with open(os.path.join(out_dir, "kernel_frontier.json"), "w") as f:
         json.dump(report, f, indent=1)
+    if report.get("fp8_decode_table"):
+        with open(os.path.join(out_dir, "gpu_fp8_decode_table.json"), "w") as f:
+            json.dump({"source": f"benchmarks/kernel_frontier.py --only fp8 on {report['device']}, {report['date']}: "
+                                 "best full-call time per shape of the default kernel over float8_e4m3fn pages",
+                       "entries": report["fp8_decode_table"]}, f, indent=1)
     if report.get("decode_table"):
         with open(os.path.join(out_dir, "gpu_decode_table.json"), "w") as f:
             json.dump({"source": f"benchmarks/kernel_frontier.py on {report['device']}, {report['date']}: "
@@ -645,15 +818,7 @@ def write_outputs(out_dir, report):
             f"| {f(r, 'best_merge_xla_tbs')} | {f(r, 'best_merge_kernel_tbs')} | {r['combine_only_s'] * 1e6 if r.get('combine_only_s') else float('nan'):.1f} "
             f"| {bs['block_kv']}/{bs['num_warps']}w/{bs['num_stages']}st, {bs['num_splits']} splits"
             f"{', Pallas merge' if bs.get('merge_kernel') and bs['num_splits'] > 1 else ''} |")
-    fp8_rows = [r for r in report["results"] if r["workload"] == "decode-fp8"]
-    if fp8_rows:
-        lines += ["", "Decode over float8_e4m3fn pages, TB/s of the fp8 bytes read (fused kernel at its table's "
-                  "sizes; the engine's default kernel at its own):", ""]
-        lines += [f"- B={r['batch']} ctx {r['context']}: fused {r['current_default_s'] * 1e6:.1f} µs, "
-                  f"{r['current_default_tbs']:.2f} TB/s ({r['current_default_tbs'] / read:.0%} of the read ceiling)"
-                  + (f"; default {r['engine_default_s'] * 1e6:.1f} µs, {r['engine_default_tbs']:.2f} TB/s "
-                     f"({r['engine_default_tbs'] / read:.0%})" if "engine_default_s" in r else "")
-                  for r in fp8_rows]
+    lines += fp8_markdown(report, read)
     lines += ["", "Prefill (+ 32 decode tokens at 2k), TFLOP/s; cuDNN: causal flash attention on the same chunks, "
                   "contiguous, without the decode tokens.", "",
               "| tokens | chunk | baseline full | current (table) | best | best / matmul | cuDNN | best / cuDNN | best sizes "
@@ -672,6 +837,32 @@ def write_outputs(out_dir, report):
     with open(os.path.join(out_dir, "kernel_frontier.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     plot(out_dir, report, read, mm)
+
+
+def fp8_markdown(report, read) -> list[str]:
+    """The fp8-pages table: bf16 pages beside fp8 pages, both through the engine's default kernel."""
+    rows = [r for r in report["results"] if r["workload"] == "decode-fp8"]
+    if not rows:
+        return []
+    lines = ["", "Decode through the engine's default kernel (full call: XLA scatter + attention), bf16 pages vs "
+             "float8_e4m3fn pages; TB/s of each page dtype's own bytes (fp8: one a value), against the read "
+             f"ceiling {read:.2f} TB/s; tok/s = B / time of one layer's call. 'fp8 before': tiles widened to "
+             "bf16 (the kernel before this change), same sizes. 'best': the fp8 sweep's best (→ gpu_fp8_decode_table.json).",
+             "", "| B | ctx | bf16 pages µs | bf16 TB/s | fp8 µs | fp8 TB/s | fp8 / ceiling | fp8 ÷ bf16 tok/s "
+             "| fp8 before TB/s | best fp8 µs | best TB/s | best / ceiling | best ÷ bf16 tok/s | best sizes |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    us = lambda r, k: f"{r[k] * 1e6:.1f}" if r.get(k) else "–"  # noqa: E731
+    tb = lambda r, k: f"{r[k]:.2f}" if r.get(k) else "–"  # noqa: E731
+    pct = lambda r, k: f"{r[k] / read:.0%}" if r.get(k) and read == read else "–"  # noqa: E731
+    for r in rows:
+        bs = r.get("best_sizes")
+        best_speedup = f"{r['bf16_s'] / r['best_s']:.2f}" if r.get("bf16_s") and r.get("best_s") else "–"
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {us(r, 'bf16_s')} | {tb(r, 'bf16_tbs')} | {us(r, 'fp8_s')} "
+            f"| {tb(r, 'fp8_tbs')} | {pct(r, 'fp8_tbs')} | {tb(r, 'fp8_speedup')} | {tb(r, 'fp8_widen_query_tbs')} "
+            f"| {us(r, 'best_s')} | **{tb(r, 'best_tbs')}** | {pct(r, 'best_tbs')} | {best_speedup} "
+            f"| {(str(bs['block_kv']) + '/' + str(bs['num_warps']) + 'w/' + str(bs['num_stages']) + 'st, ' + str(bs['num_splits']) + ' splits') if bs else '–'} |")
+    return lines
 
 
 def plot(out_dir, report, read_ceiling, matmul_rate):
@@ -741,6 +932,8 @@ def main():
                         help="stop the decode sweeps this many seconds before the budget ends (for the regression shapes)")
     parser.add_argument("--stage2-needs-s", type=float, default=STAGE2_NEEDS_S,
                         help="a decode sweep's second stage (neighbours, ablations) only with this much budget left")
+    parser.add_argument("--fp8-shapes", default=",".join(f"{b}x{c}" for b, c in FP8_SHAPES),
+                        help="shapes of the fp8 stage (bf16 vs fp8 pages; the goal shapes among them swept), BxCONTEXT")
     parser.add_argument("--mosaic-steps", default="2,3,4", help="pipeline depths of the Mosaic GPU prefill prototype")
     args = parser.parse_args()
     REPEATS, STAGE2_NEEDS_S = args.repeats, args.stage2_needs_s
@@ -759,7 +952,7 @@ def main():
     report = {"command": " ".join(["python3"] + sys.argv), "device": device.device_kind,
               "platform": platform.platform(), "jax": jax.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC"),
               "table_in_use": str(GPU_TABLE_PATH) if GPU_TABLE_PATH.exists() else None,
-              "results": [], "decode_table": []}
+              "results": [], "decode_table": [], "fp8_decode_table": []}
     say(f"command: {report['command']}")
     say(f"device: {device.device_kind} ({device.platform}); jax {jax.__version__}; {platform.platform()}")
     say(f"measured table in use: {report['table_in_use']}")
@@ -798,13 +991,11 @@ def main():
                         args.page_size, report["results"], budget, report["decode_table"])
                 write_outputs(args.out, report)
         if "fp8" in stages:
-            for batch, context in ((2, 256),) if INTERPRET else ((32, 4096), (64, 4096)):
-                if budget.left() < 10:
-                    say(f"fp8 B={batch} ctx={context}: skipped, out of time")
-                    continue
-                guarded(f"fp8 B={batch} ctx={context}", run_fp8_decode, batch, context, args.page_size,
-                        report["results"])
-                write_outputs(args.out, report)
+            fp8_shapes = [(2, 256), (1, 512)] if INTERPRET else [
+                tuple(int(x) for x in shape.split("x")) for shape in args.fp8_shapes.split(",")]
+            guarded("fp8", run_fp8_stage, report["results"], report["fp8_decode_table"], budget, args.page_size,
+                    shapes=fp8_shapes, sweep_shapes=fp8_shapes if INTERPRET else None)
+            write_outputs(args.out, report)
     finally:
         say(f"total {time.time() - T0:.0f}s")
         write_outputs(args.out, report)

@@ -1,21 +1,37 @@
-"""Where the batch-1 decode step's time goes (Llama-3.1-8B shapes, random bf16 weights, one GPU).
+"""Where the batch-1 decode step's time goes (Llama-3.1-8B shapes, random weights, one GPU), bf16 and fp8 weights.
 
-    python3 benchmarks/latency_lab.py --out DIR
+    python3 benchmarks/latency_lab.py --out DIR [--weights bf16,fp8] [--steps 16] [--top 30]
+    python3 benchmarks/latency_lab.py --out DIR --shape tiny --steps 2   # CPU smoke run
 
-Times the jitted decode step (forward + greedy pick) of one sequence at a 384-token
-context on the device alone (many steps inside one jitted loop, each feeding its token to
-the next), in variants that isolate each cost: the token bucket (1 vs 8 rows), the
-attention implementation (our Pallas kernel vs the plain-XLA reference vs none), and the
-weight read alone (the same einsums with no attention, norms or rope: XLA's GEMV chain).
-Each is compared with the roofline: weight bytes read per token / the HBM read ceiling.
-Writes DIR/latency_lab.{json,md,log}.
+For each weight format (``fp8``: the projections quantized per channel, as
+``--quantization fp8`` does; embedding and lm_head stay bf16), one sequence at a 384-token
+context, on the device alone (``--steps`` steps inside one jitted loop with a static trip
+count, so XLA's while loop never waits on the host; each step feeds its token to the next):
+
+* the step the engine runs at batch 1, **bucket 8x8** (8 token rows, 8 sequence rows: the
+  smallest GPU bucket), with the engine's "basic" sampler program (``jaxinfer.sampling.sample``,
+  greedy) inside the loop; and the same at bucket 1x1;
+* the weight layer alone: every projection and the lm_head through ``jaxinfer.linear`` at 8
+  rows, nothing else (the GEMV chain the step cannot beat);
+* a ``jax.profiler`` trace of each step loop, parsed (``profile_collectives.load_trace`` /
+  ``busy_time``) into µs per step and share by what the kernel does: weight GEMVs (XLA's or
+  ours), lm_head, attention kernel, KV-write scatter, sampler, other fusions (norms, rope,
+  residual adds), and the gaps between kernels; plus the top kernels by name.
+
+Each is compared with the roofline: bytes of every weight a step reads (all but the input
+embedding) / the HBM read ceiling measured in the same run. Writes DIR/latency_lab.{json,md,log}
+and the traces under DIR/profile_<format>_<variant>/.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import json
+import re
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -23,16 +39,99 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from common import Log, header, measure_ceilings, random_model, time_in_loop, write_results  # noqa: E402
+import numpy as np  # noqa: E402
+from common import Log, decode_weight_bytes, header, measure_ceilings, random_model, write_results  # noqa: E402
+from profile_collectives import busy_time, load_trace  # noqa: E402
 
 from jaxinfer.batch import build_step_batch  # noqa: E402
 from jaxinfer.kv_cache import create_kv_cache  # noqa: E402
-from jaxinfer.memory import weight_bytes  # noqa: E402
-from jaxinfer.model import forward  # noqa: E402
+from jaxinfer.linear import linear  # noqa: E402
+from jaxinfer.model import compute_logits, hidden_states  # noqa: E402
+from jaxinfer.sampling import SamplingFlags, SamplingTensors, sample  # noqa: E402
 
 NAME = "latency_lab"
 CONTEXT = 384
 PAGE_SIZE = 32
+BASIC_SAMPLER = SamplingFlags(any_random=True)  # the runner's "basic" path (greedy and plain temperature)
+# What a kernel does, first match wins, over its name and the trace's annotations (HLO op, name
+# scope) lower-cased. Scopes come from jax.named_scope in the model and in this step.
+KINDS = (
+    ("sampler", ("sampler", "logits_processing", "random_sampling")),
+    ("lm_head", ("lm_head",)),
+    ("attention kernel", ("paged_attention", "decode_attention", "ragged_attention")),
+    ("KV write (scatter)", ("scatter", "dynamic_update_slice", "dynamic-update-slice")),
+    ("weight GEMV (ours)", ("weight_only_matmul",)),
+    ("weight GEMV (XLA)", ("gemm", "gemv", "nvjet", "cublas", "cutlass", "xmma", "triton_dot", "dot_general",
+                           "dot.", "matmul")),
+    ("fusions (norms, rope, residual, convert)", ("fusion", "reduce", "loop_", "input_")),
+)
+
+
+def kernel_kind(text: str) -> str:
+    for kind, tags in KINDS:
+        if any(tag in text for tag in tags):
+            return kind
+    return "other (copies, memset, ...)"
+
+
+_HLO_OP = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*?op_name="([^"]*)"', re.M)
+
+
+def op_scopes(hlo_text: str) -> dict[str, str]:
+    """Each instruction of a compiled module's HLO text -> the JAX name stack it came from (``op_name``).
+
+    Kernels in a GPU trace are named after the HLO instruction that launched them, with "."
+    written "_" (``fusion.12`` -> ``fusion_12``), so both spellings map; the name stack carries
+    the ``jax.named_scope``s (``.../lm_head/dot_general``), which names a kernel's purpose even
+    where the trace annotates it with nothing but its own name.
+    """
+    scopes = {}
+    for name, op_name in _HLO_OP.findall(hlo_text):
+        scopes[name] = scopes[name.replace(".", "_").replace("-", "_")] = op_name
+    return scopes
+
+
+def event_text(event: dict, scopes: dict[str, str]) -> str:
+    """A kernel event's name, string annotations and HLO name stack, lower-cased, for ``kernel_kind``."""
+    args = event.get("args", {})
+    strings = [event["name"]] + [str(v) for v in args.values() if isinstance(v, str)]
+    names = [event["name"].split("(")[0]] + [str(args[key]) for key in ("hlo_op", "name") if key in args]
+    strings += [scopes[n] for n in names if n in scopes]
+    return " ".join(strings).lower()
+
+
+def breakdown(trace_path: Path, steps: int, top: int, scopes: dict[str, str] | None = None) -> dict:
+    """µs per step by kind and by kernel, busy vs the span (the rest are gaps), from the GPU's kernel events.
+
+    ``scopes``: ``op_scopes`` of the traced program's HLO, so kernels are sorted by the named
+    scope they ran in (lm_head, sampler) as well as by their own names."""
+    scopes = scopes or {}
+    events, processes = load_trace(trace_path)
+    gpus = [pid for pid, name in processes.items() if "GPU" in name or "gpu" in name]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpus and "dur" in e
+               and "memcpy" not in e["name"].lower()]
+    if not kernels:
+        return {"error": f"no GPU kernel events in {trace_path.name} (processes: {sorted(processes.values())})"}
+    intervals = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
+    span = max(end for _, end in intervals) - min(start for start, _ in intervals)
+    busy = busy_time(intervals)
+    by_kind, by_name, counts = collections.Counter(), collections.Counter(), collections.Counter()
+    for e in kernels:
+        kind = kernel_kind(event_text(e, scopes))
+        by_kind[kind] += e["dur"] / steps
+        name = e["name"].split("(")[0][:90]
+        by_name[f"{kind}: {name}"] += e["dur"] / steps
+        counts[kind] += 1 / steps
+    by_kind["gaps between kernels"] = (span - busy) / steps
+    step_us = span / steps
+    return {
+        "step_us": step_us, "busy_us": busy / steps, "kernels_per_step": len(kernels) / steps,
+        "by_kind_us": dict(by_kind.most_common()), "kernels_per_step_by_kind": dict(counts),
+        "share": {k: v / step_us for k, v in by_kind.items()},
+        "top_kernels_us": dict(by_name.most_common(top)),
+        # What the trace annotates kernels with, so the classification can be checked against it.
+        "sample_event_args": [e.get("args", {}) for e in kernels[:3]],
+    }
 
 
 def decode_batch(num_tokens: int, num_seqs: int, max_pages: int):
@@ -41,85 +140,174 @@ def decode_batch(num_tokens: int, num_seqs: int, max_pages: int):
                             pages_per_seq=max_pages, padding_page=0)
 
 
-def time_step(model, cache, num_tokens, num_seqs, impl, max_pages):
-    batch = jax.tree.map(jnp.asarray, decode_batch(num_tokens, num_seqs, max_pages))
+def step_body(model, impl: str, num_seqs: int):
+    """One engine decode step (forward, lm_head over the sequence rows, basic sampler), feeding its token back."""
+    sampling = jax.tree.map(jnp.asarray, SamplingTensors.neutral(num_seqs))
 
     def body(carry, weights):
         cache, batch = carry
-        logits, cache = forward(weights, cache, batch, model.config, impl)
-        token = jnp.argmax(logits[0]).astype(jnp.int32)
-        batch = dataclasses.replace(batch, token_ids=batch.token_ids.at[0].set(token))
-        return cache, batch
+        x, cache = hidden_states(weights, cache, batch, model.config, impl)
+        with jax.named_scope("lm_head"):
+            logits = compute_logits(weights, x[batch.logits_indices])  # [B, V] f32
+        with jax.named_scope("sampler"):
+            token = sample(logits, sampling, BASIC_SAMPLER).token_ids[0]
+        return cache, dataclasses.replace(batch, token_ids=batch.token_ids.at[0].set(token))
 
-    return time_in_loop(body, (cache, batch), model.weights, min_seconds=0.2)
+    return body
 
 
-def time_weight_read(model, num_tokens):
-    """The same weight einsums with nothing else: XLA's GEMV chain over every weight read per token."""
-
+def weight_layer_body(model):
+    """Every projection and the lm_head through the weight layer at x's rows, nothing else."""
     def body(x, weights):
         for layer in weights.layers:
-            q = jnp.einsum("te,ehd->thd", x, layer.q)
-            k = jnp.einsum("te,ehd->thd", x, layer.k)
-            v = jnp.einsum("te,ehd->thd", x, layer.v)
+            q = linear("te,ehd->thd", x, layer.q)
+            k = linear("te,ehd->thd", x, layer.k)
+            v = linear("te,ehd->thd", x, layer.v)
             attn = q + jnp.repeat(k + v, q.shape[1] // k.shape[1], axis=1)
-            x = x + jnp.einsum("thd,hde->te", attn, layer.o)
-            h = jax.nn.silu(jnp.einsum("te,ef->tf", x, layer.gate)) * jnp.einsum("te,ef->tf", x, layer.up)
-            x = x + jnp.einsum("tf,fe->te", h, layer.down)
-        logits = jnp.einsum("te,ev->tv", x, weights.lm_head, preferred_element_type=jnp.float32)
+            x = x + linear("thd,hde->te", attn, layer.o)
+            h = jax.nn.silu(linear("te,ef->tf", x, layer.gate)) * linear("te,ef->tf", x, layer.up)
+            x = x + linear("tf,fe->te", h, layer.down)
+        with jax.named_scope("lm_head"):
+            logits = compute_logits(weights, x)
         return x + (jnp.max(logits) * 1e-30).astype(x.dtype)
 
-    x = jnp.ones((num_tokens, model.config.hidden_size), jnp.bfloat16) * 0.01
-    return time_in_loop(body, x, model.weights, min_seconds=0.2)
+    return body
+
+
+def static_loop(body, steps: int):
+    """``carry = body(carry, weights)`` ``steps`` times in one program; a static trip count, so no host sync per step."""
+
+    @jax.jit
+    def run(carry, weights):
+        return jax.lax.fori_loop(0, steps, lambda i, c: body(c, weights), carry)
+
+    return run
+
+
+def compile_loop(run, carry, weights):
+    """The loop compiled ahead of time (one compile), and its HLO's name stacks per instruction."""
+    compiled = run.lower(carry, weights).compile()
+    return compiled, op_scopes(compiled.as_text() or "")
+
+
+def time_and_trace(log: Log, run, carry, weights, steps: int, repeats: int, trace_dir: Path | None):
+    """Seconds per step (median of ``repeats`` calls) and, with ``trace_dir``, one more call under the profiler."""
+    jax.block_until_ready(run(carry, weights))  # warm
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(run(carry, weights))
+        times.append(time.perf_counter() - start)
+    if trace_dir is not None:
+        with jax.profiler.trace(str(trace_dir)):
+            jax.block_until_ready(run(carry, weights))
+    return float(np.median(times)) / steps
+
+
+def measure_format(log: Log, args, fmt: str, ceiling_tbs: float) -> dict:
+    model = random_model(args.shape, quantization=None if fmt == "bf16" else fmt)
+    config, weights = model.config, model.weights
+    per_token = decode_weight_bytes(weights)
+    roofline = per_token / (ceiling_tbs * 1e12)
+    log(f"[{fmt}] roofline: {per_token / 1e9:.2f} GB / {ceiling_tbs:.2f} TB/s = {roofline * 1e3:.3f} ms")
+    impl = "pallas_gpu" if jax.default_backend() == "gpu" else "reference"
+    max_pages = 2048 // PAGE_SIZE
+    rows = []
+    variants = [("decode step, bucket 8x8 (engine's)", 8, 8), ("decode step, bucket 1x1", 1, 1),
+                ("weight layer only (projections + lm_head), 8 rows", 8, None)]
+    for label, t, b in variants:
+        trace_dir = None
+        if not args.no_trace and b is not None:
+            trace_dir = args.out / f"profile_{fmt}_{t}x{b}"
+        try:
+            if b is None:
+                carry = jnp.ones((t, config.hidden_size), jnp.bfloat16) * 0.01
+                run = static_loop(weight_layer_body(model), args.steps)
+            else:
+                cache = create_kv_cache(config, 64, PAGE_SIZE, jnp.bfloat16)
+                carry = (cache, jax.tree.map(jnp.asarray, decode_batch(t, b, max_pages)))
+                run = static_loop(step_body(model, impl, b), args.steps)
+            run, scopes = compile_loop(run, carry, weights)
+            seconds = time_and_trace(log, run, carry, weights, args.steps, args.repeats, trace_dir)
+        except Exception as error:  # noqa: BLE001  (reported, not hidden)
+            log(f"[{fmt}] {label}: failed: {type(error).__name__}: {str(error)[:300]}")
+            rows.append({"variant": label, "error": str(error)[:300]})
+            continue
+        row = {"variant": label, "ms": seconds * 1e3, "ratio_to_roofline": seconds / roofline,
+               "weights_tbs": per_token / seconds / 1e12}
+        log(f"[{fmt}] {label}: {seconds * 1e3:.3f} ms = {seconds / roofline:.2f}x roofline "
+            f"({row['weights_tbs']:.2f} TB/s of weights)")
+        if trace_dir is not None:
+            traces = sorted(trace_dir.glob("plugins/profile/*/*.trace.json.gz"))
+            row["breakdown"] = (breakdown(traces[-1], args.steps, args.top, scopes) if traces
+                                else {"error": f"no trace under {trace_dir}"})
+            log_breakdown(log, f"[{fmt}] {label}", row["breakdown"])
+        rows.append(row)
+    del model, weights
+    return {"per_token_bytes": per_token, "roofline_ms": roofline * 1e3, "variants": rows}
+
+
+def log_breakdown(log: Log, label: str, b: dict) -> None:
+    if "error" in b:
+        log(f"{label}: breakdown failed: {b['error']}")
+        return
+    log(f"{label}: trace {b['step_us']:.0f} us a step, {b['kernels_per_step']:.0f} kernels, busy {b['busy_us']:.0f} us")
+    for kind, us in b["by_kind_us"].items():
+        log(f"    {us:8.1f} us  {b['share'][kind]:6.1%}  {kind}")
+    for name, us in list(b["top_kernels_us"].items())[:12]:
+        log(f"    {us:8.1f} us  {name}")
+
+
+def markdown(results: dict, args) -> str:
+    info, ceiling = results["info"], results["ceilings"]["hbm_read_tbs"]
+    md = [f"# Batch-1 decode step, {args.shape}: where the time goes", "", f"Command: `{info['command']}`  ",
+          f"{info['device']}, jax {info['jax']}; HBM read ceiling {ceiling:.2f} TB/s; context {CONTEXT}, "
+          f"{args.steps} steps per jitted loop", ""]
+    for fmt, r in results["formats"].items():
+        md += [f"## {fmt} weights: roofline {r['roofline_ms']:.3f} ms ({r['per_token_bytes'] / 1e9:.2f} GB a step)",
+               "", "| variant | ms per step | x roofline | weight TB/s |", "| --- | --- | --- | --- |"]
+        for v in r["variants"]:
+            md.append(f"| {v['variant']} | {v['ms']:.3f} | {v['ratio_to_roofline']:.2f} | {v['weights_tbs']:.2f} |"
+                      if "ms" in v else f"| {v['variant']} | failed: {v['error'][:80]} | | |")
+        for v in r["variants"]:
+            b = v.get("breakdown")
+            if not b or "error" in b:
+                continue
+            md += ["", f"### {fmt}, {v['variant']}: {b['step_us']:.0f} µs a step in the trace, "
+                   f"{b['kernels_per_step']:.0f} kernels", "", "| kind | µs per step | share | kernels per step |",
+                   "| --- | --- | --- | --- |"]
+            md += [f"| {kind} | {us:.1f} | {b['share'][kind]:.1%} | {b['kernels_per_step_by_kind'].get(kind, 0):.0f} |"
+                   for kind, us in b["by_kind_us"].items()]
+            md += ["", "| top kernels | µs per step |", "| --- | --- |"]
+            md += [f"| `{re.sub(r'[|`]', ' ', name)}` | {us:.1f} |" for name, us in b["top_kernels_us"].items()]
+    return "\n".join(md) + "\n"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--weights", default="bf16,fp8", help="weight formats, in order (bf16, fp8, int8)")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps per jitted loop (and per trace)")
+    parser.add_argument("--no-trace", action="store_true", help="time only: no profiler traces, no breakdown")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls of the loop (median)")
+    parser.add_argument("--top", type=int, default=30, help="kernels listed by time per step")
     args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
     log = Log()
     results = {"info": header(log)}
     results["ceilings"] = ceilings = measure_ceilings(log)
-    model = random_model(args.shape)
-    config = model.config
-    per_token = weight_bytes(config, 2) - config.vocab_size * config.hidden_size * 2
-    roofline = per_token / (ceilings["hbm_read_tbs"] * 1e12)
-    log(f"roofline: {per_token / 1e9:.2f} GB / {ceilings['hbm_read_tbs']:.2f} TB/s = {roofline * 1e3:.3f} ms")
-    cache = create_kv_cache(config, 64, PAGE_SIZE, jnp.bfloat16)
-    max_pages = 2048 // PAGE_SIZE
-    rows = []
-    variants = [
-        ("weights only (XLA GEMV chain), 1 row", None, 1, 1),
-        ("weights only (XLA GEMV chain), 8 rows", None, 8, 8),
-        ("decode step, pallas_gpu, bucket 8x8", "pallas_gpu", 8, 8),
-        ("decode step, pallas_gpu, bucket 1x1", "pallas_gpu", 1, 1),
-        ("decode step, reference (XLA), bucket 1x1", "reference", 1, 1),
-        ("decode step, reference (XLA), bucket 8x8", "reference", 8, 8),
-    ]
-    for label, impl, t, b in variants:
-        try:
-            seconds = time_weight_read(model, t) if impl is None else time_step(model, cache, t, b, impl, max_pages)
-        except Exception as error:  # reported, not hidden
-            log(f"{label}: failed: {type(error).__name__}: {str(error)[:300]}")
-            rows.append({"variant": label, "error": str(error)[:300]})
-            continue
-        rows.append({"variant": label, "ms": seconds * 1e3, "ratio_to_roofline": seconds / roofline,
-                     "weights_tbs": per_token / seconds / 1e12})
-        log(f"{label}: {seconds * 1e3:.3f} ms = {seconds / roofline:.2f}x roofline "
-            f"({per_token / seconds / 1e12:.2f} TB/s of weights)")
-    results["roofline_ms"] = roofline * 1e3
-    results["variants"] = rows
-    md = [f"# Batch-1 decode step, {args.shape}", "", f"Command: `{results['info']['command']}`  ",
-          f"{results['info']['device']}, jax {results['info']['jax']}; HBM read ceiling {ceilings['hbm_read_tbs']:.2f} TB/s; "
-          f"roofline {roofline * 1e3:.3f} ms ({per_token / 1e9:.2f} GB of weights per token)", "",
-          "| variant | ms per step | x roofline | weight TB/s |", "| --- | --- | --- | --- |"]
-    for r in rows:
-        if "ms" in r:
-            md.append(f"| {r['variant']} | {r['ms']:.3f} | {r['ratio_to_roofline']:.2f} | {r['weights_tbs']:.2f} |")
-        else:
-            md.append(f"| {r['variant']} | failed: {r['error'][:80]} | | |")
-    write_results(args.out, NAME, results, "\n".join(md) + "\n", log)
+    results["formats"] = {}
+    formats = [f for f in args.weights.split(",") if f]
+    for fmt in formats:
+        if fmt not in ("bf16", "fp8", "int8"):
+            raise SystemExit(f"--weights: {fmt!r} is not one of bf16, fp8, int8")
+    for fmt in formats:
+        results["formats"][fmt] = measure_format(log, args, fmt, ceilings["hbm_read_tbs"])
+        # What is measured so far survives a timeout that cuts the next format short.
+        (args.out / f"{NAME}.partial.json").write_text(json.dumps(results, indent=1, default=str))
+    results["args"] = {k: str(v) for k, v in vars(args).items()}
+    write_results(args.out, NAME, results, markdown(results, args), log)
 
 
 if __name__ == "__main__":

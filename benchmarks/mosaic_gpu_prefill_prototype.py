@@ -2,8 +2,8 @@
 
 The question it answers (issue 21, prefill toward FlashAttention-3 class): how far a plain
 wgmma + TMA kernel gets on the H200 against the Pallas-Triton kernel and cuDNN's flash
-attention, on the same fresh-prefill chunks (``benchmarks/kernel_frontier.py``'s prefill
-stage times it when asked). It serves one fresh chunk per sequence, of equal length ``L``
+attention, on the same fresh-prefill chunks (``benchmarks/prefill_peers.py`` times it beside
+jax's bundled Mosaic GPU kernel, cuDNN and ours; ``kernel_frontier.py``'s prefill stage too). It serves one fresh chunk per sequence, of equal length ``L``
 (a multiple of 64), contiguous (the new K/V of the step, as the Triton kernel now reads a
 fresh prefill's K/V from ``k_new``): ``q [n, L, Hq, D]``, ``k``/``v`` ``[n, L, Hkv, D]``, bf16/f16.
 

@@ -2,8 +2,9 @@
 
     python3 benchmarks/profile_collectives.py DIR [--steps N] [--json OUT.json]
 
-DIR holds the traces ``tensor_parallel.py --profile`` writes (``profile_*/plugins/profile/*/
-*.trace.json.gz``, one per run). For each run and GPU, from the kernels' intervals on the
+DIR holds the traces ``tensor_parallel.py --profile`` or ``engine_throughput.py --profile-steps``
+writes (``profile_*/plugins/profile/*/*.trace.json.gz``, one per run), or is one ``profile_*``
+directory; when it holds none it says what it found instead. For each run and GPU, from the kernels' intervals on the
 device's streams: the time NCCL kernels run (collective busy), the time any other kernel runs
 (compute busy), and the part of the collective time during which no compute kernel runs
 (exposed). Overlap that works shows up as collective busy > exposed. Divided by ``--steps``
@@ -92,6 +93,27 @@ def summarise(trace_path: Path, steps: int, top: int = 0) -> dict[str, dict]:
     return out
 
 
+def find_traces(trace_dir: Path) -> list[tuple[str, Path]]:
+    """(run name, trace) for each ``profile_RUN/plugins/profile/*/*.trace.json.gz`` under
+    ``trace_dir``, or for ``trace_dir`` itself when it is one such ``profile_RUN`` directory."""
+    found = [(p.relative_to(trace_dir).parts[0].removeprefix("profile_"), p)
+             for p in sorted(trace_dir.glob("profile_*/plugins/profile/*/*.trace.json.gz"))]
+    found += [(trace_dir.name.removeprefix("profile_"), p)
+              for p in sorted(trace_dir.glob("plugins/profile/*/*.trace.json.gz"))]
+    return found
+
+
+def explain_missing(trace_dir: Path) -> str:
+    """Why nothing was summarised: what the directory holds instead."""
+    if not trace_dir.is_dir():
+        return f"{trace_dir} is not a directory"
+    xplanes = sorted(str(p.relative_to(trace_dir)) for p in trace_dir.rglob("*.xplane.pb"))
+    if xplanes:
+        return f"no *.trace.json.gz under {trace_dir}, but {len(xplanes)} xplane file(s): {xplanes[:4]}"
+    return (f"no trace under {trace_dir} (expected profile_*/plugins/profile/*/*.trace.json.gz): "
+            "did the run start tracing? engine_throughput.py logs 'profile: ...'")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace_dir", type=Path)
@@ -100,9 +122,15 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     results = {}
-    for trace in sorted(args.trace_dir.glob("profile_*/plugins/profile/*/*.trace.json.gz")):
-        run = trace.relative_to(args.trace_dir).parts[0].removeprefix("profile_")
-        for device, summary in summarise(trace, args.steps, args.top).items():
+    traces = find_traces(args.trace_dir)
+    if not traces:
+        print(explain_missing(args.trace_dir))
+    for run, trace in traces:
+        summaries = summarise(trace, args.steps, args.top)
+        if not summaries:
+            _, processes = load_trace(trace)
+            print(f"{run}: no GPU kernels in {trace} (processes: {sorted(processes.values())})")
+        for device, summary in summaries.items():
             results[f"{run} {device}"] = summary
             print(f"{run:20s} {device:14s} step {summary['step_span_ms']:7.2f} ms: compute {summary['compute_busy_ms']:7.2f}, "
                   f"collectives {summary['collective_busy_ms']:6.2f} (exposed {summary['collective_exposed_ms']:6.2f}, "

@@ -2,6 +2,7 @@
 
     python benchmarks/spec_decode.py acceptance --out DIR [--model smollm2-135m-instruct] [--ks 2 4 8]
     python3 benchmarks/spec_decode.py step-cost --out DIR [--shape llama-3.1-8b] [--acceptance DIR/spec_acceptance.json ...]
+    python3 benchmarks/spec_decode.py engine --out DIR [--shape llama-3.1-8b] [--ks 5] [--acceptance ...]
 
 ``acceptance`` (the ``latency-spec`` workload of shared/BENCHMARKS.md; CPU is fine): the default
 model with real weights, greedy, one request at a time (batch 1), 128 output tokens, on two
@@ -26,6 +27,23 @@ accepted tokens). Random weights give meaningless acceptance, so acceptance come
 where L(k) is the tokens per target step measured on real weights (a step without a draft
 costs a plain synchronous step and gives one token; the JSON's ``tokens_per_step`` already
 counts those). Writes DIR/spec_acceptance.* or DIR/spec_step_cost.{json,md,log}.
+
+``engine`` (the GPU; same shapes, batch 1, a 1,024-token prompt, 256 greedy output tokens): the
+whole engine loop, host included, as ``Engine.step`` runs it, for plain async decode and, per
+``k``, speculation with asynchronous verify steps (``async_verify``: drafts made on the device,
+accepted counts read a step late) and with synchronous ones (the host reads each verify step
+before it drafts). Each is timed as wall time per *target step* (a step's fixed shapes make its
+cost independent of how many drafts the random weights accept: the step count comes from the
+engine's own counters). The low-gain switch is off for these runs, so every step verifies
+``k`` drafts' worth of rows, and both proposers are forced to draft every step
+(``force_drafts``: prompt lookup finds nothing in random tokens). Then
+
+    t_eff(k) = t_step_async(k) / L(k)    against    t_plain (the same engine loop, no speculation)
+
+with ``L(k)`` the tokens per target step measured on real weights (``--acceptance``). A last run
+keeps the low-gain switch on, as a deployment would: on random weights (no useful drafts, like
+a chat the n-gram cannot predict) it measures what speculating costs a sequence it does not help
+(goal: <= 3% over plain). Writes DIR/spec_engine.{json,md,log}.
 """
 
 from __future__ import annotations
@@ -260,9 +278,124 @@ def step_cost(args, log):
             "plain_sync_ms": plain["sync"] * 1e3, "rows": rows}, md
 
 
+def force_drafts(vocab_size: int):
+    """Make both n-gram proposers always draft, as many as there is room for: on random weights
+    prompt lookup finds nothing, and a step without drafts would run plain. The drafts (the
+    token after the last one, repeated) are all but never accepted, even when a random model
+    loops on one token: every step is a rejection, the pattern a sequence the proposer cannot
+    help has. A verify step's device cost does not depend on what is accepted (its shapes are
+    fixed); the acceptance comes from real weights (``--acceptance``)."""
+    import jax.numpy as jnp
+
+    from jaxinfer.spec_decode import device_ngram, speculator
+
+    def on_host(context, num_drafts, min_n, max_n):
+        return [(int(context[-1]) + 1) % vocab_size] * num_drafts
+
+    def on_device(history, lengths, rooms, *, num_speculative_tokens, min_n, max_n):
+        last = jnp.take_along_axis(history, jnp.maximum(lengths - 1, 0)[:, None], axis=1)  # [B, 1]
+        last = (last + 1) % vocab_size
+        num_drafts = jnp.where(lengths > 0, jnp.minimum(rooms, num_speculative_tokens), 0).astype(jnp.int32)
+        return jnp.broadcast_to(last, (history.shape[0], num_speculative_tokens)).astype(jnp.int32), num_drafts
+
+    speculator.propose_ngram = on_host
+    device_ngram.propose_ngram_on_device = on_device  # before any verifier is traced
+
+
+def engine_steps(args, log):
+    from common import random_model, random_prompts
+    from jaxinfer import SamplingParams
+    from jaxinfer.engine import Engine
+    from jaxinfer.engine_config import EngineConfig
+
+    model = random_model(args.shape)
+    force_drafts(model.config.vocab_size)
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    base = dict(max_model_len=args.context + args.max_tokens + 64, max_num_seqs=1, max_num_batched_tokens=256,
+                page_size=32, num_pages=(args.context + args.max_tokens + 64) // 32 * 2 + 8)
+
+    def build(speculative):
+        start = time.perf_counter()
+        # Programs compile on first use: the timed runs follow an untimed one that reaches them all.
+        engine = Engine(model, EngineConfig(**base, speculative_config=speculative), warm_up=False, use_tqdm=False)
+        return engine, time.perf_counter() - start
+
+    def run(engine, tag):
+        """One request alone: (seconds per target step, tokens per target step, seconds per output token,
+        the share of its decode steps that verified drafts)."""
+        before = engine.stats()
+        engine.add_request(tag, random_prompts(rng, [args.context], vocab)[0], params, final_only=True)
+        first = last = None
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            for output in outputs:
+                metrics = output.metrics
+                first, last = metrics.first_token_time, metrics.last_token_time
+        after = engine.stats()
+        accepted = after.get("spec_decode_num_accepted_tokens", 0) - before.get("spec_decode_num_accepted_tokens", 0)
+        # Steps after the first token: each gives one token plus what it accepted.
+        decode_steps = args.max_tokens - 1 - accepted
+        verified = after.get("spec_decode_num_drafts", 0) - before.get("spec_decode_num_drafts", 0)
+        return ((last - first) / decode_steps, (args.max_tokens - 1) / decode_steps,
+                (last - first) / (args.max_tokens - 1), verified / decode_steps)
+
+    def best_of(engine, tag, repeats=3):
+        run(engine, f"{tag}-warm")
+        results = [run(engine, f"{tag}-{r}") for r in range(repeats)]
+        return min(results)
+
+    plain_engine, seconds = build(None)
+    plain_step, _, plain_tpot, _ = best_of(plain_engine, "plain")
+    log(f"plain async decode: {plain_step * 1e3:.3f} ms per step (engine built in {seconds:.1f} s)")
+    del plain_engine
+    acceptance_rows = [row for path in args.acceptance or [] for row in json.loads(Path(path).read_text())["rows"]]
+    rows = []
+    for k in args.ks:
+        row = dict(k=k)
+        for mode in ("async", "sync"):
+            config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": args.lookup_max,
+                      "prompt_lookup_min": args.lookup_min, "async_verify": mode == "async"}
+            engine, seconds = build(config)
+            if mode == "async":  # the low-gain switch on: what speculating costs where it does not help
+                row["judged_tpot_ms"] = best_of(engine, "judged")[2] * 1e3
+            # Every step verifies: random weights would otherwise be judged low and run plain.
+            engine.speculator.config = dataclasses.replace(engine.speculator.config, min_acceptance_rate=0.0,
+                                                           min_accepted_per_step=0.0)
+            step, _, _, verified = best_of(engine, mode)
+            row[f"{mode}_step_ms"] = step * 1e3
+            row[f"{mode}_share_of_steps_verifying"] = verified
+            row[f"{mode}_ratio_to_plain"] = step / plain_step
+            del engine
+        for acc in acceptance_rows:
+            if acc["k"] == k:
+                row[f"effective_ms_{acc['set']}"] = row["async_step_ms"] / acc["tokens_per_step"]
+                row[f"effective_sync_ms_{acc['set']}"] = row["sync_step_ms"] / acc["tokens_per_step"]
+        rows.append(row)
+        log(f"k={k}: async verify step {row['async_step_ms']:.3f} ms ({row['async_ratio_to_plain']:.3f}x plain), "
+            f"sync {row['sync_step_ms']:.3f} ms ({row['sync_ratio_to_plain']:.3f}x); steps verifying drafts "
+            f"{row['async_share_of_steps_verifying']:.0%} / {row['sync_share_of_steps_verifying']:.0%}; low-gain switch on: "
+            f"{row['judged_tpot_ms']:.3f} ms/token ({row['judged_tpot_ms'] / (plain_tpot * 1e3):.3f}x plain)"
+            + "".join(f"; {key} {v:.3f}" for key, v in row.items() if key.startswith("effective")))
+    md = [f"# Speculative decoding through the engine loop, {args.shape}, batch 1, prompt {args.context}", "",
+          f"Command: `{header_command()}`  ",
+          f"plain async decode {plain_step * 1e3:.3f} ms per step", "",
+          "effective ms/token = wall time per target step / tokens per target step (measured on real weights).", "",
+          "| k | async step ms | x plain | sync step ms | x plain | effective async (copy-heavy) | (chat) | "
+          "effective sync (copy-heavy) | judged-low run ms/token | x plain |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        md.append(f"| {r['k']} | {r['async_step_ms']:.3f} | {r['async_ratio_to_plain']:.3f} | {r['sync_step_ms']:.3f} | "
+                  f"{r['sync_ratio_to_plain']:.3f} | {r.get('effective_ms_copy-heavy', float('nan')):.3f} | "
+                  f"{r.get('effective_ms_chat', float('nan')):.3f} | {r.get('effective_sync_ms_copy-heavy', float('nan')):.3f} | "
+                  f"{r['judged_tpot_ms']:.3f} | {r['judged_tpot_ms'] / (plain_tpot * 1e3):.3f} |")
+    return {"plain_step_ms": plain_step * 1e3, "plain_tpot_ms": plain_tpot * 1e3, "rows": rows}, md
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=("acceptance", "step-cost"))
+    parser.add_argument("mode", choices=("acceptance", "step-cost", "engine"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
@@ -278,8 +411,9 @@ def main():
     args = parser.parse_args()
     log = Log()
     info = header(log)
-    results, md = acceptance(args, log) if args.mode == "acceptance" else step_cost(args, log)
-    name = "spec_acceptance" if args.mode == "acceptance" else "spec_step_cost"
+    run = {"acceptance": acceptance, "step-cost": step_cost, "engine": engine_steps}[args.mode]
+    results, md = run(args, log)
+    name = {"acceptance": "spec_acceptance", "step-cost": "spec_step_cost", "engine": "spec_engine"}[args.mode]
     write_results(args.out, name, {"info": info, "args": vars(args) | {"out": str(args.out)}, **results},
                   "\n".join(md) + "\n", log)
 

@@ -6,6 +6,9 @@ TPU) and the context-bounded CPU path on a CPU; tests force ``"reference"``, ``"
 ``"pallas_tpu"``, or their ``_interpret`` variants to run a kernel on the CPU. ``"pallas_gpu_fused"``
 (opt-in, never chosen by ``"auto"``) is the GPU kernel with the K/V write fused in, kept for its
 benchmark: GPU run 2 measured it slower than ``"pallas_gpu"`` at large batches (docs/KERNELS.md).
+``"pallas_gpu_fresh_prefill"`` (opt-in until measured, issue 21) is ``"pallas_gpu"`` with the step's
+longest fresh prefill (no cached prefix, >= 1024 tokens) sent through jax's bundled Mosaic GPU flash
+attention (``pallas_kernels.paged_attention.gpu_fresh_prefill``); on other platforms it is ``"auto"``.
 
 FP8 pages (``kv_cache_dtype="fp8"``) are scaled here, so that every kernel only converts the
 tiles it loads: the new K/V are quantized before the kernel writes them, ``k_scale`` is folded
@@ -25,27 +28,38 @@ from pallas_kernels.paged_attention.reference import ragged_paged_attention_refe
 from sharding.rules import shard_over_heads
 
 IMPLEMENTATIONS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret",
-                   "pallas_gpu_fused", "pallas_gpu_fused_interpret")
+                   "pallas_gpu_fused", "pallas_gpu_fused_interpret", "pallas_gpu_fresh_prefill")
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 def resolve_impl(impl: str, platform: str | None = None, head_dim: int | None = None) -> str:
     """Turn ``"auto"`` into a concrete implementation for ``platform`` (default: JAX's backend).
 
     The GPU kernel tiles head_dim in powers of two; other head sizes take the reference.
+    ``"pallas_gpu_fresh_prefill"`` needs a Hopper GPU (its Mosaic GPU kernel issues wgmma and TMA);
+    elsewhere it is ``"auto"``. With ``platform`` given, the device is not asked (tests).
     """
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention impl {impl!r} is not one of {IMPLEMENTATIONS}")
+    gpu_head_dim_ok = head_dim is None or (head_dim & (head_dim - 1)) == 0
+    if impl == "pallas_gpu_fresh_prefill":
+        is_hopper = platform in ("gpu", "cuda") if platform else _is_hopper_gpu()
+        return impl if is_hopper and gpu_head_dim_ok else resolve_impl("auto", platform, head_dim)
+    platform = platform or jax.default_backend()
     if impl != "auto":
         return impl
-    platform = platform or jax.default_backend()
-    gpu_head_dim_ok = head_dim is None or (head_dim & (head_dim - 1)) == 0
-    if platform in ("gpu", "cuda", "rocm") and gpu_head_dim_ok:
+    if platform in _GPU_PLATFORMS and gpu_head_dim_ok:
         return "pallas_gpu"
     if platform == "tpu":
         return "pallas_tpu"
     if platform == "cpu":
         return "cpu"
     return "reference"
+
+
+def _is_hopper_gpu() -> bool:
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
 
 
 def paged_attention(q, k_new, v_new, k_pages, v_pages, batch, *, sm_scale, sliding_window=None, impl="auto",
@@ -81,6 +95,8 @@ def _attend(*args, impl, sm_scale, sliding_window):
         return ragged_paged_attention_cpu(*args, **kwargs)
     import pallas_kernels.paged_attention as pa
 
+    if impl == "pallas_gpu_fresh_prefill":
+        return pa.ragged_paged_attention_gpu_fresh_prefill(*args, **kwargs)
     if impl.startswith("pallas_gpu_fused"):
         return pa.ragged_paged_attention_gpu_fused(*args, **kwargs, interpret=impl.endswith("_interpret"))
     if impl.startswith("pallas_gpu"):

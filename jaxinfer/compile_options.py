@@ -1,4 +1,4 @@
-"""Compiler options for the step programs, chosen per phase, and the jit wrapper that applies them.
+"""Compiler options for the step programs, chosen per token count, and the jit wrapper that applies them.
 
 Each layer of a tp-sharded model ends its attention and its MLP with a row-parallel matmul
 whose partial sums XLA all-reduces; the next layer needs the sum, so by default the
@@ -13,14 +13,24 @@ program (:class:`PhasedJit`), so prefill and decode programs can differ; measure
 Decode steps move [B, E] activations (a few hundred KB): the all-reduce is latency-bound, and
 splitting it only adds latency, so the options default to off for decode; prefill defaults
 to off as well until the GPU numbers say otherwise.
+
+Programs whose projections run FP8 W8A8 (``jaxinfer.linear.uses_fp8_w8a8``) compile on GPU
+without XLA's Triton GEMMs (:data:`FP8_W8A8_GEMM_OPTIONS`): XLA autotunes Triton tilings of
+every FP8 dot against cuBLASLt and on an H200 always picked cuBLASLt's FP8 GEMM in the end
+(``benchmarks/fp8_hlo_check.py``), after 18 s (128 tokens) to 52 s (2048 tokens) of compiling
+per program (``benchmarks/compile_time.py``; 8.5 s / 6.7 s without Triton). Weight-only
+programs keep Triton: their dequantizing convert fuses into a Triton GEMM. docs/QUANTIZATION.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 
 import jax
+
+from jaxinfer.linear import uses_fp8_w8a8
 
 # GPU compiler options for overlapped programs (other platforms accept and ignore them).
 XLA_OVERLAP_OPTIONS = {
@@ -41,12 +51,32 @@ XLA_OVERLAP_OPTIONS = {
 GRAPHS_WITH_COLLECTIVES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,COLLECTIVES"
 
 
+# GPU compiler options for step programs whose projections run FP8 W8A8: no Triton GEMMs, so
+# XLA neither autotunes Triton tilings of the FP8 dots nor fuses them into Triton kernels; the
+# dots become cuBLASLt's FP8 GEMM, which the autotuner chose anyway (module docstring).
+FP8_W8A8_GEMM_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def _is_in_xla_flags(option: str) -> bool:
+    # The "=" keeps out options that share the prefix.
+    return f"--{option}=" in os.environ.get("XLA_FLAGS", "")
+
+
+def quantized_gemm_options(quantization: str | None, num_tokens: int, platform: str) -> dict:
+    """Compiler options for a step of ``num_tokens`` token rows over projections quantized as
+    ``quantization`` (None: dense) on ``platform``: :data:`FP8_W8A8_GEMM_OPTIONS` for a GPU step
+    that runs FP8 W8A8, else none. An option the user set in ``XLA_FLAGS`` stays theirs."""
+    if platform != "gpu" or quantization != "fp8" or not uses_fp8_w8a8(num_tokens):
+        return {}
+    return {k: v for k, v in FP8_W8A8_GEMM_OPTIONS.items() if not _is_in_xla_flags(k)}
+
+
 def graph_options(num_devices: int) -> dict:
     """Compiler options for a step program over ``num_devices`` GPUs: collectives inside CUDA graphs."""
     if num_devices <= 1 or jax.default_backend() != "gpu":
         return {}
-    if "--xla_gpu_enable_command_buffer=" in os.environ.get("XLA_FLAGS", ""):
-        return {}  # the user chose the graph kinds (the "=" keeps out options that share the prefix)
+    if _is_in_xla_flags("xla_gpu_enable_command_buffer"):
+        return {}  # the user chose the graph kinds
     return {"xla_gpu_enable_command_buffer": GRAPHS_WITH_COLLECTIVES}
 
 
@@ -70,28 +100,48 @@ class OverlapConfig:
 
 
 class PhasedJit:
-    """A jitted step compiled with its phase's options: ``for_tokens(n)`` picks the program family.
+    """A jitted step whose compiler options depend on its token count: ``for_tokens(n)`` picks the program family.
 
-    With the same options for both phases (the default) it is one ``jax.jit`` object.
+    The options of an ``n``-token step (:meth:`compiler_options`) merge the base options, the
+    phase's overlap options (a prefill has more than ``decode_max_tokens`` tokens) and the
+    quantized-GEMM options (:func:`quantized_gemm_options`). Steps with the same options share
+    one ``jax.jit`` object: with no per-phase or per-size options it is a single one.
     """
 
     def __init__(self, fun, overlap: OverlapConfig | None, decode_max_tokens: int,
-                 base_compiler_options: dict | None = None, **jit_kwargs):
-        """``base_compiler_options`` apply to both phases (e.g. :func:`graph_options`)."""
-        overlap = overlap or OverlapConfig()
+                 base_compiler_options: dict | None = None, *, quantization: str | None = None,
+                 platform: str | None = None, **jit_kwargs):
+        """``base_compiler_options`` apply to every step (e.g. :func:`graph_options`);
+        ``quantization``: the model's (``"fp8"``, ``"int8"`` or None); ``platform``: the backend
+        the programs compile for (default: JAX's default backend)."""
+        self.overlap = overlap or OverlapConfig()
         self.decode_max_tokens = decode_max_tokens
+        self.base_compiler_options = dict(base_compiler_options or {})
+        self.quantization = quantization
+        self.platform = platform or jax.default_backend()
+        self._fun, self._jit_kwargs = fun, jit_kwargs
+        self._jits: dict[tuple, object] = {}  # options -> jit
+        self._by_tokens: dict[int, object] = {}  # token count -> jit: each step asks, keep it cheap
+        self._lock = threading.Lock()  # warm-up asks for programs from several threads
 
-        def options(phase):
-            merged = {**(base_compiler_options or {}), **(overlap.compiler_options(phase) or {})}
-            return merged or None
-
-        self.decode = jax.jit(fun, compiler_options=options("decode"), **jit_kwargs)
-        self.prefill = self.decode
-        if overlap.prefill != overlap.decode:
-            self.prefill = jax.jit(fun, compiler_options=options("prefill"), **jit_kwargs)
+    def compiler_options(self, num_tokens: int) -> dict | None:
+        """The compiler options of a step of ``num_tokens`` token rows (None: XLA's defaults)."""
+        phase = "prefill" if num_tokens > self.decode_max_tokens else "decode"
+        options = {**self.base_compiler_options, **(self.overlap.compiler_options(phase) or {}),
+                   **quantized_gemm_options(self.quantization, num_tokens, self.platform)}
+        return options or None
 
     def for_tokens(self, num_tokens: int):
-        return self.prefill if num_tokens > self.decode_max_tokens else self.decode
+        jitted = self._by_tokens.get(num_tokens)
+        if jitted is not None:
+            return jitted
+        options = self.compiler_options(num_tokens)
+        key = tuple(sorted((options or {}).items()))
+        with self._lock:
+            if key not in self._jits:
+                self._jits[key] = jax.jit(self._fun, compiler_options=options, **self._jit_kwargs)
+            self._by_tokens[num_tokens] = self._jits[key]
+            return self._jits[key]
 
     def _cache_size(self) -> int:
-        return self.decode._cache_size() + (self.prefill._cache_size() if self.prefill is not self.decode else 0)
+        return sum(jitted._cache_size() for jitted in self._jits.values())

@@ -21,7 +21,9 @@ mask while the device computes (``jaxinfer.structured_output``, docs/STRUCTURED_
 Speculative decoding (``config.speculative_config``, ``jaxinfer.spec_decode``): before each
 schedule the speculator drafts tokens for the running sequences; a step with drafts verifies
 them on the device, and the engine reads its accepted tokens before the next step is
-prepared (the next drafts continue them), then rolls each sequence back to what it kept.
+prepared (the next drafts continue them), then rolls each sequence back to what it kept. With
+``async_verify`` the device drafts the next step itself and the engine reads each verify step a
+step late, as it reads sampled tokens (``jaxinfer.spec_decode.lagged``).
 
 Repetition/presence/frequency penalties read each sequence's history from token pages on
 the device (``jaxinfer.token_history``), so they run under async scheduling too.
@@ -85,12 +87,16 @@ class Engine:
             self.allocator,
         )
         speculative = SpeculativeConfig.from_value(config.speculative_config)
+        # Asynchronous verify steps: drafts made on the device a step ahead (jaxinfer.spec_decode.lagged).
+        self.is_verify_lagged = bool(speculative is not None and speculative.async_verify and config.async_scheduling)
         self.runner = ModelRunner(
             model, num_pages=config.num_pages, page_size=config.page_size, max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             attention_impl=config.attention_impl, mesh=mesh, overlap=config.overlap,
             kv_cache_dtype=config.kv_cache_dtype,
             num_speculative_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
+            lagged_ngram=((speculative.prompt_lookup_min, speculative.prompt_lookup_max)
+                          if self.is_verify_lagged else None),
         )
         self.speculator = None
         if speculative is not None:
@@ -293,12 +299,32 @@ class Engine:
         """Give the running sequences their drafts for the next schedule. Drafts continue a
         sequence's last token, so the step in flight is read first whenever someone may speculate
         (and always after a verify step, whose sequences roll back before they are scheduled)."""
+        if self.is_verify_lagged:
+            return self._draft_lagged(changed)
         launched = self._launched
         running = self.scheduler.running
         if launched is not None and (launched.packed.verify is not None or self.speculator.may_speculate(running)):
             self._launched = None
             self._process(launched, changed)
-        self.speculator.propose(self.scheduler.running)
+        self.speculator.propose(self.scheduler.running, waiting=self.scheduler.waiting)
+
+    def _draft_lagged(self, changed: dict[str, RequestState]) -> None:
+        """Asynchronous verify steps: the sequences of a verify step in flight continue it with the
+        device's drafts, unread. The host reads the step in flight only to start speculating (a
+        plain step's tokens seed the host's first drafts) or to stop (nobody may speculate: the
+        steps after it are plain again, and a constrained row needs a plain, masked step)."""
+        launched = self._launched
+        # A sequence the step may admit counts too: a constrained one needs a plain (masked) step.
+        may_speculate = self.speculator.may_speculate(self.scheduler.running, self.scheduler.waiting)
+        is_verify = launched is not None and launched.packed.verify is not None
+        if launched is not None and is_verify != may_speculate:
+            self._launched = None
+            self._process(launched, changed)
+            launched = None
+        continuing = frozenset()
+        if launched is not None and launched.packed.verify is not None:
+            continuing = frozenset(seq.seq_id for seq, _ in launched.packed.sampled if not seq.is_finished)
+        self.speculator.propose(self.scheduler.running, continuing, self.scheduler.waiting)
 
     def stats(self) -> dict:
         return dict(
@@ -383,6 +409,10 @@ class Engine:
         for seq, _ in packed.sampled:
             if not seq.is_finished:
                 seq.append_token(PLACEHOLDER_TOKEN)
+        if self.is_verify_lagged:
+            # The next step may find these sequences up to their drafts further on than the host counts.
+            for item in schedule.items:
+                item.seq.num_lookahead_slots = len(item.draft_token_ids) if packed.verify is not None else 0
         return LaunchedStep(packed, sampler_output)
 
     def _process(self, launched: LaunchedStep, changed: dict[str, RequestState]) -> None:
@@ -410,19 +440,28 @@ class Engine:
         verify = launched.packed.verify
         wait_start = time.monotonic()
         num_accepted = np.asarray(out.num_accepted).tolist()
+        num_drafts = np.asarray(out.num_drafts).tolist()  # the device's count: it drafts for lagged steps
         fetched = fetch_samples(out.sampler, with_logprobs=launched.packed.wants_logprobs)
         self.device_wait_seconds += time.monotonic() - wait_start
+        for seq, slot in launched.packed.sampled:
+            if not seq.is_finished and num_accepted[slot]:
+                # The run's tokens come before the placeholder of any step launched since (lagged steps).
+                seq.insert_placeholders(seq.first_placeholder_index + 1, num_accepted[slot])
         sampled = [(seq, row) for seq, slot in launched.packed.sampled
                    for row in verify.rows_of(slot, num_accepted[slot])]
         stops = self.output_processor.process(sampled, fetched, self._seq_request, changed)
         for seq, reason in stops:
             self.scheduler.finish(seq, reason)
+        in_flight = {seq.seq_id for seq, _ in self._launched.packed.sampled} if self._launched is not None else set()
         for seq, slot in launched.packed.sampled:
             if seq.is_finished:
                 continue
-            roll_back(seq, self.allocator)
-            if verify.num_drafts[slot]:
-                self.speculator.record(seq, verify.num_drafts[slot], num_accepted[slot])
+            if seq.seq_id not in in_flight:
+                seq.num_lookahead_slots = 0
+            if seq.status is SequenceStatus.RUNNING:  # not preempted since: it recomputes from scratch
+                roll_back(seq, self.allocator, seq.num_lookahead_slots)
+            if num_drafts[slot]:
+                self.speculator.record(seq, num_drafts[slot], num_accepted[slot])
 
     def _collect(self, changed: dict[str, RequestState]) -> list[RequestOutput]:
         outputs = self.output_processor.collect(changed)

@@ -70,6 +70,7 @@ error. Every error is an :class:`EngineConfigError` that names the field.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 
@@ -77,10 +78,12 @@ from jaxinfer.attention import IMPLEMENTATIONS
 from jaxinfer.kv_cache_dtype import (KV_CACHE_DTYPES, check_kv_cache_dtype_supported, normalize_kv_cache_dtype,
                                      storage_dtype)
 from jaxinfer.loaded_model import LoadedModel
-from jaxinfer.memory import DEFAULT_MEMORY_UTILIZATION, num_pages_for_device, pages_for
+from jaxinfer.memory import DEFAULT_MEMORY_UTILIZATION, max_num_pages, num_pages_for_device, pages_for
 from jaxinfer.spec_decode.config import SpeculativeConfig
 from jaxinfer.quantization import QUANTIZATIONS
 from sharding.mesh import tp_size
+
+logger = logging.getLogger(__name__)
 
 
 class EngineConfigError(ValueError):
@@ -197,8 +200,29 @@ class EngineConfig:
                 f"num_pages {num_pages} cannot hold one request of max_model_len {max_model_len}: it needs "
                 f"{min_pages} pages of {config.page_size} tokens (one is scratch)", field="num_pages",
             )
+        if normalize_platform(platform) == "gpu" and kv_bytes == 1:
+            num_pages = cap_gpu_num_pages(num_pages, model.config, mesh, config.page_size,
+                                          explicit=config.num_pages is not None)
         return dataclasses.replace(config, max_model_len=max_model_len, num_pages=num_pages,
                                    kv_cache_dtype=kv_cache_dtype, quantization=model.config.quantization)
+
+
+def cap_gpu_num_pages(num_pages: int, model_config, mesh, page_size: int, explicit: bool) -> int:
+    """``num_pages`` of FP8 pages within what the GPU kernel can address (``memory.max_num_pages``):
+    a pool sized from free memory is cut down to it (logged); an explicit one past it is an error."""
+    per_device = dataclasses.replace(model_config, num_kv_heads=max(1, model_config.num_kv_heads // tp_size(mesh)))
+    limit = max_num_pages(per_device, page_size)
+    if num_pages <= limit:
+        return num_pages
+    if explicit:
+        raise EngineConfigError(
+            f"num_pages {num_pages} of FP8 pages is more than the GPU attention kernel can address: each "
+            f"layer's K/V array must stay under 2**31 elements, at most {limit} pages of {page_size} tokens here",
+            field="num_pages",
+        )
+    logger.warning("KV cache capped at %d pages (from %d): each layer's K/V array must stay under 2**31 "
+                   "elements for the GPU kernel's 8-bit page loads", limit, num_pages)
+    return limit
 
 
 def normalize_platform(platform: str | None) -> str:

@@ -50,6 +50,11 @@ class StepInputs:
     # ``sampling`` and ``batch.logits_indices`` then have k + 1 rows per slot. None: a plain step.
     draft_ids: np.ndarray | None = None
     num_drafts: np.ndarray | None = None
+    # Asynchronous verify steps (jaxinfer.spec_decode.lagged), on every step of such a runner:
+    # [B] each slot's slot in the previous step if that was a verify step (else -1), and [T] which
+    # of that step's device drafts an input token is (prev_slot * k + j, else -1).
+    prev_slots: np.ndarray | None = None
+    draft_rows: np.ndarray | None = None
 
     @property
     def is_verify(self) -> bool:
@@ -79,11 +84,13 @@ class PackedStep:
 
 
 def pack_step(schedule: Schedule, buckets, previous: PackedStep | None, vocab_size: int,
-              num_speculative_tokens: int = 0) -> PackedStep:
+              num_speculative_tokens: int = 0, lagged: bool = False) -> PackedStep:
     """The inputs of ``schedule``'s step, padded to the smallest of ``buckets`` (a ``runner.Buckets``)
     that fits; ``previous`` is the step still on the device, whose samples fill placeholders.
     A schedule whose items carry drafts becomes a verify step of ``num_speculative_tokens + 1``
-    rows per slot."""
+    rows per slot. ``lagged``: the runner runs asynchronous verify steps (``spec_decode.lagged``):
+    placeholder drafts are read from the previous verify step's device drafts, and a step that
+    continues a verify step is a verify step too (its slots shift by what that step accepted)."""
     items = schedule.items
     num_tokens = sum(item.num_new_tokens for item in items)
     max_pages = max(len(item.seq.page_table) for item in items)
@@ -96,6 +103,9 @@ def pack_step(schedule: Schedule, buckets, previous: PackedStep | None, vocab_si
     # A placeholder input is read on the device from the previous step's sample (prev_rows).
     prev_rows = np.full(t_bucket, -1, np.int32)
     previous_rows = previous.last_row_of_each_seq() if previous is not None else {}
+    prev_slots = np.full(b_bucket, -1, np.int32)
+    draft_rows = np.full(t_bucket, -1, np.int32)
+    follows_verify = lagged and previous is not None and previous.verify is not None
     chunks, sampled, token_row = [], [], 0
     sample_rows, temperatures, seeds, steps = [], [], [], []
     for b, item in enumerate(items):
@@ -105,7 +115,15 @@ def pack_step(schedule: Schedule, buckets, previous: PackedStep | None, vocab_si
             if token == PLACEHOLDER_TOKEN:
                 prev_rows[token_row] = previous_rows[seq.seq_id]
                 token = 0
+                if follows_verify:
+                    prev_slots[b] = previous_rows[seq.seq_id]  # a verify step's sampled entry names the slot
             tokens = (token, *item.draft_token_ids)
+            if item.draft_token_ids and item.draft_token_ids[0] == PLACEHOLDER_TOKEN:  # the device drafted them
+                if prev_slots[b] < 0:
+                    raise ValueError(f"sequence {seq.seq_id} has device drafts but did not run in a verify step before")
+                j = np.arange(len(item.draft_token_ids), dtype=np.int32)
+                draft_rows[token_row + 1 + j] = prev_slots[b] * num_speculative_tokens + j
+                tokens = (token, *[0] * len(item.draft_token_ids))
         else:
             tokens = seq.token_ids[start : start + n]
             if seq.has_placeholder:
@@ -130,12 +148,15 @@ def pack_step(schedule: Schedule, buckets, previous: PackedStep | None, vocab_si
         chunks, num_tokens=t_bucket, num_seqs=b_bucket, pages_per_seq=p_bucket, padding_page=SCRATCH_PAGE
     )
     drafts = [item.draft_token_ids for item in items]
-    if not any(drafts):
-        return PackedStep(StepInputs(batch, sampling, prev_rows, sampler_path), sampled)
-    # The speculator drafts for no step with a constrained row, so a verify step is never masked.
+    lagged_inputs = dict(prev_slots=prev_slots, draft_rows=draft_rows) if lagged else {}
+    if not any(drafts) and not (prev_slots >= 0).any():
+        return PackedStep(StepInputs(batch, sampling, prev_rows, sampler_path, **lagged_inputs), sampled)
+    # The speculator drafts for no step with a constrained row (and the engine reads a verify step
+    # in flight before such a step), so a verify step is never masked.
     batch, sampling, draft_ids, num_drafts = expand_to_rows(batch, sampling, drafts, num_speculative_tokens)
     verify = VerifyRows(num_speculative_tokens, tuple(len(d) for d in drafts))
-    return PackedStep(StepInputs(batch, sampling, prev_rows, sampler_path, draft_ids, num_drafts), sampled, verify)
+    return PackedStep(StepInputs(batch, sampling, prev_rows, sampler_path, draft_ids, num_drafts, **lagged_inputs),
+                      sampled, verify)
 
 
 def empty_step_inputs(num_tokens: int, num_seqs: int, pages_per_seq: int, sampler_path: str = "basic") -> StepInputs:

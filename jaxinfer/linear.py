@@ -19,9 +19,11 @@ The path is chosen per step bucket at trace time (``M``, the token count, is sta
 - FP8 with at least :data:`FP8_W8A8_MIN_TOKENS` tokens: **W8A8**. Each token row is scaled to
   e4m3 by its own absmax, the dot runs FP8 x FP8 with float32 accumulation, M padded to a
   multiple of 16 (cuBLASLt's FP8 GEMM wants it), and both scales multiply the output.
-- FP8 on a GPU with at most :data:`PALLAS_FP8_GEMV_MAX_TOKENS` tokens: the Pallas weight-only
-  kernel of ``pallas_kernels.quantized_matmul``. Off (0) until that kernel has been measured
-  against XLA's weight-only path on the H200.
+  Projections that share one input (q/k/v, gate/up) go through :func:`linear_many`, which
+  quantizes that input once for all of them.
+- FP8 weight-only, and dense bf16, on one GPU at few tokens: the Pallas GEMV kernels of
+  ``pallas_kernels.quantized_matmul`` where the committed measurement table says they beat
+  XLA for that shape and M (``jaxinfer.decode_gemv``); XLA's path everywhere else.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import jax.numpy as jnp
 
 from jaxinfer.cpu_int8_matmul import int8_matmul_cpu
 from jaxinfer.cpu_int8_matmul import is_available as cpu_int8_kernel_is_available
+from jaxinfer.decode_gemv import dense_gemv_shape, dense_pallas_matmul, use_pallas_gemv
 from jaxinfer.quantization import FP8_MAX, QuantizedWeight
 from pallas_kernels.precision import matmul_precision
 
@@ -42,9 +45,6 @@ from pallas_kernels.precision import matmul_precision
 # M = 90, and step buckets are powers of two, so 64-token steps stay weight-only. To be refined
 # by `benchmarks/fp8_hlo_check.py`'s sweep.
 FP8_W8A8_MIN_TOKENS = 128
-# The Pallas FP8 GEMV/GEMM kernel serves GPU steps of at most this many tokens; 0: never (until
-# measured). The lead sets it after the GPU run.
-PALLAS_FP8_GEMV_MAX_TOKENS = 0
 # Threads of XLA's intra-op pool the native int8 CPU matmul splits a projection over. On the
 # shared 2-core machine (load average ~10) a batch-1 step took 47.6 ms on 1 thread, 61.5 ms on 2
 # (float32: 58.8): a share waiting for a busy core costs more than the split saves. A quiet
@@ -55,6 +55,12 @@ FP8_GEMM_ROW_MULTIPLE = 16
 _CONTRACT_MINOR = (((1,), (1,)), ((), ()))
 
 
+def uses_fp8_w8a8(num_tokens: int) -> bool:
+    """Whether an FP8 weight runs W8A8 in a step of ``num_tokens`` token rows (else weight-only);
+    ``jaxinfer.compile_options`` compiles those steps' GPU programs without Triton GEMMs."""
+    return num_tokens >= FP8_W8A8_MIN_TOKENS
+
+
 def linear(subscripts: str, x: jax.Array, w, preferred_element_type=None) -> jax.Array:
     """``x`` times the weight ``w`` as the einsum ``subscripts`` (written for the dense layout).
 
@@ -62,8 +68,31 @@ def linear(subscripts: str, x: jax.Array, w, preferred_element_type=None) -> jax
     """
     if isinstance(w, QuantizedWeight):
         return quantized_linear(subscripts, x, w, preferred_element_type)
+    # The kernel returns bf16: a caller asking for another output type (the lm_head's f32 logits) keeps XLA's dot.
+    shape = dense_gemv_shape(subscripts, x, w) if preferred_element_type in (None, jnp.bfloat16) else None
+    if shape is not None and use_pallas_gemv(*shape, jnp.bfloat16, "kn"):
+        return dense_pallas_matmul(subscripts, x, w)
     precision = matmul_precision(jnp.result_type(x, w))
     return jnp.einsum(subscripts, x, w, precision=precision, preferred_element_type=preferred_element_type)
+
+
+def linear_many(subscripts: str, x: jax.Array, weights, preferred_element_type=None) -> list[jax.Array]:
+    """``x`` times each of ``weights`` as the einsum ``subscripts``: projections that share one
+    input (q/k/v, gate/up).
+
+    The same as one :func:`linear` per weight, except that an input which runs FP8 W8A8 is
+    quantized once for all of them: quantizing is a pass over ``x`` (absmax reduce, scale,
+    convert) that would otherwise repeat per weight (XLA may merge the copies, or not).
+    """
+    prequantized = None
+    if any(isinstance(w, QuantizedWeight) and w.quantization == "fp8" for w in weights):
+        n_in, _ = split_subscripts(subscripts)
+        m, k = math.prod(x.shape[:x.ndim - n_in]), math.prod(x.shape[x.ndim - n_in:])
+        if uses_fp8_w8a8(m):
+            prequantized = quantize_activations_fp8(x.reshape(m, k))
+    return [quantized_linear(subscripts, x, w, preferred_element_type, prequantized)
+            if isinstance(w, QuantizedWeight) else linear(subscripts, x, w, preferred_element_type)
+            for w in weights]
 
 
 def split_subscripts(subscripts: str) -> tuple[int, int]:
@@ -83,7 +112,10 @@ def split_subscripts(subscripts: str) -> tuple[int, int]:
     return n_in, len(weight_out)
 
 
-def quantized_linear(subscripts: str, x: jax.Array, w: QuantizedWeight, preferred_element_type=None) -> jax.Array:
+def quantized_linear(subscripts: str, x: jax.Array, w: QuantizedWeight, preferred_element_type=None,
+                     prequantized: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """``linear`` over a quantized weight; ``prequantized``: ``quantize_activations_fp8`` of x
+    as [M, K] (:func:`linear_many`), used when the step runs FP8 W8A8."""
     n_in, n_out = split_subscripts(subscripts)
     if w.num_out_axes != n_out:
         raise ValueError(f"linear({subscripts!r}): the weight has {w.num_out_axes} output axes, "
@@ -97,11 +129,11 @@ def quantized_linear(subscripts: str, x: jax.Array, w: QuantizedWeight, preferre
     payload = w.payload.reshape(n, k)  # [N, K]: contiguous axes merged, no copy
     scale = w.scale.reshape(n)  # [N]
     out_dtype = preferred_element_type or x.dtype
-    if w.quantization == "fp8" and m >= FP8_W8A8_MIN_TOKENS:
-        y = fp8_w8a8_matmul(x2, payload, scale)
+    if w.quantization == "fp8" and uses_fp8_w8a8(m):
+        y = fp8_w8a8_matmul(x2, payload, scale, prequantized)
     elif w.quantization == "int8" and _use_cpu_int8_kernel():
         y = int8_matmul_cpu(x2, payload, scale, max_threads=CPU_INT8_MAX_THREADS)
-    elif w.quantization == "fp8" and _use_pallas_gemv(m):
+    elif w.quantization == "fp8" and use_pallas_gemv(m, n, k, payload.dtype, "nk"):
         from pallas_kernels.quantized_matmul import fp8_weight_only_matmul
 
         y = fp8_weight_only_matmul(x2, payload, scale)
@@ -125,19 +157,19 @@ def quantize_activations_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (x32 / scale[:, None]).astype(jnp.float8_e4m3fn), scale
 
 
-def fp8_w8a8_matmul(x: jax.Array, payload: jax.Array, scale: jax.Array) -> jax.Array:
-    """W8A8: x [M, K] quantized per token, times the e4m3 payload [N, K] -> [M, N] float32."""
+def fp8_w8a8_matmul(x: jax.Array, payload: jax.Array, scale: jax.Array,
+                    prequantized: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """W8A8: x [M, K] quantized per token, times the e4m3 payload [N, K] -> [M, N] float32.
+
+    ``prequantized``: ``quantize_activations_fp8(x)`` already made (shared by several weights).
+    """
     m = x.shape[0]
-    xq, x_scale = quantize_activations_fp8(x)
+    xq, x_scale = prequantized if prequantized is not None else quantize_activations_fp8(x)
     padded = -m % FP8_GEMM_ROW_MULTIPLE
     if padded:
         xq = jnp.pad(xq, ((0, padded), (0, 0)))
     y = jax.lax.dot_general(xq, payload, _CONTRACT_MINOR, preferred_element_type=jnp.float32)[:m]
     return y * x_scale[:, None] * scale[None, :]
-
-
-def _use_pallas_gemv(m: int) -> bool:
-    return m <= PALLAS_FP8_GEMV_MAX_TOKENS and jax.default_backend() == "gpu"
 
 
 def _use_cpu_int8_kernel() -> bool:

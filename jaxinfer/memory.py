@@ -24,6 +24,20 @@ logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 1 << 30  # no device memory to measure on CPU: a modest fixed pool
 
+# FP8 pages past 2**31 elements in one layer's K or V array ([kv_heads, pages, page_size,
+# head_dim]) fault in the GPU decode kernel: on the H200, 256 sequences x 16k tokens of FP8
+# pages (4.3e9 elements) hit an illegal memory access (benchmarks/results/
+# kernel_fp8_pages.session8.md), a 32-bit offset overflowing in the 8-bit load path; bf16 pages
+# ran correctly at 8.6e9 (256 x 32k, session 5). An FP8 cache of Llama-3.1-8B on one H200 holds
+# 1.9e9, close to the limit, so an FP8 pool is capped below it on GPUs.
+GPU_MAX_KV_ARRAY_ELEMENTS = 2**31 - 1
+
+
+def max_num_pages(config: ModelConfig, page_size: int) -> int:
+    """The most pages a GPU KV cache may have: each layer's K (and V) array stays addressable
+    with 32-bit offsets (``config`` with the KV heads one device holds)."""
+    return GPU_MAX_KV_ARRAY_ELEMENTS // (config.num_kv_heads * page_size * config.head_dim)
+
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:

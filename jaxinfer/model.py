@@ -27,7 +27,7 @@ from jaxinfer.attention import paged_attention
 from jaxinfer.batch import StepBatch
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import KVCache
-from jaxinfer.linear import linear
+from jaxinfer.linear import linear, linear_many
 from jaxinfer.params import LayerWeights, Weights
 from jaxinfer.quantization import QuantizedWeight
 from pallas_kernels.precision import matmul_precision
@@ -83,9 +83,8 @@ def attention_block(
     kv_scales: tuple[jax.Array | None, jax.Array | None] = (None, None),
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     h = rms_norm(x, layer.attn_norm, config.rms_norm_eps)  # [T, E]
-    q = linear("te,ehd->thd", h, layer.q)  # [T, Hq, D]
-    k = linear("te,ehd->thd", h, layer.k)  # [T, Hkv, D]
-    v = linear("te,ehd->thd", h, layer.v)  # [T, Hkv, D]
+    # q [T, Hq, D], k and v [T, Hkv, D]; one input, quantized once when it runs FP8 W8A8
+    q, k, v = linear_many("te,ehd->thd", h, (layer.q, layer.k, layer.v))
     if config.attention_bias:
         q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
     if config.qk_norm:
@@ -115,8 +114,7 @@ def output_projection(out: jax.Array, o) -> jax.Array:
 
 def mlp_block(layer: LayerWeights, x: jax.Array, config: ModelConfig) -> jax.Array:
     h = rms_norm(x, layer.mlp_norm, config.rms_norm_eps)  # [T, E]
-    gate = linear("te,ef->tf", h, layer.gate)
-    up = linear("te,ef->tf", h, layer.up)
+    gate, up = linear_many("te,ef->tf", h, (layer.gate, layer.up))  # [T, F] each
     return linear("tf,fe->te", jax.nn.silu(gate) * up, layer.down)
 
 

@@ -21,7 +21,7 @@ from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.prompt_logprobs import PromptLogprobs
 from jaxinfer.sampling import SamplerOutput
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.sequence import PLACEHOLDER_TOKEN, Sequence
+from jaxinfer.sequence import Sequence
 from jaxinfer.tokenizer import Tokenizer
 
 
@@ -109,9 +109,9 @@ class OutputProcessor:
                 continue  # aborted or already stopped: this sample (and the rest of its run) is dropped
             token = token_ids[row]
             if seq.has_placeholder:
-                # The earliest placeholder is this step's; a later one (the step now running) may follow.
-                index = seq.num_tokens - 1 if seq.token_ids[-2] != PLACEHOLDER_TOKEN else seq.num_tokens - 2
-                seq.set_token(index, token)
+                # The earliest placeholder is this step's; later ones (the step now running, the
+                # rest of an asynchronous verify step's run) may follow.
+                seq.set_token(seq.first_placeholder_index, token)
             else:  # a later token of a verify step's accepted run (jaxinfer.spec_decode)
                 seq.append_token(token)
             self.num_generation_tokens += 1
@@ -139,7 +139,7 @@ class OutputProcessor:
     def _stop_reason(self, request: RequestState, i: int, seq: Sequence, token: int) -> str | None:
         """Detokenize sample ``i``'s new ``token``; why the sample stops with it, or None."""
         params = request.params
-        num_generated = seq.num_generated_tokens - int(seq.has_placeholder)  # this token included
+        num_generated = seq.num_generated_tokens - seq.num_placeholders  # this token included
         # min_tokens holds back every stop condition, stop strings included (vLLM's semantics):
         # before this, a stop string in the first min_tokens tokens ended the sample early.
         check_stop = num_generated >= params.min_tokens

@@ -148,13 +148,14 @@ class PageAllocator:
         seq.num_computed_tokens = 0
         seq.num_registered_pages = 0
 
-    def free_tail(self, seq: Sequence) -> int:
+    def free_tail(self, seq: Sequence, num_lookahead_slots: int = 0) -> int:
         """Free ``seq``'s pages wholly past its tokens (rollback of rejected drafts); returns how many.
 
         Such pages hold only the K/V of rejected drafts: fresh, never registered, owned by
         ``seq`` alone. ``num_computed_tokens`` must already be rolled back.
+        ``num_lookahead_slots``: slots past the tokens to keep, which a step in flight may write.
         """
-        num_kept = self.num_pages_for(seq.num_tokens)
+        num_kept = min(self.num_pages_for(seq.num_tokens + num_lookahead_slots), len(seq.page_table))
         if seq.num_computed_tokens > num_kept * self.page_size:
             raise ValueError(f"sequence {seq.seq_id} has computed tokens in the pages it would free")
         tail = seq.page_table[num_kept:]

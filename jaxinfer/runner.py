@@ -48,6 +48,7 @@ from jaxinfer.sampling import SamplerOutput, SamplingFlags, sample
 from jaxinfer.sampling_params import MAX_TOP_LOGPROBS
 from jaxinfer.scheduler import Schedule
 from jaxinfer.structured_output.bitmask import allocate_bitmask, bitmask_width
+from jaxinfer.spec_decode.lagged import DeviceDrafts, continue_batch, continue_verify_inputs, drafts_for_next_step
 from jaxinfer.spec_decode.layout import expand_to_rows
 from jaxinfer.spec_decode.rejection import VerifyOutput, verify
 from jaxinfer.token_history import gather_history, write_tokens
@@ -121,7 +122,7 @@ class Buckets:
 
 def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int, platform: str,
                     one_row_bucket: bool = True) -> Buckets:
-    """GPU/TPU: powers of two, sequences tied to tokens (one program per token bucket).
+    """GPU/TPU: powers of two and ``max_num_seqs``, sequences tied to tokens (one program per token bucket).
 
     CPU: powers of four from 4, sequences tied too: fewer buckets, since compiling costs more
     than padding there, but none so coarse that a small batch pays for a large one; with
@@ -145,6 +146,10 @@ def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, max_pages_pe
         return Buckets(tokens, seqs, (max_pages_per_seq,), tied_seqs=True)
     seqs = powers_of_two(min(8, max_num_seqs), max_num_seqs)
     tokens = powers_of_two(min(8, max_num_batched_tokens), max(max_num_batched_tokens, max_num_seqs))
+    # A full decode step (max_num_seqs tokens) gets a bucket of its own: with 384 sequences the
+    # next power of two ran every steady decode step's matmuls over 512 rows (33% padding).
+    if tokens[0] < max_num_seqs < tokens[-1]:
+        tokens = tuple(sorted(set(tokens) | {max_num_seqs}))
     pages = (max_pages_per_seq,)  # the kernels read only each sequence's pages
     return Buckets(tokens, seqs, pages, tied_seqs=True)
 
@@ -165,11 +170,14 @@ class ModelRunner:
         overlap=None,
         kv_cache_dtype: str = "auto",
         num_speculative_tokens: int = 0,
+        lagged_ngram: tuple[int, int] | None = None,
     ):
         """``mesh``: a ``sharding.make_mesh`` mesh the model was laid out on (``sharding.shard_model``);
         ``overlap``: a ``jaxinfer.compile_options.OverlapConfig`` (communication overlap per phase);
         ``num_speculative_tokens``: k > 0 compiles verify steps (k + 1 logits rows per sequence
-        slot, ``jaxinfer.spec_decode``) beside the plain ones at warm-up."""
+        slot, ``jaxinfer.spec_decode``) beside the plain ones at warm-up; ``lagged_ngram``
+        (``(prompt_lookup_min, prompt_lookup_max)``): verify steps are asynchronous, their next
+        drafts made on the device by prompt lookup (``jaxinfer.spec_decode.lagged``)."""
         self.model = model
         self.config = model.config
         self.page_size = page_size
@@ -181,6 +189,9 @@ class ModelRunner:
         )
         self.attention_impl = attention_impl
         self.num_speculative_tokens = num_speculative_tokens
+        if lagged_ngram is not None and not num_speculative_tokens:
+            raise ValueError("lagged_ngram needs num_speculative_tokens > 0")
+        self.lagged_ngram = lagged_ngram
         self.placement = StepPlacement(self.config, mesh)
         self._input_observer: Callable[[StepInputs], None] | None = None
         self.cache = create_kv_cache(
@@ -192,15 +203,23 @@ class ModelRunner:
         self.last_sampled = jax.jit(
             lambda: jnp.zeros((self.buckets.num_seqs[-1],), jnp.int32), **self.placement.jit_kwargs()
         )()
+        # What the last verify step accepted and drafted, per slot, for the next (asynchronous) one.
+        self.device_drafts = None
+        if lagged_ngram is not None:
+            self.device_drafts = jax.jit(
+                lambda: DeviceDrafts.empty(self.buckets.num_seqs[-1], num_speculative_tokens),
+                **self.placement.jit_kwargs())()
         # The token id at every KV slot, for the penalties (jaxinfer.token_history).
         self.token_pages = jax.jit(
             lambda: jnp.full((num_pages, page_size), -1, jnp.int32), **self.placement.jit_kwargs()
         )()
-        # Prefill and decode programs may compile with different overlap options (jaxinfer.compile_options).
+        # Programs may compile with different options per token count: overlap per phase, no
+        # Triton GEMMs for FP8 W8A8 steps on GPU (jaxinfer.compile_options).
         self._step = PhasedJit(
             functools.partial(_forward_step, config=self.config, attention_impl=attention_impl),
             overlap, self.buckets.num_seqs[-1],
             base_compiler_options=graph_options(1 if mesh is None else mesh.size),
+            quantization=model.quantization,
             static_argnames=("packing",),
             donate_argnames=("cache", "token_pages"),
             **self.placement.jit_kwargs(with_cache=True),
@@ -211,7 +230,7 @@ class ModelRunner:
             **self.placement.jit_kwargs(),
         )
         self._verifier = jax.jit(
-            functools.partial(_verify_step, num_padded=self.buckets.num_seqs[-1]),
+            functools.partial(_verify_step, num_padded=self.buckets.num_seqs[-1], lagged_ngram=lagged_ngram),
             static_argnames=("packing", "sampler_path"),
             **self.placement.jit_kwargs(),
         )
@@ -255,7 +274,7 @@ class ModelRunner:
         args, kwargs = self._sampler_call(inputs)
         with self.placement.context():
             if inputs.is_verify:  # the verifier takes no bitmask
-                self._verifier.lower(*args[:3], **kwargs).compile()
+                self._verifier.lower(*args[:3], self.device_drafts, **kwargs).compile()
             else:
                 self._sampler.lower(*args, **kwargs).compile()
 
@@ -305,6 +324,9 @@ class ModelRunner:
         """Inputs of a step of this bucket that computes nothing (warm-up; a template to receive into);
         ``verify``: of the verify step of this bucket (``num_speculative_tokens`` > 0)."""
         inputs = empty_step_inputs(num_tokens, num_seqs, pages_per_seq, sampler_path)
+        if self.lagged_ngram is not None:
+            inputs = dataclasses.replace(inputs, prev_slots=np.full(num_seqs, -1, np.int32),
+                                         draft_rows=np.full(num_tokens, -1, np.int32))
         if not verify:
             return inputs
         batch, sampling, draft_ids, num_drafts = expand_to_rows(inputs.batch, inputs.sampling, [],
@@ -314,7 +336,8 @@ class ModelRunner:
     def prepare(self, schedule: Schedule, previous: PackedStep | None) -> PackedStep:
         """Pack ``schedule``'s step into the smallest bucket that fits; ``previous`` is the step
         still on the device, whose sampled tokens fill this one's placeholders."""
-        return pack_step(schedule, self.buckets, previous, self.config.vocab_size, self.num_speculative_tokens)
+        return pack_step(schedule, self.buckets, previous, self.config.vocab_size, self.num_speculative_tokens,
+                         lagged=self.lagged_ngram is not None)
 
     def observe_inputs(self, observer: Callable[[StepInputs], None] | None) -> None:
         """Have ``observer`` see every step's inputs before the step is dispatched (``None``: stop).
@@ -342,8 +365,10 @@ class ModelRunner:
         with self.placement.context():
             (logits, self.token_pages), self.cache = fn(*args, **kwargs)
             if inputs.is_verify:
-                out = self._verifier(logits, self.token_pages, sampler_packed, packing=sampler_packing,
-                                     sampler_path=inputs.sampler_path)
+                out = self._verifier(logits, self.token_pages, sampler_packed, self.device_drafts,
+                                     packing=sampler_packing, sampler_path=inputs.sampler_path)
+                if self.lagged_ngram is not None:
+                    self.device_drafts = out.device_drafts
             else:
                 bitmask = None
                 if inputs.sampler_path in MASKED_SAMPLER_PATHS:
@@ -364,10 +389,13 @@ class ModelRunner:
         arrays of both programs go to the device in one transfer."""
         if inputs.sampler_path not in SAMPLER_PATHS:
             raise ValueError(f"unknown sampler path {inputs.sampler_path!r}; one of {sorted(SAMPLER_PATHS)}")
-        packed, packing = pack_host_arrays((inputs.batch, inputs.prev_rows))
+        forward_tree = (inputs.batch, inputs.prev_rows)
+        if self.lagged_ngram is not None:
+            forward_tree += (inputs.prev_slots, inputs.draft_rows)
+        packed, packing = pack_host_arrays(forward_tree)
         sampler_packed, sampler_packing = pack_host_arrays(_sampler_tree(inputs))
         packed, sampler_packed = jax.device_put((packed, sampler_packed), self.placement.replicated)
-        args = (self.model.weights, self.cache, self.token_pages, packed, self.last_sampled)
+        args = (self.model.weights, self.cache, self.token_pages, packed, self.last_sampled, self.device_drafts)
         return self._step.for_tokens(inputs.batch.num_tokens), args, {"packing": packing}, (sampler_packed, sampler_packing)
 
 
@@ -375,7 +403,8 @@ def _sampler_tree(inputs: StepInputs):
     """What the sampler program reads: the sampling tensors and, for the penalties' history, the page
     tables; a verify step's also its drafts."""
     if inputs.is_verify:
-        return inputs.sampling, inputs.batch.page_tables, inputs.batch.kv_lens, inputs.draft_ids, inputs.num_drafts
+        tree = inputs.sampling, inputs.batch.page_tables, inputs.batch.kv_lens, inputs.draft_ids, inputs.num_drafts
+        return tree + (inputs.prev_slots,) if inputs.prev_slots is not None else tree
     return inputs.sampling, inputs.batch.page_tables, inputs.batch.kv_lens
 
 
@@ -421,15 +450,24 @@ def unpack_device_arrays(packed: jax.Array, packing: tuple):
 class _SamplerStepOutput:
     sampler: SamplerOutput | VerifyOutput
     token_ids_padded: jax.Array  # [max_num_seqs]: what the next step's placeholders read
+    device_drafts: DeviceDrafts | None = None  # an asynchronous verify step's: what the next step continues
 
 
-def _forward_step(weights, cache, token_pages, packed, last_sampled, *, config, attention_impl, packing):
-    """Logits [B, V] at each sequence's last new token, the token pages with this step's inputs, and the cache."""
-    batch, prev_rows = unpack_device_arrays(packed, packing)
+def _forward_step(weights, cache, token_pages, packed, last_sampled, device_drafts, *, config, attention_impl,
+                  packing):
+    """Logits [B, V] at each sequence's last new token, the token pages with this step's inputs, and the cache.
+
+    ``device_drafts``: None, or the last verify step's ``DeviceDrafts`` (asynchronous verify steps):
+    the batch is then shifted to the sequences' true lengths and reads its drafts from there."""
+    unpacked = unpack_device_arrays(packed, packing)
+    batch, prev_rows = unpacked[:2]
     # A placeholder input is the token this sequence sampled in the previous step.
     from_previous = jnp.take(last_sampled, jnp.maximum(prev_rows, 0))
     token_ids = jnp.where(prev_rows >= 0, from_previous, batch.token_ids)
     batch = dataclasses.replace(batch, token_ids=token_ids)
+    if device_drafts is not None:
+        prev_slots, draft_rows = unpacked[2:]
+        batch = continue_batch(batch, prev_slots, draft_rows, device_drafts)
     token_pages = write_tokens(token_pages, token_ids, batch)
     logits, cache = forward(weights, cache, batch, config, attention_impl)
     return (logits, token_pages), cache
@@ -459,10 +497,17 @@ def _sample_step(logits, token_pages, packed, token_bitmask, *, packing, sampler
     return _SamplerStepOutput(out, padded)
 
 
-def _verify_step(logits, token_pages, packed, *, packing, sampler_path, num_padded):
+def _verify_step(logits, token_pages, packed, device_drafts, *, packing, sampler_path, num_padded, lagged_ngram):
     """A verify step's sampler (``jaxinfer.spec_decode.rejection``): logits [B * (k + 1), V], one row per
-    slot and position; the next step's placeholders read each slot's token after its accepted run."""
-    sampling, page_tables, kv_lens, draft_ids, num_drafts = unpack_device_arrays(packed, packing)
+    slot and position; the next step's placeholders read each slot's token after its accepted run.
+
+    With ``lagged_ngram`` (asynchronous verify steps) the inputs are first shifted by what the previous
+    verify step accepted (``device_drafts``), and the step drafts for the next one on the device."""
+    sampling, page_tables, kv_lens, draft_ids, num_drafts, *lagged = unpack_device_arrays(packed, packing)
+    scheduled_drafts = num_drafts  # the inputs the forward computed after each slot's first
+    if lagged_ngram is not None:
+        sampling, kv_lens, draft_ids, num_drafts = continue_verify_inputs(sampling, kv_lens, draft_ids, num_drafts,
+                                                                          lagged[0], device_drafts)
     flags = SAMPLER_PATHS[sampler_path]
     rows_per_slot = draft_ids.shape[1] + 1
     if flags.any_penalties:
@@ -480,4 +525,9 @@ def _verify_step(logits, token_pages, packed, *, packing, sampler_path, num_padd
             out.sampler, top_logprob_ids=jnp.zeros((rows, k), jnp.int32),
             top_logprob_values=jnp.zeros((rows, k), jnp.float32)))
     padded = jnp.zeros((num_padded,), jnp.int32).at[: out.last_token.shape[0]].set(out.last_token)
-    return _SamplerStepOutput(out, padded)
+    if lagged_ngram is None:
+        return _SamplerStepOutput(out, padded)
+    next_drafts = drafts_for_next_step(token_pages, page_tables, kv_lens, scheduled_drafts, out.num_accepted,
+                                       out.last_token, num_padded=num_padded, num_speculative_tokens=draft_ids.shape[1],
+                                       min_n=lagged_ngram[0], max_n=lagged_ngram[1])
+    return _SamplerStepOutput(out, padded, next_drafts)

@@ -71,7 +71,8 @@ class ScheduledSeq:
     # token from the last row's logits. False for all but the last chunk of a prefill.
     samples_token: bool
     # Drafts to verify after the decode's input token (jaxinfer.spec_decode): they are the last
-    # len(draft_token_ids) of the num_new_tokens inputs, and the step keeps those it accepts.
+    # len(draft_token_ids) of the num_new_tokens inputs, and the step keeps those it accepts;
+    # placeholders when the device drafts them (asynchronous verify steps).
     draft_token_ids: tuple[int, ...] = ()
 
 
@@ -168,7 +169,9 @@ class Scheduler:
                 continue  # finished or aborted since it was scheduled
             if seq.num_computed_tokens != item.start_position:
                 raise RuntimeError(f"schedule postprocessed twice or out of order for {seq}")
-            seq.num_computed_tokens += item.num_new_tokens
+            # Drafts count as not kept until the engine learns how many were accepted (after the
+            # step, or a step later with asynchronous verify steps) and rolls the sequence forward.
+            seq.num_computed_tokens += item.num_new_tokens - len(item.draft_token_ids)
             self.allocator.register_computed(seq)
         self._is_postprocess_due = False
 
@@ -198,7 +201,10 @@ class Scheduler:
             if seq.num_tokens > self.config.max_model_len:
                 raise RuntimeError(f"the engine must finish sequences at max_model_len: {seq}")
             num_new = min(seq.num_uncomputed_tokens + len(seq.draft_token_ids), budget)
-            while not self.allocator.allocate_slots(seq, num_new):
+            # After an asynchronous verify step the device may place these tokens up to
+            # num_lookahead_slots later than the host counts (never past max_model_len).
+            num_slots = min(num_new + seq.num_lookahead_slots, self.config.max_model_len - seq.num_computed_tokens)
+            while not self.allocator.allocate_slots(seq, num_slots):
                 victim = next(s for s in reversed(self.running) if s is seq or s.seq_id not in scheduled_ids)
                 self._preempt(victim)
                 preempted.append(victim)

@@ -67,6 +67,11 @@ class Sequence:
         # Set by the speculator before each schedule (jaxinfer.spec_decode): tokens proposed to
         # follow token_ids, verified by the next step. Never part of token_ids.
         self.draft_token_ids: list[int] = []
+        # Drafts of this sequence's step in flight that may still be accepted (an asynchronous
+        # verify step, docs/SPECULATIVE.md): the device may place its next tokens up to this many
+        # positions past the host's count, so the scheduler allocates (and rollback keeps) as many
+        # slots more.
+        self.num_lookahead_slots = 0
         self._num_placeholders = 0
 
     @property
@@ -89,6 +94,17 @@ class Sequence:
     def has_placeholder(self) -> bool:
         return self._num_placeholders > 0
 
+    @property
+    def num_placeholders(self) -> int:
+        return self._num_placeholders
+
+    @property
+    def first_placeholder_index(self) -> int:
+        """Index of the earliest placeholder: the oldest token still on the device (placeholders trail)."""
+        if not self._num_placeholders:
+            raise ValueError(f"sequence {self.seq_id} has no placeholder")
+        return len(self.token_ids) - self._num_placeholders
+
     def append_token(self, token_id: int) -> None:
         """Append a sampled token, or ``PLACEHOLDER_TOKEN`` for one still on the device."""
         self.token_ids.append(token_id)
@@ -103,6 +119,14 @@ class Sequence:
             raise ValueError("cannot fill a placeholder with a placeholder")
         self.token_ids[index] = token_id
         self._num_placeholders -= 1
+
+    def insert_placeholders(self, index: int, count: int) -> None:
+        """Insert ``count`` placeholders before ``index``: the accepted drafts of an asynchronous
+        verify step, which come before the placeholder of the step after it."""
+        if count < 0 or not 0 < index <= len(self.token_ids) or self.token_ids[index - 1] != PLACEHOLDER_TOKEN:
+            raise ValueError(f"placeholders go right after a placeholder; got index {index}, count {count}")
+        self.token_ids[index:index] = [PLACEHOLDER_TOKEN] * count
+        self._num_placeholders += count
 
     def drop_placeholders(self) -> None:
         """Remove trailing placeholders (samples in flight for a finished sequence)."""

@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 BENCHMARKS = REPO / "benchmarks"
@@ -41,6 +43,8 @@ def test_engine_throughput_workloads_complete(tmp_path):
                tmp_path)
     run_script([*args[:-1], "startup", "--resume"], tmp_path)  # the cache the first run filled: warm
     assert list(out.glob("profile_throughput-1k_decode/plugins/profile/*/*.xplane.pb"))
+    profile = json.loads((out / "engine_throughput.json").read_text())["workloads"]["throughput-1k"]["profile"]
+    assert profile["num_traced_steps"] == 2 and len(profile["trace_files"]) == 1
     results = json.loads((out / "engine_throughput.json").read_text())
     workloads = results["workloads"]
     assert workloads["startup"]["cache_files_before"] == 0
@@ -205,3 +209,97 @@ def test_spec_decode_step_cost_completes(tmp_path):
                 "--context", "128"], tmp_path)
     rows = json.loads((tmp_path / "spec_step_cost.json").read_text())["rows"]
     assert [row["k"] for row in rows] == list(range(1, 9))
+
+
+@pytest.mark.slow
+def test_kernel_frontier_fp8_stage_writes_an_adoptable_table(tmp_path):
+    # The fp8 stage the lead runs on the H200 (bf16 vs fp8 pages, the fp8 sweep, the table), in the
+    # interpreter on two tiny shapes; then the adopt script reads its output (dry run).
+    out = tmp_path / "fp8"
+    run_script([BENCHMARKS / "kernel_frontier.py", "--smoke", "--only", "fp8", "--out", out], tmp_path)
+    report = json.loads((out / "kernel_frontier.json").read_text())
+    rows = [r for r in report["results"] if r["workload"] == "decode-fp8"]
+    assert len(rows) == 2 and all(r.get("bf16_s") and r.get("fp8_s") and r.get("best_s") for r in rows)
+    checks = [r for r in report["results"] if r["workload"] == "check-fp8"]
+    assert {c["fp8_widen_to"] for c in checks} == {"float16", "query"} and all(c["rel_err"] < 3e-2 for c in checks)
+    entries = json.loads((out / "gpu_fp8_decode_table.json").read_text())["entries"]
+    assert {(e["batch"], e["context"], e["kv_itemsize"]) for e in entries} == {(2, 256, 1), (1, 512, 1)}
+    assert "fp8 ÷ bf16 tok/s" in (out / "kernel_frontier.md").read_text()
+    printed = run_script([BENCHMARKS / "adopt_frontier_run.py", out, "--dry-run"], tmp_path)
+    assert "fp8 ('decode'" in printed
+
+
+def fake_engine_steps(steps):
+    """An engine stand-in for a run_requests capture: (tokens scheduled, sequences running) per step."""
+    import types
+
+    import numpy as np
+
+    engine = types.SimpleNamespace(scheduler=types.SimpleNamespace(num_running=0, num_waiting=7),
+                                   runner=types.SimpleNamespace(last_sampled=np.zeros(4)), last_step_num_tokens=0)
+    for tokens, running in steps:
+        engine.last_step_num_tokens, engine.scheduler.num_running = tokens, running
+        yield engine
+
+
+def test_decode_profiler_traces_steps_after_a_settled_decode_only_run(tmp_path, monkeypatch):
+    import engine_throughput
+    import jax
+
+    calls = []
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda path: calls.append(("start", path)))
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: calls.append(("stop",)))
+    profiler = engine_throughput.DecodeProfiler(tmp_path, num_steps=3, min_running=4, settle_steps=2, log=lambda _: None)
+    # A prefill; decode-only but too few running; a mixed step; two decode-only steps of 4 (it
+    # starts after the second, step 5); three traced steps; later steps are left alone.
+    steps = [(50, 2), (2, 2), (60, 4), (4, 4), (4, 4), (4, 4), (4, 4), (3, 3), (3, 3), (3, 3)]
+    for i, engine in enumerate(fake_engine_steps(steps), start=1):
+        profiler(engine)
+        if i == 5:
+            assert calls == [("start", str(tmp_path))]
+        if i == 7:
+            assert profiler.active
+    assert calls == [("start", str(tmp_path)), ("stop",)]
+    profiler.stop(engine)  # the run's end: nothing left to stop
+    assert calls[-1] == ("stop",) and len(calls) == 2
+    report = profiler.report()
+    assert report["started_at_step"] == 5 and report["num_traced_steps"] == 3
+
+
+def test_decode_profiler_says_why_it_never_started(tmp_path, monkeypatch):
+    import engine_throughput
+    import jax
+
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda path: pytest.fail("started"))
+    lines = []
+    profiler = engine_throughput.DecodeProfiler(tmp_path, num_steps=2, min_running=8, settle_steps=2, log=lines.append)
+    for engine in fake_engine_steps([(6, 6)] * 5 + [(40, 8), (8, 8), (40, 8)]):  # never two decode-only steps of 8
+        profiler(engine)
+    report = profiler.report()
+    assert report["started_at_step"] is None and report["max_decode_only_running"] == 8
+    assert "never started" in lines[-1] and "largest decode-only batch 8" in lines[-1]
+
+
+def test_profile_collectives_says_what_a_directory_without_traces_holds(tmp_path):
+    from profile_collectives import explain_missing, find_traces
+
+    xplane = tmp_path / "profile_throughput-1k_decode" / "plugins" / "profile" / "2026_01_01" / "vm.xplane.pb"
+    xplane.parent.mkdir(parents=True)
+    xplane.write_bytes(b"")
+    assert find_traces(tmp_path) == []
+    assert "1 xplane file(s)" in explain_missing(tmp_path)
+    trace = xplane.with_name("vm.trace.json.gz")
+    trace.write_bytes(b"")
+    assert find_traces(tmp_path) == [("throughput-1k_decode", trace)]
+    assert find_traces(tmp_path / "profile_throughput-1k_decode") == [("throughput-1k_decode", trace)]
+
+def test_spec_decode_engine_completes(tmp_path):
+    acceptance = tmp_path / "acceptance.json"
+    acceptance.write_text(json.dumps({"rows": [{"set": "copy-heavy", "k": 2, "tokens_per_step": 2.0}]}))
+    run_script([BENCHMARKS / "spec_decode.py", "engine", "--out", tmp_path, "--shape", "tiny", "--ks", "2",
+                "--context", "64", "--max-tokens", "12", "--acceptance", acceptance], tmp_path)
+    row = json.loads((tmp_path / "spec_engine.json").read_text())["rows"][0]
+    assert row["async_step_ms"] > 0 and row["sync_step_ms"] > 0 and row["judged_tpot_ms"] > 0
+    # Forced drafts: every decode step verifies but the last few (no room left under max_tokens).
+    assert row["async_share_of_steps_verifying"] > 0.6 and row["sync_share_of_steps_verifying"] > 0.6
+    assert row["effective_ms_copy-heavy"] == row["async_step_ms"] / 2

@@ -111,3 +111,67 @@ def test_sizes_fit_shared_memory():
         for tokens, seqs, ctx in [(1, 1, 32768), (32, 32, 4096), (256, 256, 1024), (4128, 34, 2048)]:
             got = sizes(tokens, seqs, ctx, table=(), itemsize=itemsize)
             assert _shared_memory_bytes(got, 128, itemsize) <= _GPU_SHARED_MEMORY
+
+
+FP8_TABLE = ({"kind": "decode", "batch": 256, "context": 4096, "num_kv_heads": 8, "group": 4, "head_dim": 128,
+              "page_size": 32, "itemsize": 2, "kv_itemsize": 1,
+              "sizes": dict(block_q=4, block_kv=128, num_splits=1, num_warps=2, num_stages=3)},)
+
+
+def test_default_kernel_over_fp8_pages_reads_the_fp8_table_near_its_shapes_only():
+    shape = dict(LLAMA, num_tokens=256, max_num_seqs=256, max_kv_len=4096)
+    fp8 = gpu_block_sizes(**shape, kv_itemsize=1, table=FP8_TABLE)
+    assert (fp8.block_kv, fp8.num_warps, fp8.num_stages, fp8.num_splits) == (128, 2, 3, 1)
+    # bf16 pages keep the baseline's sizes whatever table is passed; so do fp8 pages far from every entry.
+    assert tuple(getattr(gpu_block_sizes(**shape, table=FP8_TABLE), f) for f in FIELDS) == (4, 64, 1, 2, 3)
+    far = dict(LLAMA, num_tokens=1, max_num_seqs=1, max_kv_len=32768)
+    assert tuple(getattr(gpu_block_sizes(**far, kv_itemsize=1, table=FP8_TABLE), f) for f in FIELDS) == \
+        PRE_ISSUE_21_SIZES[(1, 1, 32768, 2)]
+
+
+def test_fp8_table_adoption_keeps_only_entries_faster_than_the_sizes_in_use():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "adopt_frontier_run.py"
+    spec = importlib.util.spec_from_file_location("adopt_frontier_run", path)
+    adopt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(adopt)
+    old = dict(FP8_TABLE[0], us=500.0, default_us=510.0)
+    faster = dict(FP8_TABLE[0], us=400.0, default_us=450.0)
+    slower = dict(FP8_TABLE[0], context=16384, us=900.0, default_us=880.0)
+    entries, notes = adopt.merge_fp8_tables([old], [faster, slower])
+    assert entries == [faster] and notes[0].startswith("adopted") and notes[1].startswith("skipped")
+    entries, _ = adopt.merge_fp8_tables([old], [dict(old, us=520.0, default_us=500.0)])
+    assert entries == [old]
+
+
+def test_default_kernel_takes_its_fp8_sizes_from_the_pages_dtype(tmp_path, monkeypatch):
+    # The wiring: ragged_paged_attention_gpu passes the pages' itemsize, so the fp8 table decides
+    # for fp8 pages (here 8 warps, which no heuristic picks) and not for bf16 pages.
+    import json
+
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.paged_attention import block_sizes, ragged_paged_attention_gpu
+    from tests.attention_cases import make_case
+
+    case = make_case(3, [(1, 60), (1, 20)], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+                     dtype=jnp.bfloat16)
+    max_kv_len = case.page_tables.shape[1] * 16
+    entry = {"kind": "decode", "batch": 2, "context": max_kv_len, "num_kv_heads": 2, "group": 4, "head_dim": 64,
+             "page_size": 16, "itemsize": 2, "kv_itemsize": 1,
+             "sizes": dict(block_q=4, block_kv=32, num_splits=1, num_warps=8, num_stages=2)}
+    path = tmp_path / "gpu_fp8_decode_table.json"
+    path.write_text(json.dumps({"source": "test", "entries": [entry]}))
+    monkeypatch.setattr(block_sizes, "GPU_FP8_TABLE_PATH", path)
+
+    def warps(cache_dtype):
+        args = list(case.args())
+        args[1:5] = [x.astype(cache_dtype) for x in args[1:5]]
+        text = str(jax.make_jaxpr(lambda *a: ragged_paged_attention_gpu(*a, sm_scale=case.sm_scale,
+                                                                        interpret=True))(*args))
+        return "num_warps=8" in text
+
+    assert warps(jnp.float8_e4m3fn) and not warps(jnp.bfloat16)

@@ -86,3 +86,16 @@ def test_buckets_grow_with_the_step():
     assert (packed.inputs.batch.num_tokens, packed.inputs.batch.page_tables.shape) == (16, (4, 2))
     assert packed.inputs.batch.cu_q_lens.tolist() == [0, 5, 10, 15, 15]
     assert packed.sampled == []
+
+
+def test_a_full_decode_step_has_a_gpu_bucket_of_its_own():
+    from jaxinfer.runner import default_buckets
+
+    buckets = default_buckets(384, 8192, 64, "gpu")
+    assert buckets.num_tokens == (8, 16, 32, 64, 128, 256, 384, 512, 1024, 2048, 4096, 8192)
+    assert buckets.pick(384, 384, 64) == (384, 384, 64)  # not 512 rows for 384 tokens
+    assert buckets.pick(330, 330, 64) == (384, 384, 64)
+    assert buckets.pick(385, 200, 64) == (512, 384, 64)
+    # A power of two, or fewer sequences than the smallest bucket: nothing to add.
+    assert default_buckets(1024, 8192, 64, "gpu").num_tokens == (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    assert default_buckets(5, 8192, 64, "gpu").num_tokens[0] == 8

@@ -89,3 +89,19 @@ def test_estimate_command_kv_dtype(tmp_path, capsys, kv_dtype, kib):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_1_8B))
     assert cli.main(["estimate", "--model", str(tmp_path), "--kv-dtype", kv_dtype]) == 0
     assert f"{kib:.1f} KiB per token" in capsys.readouterr().out
+
+
+def test_gpu_fp8_page_pool_stays_under_2_31_elements_a_layer(caplog):
+    from jaxinfer.engine_config import EngineConfigError, cap_gpu_num_pages
+
+    config = ModelConfig.from_hf(LLAMA_3_1_8B)  # 8 KV heads of 128: 32,768 elements a page of 32 tokens
+    limit = memory.max_num_pages(config, 32)
+    assert limit == (2**31 - 1) // (8 * 32 * 128) == 65535
+    # An FP8 cache of 8B on one H200 holds ~58k pages: under the limit, unchanged.
+    assert cap_gpu_num_pages(58219, config, None, 32, explicit=False) == 58219
+    with caplog.at_level(logging.WARNING, logger="jaxinfer.engine_config"):
+        assert cap_gpu_num_pages(131072, config, None, 32, explicit=False) == limit
+    assert any("2**31" in r.getMessage() for r in caplog.records)
+    with pytest.raises(EngineConfigError, match="at most 65535 pages") as error:
+        cap_gpu_num_pages(131072, config, None, 32, explicit=True)
+    assert error.value.field == "num_pages"

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import core as jax_core
 
 from pallas_kernels.paged_attention import (
     ragged_paged_attention_gpu,
@@ -86,11 +87,13 @@ def test_fused_gpu_kernel_options_match_reference(prefetch_pages, plan_in_kernel
                              merge_kernel=merge_kernel)
 
 
-@pytest.mark.parametrize("kernel,q_dtype", [(ragged_paged_attention_gpu, F32), (ragged_paged_attention_gpu, BF16),
-                                            (ragged_paged_attention_gpu_fused, BF16)])
-def test_gpu_kernel_fp8_pages_match_reference_on_dequantized_pages(kernel, q_dtype):
-    # float8_e4m3fn pages (and new K/V, already quantized by the dispatcher): the kernel converts
-    # loaded tiles to q's dtype. Oracle: the reference over the same values held in float32.
+@pytest.mark.parametrize("kernel,q_dtype,options", [
+    (ragged_paged_attention_gpu, F32, {}), (ragged_paged_attention_gpu, BF16, {}),
+    (ragged_paged_attention_gpu, BF16, dict(fp8_widen_to="query")), (ragged_paged_attention_gpu_fused, BF16, {})])
+def test_gpu_kernel_fp8_pages_match_reference_on_dequantized_pages(kernel, q_dtype, options):
+    # float8_e4m3fn pages (and new K/V, already quantized by the dispatcher): the kernel widens
+    # loaded tiles (the default kernel: to f16 for bf16 queries, or to q's dtype with "query").
+    # Oracle: the reference over the same values held in float32.
     fp8 = jnp.float8_e4m3fn
     case = make_case(5, [(1, 70), (12, 40), (0, 0), (1, 17)], num_q_heads=8, num_kv_heads=2, head_dim=64,
                      page_size=16, pad_tokens=1)
@@ -101,12 +104,58 @@ def test_gpu_kernel_fp8_pages_match_reference_on_dequantized_pages(kernel, q_dty
     ref_out, ref_k, ref_v = ragged_paged_attention_reference(
         q, up(k_new), up(v_new), up(k_pages), up(v_pages), *rest, sm_scale=case.sm_scale)
     out, k_out, v_out = kernel(q, k_new, v_new, k_pages, v_pages, *rest, sm_scale=case.sm_scale, interpret=True,
-                               num_splits=2)
+                               num_splits=2, **options)
     assert out.dtype == q_dtype and k_out.dtype == fp8
     tol = 1e-4 if q_dtype == F32 else 3e-2
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32), rtol=tol, atol=tol)
     np.testing.assert_array_equal(np.asarray(up(k_out)), np.asarray(ref_k))
     np.testing.assert_array_equal(np.asarray(up(v_out)), np.asarray(ref_v))
+
+
+def _kernel_converts_of_fp8(jaxpr) -> set[str]:
+    """Target dtypes of every convert_element_type applied to a float8 value, in a jaxpr and all its sub-jaxprs."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "convert_element_type" and eqn.invars[0].aval.dtype.itemsize == 1 \
+                and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating):
+            found.add(jnp.dtype(eqn.params["new_dtype"]).name)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(sub, jax_core.ClosedJaxpr):
+                    found |= _kernel_converts_of_fp8(sub.jaxpr)
+                elif isinstance(sub, jax_core.Jaxpr):
+                    found |= _kernel_converts_of_fp8(sub)
+    return found
+
+
+@pytest.mark.parametrize("kernel,q_dtype,options,widened_to", [
+    (ragged_paged_attention_gpu, BF16, {}, {"float16"}),
+    (ragged_paged_attention_gpu, BF16, dict(fp8_widen_to="query"), {"bfloat16"}),
+    (ragged_paged_attention_gpu, F32, {}, {"float32"}), (ragged_paged_attention_gpu_fused, BF16, {}, {"float16"})])
+def test_gpu_kernel_widens_fp8_tiles_to_float16_for_bf16_queries(kernel, q_dtype, options, widened_to):
+    # On sm_90 Triton widens e4m3 to f16 in one instruction per two values and to bf16 in several;
+    # that conversion rate bounded the kernel over fp8 pages. The scatter converts nothing (its
+    # K/V are fp8 already), so every float8 conversion in the program is the kernel's tile widening.
+    case = make_case(6, [(1, 40), (3, 20)], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    args = list(case.args())
+    args[0] = args[0].astype(q_dtype)
+    args[1:5] = [x.astype(jnp.float8_e4m3fn) for x in args[1:5]]
+    jaxpr = jax.make_jaxpr(lambda *a: kernel(*a, sm_scale=case.sm_scale, interpret=True, **options))(*args)
+    assert _kernel_converts_of_fp8(jaxpr.jaxpr) == widened_to
+
+
+def test_gpu_kernel_fp8_pages_keep_bf16_queries_past_float16_range_finite():
+    # A bf16 query beyond f16's range is clipped to +-65504 before the f16 dots; unclipped it
+    # would become inf and the scores NaN. Huge queries make the softmax one-hot on the largest
+    # score, so the output is still the reference's (the same V row) within fp8 rounding.
+    fp8 = jnp.float8_e4m3fn
+    case = make_case(7, [(1, 40), (1, 9)], num_q_heads=4, num_kv_heads=1, head_dim=64, page_size=16)
+    q = (case.q * 1e6).astype(BF16)
+    k_new, v_new, k_pages, v_pages = (x.astype(fp8) for x in (case.k_new, case.v_new, case.k_pages, case.v_pages))
+    rest = (case.page_tables, case.cu_q_lens, case.kv_lens)
+    out = ragged_paged_attention_gpu(q, k_new, v_new, k_pages, v_pages, *rest, sm_scale=case.sm_scale,
+                                     interpret=True)[0]
+    assert np.isfinite(np.asarray(out, np.float32)).all()
 
 
 def test_tile_planning_and_token_positions_have_no_loops():

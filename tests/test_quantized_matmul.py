@@ -95,6 +95,82 @@ def test_bf16_weights_match_reference(m, algorithm, dtype):
     assert_close(out, weight_only_matmul_reference(x, w, jnp.ones((N,), jnp.float32)), dtype)
 
 
+@pytest.mark.parametrize("m,algorithm", [(1, "gemv"), (5, "gemv"), (1, "fma"), (3, "mma"), (16, "mma_swapped")])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_bf16_weights_in_the_dense_layout_match_reference(m, algorithm, dtype):
+    # layout="kn": w [K, N] as the model's einsum weights are stored, the result x @ w.
+    x, w = bf16_case(m, dtype=dtype, seed=60 + m)  # w [N, K]; its transpose is the dense weight
+    w_kn = jnp.asarray(np.asarray(w, np.float32).T, jnp.bfloat16)  # [K, N], a real copy, contiguous along N
+    out = bf16_weight_only_matmul(x, w_kn, interpret=True, layout="kn", algorithm=algorithm, k_splits=2,
+                                  prefetch=2 if m == 5 else 0, **TILES)
+    assert_close(out, weight_only_matmul_reference(x, w, jnp.ones((N,), jnp.float32)), dtype)
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_dense_layout_default_sizes_run_and_match(m):
+    xb, wb = bf16_case(m, n=256, k=512, seed=70 + m)
+    w_kn = jnp.asarray(np.asarray(wb, np.float32).T, jnp.bfloat16)
+    sizes = default_block_sizes(m, 256, 512, jnp.bfloat16, table=(), layout="kn")
+    assert sizes.block_n >= 64  # whole 128-byte lines per tile row
+    out = bf16_weight_only_matmul(xb, w_kn, interpret=True, layout="kn")
+    assert_close(out, weight_only_matmul_reference(xb, wb, jnp.ones((256,), jnp.float32)), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("algorithm,m", [("gemv", 3), ("mma_swapped", 8)])
+def test_deeper_prefetch_gives_the_same_result(depth, algorithm, m):
+    # depth tiles loaded ahead: K has 3 steps per split, so depth 3 also clamps its look-ahead.
+    x, w, scale = make_case(m, seed=80 + m)
+    out = fp8_weight_only_matmul(x, w, scale, interpret=True, algorithm=algorithm, k_splits=2, prefetch=depth,
+                                 **TILES)
+    assert_close(out, weight_only_matmul_reference(x, w, scale), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("algorithm,m", [("mma", 3), ("mma_swapped", 16)])
+@pytest.mark.parametrize("weight_dtype", [FP8, jnp.int8], ids=["fp8", "int8"])
+def test_f16_dot_matches_reference(algorithm, m, weight_dtype):
+    # fp8 and int8 are exact in f16; bf16 x is too (f16 has more mantissa bits, and these
+    # values are far inside its range), so only the f32 accumulation order differs.
+    x, w, scale = make_case(m, seed=90 + m, weight_dtype=weight_dtype)
+    fn = fp8_weight_only_matmul if weight_dtype == FP8 else int8_weight_only_matmul
+    out = fn(x, w, scale, interpret=True, algorithm=algorithm, k_splits=2, dot_dtype="float16", **TILES)
+    assert_close(out, weight_only_matmul_reference(x, w, scale), jnp.bfloat16)
+
+
+def test_f16_dot_saturates_instead_of_overflowing():
+    x, w, scale = make_case(2, seed=7)
+    x = x.at[0, 0].set(1e6)  # past f16's 65504
+    out = fp8_weight_only_matmul(x, w, scale, interpret=True, algorithm="mma", dot_dtype="float16", **TILES)
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+
+
+def test_f16_dot_refuses_what_it_cannot_serve_and_measured_defaults_step_aside(monkeypatch):
+    x, w, scale = make_case(2, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="needs bfloat16 x"):
+        fp8_weight_only_matmul(x, w, scale, interpret=True, algorithm="mma", dot_dtype="float16", **TILES)
+    with pytest.raises(ValueError, match="tensor-core forms"):
+        fp8_weight_only_matmul(x.astype(jnp.bfloat16), w, scale, interpret=True, algorithm="gemv",
+                               dot_dtype="float16", **TILES)
+    # A table entry measured with bf16 x and dot_dtype f16, used by an f32 caller: the f32 dot.
+    from pallas_kernels.quantized_matmul import gpu
+
+    f16_sizes = MatmulBlockSizes("mma", 16, 32, 2, 4, 4, 0, "float16")
+    monkeypatch.setattr(gpu, "default_block_sizes", lambda *args, **kwargs: f16_sizes)
+    out = gpu._weight_only_matmul(x, w, scale, FP8, interpret=True, algorithm=None, block_n=None, block_k=None,
+                                  k_splits=None, num_warps=None, num_stages=None, prefetch=None)
+    assert_close(out, weight_only_matmul_reference(x, w, scale), jnp.float32)
+
+
+def test_dense_layout_bad_input_names_the_field():
+    xb, wb = bf16_case(2)  # wb [N=48, K=192]: the wrong orientation for layout "kn"
+    with pytest.raises(ValueError, match="w's K \\(48\\) must equal x's K \\(192\\)"):
+        bf16_weight_only_matmul(xb, wb, interpret=True, layout="kn")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        bf16_weight_only_matmul(xb, wb, interpret=True, layout="nkk")
+    with pytest.raises(ValueError, match="prefetch .* must be in \\[0, 3\\]"):
+        bf16_weight_only_matmul(xb, wb, interpret=True, prefetch=4)
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 16, 64])
 def test_default_sizes_run_and_match(m):
     x, w, scale = make_case(m, n=64, k=512, seed=20 + m)
@@ -248,6 +324,12 @@ def test_int8_entry_point_refuses_fp8_weights():
     dict(algorithm="mma_swapped", block_n=64, block_k=128, k_splits=4),
     dict(algorithm="gemv", block_n=32, block_k=1024, num_warps=8, num_stages=1, prefetch=True),
     dict(algorithm="gemv", block_n=16, block_k=512, k_splits=2),
+    dict(algorithm="gemv", block_n=16, block_k=1024, num_warps=8, num_stages=1, prefetch=2),
+    dict(algorithm="gemv", block_n=128, block_k=64, k_splits=4, num_stages=1, prefetch=1, layout="kn"),
+    dict(algorithm="mma", block_n=128, block_k=64, k_splits=4, layout="kn"),
+    dict(algorithm="mma_swapped", block_n=64, block_k=128, layout="kn"),
+    dict(algorithm="mma", block_n=32, block_k=256, dot_dtype="float16"),
+    dict(algorithm="mma_swapped", block_n=64, block_k=256, k_splits=2, dot_dtype="float16"),
 ])
 def test_kernel_lowers_through_triton_from_cpu(options):
     # Lowers Pallas -> Triton IR for an abstract H200: catches primitives the Triton
@@ -257,13 +339,16 @@ def test_kernel_lowers_through_triton_from_cpu(options):
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
     max_rows = {"fma": 8, "gemv": 16}.get(options["algorithm"], 64)
-    cases = [(fn, weight_dtype, m) for fn, weight_dtype in ((fp8_weight_only_matmul, FP8),
-                                                              (int8_weight_only_matmul, jnp.int8),
-                                                              (bf16_weight_only_matmul, jnp.bfloat16))
-             for m in (1, 3, 8, 16, 64) if m <= max_rows]
+    formats = ((fp8_weight_only_matmul, FP8), (int8_weight_only_matmul, jnp.int8),
+               (bf16_weight_only_matmul, jnp.bfloat16))
+    if options.get("layout") == "kn":  # the dense layout is the bf16 weights' only
+        formats = formats[2:]
+    if options.get("dot_dtype"):  # an f16 dot is for quantized weights only
+        formats = formats[:2]
+    cases = [(fn, weight_dtype, m) for fn, weight_dtype in formats for m in (1, 3, 8, 16, 64) if m <= max_rows]
     for fn, weight_dtype, m in cases:
         x = jax.ShapeDtypeStruct((m, 4096), jnp.bfloat16)
-        w = jax.ShapeDtypeStruct((1024, 4096), weight_dtype)
+        w = jax.ShapeDtypeStruct((4096, 1024) if options.get("layout") == "kn" else (1024, 4096), weight_dtype)
         scale = () if weight_dtype == jnp.bfloat16 else (jax.ShapeDtypeStruct((1024,), jnp.float32),)
         with jax.sharding.use_abstract_mesh(mesh):
             lowered = fn.trace(x, w, *scale, **options).lower(lowering_platforms=("cuda",))
@@ -315,13 +400,16 @@ def test_gemv_benchmark_runs_on_cpu_with_tiny_shapes(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "gemv_decode.json").read_text())
     timed = [r for r in results["sweep"] if "us" in r]
-    assert {r["method"] for r in timed} >= {"xla_bf16", "xla_w8a16"}
+    assert {r["method"] for r in timed} >= {"xla_bf16", "xla_w8a16", "xla_bf16_kn"}
     assert all(r["rel_error"] < 2e-2 for r in timed)
-    assert {(r["weights"], r["m"]) for r in timed if "sizes" in r} == {(f, m) for f in ("fp8", "bf16") for m in (1, 8)}
+    formats = ("fp8", "bf16", "bf16kn")  # bf16kn: bf16 weights in the dense [K, N] layout
+    assert {(r["weights"], r["m"]) for r in timed if "sizes" in r} == {(f, m) for f in formats for m in (1, 8)}
     table = json.loads((tmp_path / "gpu_gemv_table.json").read_text())["entries"]
-    assert len(table) == 8  # 2 shapes x 2 Ms x 2 formats
+    assert len(table) == 12  # 2 shapes x 2 Ms x 3 formats
+    assert sorted(e["layout"] for e in table).count("kn") == 4
     for entry in table:  # every entry is usable as the kernel's table
-        default_block_sizes(entry["m"], entry["n"], entry["k"], entry["weights"], table=table)
-        prefer_pallas(entry["m"], entry["n"], entry["k"], entry["weights"], table=table)
+        default_block_sizes(entry["m"], entry["n"], entry["k"], entry["weights"], table=table, layout=entry["layout"])
+        prefer_pallas(entry["m"], entry["n"], entry["k"], entry["weights"], table=table, layout=entry["layout"])
     chains = {(r["m"], r["method"]) for r in results["chains"] if "ms" in r}
-    assert {(1, "ours fp8"), (1, "ours bf16"), (8, "dispatch fp8"), (8, "xla_w8a16")} <= chains
+    assert {(1, "ours fp8"), (1, "ours bf16"), (1, "ours bf16kn"), (8, "dispatch fp8"), (8, "dispatch bf16kn"),
+            (8, "xla_w8a16"), (8, "xla_bf16_kn")} <= chains

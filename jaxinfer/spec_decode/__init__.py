@@ -2,7 +2,9 @@
 
 - ``config``: :class:`SpeculativeConfig`, what ``LLM(speculative_config=...)`` and
   ``--speculative-config`` accept (vLLM's keys).
-- ``ngram``: the prompt-lookup proposer (numpy, on the host).
+- ``ngram``: the prompt-lookup proposer (numpy, on the host); ``device_ngram`` the same lookup
+  jitted over the device's token history.
+- ``lagged``: asynchronous verify steps: the next step's drafts and position shifts on the device.
 - ``rejection``: exact verification on the device (greedy prefix match; rejection sampling).
 - ``layout``: how a step with drafts lays its rows out (``num_seqs x (k + 1)`` logits rows).
 - ``speculator``: the policy (who speculates, how many drafts), rollback after a verify step,

@@ -43,6 +43,10 @@ class SpeculativeConfig:
     # of them, stops speculating: its steps then run asynchronously again.
     min_accepted_per_step: float = 0.1
     judge_after_steps: int = 32
+    # n-gram only: draft on the device from the previous verify step's output, so the host
+    # dispatches each verify step without waiting for the one before (docs/SPECULATIVE.md).
+    # Needs the engine's async scheduling; with it off, steps are synchronous anyway.
+    async_verify: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -63,6 +67,9 @@ class SpeculativeConfig:
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise SpeculativeConfigError("speculative_config.disable_by_batch_size must be positive",
                                          field="speculative_config.disable_by_batch_size", limit=1)
+        if self.async_verify and self.method != "ngram":
+            raise SpeculativeConfigError("speculative_config.async_verify drafts by prompt lookup on the device: "
+                                         "it needs method \"ngram\"", field="speculative_config.async_verify")
         if not 0 <= self.min_acceptance_rate <= 1:
             raise SpeculativeConfigError("speculative_config.min_acceptance_rate must be in [0, 1]",
                                          field="speculative_config.min_acceptance_rate")

@@ -44,6 +44,7 @@ class VerifyOutput:
     sampler: SamplerOutput  # one entry per row [B * (K + 1)]: the output token of each row (-1 past the run)
     num_accepted: jax.Array  # [B] i32: accepted drafts a; the sequence gains a + 1 tokens
     last_token: jax.Array  # [B] i32: row a's token, the sequence's next input
+    num_drafts: jax.Array  # [B] i32: drafts verified (an asynchronous step's drafts are made on the device)
 
 
 def target_log_probs(logits: jax.Array, tensors: SamplingTensors, flags: SamplingFlags) -> jax.Array:
@@ -141,4 +142,4 @@ def verify(logits: jax.Array, tensors: SamplingTensors, flags: SamplingFlags, dr
     log_normalizer = jax.nn.logsumexp(raw, axis=1)
     chosen = jnp.take_along_axis(raw, jnp.maximum(flat_tokens, 0)[:, None], axis=1)[:, 0]
     sampler = dataclasses.replace(plain, token_ids=flat_tokens, logprobs=chosen - log_normalizer)
-    return VerifyOutput(sampler, num_accepted.astype(jnp.int32), next_token)
+    return VerifyOutput(sampler, num_accepted.astype(jnp.int32), next_token, num_drafts.astype(jnp.int32))

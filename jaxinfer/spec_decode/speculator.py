@@ -21,16 +21,20 @@ Who speculates (a sequence gets no drafts otherwise):
 - drafts never run past ``max_tokens`` or ``max_model_len``: the accepted run plus its bonus
   token fit.
 
-Drafts need the sequence's last token on the host: while speculation may happen, the engine
-reads each step's tokens before it prepares the next (see docs/SPECULATIVE.md).
+Host drafts need the sequence's last token on the host: while speculation may happen, the engine
+reads each step's tokens before it prepares the next, unless verify steps are asynchronous
+(``async_verify``): then the device drafts for the sequences of the verify step in flight and
+the host only sizes their drafts (see docs/SPECULATIVE.md).
 """
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from jaxinfer.page_allocator import PageAllocator
-from jaxinfer.sequence import Sequence
+from jaxinfer.sequence import PLACEHOLDER_TOKEN, Sequence
 from jaxinfer.spec_decode.config import SpeculativeConfig
 from jaxinfer.spec_decode.ngram import propose_ngram
 
@@ -79,23 +83,37 @@ class Speculator:
     def num_speculative_tokens(self) -> int:
         return self.config.num_speculative_tokens
 
-    def may_speculate(self, running: list[Sequence]) -> bool:
-        """Whether the next step could carry drafts: then its tokens must be known on the host first."""
-        return self._step_allows(running) and any(self._seq_allows(seq) for seq in running)
+    def may_speculate(self, running: list[Sequence], waiting=()) -> bool:
+        """Whether the next step could carry drafts: then its tokens must be known on the host first.
+        ``waiting``: sequences the step may admit, whose sampling may rule drafts out for the step."""
+        return self._step_allows(running, waiting) and any(self._seq_allows(seq) for seq in running)
 
-    def propose(self, running: list[Sequence]) -> None:
-        """Set every running sequence's ``draft_token_ids`` for the next schedule (empty: none)."""
-        step_allows = self._step_allows(running)
+    def propose(self, running: list[Sequence], continuing: frozenset[int] = frozenset(), waiting=()) -> None:
+        """Set every running sequence's ``draft_token_ids`` for the next schedule (empty: none).
+        ``waiting``: sequences the step may admit (a constrained one rules drafts out for the step).
+
+        ``continuing``: ids of the sequences of an asynchronous verify step still in flight; the
+        device drafts theirs (``PLACEHOLDER_TOKEN`` drafts here, as many as the host schedules),
+        assuming the step in flight accepted as many as it could (``num_lookahead_slots``).
+        """
+        step_allows = self._step_allows(running, waiting)
         k = self.config.num_speculative_tokens
         drafting, rooms = [], []
         for seq in running:
             seq.draft_token_ids = []
-            if not step_allows or seq.has_placeholder or seq.num_uncomputed_tokens != 1 or not self._seq_allows(seq):
+            is_continuing = seq.seq_id in continuing
+            if (not step_allows or (seq.has_placeholder and not is_continuing) or seq.num_uncomputed_tokens != 1
+                    or not self._seq_allows(seq)):
                 continue
-            # The accepted run and the token after it must fit max_tokens and max_model_len.
-            room = min(k, seq.sampling.max_tokens - seq.num_generated_tokens - 1,
-                       self.max_model_len - seq.num_tokens - 1)
+            # The accepted run and the token after it must fit max_tokens and max_model_len,
+            # whatever the step in flight accepts.
+            lookahead = seq.num_lookahead_slots if is_continuing else 0
+            room = min(k, seq.sampling.max_tokens - seq.num_generated_tokens - 1 - lookahead,
+                       self.max_model_len - seq.num_tokens - 1 - lookahead)
             if room > 0 and not self._judge_gain(seq):
+                if is_continuing:
+                    seq.draft_token_ids = [PLACEHOLDER_TOKEN] * room
+                    continue
                 drafting.append(seq)
                 rooms.append(room)
         if drafting:
@@ -141,11 +159,14 @@ class Speculator:
             return True
         return False
 
-    def _step_allows(self, running: list[Sequence]) -> bool:
+    def _step_allows(self, running: list[Sequence], waiting=()) -> bool:
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) > limit:
             return False
-        return not any(getattr(seq.sampling.params, field, None) for seq in running for field in _STEP_BLOCKERS)
+        # A waiting sequence the step admits counts too: drafts would make its step a verify step,
+        # which applies no grammar mask, logit bias or bad words.
+        return not any(getattr(seq.sampling.params, field, None)
+                       for seq in itertools.chain(running, waiting) for field in _STEP_BLOCKERS)
 
     def _seq_allows(self, seq: Sequence) -> bool:
         params = seq.sampling.params
@@ -159,14 +180,15 @@ def mean_acceptance_length(num_accepted_tokens: int, num_drafts: int) -> float:
     return 1 + num_accepted_tokens / max(1, num_drafts)
 
 
-def roll_back(seq: Sequence, allocator: PageAllocator) -> None:
+def roll_back(seq: Sequence, allocator: PageAllocator, num_lookahead_slots: int = 0) -> None:
     """After a verify step's kept tokens are appended: forget the K/V of the rejected drafts.
 
     Their slots stay in the cache but lie past the sequence's length, so no step reads them
     (attention and the penalties' history stop at ``kv_lens``) and the next step overwrites
     them; pages wholly past the tokens go back to the pool; newly full pages of known tokens
     are offered to the prefix cache only now, since their tokens were drafts until accepted.
+    ``num_lookahead_slots``: slots past the tokens that a verify step in flight may still write.
     """
     seq.num_computed_tokens = seq.num_tokens - 1  # the last token (after the run) is the next input
-    allocator.free_tail(seq)
+    allocator.free_tail(seq, num_lookahead_slots)
     allocator.register_computed(seq)

@@ -25,6 +25,11 @@ from pallas_kernels.paged_attention.work_tiles import next_power_of_2, num_work_
 # Its entries were timed on the fused-write kernel (``gpu_fused.py``), so only that kernel reads
 # it (``fused=True``); the default kernel takes the heuristics, which are the frozen baseline's.
 GPU_TABLE_PATH = Path(__file__).with_name("gpu_decode_table.json")
+# The default kernel over float8_e4m3fn pages (``kv_itemsize=1``): its own measured table, written by
+# ``kernel_frontier.py --only fp8`` as gpu_fp8_decode_table.json and adopted with
+# ``adopt_frontier_run.py``. An fp8 tile of block_kv tokens is half a bf16 tile's bytes, so the
+# best sizes need not be bf16's. Absent, or no entry near a shape: bf16's heuristics decide.
+GPU_FP8_TABLE_PATH = Path(__file__).with_name("gpu_fp8_decode_table.json")
 # A measured entry decides for shapes within this distance: |log2| of the ratio of programs
 # (tiles x KV heads, before splitting) plus |log2| of the ratio of contexts. 1.5 reaches, e.g.,
 # from B=32 ctx 4k to B=64 ctx 4k or B=32 ctx 8k, not to B=256 ctx 1k.
@@ -126,22 +131,26 @@ def _from_table(kind: str, *, programs: int, num_tokens: int, max_kv_len: int, n
 
 def gpu_block_sizes(
     *, num_tokens: int, max_num_seqs: int, max_kv_len: int, num_kv_heads: int, group: int,
-    head_dim: int, page_size: int, itemsize: int, table=None, fused: bool = False,
+    head_dim: int, page_size: int, itemsize: int, table=None, fused: bool = False, kv_itemsize: int | None = None,
 ) -> BlockSizes:
     """Tile sizes for the GPU kernels.
 
-    ``fused=False`` (the default kernel, ``ragged_paged_attention_gpu``): the heuristics, the frozen
-    baseline's tiles and splits. ``fused=True`` (``ragged_paged_attention_gpu_fused``): the nearest
-    measured entry, else the same heuristics. ``table`` replaces the measured table (tests; only
-    with ``fused``); entries are dicts as in gpu_decode_table.json. Either way the sizes are cut
-    to fit that kernel's shared memory (``_fit_shared_memory``).
+    ``itemsize`` is the query's; ``kv_itemsize`` the pages' (None: the same). ``fused=False`` (the
+    default kernel, ``ragged_paged_attention_gpu``): over bf16/f32 pages the heuristics, the frozen
+    baseline's tiles and splits; over float8 pages (``kv_itemsize=1``) the nearest entry of the fp8
+    table (gpu_fp8_decode_table.json), else the same heuristics. ``fused=True``
+    (``ragged_paged_attention_gpu_fused``): the nearest entry of gpu_decode_table.json, else the
+    heuristics. ``table`` replaces whichever measured table applies (tests); entries are dicts as
+    in those files. Either way the sizes are cut to fit that kernel's shared memory
+    (``_fit_shared_memory``, counting the pages' bytes).
     """
+    fp8_pages = kv_itemsize == 1
     if not fused:
-        table = ()
+        table = (table if table is not None else _measured_table(GPU_FP8_TABLE_PATH)) if fp8_pages else ()
     return _fit_shared_memory(
         _gpu_block_sizes(num_tokens=num_tokens, max_num_seqs=max_num_seqs, max_kv_len=max_kv_len,
                          num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, page_size=page_size,
-                         itemsize=itemsize, table=table), head_dim, itemsize, fused)
+                         itemsize=itemsize, table=table), head_dim, kv_itemsize or itemsize, fused)
 
 
 def _gpu_block_sizes(

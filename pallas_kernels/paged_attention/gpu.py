@@ -25,9 +25,16 @@ step; prefill-like batches use large query tiles and no split. Sizes come from
 
 The new tokens' K/V are written first by an XLA scatter into the donated cache (in
 place: no cache-sized copy, which the benchmark checks in the compiled program), then
-the kernel reads the cache. A float8_e4m3fn cache is loaded as such and each K/V tile is
-converted to the query's dtype in registers; the dispatcher (``jaxinfer.attention``) has
-already quantized the new K/V (so the scatter stores fp8) and folds the scales into q and out.
+the kernel reads the cache. A float8_e4m3fn cache is loaded as such (half bf16's bytes) and each
+K/V tile is widened in registers to ``fp8_tile_dtype``: float16 for bf16/f16 queries (the default,
+``fp8_widen_to="float16"``), the query's dtype otherwise. Why float16: on sm_90 Triton widens e4m3
+to f16 with one ``cvt.rn.f16x2.e4m3x2`` per two values but to bf16 through f16 and f32, several
+conversions per two values, and conversions issue at 16 a clock per SM; that conversion rate,
+not HBM, bounded the bf16-widening kernel (measured: fp8 pages took as long as bf16 pages,
+about 32 SM clocks per KV token and KV head at B=256 ctx 4k). Every e4m3 value is exact in f16, and so is a
+bf16 query within f16's range (it is clipped to +-65504 first); the softmax weights round to
+f16 (3 more mantissa bits than bf16). The dispatcher (``jaxinfer.attention``) has already
+quantized the new K/V (so the scatter stores fp8) and folds the scales into q and out.
 
 Lowering choice: Pallas-Triton, chosen by measurement against a Mosaic GPU prototype
 (``mosaic_gpu_prototype.py``: one warpgroup per sequence x KV head x split, one TMA copy
@@ -73,6 +80,23 @@ from pallas_kernels.precision import matmul_precision
 _MASK_VALUE = -1e30
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
+F16_MAX = 65504.0
+FP8_WIDEN_CHOICES = ("float16", "query")
+
+
+def fp8_tile_dtype(q_dtype, kv_dtype, fp8_widen_to: str = "float16"):
+    """The dtype K/V tiles are widened to and the dots run in: q's, except fp8 pages with 16-bit queries.
+
+    ``fp8_widen_to="float16"`` (default): e4m3 pages with bf16/f16 queries compute in float16 (one
+    conversion instruction per two values on sm_90, see the module docstring). ``"query"``: widen
+    to q's dtype, the kernel as it was before (kept for the benchmark's same-run comparison).
+    """
+    if fp8_widen_to not in FP8_WIDEN_CHOICES:
+        raise ValueError(f"fp8_widen_to must be one of {FP8_WIDEN_CHOICES}, got {fp8_widen_to!r}")
+    q_dtype, kv_dtype = jnp.dtype(q_dtype), jnp.dtype(kv_dtype)
+    if kv_dtype.itemsize == 1 and q_dtype.itemsize == 2 and fp8_widen_to == "float16":
+        return jnp.dtype(jnp.float16)
+    return q_dtype
 
 
 def _attention_kernel(
@@ -84,6 +108,7 @@ def _attention_kernel(
     *out_refs,  # out [T + 1, Hq, D], or out [T + 1, Hq, D] f32 and lse [T + 1, Hq] f32 of this split
     sm_scale: float, soft_cap: float | None, sliding_window: int | None,
     page_size: int, block_kv: int, block_q: int, group: int, group_padded: int, num_splits: int, precision,
+    tile_dtype,
 ):
     tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = meta_ref[tile, wt.SEQ]
@@ -111,6 +136,8 @@ def _attention_kernel(
     lane_2d = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32)[None, :], (rows, head_dim))
     row_mask = jnp.broadcast_to(is_row[:, None], (rows, head_dim))
     q = plgpu.load(q_ref.at[jnp.minimum(token_2d, dummy_token - 1), head_2d, lane_2d], mask=row_mask, other=0.0)
+    if q.dtype != tile_dtype:  # fp8 pages, f16 tiles: once per program, clipped so no row becomes inf
+        q = jnp.clip(q.astype(jnp.float32), -F16_MAX, F16_MAX).astype(tile_dtype)
 
     # Scores are kept in log2 units (scaled by log2(e)) so the softmax uses exp2, one
     # instruction, instead of exp's extra range reduction.
@@ -128,7 +155,7 @@ def _attention_kernel(
         lane_2d = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32)[None, :], (block_kv, head_dim))
         load_mask = jnp.broadcast_to(in_seq[:, None], (block_kv, head_dim)) if masked else None
         other = 0.0 if masked else None
-        k = plgpu.load(k_ref.at[slot_2d, lane_2d], mask=load_mask, other=other).astype(q.dtype)  # [BK, D]
+        k = plgpu.load(k_ref.at[slot_2d, lane_2d], mask=load_mask, other=other).astype(tile_dtype)  # [BK, D]
         scores = plgpu.dot(q, k, trans_b=True, precision=precision) * score_scale  # [rows, BK]
         if soft_cap is not None:
             scores = (soft_cap * _LOG2E) * jnp.tanh(scores / soft_cap)
@@ -143,8 +170,8 @@ def _attention_kernel(
         if masked:
             weights = jnp.where(visible, weights, 0.0)
         denom = denom * correction + jnp.sum(weights, axis=1)
-        v = plgpu.load(v_ref.at[slot_2d, lane_2d], mask=load_mask, other=other).astype(q.dtype)  # [BK, D]
-        acc = acc * correction[:, None] + plgpu.dot(weights.astype(v.dtype), v, precision=precision)
+        v = plgpu.load(v_ref.at[slot_2d, lane_2d], mask=load_mask, other=other).astype(tile_dtype)  # [BK, D]
+        acc = acc * correction[:, None] + plgpu.dot(weights.astype(tile_dtype), v, precision=precision)
         return acc, new_max, denom
 
     # Only blocks at the edges need masks: one holding a position past the tile's first query
@@ -175,26 +202,34 @@ def _attention_kernel(
 
 def attend_gpu(
     q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sliding_window=None,
-    soft_cap=None, sizes: BlockSizes, interpret: bool = False,
+    soft_cap=None, sizes: BlockSizes, interpret: bool = False, fp8_widen_to: str = "float16",
+    tiles: wt.WorkTiles | None = None,
 ):
-    """Attention of packed queries over their (already written) pages; returns out [T, Hq, D]."""
+    """Attention of packed queries over their (already written) pages; returns out [T, Hq, D].
+
+    ``fp8_widen_to``: see ``fp8_tile_dtype`` (only float8 pages read it). ``tiles``: the work
+    tiles, when the caller planned them itself (``gpu_fresh_prefill`` empties the tiles of the
+    sequence another kernel serves); by default planned here with ``sizes.block_q``.
+    """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
     group_padded = wt.next_power_of_2(group)
     block_q, splits = sizes.block_q, sizes.num_splits
-    tiles = wt.plan_work_tiles(cu_q_lens, kv_lens, num_tokens, block_q)
+    if tiles is None:
+        tiles = wt.plan_work_tiles(cu_q_lens, kv_lens, num_tokens, block_q)
     num_tiles = tiles.meta.shape[0]
     # Flattening pages is a bitcast: row page * page_size + r is token r of that page.
     k_flat = k_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
     v_flat = v_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
     # HIGHEST makes Triton's dot IEEE float32 for float32 inputs; at the default it rounds them to TF32.
     precision = matmul_precision(q.dtype)
+    tile_dtype = fp8_tile_dtype(q.dtype, k_pages.dtype, fp8_widen_to)
 
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
         page_size=page_size, block_kv=sizes.block_kv, block_q=block_q, group=group, group_padded=group_padded,
-        num_splits=splits, precision=precision,
+        num_splits=splits, precision=precision, tile_dtype=tile_dtype,
     )
     whole = lambda shape: pl.BlockSpec(shape, lambda w, h, s: (0,) * len(shape))  # noqa: E731
     cache_spec = pl.BlockSpec((None, num_pages * page_size, head_dim), lambda w, h, s: (h, 0, 0))
@@ -236,7 +271,7 @@ def _split_init_refs(kernel, *refs, num_init: int):
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q", "block_kv", "num_splits",
-                     "num_warps", "num_stages", "interpret"),
+                     "num_warps", "num_stages", "interpret", "fp8_widen_to"),
     donate_argnames=("k_pages", "v_pages"),
 )
 def ragged_paged_attention_gpu(
@@ -258,11 +293,14 @@ def ragged_paged_attention_gpu(
     num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool = False,
+    fp8_widen_to: str = "float16",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Same contract as ``ragged_paged_attention_reference``; the cache is donated and updated in place.
 
     Tile sizes default to the tuned table; any of them can be forced for sweeps and tests.
-    ``interpret=True`` runs the kernel through Pallas's interpreter (CPU tests).
+    ``interpret=True`` runs the kernel through Pallas's interpreter (CPU tests). Float8 pages take
+    their own measured sizes (``gpu_block_sizes(kv_itemsize=1)``) and widen tiles as
+    ``fp8_widen_to`` says (``fp8_tile_dtype``).
     """
     check_inputs(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -272,7 +310,7 @@ def ragged_paged_attention_gpu(
     tuned = gpu_block_sizes(
         num_tokens=num_tokens, max_num_seqs=kv_lens.shape[0], max_kv_len=page_tables.shape[1] * page_size,
         num_kv_heads=num_kv_heads, group=num_q_heads // num_kv_heads, head_dim=head_dim,
-        page_size=page_size, itemsize=q.dtype.itemsize,
+        page_size=page_size, itemsize=q.dtype.itemsize, kv_itemsize=k_pages.dtype.itemsize,
     )
     sizes = BlockSizes(
         block_q=block_q or tuned.block_q,
@@ -283,13 +321,13 @@ def ragged_paged_attention_gpu(
     )
     return attend_and_write_gpu(
         q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes, interpret=interpret,
+        sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes, interpret=interpret, fp8_widen_to=fp8_widen_to,
     )
 
 
 def attend_and_write_gpu(
     q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sliding_window=None,
-    soft_cap=None, sizes: BlockSizes, interpret: bool = False,
+    soft_cap=None, sizes: BlockSizes, interpret: bool = False, fp8_widen_to: str = "float16",
 ):
     """XLA scatter of this step's K/V into the cache, then ``attend_gpu``. Returns (out, k_pages, v_pages).
 
@@ -299,6 +337,6 @@ def attend_and_write_gpu(
     k_pages, v_pages = write_kv_reference(k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
     out = attend_gpu(
         q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes, interpret=interpret,
+        sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes, interpret=interpret, fp8_widen_to=fp8_widen_to,
     )
     return out, k_pages, v_pages

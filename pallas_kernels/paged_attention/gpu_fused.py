@@ -27,8 +27,9 @@ The new tokens' K/V are written by the same kernel, in place in the donated cach
 inputs aliased to its outputs): program split 0 of each tile stores its own tokens' rows.
 No program reads the cache at this step's positions (every position from the sequence's
 first new token on is read from ``k_new``/``v_new``), so the writes race with no read. A
-float8_e4m3fn cache is loaded as such and converted to the query's dtype in registers
-(the dispatcher quantizes the new K/V and applies the scales outside the kernel).
+float8_e4m3fn cache is loaded as such and widened in registers as in ``gpu.py`` (to float16 for
+bf16 queries, ``fp8_tile_dtype``); the dispatcher quantizes the new K/V and applies the scales
+outside the kernel.
 
 Lowering choice: Pallas-Triton, as for the default kernel (``gpu.py``'s docstring has the
 measurement against the Mosaic GPU prototype).
@@ -46,6 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paged_attention import work_tiles as wt
 from pallas_kernels.paged_attention.block_sizes import BlockSizes, gpu_block_sizes
+from pallas_kernels.paged_attention.gpu import F16_MAX, fp8_tile_dtype
 from pallas_kernels.paged_attention.gpu_merge import merge_splits_gpu
 from pallas_kernels.paged_attention.validation import check_inputs
 from pallas_kernels.precision import matmul_precision
@@ -124,7 +126,8 @@ def _attention_kernel(
     num_tokens, _, head_dim = q_ref.shape
     pages_per_seq = page_tables_ref.shape[1]
     cache_rows = k_cache_ref.shape[0]
-    compute_dtype = q_ref.dtype
+    # bf16 queries over fp8 pages compute in f16: e4m3 widens to it in one instruction (gpu.py's docstring).
+    compute_dtype = fp8_tile_dtype(q_ref.dtype, k_cache_ref.dtype)
     rows = block_q * group_padded
     # Row r is query head (kv_head * group + r % Gp) of token (token_start + r // Gp).
     row = jnp.arange(rows, dtype=jnp.int32)
@@ -139,6 +142,8 @@ def _attention_kernel(
     lane_2d = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32)[None, :], (rows, head_dim))
     row_mask = jnp.broadcast_to(is_row[:, None], (rows, head_dim))
     q = plgpu.load(q_ref.at[jnp.minimum(token_2d, dummy_token - 1), head_2d, lane_2d], mask=row_mask, other=0.0)
+    if q.dtype != compute_dtype:  # clipped to f16's range, so no row becomes inf
+        q = jnp.clip(q.astype(jnp.float32), -F16_MAX, F16_MAX).astype(compute_dtype)
 
     # The K/V write, fused: split 0 of each tile stores its own queries' new rows (tiles never
     # share a token, so each row is written once). Nothing in this call reads those cache rows:

@@ -22,6 +22,11 @@ Four ways to multiply a tile (``algorithm``):
   keeps 16-64 KB of weights in flight (with ``prefetch``, the next tile loads while this one
   is multiplied). M <= 16 (M multiply-adds per weight: the CUDA cores keep up to ~8-16).
 
+``prefetch`` (0-3) is how many weight tiles a program loads ahead of the arithmetic;
+``dot_dtype="float16"`` makes the tensor-core forms convert fp8 with one instruction per two
+weights. Weights stored ``[K, N]`` (``layout="kn"``, the dense bf16 weights) get their own
+heuristic: tiles 128 columns wide, K split until the programs fill the GPU.
+
 Run 1 on the H200 (docs/KERNELS.md) measured only the first defaults (fma n16 k512 at M <= 2,
 mma n32 k256 above): 41-50% of the HBM read rate. The defaults here are the redesign's
 heuristics; where ``benchmarks/gemv_decode.py`` measured the shape, its table
@@ -38,6 +43,11 @@ import numpy as np
 from pallas_kernels.quantized_matmul.tuning_table import measured_block_sizes
 
 ALGORITHMS = ("mma", "mma_swapped", "fma", "gemv")
+DOT_DTYPES = (None, "float16")
+# How the weights are stored: "nk" = [out, in] (the quantized payload), "kn" = [in, out] (the
+# dense einsum layout of bf16 weights).
+LAYOUTS = ("nk", "kn")
+MAX_PREFETCH = 3  # weight tiles a program may load ahead (registers: 3 x 16 KB is already a lot)
 MAX_FMA_ROWS = 8
 MAX_GEMV_ROWS = 16
 MAX_ROWS = 64
@@ -63,7 +73,14 @@ class MatmulBlockSizes:
     k_splits: int  # programs sharing one output tile's K range; partial sums added after
     num_warps: int = 4
     num_stages: int = 4
-    prefetch: bool = False  # load the next weight tile before this step's arithmetic (registers, 2 in flight)
+    # Weight tiles loaded ahead of this step's arithmetic (registers, prefetch + 1 in flight);
+    # tables written before it was a count say true/false, which read as 1/0.
+    prefetch: int = 0
+    # The tensor-core forms' operand dtype: None = x's. "float16" (fp8 / int8 weights, bf16 x):
+    # e4m3 and int8 are exact in f16, and fp8 -> f16 is one cvt per two weights on sm_89+, while
+    # fp8 -> bf16 takes more steps after it (a hypothesis for run 2's M-independent 27 µs, to be
+    # measured); x is saturated to f16's range (|x| <= 65504) and keeps 3 more mantissa bits than bf16.
+    dot_dtype: str | None = None
 
 
 def next_power_of_2(n: int) -> int:
@@ -88,21 +105,29 @@ def num_k_splits(n: int, k: int, block_n: int, block_k: int, target_programs: in
 
 
 def default_block_sizes(m: int, n: int, k: int, weight_dtype=ml_dtypes.float8_e4m3fn,
-                        table=None) -> MatmulBlockSizes:
-    """Sizes for ``x [m, k] @ w[n, k]^T`` when the caller forces none.
+                        table=None, layout: str = "nk") -> MatmulBlockSizes:
+    """Sizes for ``x [m, k] @ w[n, k]^T`` (or ``x @ w[k, n]`` with ``layout="kn"``) when the caller forces none.
 
-    The measured table's entry for this (N, K, weight format) at the nearest measured M >= m
-    when there is one (``tuning_table``; ``table`` replaces it in tests), else the heuristics
-    below (see the module doc).
+    The measured table's entry for this (N, K, weight format, layout) at the nearest measured
+    M >= m when there is one (``tuning_table``; ``table`` replaces it in tests), else the
+    heuristics below (see the module doc).
     """
-    measured = measured_block_sizes(m, n, k, weight_dtype, table=table)
+    measured = measured_block_sizes(m, n, k, weight_dtype, table=table, layout=layout)
     if measured is not None:
         return MatmulBlockSizes(**measured)
     itemsize = np.dtype(weight_dtype).itemsize
-    prefetch = False
-    if m <= _GEMV_DEFAULT_ROWS:
+    prefetch = 0
+    if layout == "kn":
+        # Rows of the tile are contiguous along N: 128 bf16 columns are two 128-byte lines per
+        # row, so loads coalesce; N / 128 programs (32 for 4096) are too few for 132 SMs, so K
+        # is split (below) until they fill the GPU. The tensor cores' B operand is K-major
+        # already, so M > 4 uses the plain dot with x as the (padded) left operand.
+        algorithm, block_n, num_warps = ("gemv", 128, 4) if m <= _GEMV_DEFAULT_ROWS else ("mma", 128, 4)
+        num_stages, prefetch = (1, 1) if algorithm == "gemv" else (4, 0)
+        block_k = _TILE_BYTES // (block_n * itemsize)
+    elif m <= _GEMV_DEFAULT_ROWS:
         # Two 32-row tiles per SM where N allows it (gate/up: 448), else 16 rows (down: 256).
-        algorithm, num_warps, num_stages, prefetch = "gemv", 4, 1, True
+        algorithm, num_warps, num_stages, prefetch = "gemv", 4, 1, 1
         block_n = 32 if n // 32 >= 2 * _GPU_NUM_SMS else 16
         block_k = _TILE_BYTES // (block_n * itemsize)
     else:

@@ -22,6 +22,11 @@ so neither x nor the output is copied to pad M.
 Tile sizes and the four multiply forms (tensor-core dot, swapped dot, element-wise FMA
 with a tile-sized accumulator, GEMV reducing every step) are in ``block_sizes``; the
 measured table that picks among them per shape is ``tuning_table``.
+
+bf16 weights may also come as the model stores them, ``w [K, N]`` (``layout="kn"``): then
+``w_ref`` is ``[K / k_splits, block_n]`` and each step's tile is ``block_k`` rows, each
+contiguous along N, so a program owning 64-256 output columns reads whole cache lines and
+the model needs no transposed copy of its weights.
 """
 
 from __future__ import annotations
@@ -42,7 +47,12 @@ from pallas_kernels.quantized_matmul.block_sizes import (
     num_k_splits,
     padded_rows,
 )
-from pallas_kernels.quantized_matmul.validation import check_block_sizes, check_inputs
+from pallas_kernels.quantized_matmul.validation import (
+    check_block_sizes, check_dot_dtype, check_inputs, dot_dtype_fits,
+)
+
+
+F16_MAX = 65504.0
 
 
 def _load_x_tile(x_ref, k0, *, m: int, block_m: int, block_k: int):
@@ -90,55 +100,65 @@ def _convert_weights(w, dtype):
 
 def _matmul_kernel(
     x_ref,  # [M, K / k_splits]: this split's columns of x
-    w_ref,  # [block_n, K / k_splits]: this program's weight rows, this split's columns
+    w_ref,  # [block_n, K / k_splits] ("nk") or [K / k_splits, block_n] ("kn"): this program's weights, this split's K
     *refs,  # scale_ref [block_n] float32 (quantized weights only), then out_ref [M, block_n]: the
     # output (k_splits == 1) or this split's float32 partial sums
-    m: int, sizes: MatmulBlockSizes, compute_dtype, precision, scaled: bool,
+    m: int, sizes: MatmulBlockSizes, compute_dtype, precision, scaled: bool, layout: str,
 ):
     scale_ref, out_ref = refs if scaled else (None, refs[0])
     block_n, block_k = sizes.block_n, sizes.block_k
-    num_steps = w_ref.shape[1] // block_k
+    # "kn": the dense einsum layout, w [in, out]. A tile is block_k rows each contiguous along N,
+    # so a program owning block_n >= 64 outputs still loads whole 128-byte lines.
+    k_major = layout == "kn"
+    num_steps = w_ref.shape[0 if k_major else 1] // block_k
+    depth = int(sizes.prefetch)  # weight tiles loaded ahead of the one being multiplied
     # bf16 weights carry no scale: a multiply by one would be wasted work per output.
     scale = scale_ref[...].astype(jnp.float32) if scaled else None  # [block_n]
+    reduce_k = 0 if k_major else 1  # the tile's K axis
 
     def scaled_by_channel(values):  # values [..., block_n] with the per-channel scale applied
         return values if scale is None else values * scale
 
-    def load_weights(i):  # the raw [block_n, block_k] weight tile of step i (a traced or a Python int)
+    def load_weights(i):  # the raw weight tile of step i (a traced or a Python int), in its stored orientation
         start = i * block_k if isinstance(i, int) else pl.multiple_of(i * block_k, block_k)
-        return w_ref[:, pl.ds(start, block_k)]
+        return w_ref[pl.ds(start, block_k), :] if k_major else w_ref[:, pl.ds(start, block_k)]
+
+    def x_column(r, k0):  # row r of x over this step's K, shaped to broadcast against a weight tile
+        x = x_ref[r, pl.ds(k0, block_k)].astype(jnp.float32)
+        return x[:, None] if k_major else x[None, :]
 
     def k_loop(step, init):
         """``fori_loop`` over K steps of ``step(i, k0, raw_tile, carry)``, the tile loaded here.
 
-        With ``prefetch`` the carry also holds the next step's raw tile, loaded before this
-        step's arithmetic: two tiles in flight per program even where Triton does not
-        software-pipeline the loop (it pipelines loads that feed a dot; the fma form has none).
+        With ``prefetch = d > 0`` the carry also holds the next ``d`` steps' raw tiles, each
+        loaded ``d`` steps before its arithmetic: ``d + 1`` tiles in flight per program even
+        where Triton does not software-pipeline the loop (it pipelines loads that feed a dot;
+        the gemv and fma forms have none).
         """
         def body(i, carry):
             k0 = pl.multiple_of(i * block_k, block_k)
-            if not sizes.prefetch:
+            if not depth:
                 return step(i, k0, load_weights(i), carry)
-            state, tile = carry
-            next_tile = load_weights(jnp.minimum(i + 1, num_steps - 1))
-            return step(i, k0, tile, state), next_tile
+            state, tiles = carry
+            ahead = load_weights(jnp.minimum(i + depth, num_steps - 1))
+            return step(i, k0, tiles[0], state), tiles[1:] + (ahead,)
 
-        if not sizes.prefetch:
+        if not depth:
             return lax.fori_loop(0, num_steps, body, init)
-        return lax.fori_loop(0, num_steps, body, (init, load_weights(0)))[0]
+        first = tuple(load_weights(min(d, num_steps - 1)) for d in range(depth))
+        return lax.fori_loop(0, num_steps, body, (init, first))[0]
 
     if sizes.algorithm == "fma":
         # One [block_n, block_k] accumulator per row of x: products are added element-wise
         # each step and reduced over K once at the end, so the loop has no cross-lane work.
         def fma_step(i, k0, tile, accs):
             w = _convert_weights(tile, jnp.float32)
-            return tuple(acc + w * x_ref[r, pl.ds(k0, block_k)].astype(jnp.float32)[None, :]
-                         for r, acc in enumerate(accs))
+            return tuple(acc + w * x_column(r, k0) for r, acc in enumerate(accs))
 
-        zeros = jnp.zeros((block_n, block_k), jnp.float32)
+        zeros = jnp.zeros((block_k, block_n) if k_major else (block_n, block_k), jnp.float32)
         accs = k_loop(fma_step, (zeros,) * m)
         for r, acc in enumerate(accs):
-            out_ref[r, :] = scaled_by_channel(jnp.sum(acc, axis=1)).astype(out_ref.dtype)
+            out_ref[r, :] = scaled_by_channel(jnp.sum(acc, axis=reduce_k)).astype(out_ref.dtype)
         return
 
     if sizes.algorithm == "gemv":
@@ -149,8 +169,7 @@ def _matmul_kernel(
         # thousands of weights.
         def gemv_step(i, k0, tile, accs):
             w = _convert_weights(tile, jnp.float32)
-            return tuple(acc + jnp.sum(w * x_ref[r, pl.ds(k0, block_k)].astype(jnp.float32)[None, :], axis=1)
-                         for r, acc in enumerate(accs))
+            return tuple(acc + jnp.sum(w * x_column(r, k0), axis=reduce_k) for r, acc in enumerate(accs))
 
         accs = k_loop(gemv_step, (jnp.zeros((block_n,), jnp.float32),) * m)
         for r, acc in enumerate(accs):
@@ -162,10 +181,14 @@ def _matmul_kernel(
 
     def mma_step(i, k0, tile, acc):
         w = _convert_weights(tile, compute_dtype)
-        x = _load_x_tile(x_ref, k0, m=m, block_m=block_m, block_k=block_k).astype(compute_dtype)
+        x = _load_x_tile(x_ref, k0, m=m, block_m=block_m, block_k=block_k)
+        if jnp.dtype(compute_dtype) == jnp.float16:
+            # Saturate rather than overflow to inf: f16 tops out at 65504 where bf16 does not.
+            x = jnp.clip(x.astype(jnp.float32), -F16_MAX, F16_MAX)
+        x = x.astype(compute_dtype)
         if swapped:  # acc [block_n, block_m]
-            return acc + plgpu.dot(w, x, trans_b=True, precision=precision)
-        return acc + plgpu.dot(x, w, trans_b=True, precision=precision)  # acc [block_m, block_n]
+            return acc + plgpu.dot(w, x, trans_a=k_major, trans_b=True, precision=precision)
+        return acc + plgpu.dot(x, w, trans_b=not k_major, precision=precision)  # acc [block_m, block_n]
 
     acc_shape = (block_n, block_m) if swapped else (block_m, block_n)
     acc = k_loop(mma_step, jnp.zeros(acc_shape, jnp.float32))
@@ -174,21 +197,24 @@ def _matmul_kernel(
     _store_rows(out_ref, scaled_by_channel(acc), m=m)
 
 
-def weight_only_matmul_gpu(x, w, scale, *, sizes: MatmulBlockSizes, interpret: bool = False) -> jax.Array:
+def weight_only_matmul_gpu(x, w, scale, *, sizes: MatmulBlockSizes, interpret: bool = False,
+                           layout: str = "nk") -> jax.Array:
     """``(x @ w^T) * scale`` in ``x.dtype`` through the kernel, at the given (already checked) sizes.
 
     ``scale`` is None for unquantized (bf16) weights: the kernel then takes no scale input.
+    ``layout``: "nk" for ``w [N, K]`` (stored [out, in]), "kn" for ``w [K, N]`` (``x @ w``).
     """
     m, k = x.shape
-    n = w.shape[0]
+    n = w.shape[1] if layout == "kn" else w.shape[0]
     splits = sizes.k_splits
     k_per_split = k // splits
     scaled = scale is not None
     # bf16 x: weights convert to bf16 (exact) and the dot runs on bf16 tensor cores with
     # f32 accumulation; f32 x: weights convert to f32 and the dot is IEEE f32 (HIGHEST).
-    compute_dtype = x.dtype
+    # dot_dtype "float16" (fp8 / int8 weights, bf16 x): the dot runs in f16 instead (see block_sizes).
+    compute_dtype = jnp.float16 if sizes.dot_dtype == "float16" else x.dtype
     kernel = functools.partial(_matmul_kernel, m=m, sizes=sizes, compute_dtype=compute_dtype,
-                               precision=matmul_precision(compute_dtype), scaled=scaled)
+                               precision=matmul_precision(compute_dtype), scaled=scaled, layout=layout)
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
         out_spec = pl.BlockSpec((m, sizes.block_n), lambda j, s: (0, j))
@@ -197,7 +223,8 @@ def weight_only_matmul_gpu(x, w, scale, *, sizes: MatmulBlockSizes, interpret: b
         out_spec = pl.BlockSpec((None, m, sizes.block_n), lambda j, s: (s, 0, j))
     in_specs = [
         pl.BlockSpec((m, k_per_split), lambda j, s: (0, s)),
-        pl.BlockSpec((sizes.block_n, k_per_split), lambda j, s: (j, s)),
+        pl.BlockSpec((k_per_split, sizes.block_n), lambda j, s: (s, j)) if layout == "kn"
+        else pl.BlockSpec((sizes.block_n, k_per_split), lambda j, s: (j, s)),
     ]
     operands = (x, w)
     if scaled:
@@ -211,47 +238,55 @@ def weight_only_matmul_gpu(x, w, scale, *, sizes: MatmulBlockSizes, interpret: b
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=sizes.num_stages),
         interpret=interpret,
-        name=f"weight_only_matmul_{jnp.dtype(w.dtype).name}",
+        name=f"weight_only_matmul_{jnp.dtype(w.dtype).name}_{layout}",
     )(*operands)
     if splits == 1:
         return out
     return jnp.sum(out, axis=0).astype(x.dtype)
 
 
-def resolve_block_sizes(m: int, n: int, k: int, weight_dtype=jnp.float8_e4m3fn, **overrides) -> MatmulBlockSizes:
-    """The default sizes for this shape and weight format with any non-None ``overrides`` applied.
+def resolve_block_sizes(m: int, n: int, k: int, weight_dtype=jnp.float8_e4m3fn, layout: str = "nk",
+                        **overrides) -> MatmulBlockSizes:
+    """The default sizes for this shape, weight format and layout with any non-None ``overrides`` applied.
 
     When the tile is overridden but ``k_splits`` is not, the split count is recomputed for
     the new tile; ``k_splits`` given explicitly is kept as is.
     """
     overrides = {name: value for name, value in overrides.items() if value is not None}
-    sizes = dataclasses.replace(default_block_sizes(m, n, k, weight_dtype), **overrides)
+    sizes = dataclasses.replace(default_block_sizes(m, n, k, weight_dtype, layout=layout), **overrides)
     if "k_splits" not in overrides and ({"block_n", "block_k"} & overrides.keys()):
         sizes = dataclasses.replace(sizes, k_splits=num_k_splits(n, k, sizes.block_n, sizes.block_k))
     check_block_sizes(sizes, m, n, k)
     return sizes
 
 
-_STATIC = ("interpret", "algorithm", "block_n", "block_k", "k_splits", "num_warps", "num_stages", "prefetch")
+_STATIC = ("interpret", "algorithm", "block_n", "block_k", "k_splits", "num_warps", "num_stages", "prefetch",
+           "dot_dtype")
 
 
 def _weight_only_matmul(x, w, scale, weight_dtype, *, interpret, algorithm, block_n, block_k, k_splits,
-                        num_warps, num_stages, prefetch):
-    check_inputs(x, w, scale, weight_dtype)
+                        num_warps, num_stages, prefetch, dot_dtype=None, layout="nk"):
+    check_inputs(x, w, scale, weight_dtype, layout)
     m, k = x.shape
-    sizes = resolve_block_sizes(m, w.shape[0], k, weight_dtype, algorithm=algorithm, block_n=block_n,
+    n = w.shape[1] if layout == "kn" else w.shape[0]
+    sizes = resolve_block_sizes(m, n, k, weight_dtype, layout, algorithm=algorithm, block_n=block_n,
                                 block_k=block_k, k_splits=k_splits, num_warps=num_warps, num_stages=num_stages,
-                                prefetch=prefetch)
-    return weight_only_matmul_gpu(x, w, scale, sizes=sizes, interpret=interpret)
+                                prefetch=prefetch, dot_dtype=dot_dtype)
+    if dot_dtype is None and sizes.dot_dtype is not None and not dot_dtype_fits(sizes, x.dtype, weight_dtype):
+        # A measured default for bf16 x does not apply to an f32 caller: it keeps its exact dot.
+        sizes = dataclasses.replace(sizes, dot_dtype=None)
+    check_dot_dtype(sizes, x.dtype, weight_dtype)
+    return weight_only_matmul_gpu(x, w, scale, sizes=sizes, interpret=interpret, layout=layout)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def fp8_weight_only_matmul(
     x: jax.Array, w: jax.Array, scale: jax.Array, *, interpret: bool = False, algorithm: str | None = None,
     block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None, prefetch: bool | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, prefetch: int | None = None,
+    dot_dtype: str | None = None,
 ) -> jax.Array:
-    """``x @ (w * scale[:, None]).T`` for few tokens, reading the fp8 weights once: ``[M, N]`` in ``x.dtype``.
+    """``x @ (w * scale[:, None]).T for few tokens, reading the fp8 weights once: ``[M, N]`` in ``x.dtype``.
 
     Accepts ``x [M, K]`` bfloat16 or float32 with ``1 <= M <= 64``, ``w [N, K]``
     float8_e4m3fn stored ``[out, in]`` (contracting on its minor dimension), ``scale [N]``
@@ -259,19 +294,22 @@ def fp8_weight_only_matmul(
     ``block_k * k_splits`` (the defaults fit any N, K that are multiples of 16); anything
     else raises ``ValueError`` naming the field. Tile sizes default to
     ``block_sizes.default_block_sizes`` (the measured table where it has the shape); each
-    can be forced (sweeps, tests). ``interpret=True`` runs the kernel in Pallas's
-    interpreter (CPU tests). Needs compute capability >= 8.9 on the GPU (Triton's fp8 conversion).
+    can be forced (sweeps, tests); ``prefetch`` is how many weight tiles a program loads
+    ahead (0-3; True means 1); ``dot_dtype="float16"`` runs the tensor-core forms in f16
+    (bf16 x only, saturated to f16's range). ``interpret=True`` runs the kernel in Pallas's interpreter
+    (CPU tests). Needs compute capability >= 8.9 on the GPU (Triton's fp8 conversion).
     """
     return _weight_only_matmul(x, w, scale, jnp.float8_e4m3fn, interpret=interpret, algorithm=algorithm,
                                block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
-                               num_stages=num_stages, prefetch=prefetch)
+                               num_stages=num_stages, prefetch=prefetch, dot_dtype=dot_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def int8_weight_only_matmul(
     x: jax.Array, w: jax.Array, scale: jax.Array, *, interpret: bool = False, algorithm: str | None = None,
     block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None, prefetch: bool | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, prefetch: int | None = None,
+    dot_dtype: str | None = None,
 ) -> jax.Array:
     """``fp8_weight_only_matmul`` for int8 weights ``w [N, K]`` (per-channel ``scale [N]``), same kernel and contract.
 
@@ -280,21 +318,25 @@ def int8_weight_only_matmul(
     """
     return _weight_only_matmul(x, w, scale, jnp.int8, interpret=interpret, algorithm=algorithm,
                                block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
-                               num_stages=num_stages, prefetch=prefetch)
+                               num_stages=num_stages, prefetch=prefetch, dot_dtype=dot_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=_STATIC + ("layout",))
 def bf16_weight_only_matmul(
     x: jax.Array, w: jax.Array, *, interpret: bool = False, algorithm: str | None = None,
     block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None, prefetch: bool | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, prefetch: int | None = None,
+    dot_dtype: str | None = None, layout: str = "nk",
 ) -> jax.Array:
     """``x @ w.T`` for few tokens with unquantized bfloat16 weights ``w [N, K]`` (no scale): the plain decode GEMV.
 
     Same kernel, contract and tile options as ``fp8_weight_only_matmul``; it exists because
     XLA's bf16 GEMV chain runs at ~65% of the HBM read rate at one row (issue 21), and
-    bf16 batch-1 decode is a read of every weight.
+    bf16 batch-1 decode is a read of every weight. ``layout="kn"`` takes ``w [K, N]`` and
+    returns ``x @ w``: the layout the model's dense weights already have (einsum
+    ``"te,ef->tf"``), so the weight layer needs no second copy of them; each program owns
+    ``block_n`` output columns and walks K in row tiles that are contiguous along N.
     """
     return _weight_only_matmul(x, w, None, jnp.bfloat16, interpret=interpret, algorithm=algorithm,
                                block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
-                               num_stages=num_stages, prefetch=prefetch)
+                               num_stages=num_stages, prefetch=prefetch, dot_dtype=dot_dtype, layout=layout)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels.quantized_matmul.block_sizes import ALGORITHMS, MAX_FMA_ROWS, MAX_GEMV_ROWS, MAX_ROWS, MatmulBlockSizes
+from pallas_kernels.quantized_matmul.block_sizes import (
+    ALGORITHMS, DOT_DTYPES, LAYOUTS, MAX_FMA_ROWS, MAX_GEMV_ROWS, MAX_PREFETCH, MAX_ROWS, MatmulBlockSizes,
+)
 
 ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
@@ -18,12 +20,15 @@ def supports_shape(m: int, n: int, k: int) -> bool:
     return 1 <= m <= MAX_ROWS and n > 0 and k > 0 and n % 16 == 0 and k % 16 == 0
 
 
-def check_inputs(x, w, scale, weight_dtype) -> None:
-    """``x [M, K]`` bf16/f32 with 1 <= M <= 64, ``w [N, K]`` of ``weight_dtype``, ``scale [N]`` float32.
+def check_inputs(x, w, scale, weight_dtype, layout: str = "nk") -> None:
+    """``x [M, K]`` bf16/f32 with 1 <= M <= 64, ``w [N, K]`` (layout "nk") or ``[K, N]`` ("kn") of
+    ``weight_dtype``, ``scale [N]`` float32.
 
     ``scale`` is None for bf16 weights (unquantized: nothing to scale) and required otherwise.
     """
     weight_dtype = jnp.dtype(weight_dtype)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K], got shape {x.shape}")
     if jnp.dtype(x.dtype) not in ACTIVATION_DTYPES:
@@ -31,13 +36,14 @@ def check_inputs(x, w, scale, weight_dtype) -> None:
     m, k = x.shape
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"x has M={m} rows; this kernel serves 1 <= M <= {MAX_ROWS} (use XLA's matmul above)")
+    stored = "[K, N] (stored [in, out], layout 'kn')" if layout == "kn" else "[N, K] (stored [out, in])"
     if w.ndim != 2:
-        raise ValueError(f"w must be [N, K] (stored [out, in]), got shape {w.shape}")
+        raise ValueError(f"w must be {stored}, got shape {w.shape}")
     if jnp.dtype(w.dtype) != weight_dtype:
         raise ValueError(f"w must be {weight_dtype}, got {w.dtype}")
-    n, w_k = w.shape
+    w_k, n = w.shape if layout == "kn" else w.shape[::-1]
     if w_k != k:
-        raise ValueError(f"w's K ({w_k}, its minor dimension) must equal x's K ({k}); w is stored [out, in]")
+        raise ValueError(f"w's K ({w_k}) must equal x's K ({k}); w must be {stored}")
     if weight_dtype == jnp.dtype(jnp.bfloat16):
         if scale is not None:
             raise ValueError("scale must be None for bfloat16 weights (they are not quantized)")
@@ -58,6 +64,8 @@ def check_block_sizes(sizes: MatmulBlockSizes, m: int, n: int, k: int) -> None:
         value = getattr(sizes, name)
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two >= 1, got {value}")
+    if not 0 <= int(sizes.prefetch) <= MAX_PREFETCH:
+        raise ValueError(f"prefetch (weight tiles loaded ahead) must be in [0, {MAX_PREFETCH}], got {sizes.prefetch}")
     if sizes.num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {sizes.num_stages}")
     if sizes.algorithm != "fma" and (sizes.block_n < 16 or sizes.block_k < 16):
@@ -72,3 +80,27 @@ def check_block_sizes(sizes: MatmulBlockSizes, m: int, n: int, k: int) -> None:
         raise ValueError(f"N={n} must be a multiple of block_n={sizes.block_n}")
     if k % (sizes.block_k * sizes.k_splits):
         raise ValueError(f"K={k} must be a multiple of block_k * k_splits = {sizes.block_k} * {sizes.k_splits}")
+
+
+def dot_dtype_fits(sizes: MatmulBlockSizes, x_dtype, weight_dtype) -> bool:
+    """Whether ``sizes.dot_dtype`` may serve these operands (``check_dot_dtype`` says why not)."""
+    try:
+        check_dot_dtype(sizes, x_dtype, weight_dtype)
+    except ValueError:
+        return False
+    return True
+
+
+def check_dot_dtype(sizes: MatmulBlockSizes, x_dtype, weight_dtype) -> None:
+    """``dot_dtype="float16"`` needs bf16 x, quantized weights and a tensor-core form."""
+    if sizes.dot_dtype not in DOT_DTYPES:
+        raise ValueError(f"dot_dtype must be one of {DOT_DTYPES}, got {sizes.dot_dtype!r}")
+    if sizes.dot_dtype is None:
+        return
+    if jnp.dtype(x_dtype) != jnp.bfloat16 or jnp.dtype(weight_dtype) == jnp.bfloat16:
+        raise ValueError(f"dot_dtype={sizes.dot_dtype!r} needs bfloat16 x and fp8/int8 weights "
+                         f"(f32 x keeps its exact f32 dot; bf16 weights do not fit f16's range), "
+                         f"got x {jnp.dtype(x_dtype)}, weights {jnp.dtype(weight_dtype)}")
+    if sizes.algorithm not in ("mma", "mma_swapped"):
+        raise ValueError(f"dot_dtype={sizes.dot_dtype!r} applies to the tensor-core forms (mma, mma_swapped), "
+                         f"got algorithm {sizes.algorithm!r}")

@@ -1,0 +1,344 @@
+"""Issue 21, prefill: every causal prefill attention we can run on the H200, one run, same shapes.
+
+Llama-3.1-8B heads (32 q / 8 KV, D = 128), bf16, causal. Shapes: one sequence's chunk of 4k, 8k,
+16k, 32k and 2k tokens (fresh: no cached prefix), and a ragged batch of five fresh sequences
+(1k + 1.5k + 2.5k + 4k + 7k = 16k tokens). Implementations, each in its own try/except (its
+error is printed and recorded, the run goes on):
+
+- ``ours``: the engine's default GPU path (``gpu.ragged_paged_attention_gpu``, Pallas-Triton:
+  the XLA scatter of the K/V into the donated paged cache, then attention), at its tuned sizes;
+- ``ours_attend``: the same kernel's attention alone (``gpu.attend_gpu``), without the scatter;
+- ``ours_prefix``: the same full call for a chunk of the same length over a cached prefix as
+  long as the chunk (the second chunk of a 2L prompt: the pages hold the prefix);
+- ``fresh_path``: the opt-in engine path ``gpu_fresh_prefill.ragged_paged_attention_gpu_fresh_prefill``
+  (the longest fresh prefill through jax's bundled Mosaic GPU kernel, float16 window, the rest
+  through Triton), full call with its scatter: the number that decides the dispatcher's default;
+- ``bundled_Q_KV_S``: jax's bundled FA3-style kernel (``jax.experimental.pallas.ops.gpu.attention_mgpu``,
+  two consumer warpgroups + a TMA warpgroup) alone, on float16 inputs (in jax 0.11.2 it stages
+  through float16 shared memory and refuses bf16), block_q Q, block_kv KV, S pipeline steps;
+- ``proto_S``: our one-warpgroup wgmma + TMA prototype (``mosaic_gpu_prefill_prototype.py``), S steps;
+- ``cudnn``: ``jax.nn.dot_product_attention(..., implementation="cudnn")`` on contiguous bf16;
+- ``xla``: ``jax.nn.dot_product_attention(..., implementation="xla")`` (chunks up to 8k: it
+  materialises the scores).
+
+The dense peers take the chunk as ``[n, L, H, D]`` (the ragged batch: one call per sequence,
+all in one jitted step). TFLOP/s count 4 * D * Hq per visible (query, key) pair for everyone
+(``kernel_attention.causal_flops``, through ``ragged_inputs``), beside the bf16 matmul rate (8192^3) measured in this run.
+Each implementation's output is checked in the same run against the XLA reference (chunks up to
+4k) or cuDNN (rel. Frobenius error). Timing: ``kernel_frontier.time_chain`` (calls chained,
+unrolled in one jit, median of 3); a time budget skips what is left, results are written after
+every implementation.
+
+    python3 benchmarks/prefill_peers.py --out DIR [--budget-s 270] [--shapes 4096,8192,...,ragged]
+    python3 benchmarks/prefill_peers.py --out /tmp/pp --smoke   # CPU: interpreter, tiny shapes
+
+Writes DIR/prefill_peers.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import kernel_frontier as kf  # noqa: E402
+from kernel_attention import pseudo_random, ragged_inputs  # noqa: E402
+from kernel_frontier import Budget, OutOfTime, say, time_chain  # noqa: E402
+from mosaic_gpu_prefill_prototype import causal_prefill_attention_mosaic_gpu  # noqa: E402
+from pallas_kernels.paged_attention import gpu, gpu_fresh_prefill  # noqa: E402
+from pallas_kernels.paged_attention.block_sizes import gpu_block_sizes  # noqa: E402
+
+RAGGED = (1024, 1536, 2560, 4096, 7168)  # fresh sequences of the ragged batch (multiples of 128)
+BUNDLED_CONFIGS = ((64, 128, 2), (64, 64, 4), (64, 128, 3))  # (block_q, block_kv, steps); 3 x 128 may not fit smem
+PROTO_STEPS = (2, 3, 4)
+XLA_MAX_TOKENS = 8192
+CHECK_AGAINST_XLA_MAX = 4096
+
+
+class Setup:
+    """Heads, page size and mode of one run (the smoke run shrinks them)."""
+
+    def __init__(self, smoke: bool, page_size: int):
+        self.smoke = smoke
+        self.num_q_heads, self.num_kv_heads, self.head_dim = (4, 2, 64) if smoke else (32, 8, 128)
+        self.sm_scale = self.head_dim**-0.5
+        self.page_size = page_size
+
+    def repeats(self, num_tokens: int) -> int:
+        """Chained calls per timed program: fewer for long chunks (a 32k chunk is tens of ms)."""
+        if self.smoke:
+            return 1
+        return 32 if num_tokens <= 4096 else 16 if num_tokens <= 8192 else 8
+
+
+def rel_err(got, want) -> float:
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+    return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+
+
+def dense_chunks(q_packed, k_packed, v_packed, lens):
+    """Packed rows [T, H, D] -> one [1, L, H, D] array per sequence (the dense peers' inputs)."""
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    return [tuple(x[a:b][None] for x in (q_packed, k_packed, v_packed)) for a, b in zip(starts[:-1], starts[1:])]
+
+
+def per_sequence(attend):
+    """One step over every sequence's dense chunk: the chain's carry is the tuple of queries."""
+    def step(qs, ks, vs):
+        return tuple(attend(q, k, v) for q, k, v in zip(qs, ks, vs))
+    return step
+
+
+def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, budget: Budget, ceil: dict, save):
+    """Time every implementation on fresh prefills of ``lens`` tokens, packed in one ragged batch."""
+    kf.REPEATS = setup.repeats(sum(lens))
+    hq, hkv, d, ps = setup.num_q_heads, setup.num_kv_heads, setup.head_dim, setup.page_size
+    (q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens), flops = ragged_inputs(
+        [(n, n) for n in lens], ps, hq, hkv, d)
+    num_tokens = q.shape[0]
+    k_new = pseudo_random((num_tokens, hkv, d), 18)
+    v_new = pseudo_random((num_tokens, hkv, d), 19)
+    row = {"workload": "prefill-peers", "shape": name, "lens": list(lens), "num_tokens": num_tokens, "flops": flops,
+           "repeats": kf.REPEATS, "s": {}, "tflops": {}, "rel_err": {}, "errors": {}, "wall_s": {}}
+    results.append(row)
+    matmul = ceil.get("matmul_tflops", float("nan"))
+
+    chunks = dense_chunks(q, k_new, v_new, lens)
+    qs, ks, vs = (tuple(c[i] for c in chunks) for i in range(3))
+    want = None  # the check's reference outputs, one [1, L, Hq, D] per sequence
+
+    def record(impl, seconds, out=None, flops_done=flops):
+        row["s"][impl] = seconds
+        row["tflops"][impl] = flops_done / seconds / 1e12
+        if out is not None and want is not None:
+            outs = out if isinstance(out, (tuple, list)) else unpack(out)
+            row["rel_err"][impl] = max(rel_err(o, w) for o, w in zip(outs, want))
+        err = row["rel_err"].get(impl)
+        say(f"{name} {impl}: {seconds * 1e6:9.0f}us {row['tflops'][impl]:6.0f} TFLOP/s "
+            f"({row['tflops'][impl] / matmul:.0%} of matmul)" + (f" rel err {err:.1e}" if err is not None else ""))
+        save()
+
+    def unpack(out_packed):  # [T, Hq, D] -> per-sequence [1, L, Hq, D]
+        starts = np.concatenate([[0], np.cumsum(lens)])
+        return [out_packed[a:b][None] for a, b in zip(starts[:-1], starts[1:])]
+
+    def attempt(impl, fn):
+        start = time.time()
+        try:
+            budget.check(5)
+            fn()
+            # Compiles included: the fresh path compiles one Mosaic GPU kernel per window length.
+            row["wall_s"][impl] = time.time() - start
+        except OutOfTime:
+            row["errors"][impl] = "skipped: out of time"
+            say(f"{name} {impl}: skipped, out of time")
+        except Exception as e:  # a peer refusing a shape, a compile failing: say which, go on
+            row["errors"][impl] = f"{type(e).__name__}: {str(e)[:300]}"
+            say(f"{name} {impl}: FAILED {row['errors'][impl]}")
+            say(traceback.format_exc()[-800:])
+            save()
+
+    def cudnn(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, scale=setup.sm_scale, is_causal=True,
+                                            implementation="cudnn").astype(q.dtype)
+
+    def xla(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, scale=setup.sm_scale, is_causal=True,
+                                            implementation="xla").astype(q.dtype)
+
+    def reference_outputs():
+        nonlocal want
+        if max(lens) <= CHECK_AGAINST_XLA_MAX or setup.smoke:
+            up = lambda x: jnp.repeat(x, hq // hkv, axis=2).astype(jnp.float32)  # noqa: E731
+            want = [jax.nn.dot_product_attention(q.astype(jnp.float32), up(k), up(v), scale=setup.sm_scale,
+                                                 is_causal=True) for q, k, v in chunks]
+            row["check_against"] = "xla-f32"
+        else:
+            want = [jax.jit(cudnn)(*c) for c in chunks]
+            row["check_against"] = "cudnn"
+
+    attempt("reference-for-check", reference_outputs)
+
+    def time_cudnn():
+        out = jax.jit(per_sequence(cudnn))(qs, ks, vs)
+        record("cudnn", time_chain(per_sequence(cudnn), qs, ks, vs, donate=False)[0], out)
+
+    sizes = gpu_block_sizes(num_tokens=num_tokens, max_num_seqs=len(lens), max_kv_len=page_tables.shape[1] * ps,
+                            num_kv_heads=hkv, group=hq // hkv, head_dim=d, page_size=ps, itemsize=2)
+    row["ours_sizes"] = sizes.__dict__
+    interpret = setup.smoke
+
+    def full_step(kernel, **options):
+        def step(state, k_new, v_new, page_tables, cu_q_lens, kv_lens):
+            q, k_pages, v_pages = state  # the output becomes the next query: every call stays live
+            return kernel(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens,
+                          sm_scale=setup.sm_scale, interpret=interpret, **options)
+        return step
+
+    def time_full(impl, kernel, **options):
+        nonlocal k_pages, v_pages
+        out = kernel(q, k_new, v_new, jnp.copy(k_pages), jnp.copy(v_pages), page_tables, cu_q_lens, kv_lens,
+                     sm_scale=setup.sm_scale, interpret=interpret, **options)[0]
+        # The carry is donated: a copy of q rides in it, so q itself stays for the next implementation.
+        seconds, (_, k_pages, v_pages) = time_chain(full_step(kernel, **options), (jnp.copy(q), k_pages, v_pages),
+                                                    k_new, v_new, page_tables, cu_q_lens, kv_lens, donate=True)
+        record(impl, seconds, out)
+
+    def time_attend():
+        def step(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens):
+            return gpu.attend_gpu(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=setup.sm_scale,
+                                  sizes=sizes, interpret=interpret)
+        # The pages must hold this step's K/V for the check: write them once (outside the timing).
+        written = gpu.attend_and_write_gpu(q, k_new, v_new, jnp.copy(k_pages), jnp.copy(v_pages), page_tables,
+                                           cu_q_lens, kv_lens, sm_scale=setup.sm_scale, sizes=sizes,
+                                           interpret=interpret)
+        record("ours_attend", time_chain(step, q, *written[1:], page_tables, cu_q_lens, kv_lens, donate=False)[0],
+               written[0])
+
+    def time_prefix():
+        # Each chunk is the second half of a prompt twice its length: the first half is in the pages.
+        (qp, kpp, vpp, ptp, cup, kvp), flops_prefix = ragged_inputs([(n, 2 * n) for n in lens], ps, hq, hkv, d)
+        seconds, _ = time_chain(full_step(gpu.ragged_paged_attention_gpu), (qp, kpp, vpp), k_new, v_new, ptp, cup,
+                                kvp, donate=True)
+        record("ours_prefix", seconds, flops_done=flops_prefix)
+
+    fresh_attend = gpu_fresh_prefill.causal_attention_mgpu
+    if setup.smoke:  # no Mosaic GPU kernel runs on a CPU: the prototype, interpreted, stands in for the check
+        fresh_attend = functools.partial(causal_prefill_attention_mosaic_gpu, interpret=True)
+    min_fresh = 64 if setup.smoke else 1024
+
+    def time_bundled(config):
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+        def attend(q, k, v):  # float16 in and out; sm_scale folded into q outside the chain
+            return attention_mgpu.attention(q, k, v, config)
+        half = lambda xs: tuple(x.astype(jnp.float16) for x in xs)  # noqa: E731
+        qs16 = tuple((q.astype(jnp.float32) * setup.sm_scale).astype(jnp.float16) for q in qs)
+        out = jax.jit(per_sequence(attend))(qs16, half(ks), half(vs))
+        tag = f"bundled_{config.block_q}_{config.block_kv}_{config.max_concurrent_steps}"
+        record(tag, time_chain(per_sequence(attend), qs16, half(ks), half(vs), donate=False)[0], out)
+
+    def time_proto(steps):
+        attend = functools.partial(causal_prefill_attention_mosaic_gpu, sm_scale=setup.sm_scale,
+                                   max_concurrent_steps=steps, interpret=interpret)
+        out = jax.jit(per_sequence(attend))(qs, ks, vs)
+        record(f"proto_{steps}", time_chain(per_sequence(attend), qs, ks, vs, donate=False)[0], out)
+
+    def time_xla():
+        out = jax.jit(per_sequence(xla))(qs, ks, vs)
+        record("xla", time_chain(per_sequence(xla), qs, ks, vs, donate=False)[0], out)
+
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+    attempt("cudnn", time_cudnn)
+    attempt("ours", lambda: time_full("ours", gpu.ragged_paged_attention_gpu))
+    attempt("fresh_path", lambda: time_full("fresh_path", gpu_fresh_prefill.ragged_paged_attention_gpu_fresh_prefill,
+                                            min_fresh_tokens=min_fresh, fresh_attend=fresh_attend))
+    for block_q, block_kv, steps in BUNDLED_CONFIGS:
+        if setup.smoke and block_kv > min(lens):
+            continue
+        config = attention_mgpu.TuningConfig(block_q=block_q, block_kv=block_kv, max_concurrent_steps=steps,
+                                             causal=True)
+        attempt(f"bundled_{block_q}_{block_kv}_{steps}", functools.partial(time_bundled, config))
+    for steps in PROTO_STEPS[:1] if setup.smoke else PROTO_STEPS:  # the interpreter is slow
+        attempt(f"proto_{steps}", functools.partial(time_proto, steps))
+    attempt("ours_attend", time_attend)
+    attempt("ours_prefix", time_prefix)
+    if max(lens) <= XLA_MAX_TOKENS:
+        attempt("xla", time_xla)
+    if row["tflops"]:
+        best = max(row["tflops"], key=row["tflops"].get)
+        cud = row["tflops"].get("cudnn")
+        say(f"{name} RESULT: best {best} {row['tflops'][best]:.0f} TFLOP/s ({row['tflops'][best] / matmul:.0%} of "
+            f"matmul {matmul:.0f})" + (f", {row['tflops'][best] / cud:.2f}x cuDNN" if cud else "")
+            + (f"; ours {row['tflops']['ours']:.0f}" if "ours" in row["tflops"] else "")
+            + (f"; fresh_path {row['tflops']['fresh_path']:.0f}" if "fresh_path" in row["tflops"] else ""))
+    del q, k_pages, v_pages, k_new, v_new, chunks, qs, ks, vs, want
+
+
+IMPLS = ("ours", "ours_attend", "ours_prefix", "fresh_path", "cudnn", "xla")
+
+
+def write_outputs(out_dir: str, report: dict):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "prefill_peers.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    matmul = (report.get("ceilings") or {}).get("matmul_tflops", float("nan"))
+    rows = [r for r in report["results"] if r["workload"] == "prefill-peers"]
+    mosaic = sorted({k for r in rows for k in r["tflops"] if k.startswith(("bundled", "proto"))})
+    columns = [*IMPLS, *mosaic]
+    lines = [f"# prefill peers ({report['device']}, jax {report['jax']})", "",
+             f"Command: `{report['command']}`", "",
+             f"bf16 matmul rate in this run: {matmul:.0f} TFLOP/s. Cells: TFLOP/s (causal FLOPs, counted "
+             "alike), % of the matmul rate, rel. error against the check's reference; – = not run "
+             "(errors in the JSON).", "",
+             "| shape | tokens | " + " | ".join(columns) + " |", "|" + " --- |" * (len(columns) + 2)]
+    for r in rows:
+        cells = []
+        for c in columns:
+            if c in r["tflops"]:
+                err = r["rel_err"].get(c)
+                cells.append(f"{r['tflops'][c]:.0f} ({r['tflops'][c] / matmul:.0%})"
+                             + (f" e{err:.0e}" if err is not None else ""))
+            else:
+                cells.append("–")
+        lines.append(f"| {r['shape']} | {r['num_tokens']} | " + " | ".join(cells) + " |")
+    errors = [f"- {r['shape']} {impl}: {e}" for r in rows for impl, e in r["errors"].items()]
+    if errors:
+        lines += ["", "Not run:", *errors]
+    with open(os.path.join(out_dir, "prefill_peers.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    parser.add_argument("--budget-s", type=float, default=270.0, help="skip what is left after this many seconds")
+    parser.add_argument("--shapes", default="4096,8192,16384,32768,ragged,2048",
+                        help="single-sequence chunk lengths and/or 'ragged', in the order run")
+    parser.add_argument("--page-size", type=int, default=32)
+    parser.add_argument("--smoke", action="store_true", help="CPU check of this script: interpreter, tiny shapes")
+    args = parser.parse_args()
+    setup = Setup(args.smoke, args.page_size)
+    if args.smoke:
+        args.shapes = "256,ragged"
+    budget = Budget(args.budget_s)
+    device = jax.devices()[0]
+    report = {"command": " ".join(["python3"] + sys.argv), "device": device.device_kind,
+              "platform": platform.platform(), "jax": jax.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC"),
+              "heads": [setup.num_q_heads, setup.num_kv_heads, setup.head_dim], "results": []}
+    say(f"command: {report['command']}")
+    say(f"device: {device.device_kind} ({device.platform}); jax {jax.__version__}; {platform.platform()}")
+    save = lambda: write_outputs(args.out, report)  # noqa: E731
+    try:
+        if not args.smoke:
+            report["ceilings"] = kf.guarded("ceilings", kf.measure_ceilings)
+        save()
+        ragged = (128, 256) if args.smoke else RAGGED
+        for shape in args.shapes.split(","):
+            name, lens = ("ragged", ragged) if shape == "ragged" else (f"1x{shape}", (int(shape),))
+            if budget.left() < 15:
+                say(f"{name}: skipped, out of time")
+                continue
+            kf.guarded(name, run_shape, setup, name, lens, report["results"], budget,
+                       report.get("ceilings") or {}, save)
+    finally:
+        say(f"total {time.time() - kf.T0:.0f}s")
+        report["log"] = kf.LOG
+        save()
+        print(open(os.path.join(args.out, "prefill_peers.md")).read())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""When the weight layer hands a decode-sized matmul to the Pallas GEMV kernels instead of XLA.
+
+A decode step multiplies a few token rows by every weight of the model, so on a GPU it is a
+read of the weights, and XLA's dots for such shapes leave a third of the HBM rate unused at
+one row (issue 21). ``pallas_kernels.quantized_matmul`` has GEMV kernels for fp8 weights
+(the quantized payload, stored ``[out, in]``) and for bf16 weights in the dense einsum layout
+(``[in, out]``, so the model keeps one copy of its weights). Which is faster is a
+measurement, per (M, N, K, format, layout), on the GPU at hand: ``benchmarks/gemv_decode.py``
+writes that table; copied to ``pallas_kernels/quantized_matmul/gpu_gemv_table.json`` it is
+what :func:`use_pallas_gemv` reads. Unmeasured shapes, other platforms, and anything sharded
+over several devices (a ``pallas_call`` does not partition itself) keep XLA's path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+# The kernels are measured (and the sweep's tables written) at M <= 16; above it XLA's GEMMs
+# are near their own ceiling and the kernels' tiles were not tuned.
+PALLAS_GEMV_MAX_TOKENS = 16
+
+
+def use_pallas_gemv(m: int, n: int, k: int, weight_dtype, layout: str, *, platform: str | None = None,
+                    num_devices: int | None = None, table=None) -> bool:
+    """Whether ``x [m, k]`` times a weight of ``n`` outputs (``weight_dtype``, stored ``layout``) runs our kernel.
+
+    True only on one GPU, for ``m <= PALLAS_GEMV_MAX_TOKENS``, a shape the kernels tile, and
+    where the measured table says ours beats XLA at the Ms around ``m``. ``platform``,
+    ``num_devices`` and ``table`` default to this process's backend, device count and the
+    committed table (tests pass their own).
+    """
+    platform = platform or jax.default_backend()
+    num_devices = jax.device_count() if num_devices is None else num_devices
+    if platform != "gpu" or num_devices != 1 or m > PALLAS_GEMV_MAX_TOKENS:
+        return False
+    # Imported here: the kernels' package pulls in Pallas's Triton backend, which CPU and TPU
+    # processes never need.
+    from pallas_kernels.quantized_matmul import prefer_pallas, supports_shape
+
+    return supports_shape(m, n, k) and prefer_pallas(m, n, k, weight_dtype, table=table, layout=layout)
+
+
+def dense_contraction(subscripts: str) -> int | None:
+    """How many leading axes of a dense weight an einsum contracts, when it has the kernel's form, else None.
+
+    The form: x's trailing axes contract with the weight's leading axes in the same order, and
+    the output is x's other axes then the weight's (``"te,ef->tf"``: 1; ``"thd,hde->te"``: 2),
+    so both reshape to ``[M, K] @ [K, N]`` without a copy.
+    """
+    inputs, out = subscripts.replace(" ", "").split("->")
+    lhs, rhs = inputs.split(",")
+    contracted = [c for c in rhs if c in lhs and c not in out]
+    n_in = len(contracted)
+    if (n_in == 0 or rhs[:n_in] != "".join(contracted) or lhs[len(lhs) - n_in:] != "".join(contracted)
+            or out != lhs[:len(lhs) - n_in] + rhs[n_in:]):
+        return None
+    return n_in
+
+
+def dense_gemv_shape(subscripts: str, x: jax.Array, w: jax.Array) -> tuple[int, int, int] | None:
+    """``(m, n, k)`` of a dense projection the kernel could run (bf16 x and w, the einsum's form), else None."""
+    if jnp.dtype(x.dtype) != jnp.bfloat16 or jnp.dtype(w.dtype) != jnp.bfloat16:
+        return None
+    n_in = dense_contraction(subscripts)
+    if n_in is None:
+        return None
+    k = math.prod(w.shape[:n_in])
+    return math.prod(x.shape[:x.ndim - n_in]), math.prod(w.shape[n_in:]), k
+
+
+def dense_pallas_matmul(subscripts: str, x: jax.Array, w: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """The einsum ``subscripts`` of bf16 ``x`` and a dense bf16 weight through the "kn" GEMV kernel, in bf16."""
+    from pallas_kernels.quantized_matmul import bf16_weight_only_matmul
+
+    m, n, k = dense_gemv_shape(subscripts, x, w)
+    n_in = dense_contraction(subscripts)
+    y = bf16_weight_only_matmul(x.reshape(m, k), w.reshape(k, n), layout="kn", interpret=interpret)  # [M, N]
+    return y.reshape(x.shape[:x.ndim - n_in] + w.shape[n_in:])

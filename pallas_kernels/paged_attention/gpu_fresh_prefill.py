@@ -1,0 +1,233 @@
+"""Opt-in GPU path: a step's longest fresh prefill through jax's Mosaic GPU flash attention.
+
+Why: the Pallas-Triton kernel (``gpu.py``) reaches 18-40% of the H200's bf16 matmul rate on
+prefill, cuDNN's flash attention 379-578 TFLOP/s (``benchmarks/results/kernel_attention.md``).
+jax bundles an FA3-style Mosaic GPU kernel (``jax.experimental.pallas.ops.gpu.attention_mgpu``:
+two consumer warpgroups and a TMA producer warpgroup, causal blocks unmasked off the diagonal).
+It takes dense ``[batch, L, heads, D]`` inputs, causal from row 0 of both q and K/V, so it
+fits exactly one case of the engine's ragged step: a *fresh* prefill (no cached prefix, so
+every K/V it reads is in this step's ``k_new``/``v_new``, contiguous in the packed rows).
+``benchmarks/prefill_peers.py`` measures whether it wins; until then this path is opt-in
+(``impl="pallas_gpu_fresh_prefill"`` in ``jaxinfer.attention``).
+
+How one step runs, all on device, shapes static:
+
+1. the new K/V are written into the pages (XLA scatter, as ``gpu.py``);
+2. ``pick_fresh_prefill`` finds the longest sequence with ``q_len == kv_len >= min_fresh_tokens``;
+3. the Triton kernel serves every other sequence: the chosen one's work tiles are emptied
+   (``hide_sequence``), so its rows stay 0 and no program walks its K/V;
+4. ``lax.cond``: when a sequence was chosen, a window of its rows is sliced out of q/k_new/v_new
+   (starting at its first row, ``length`` rows, one of a few static lengths picked by
+   ``lax.switch``: the kernel's cost is that of the whole window), the bundled kernel runs on
+   it, and its first ``q_len`` rows replace the zeros. Rows of the window past the sequence
+   belong to other sequences or padding; being later in causal order, they never reach the
+   sequence's own rows, and their outputs are dropped.
+
+Numerics: the bundled kernel in jax 0.11.2 stages Q/K/V through float16 shared memory (a
+bf16 input fails its TMA copy's dtype check), so the window is converted to float16 with
+``sm_scale`` folded into q (the kernel applies no scale), and the output converted back.
+float16 has more mantissa than bf16 but a range of 65504: a step whose q, k or v exceed it
+takes the Triton path (checked on device, inside the ``lax.cond`` predicate).
+
+Limits: one sequence per step takes the fast path (several fresh prompts in one step: the
+longest); no sliding window or soft cap; bf16/f16 pages only; head_dim a multiple of 64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.paged_attention import work_tiles as wt
+from pallas_kernels.paged_attention.block_sizes import BlockSizes, gpu_block_sizes
+from pallas_kernels.paged_attention.gpu import attend_gpu
+from pallas_kernels.paged_attention.reference import write_kv_reference
+from pallas_kernels.paged_attention.validation import check_inputs
+
+WINDOW_MULTIPLE = 128  # the bundled kernel's query tile (two warpgroups of 64 rows) and K/V block
+_FLOAT16_LIMIT = 65504.0
+_LENGTH_RATIO = math.sqrt(2)  # window lengths grow by this: at most 2x the causal FLOPs, few compiles
+
+
+def fresh_prefill_lengths(num_tokens: int, min_fresh_tokens: int) -> tuple[int, ...]:
+    """Static window lengths compiled for a step of ``num_tokens`` rows, shortest first.
+
+    Each is a multiple of ``WINDOW_MULTIPLE``, about ``sqrt(2)`` times the previous, the last
+    covering ``num_tokens``; a sequence of ``n`` tokens runs in the shortest length ``>= n``.
+    Empty when the step is shorter than ``min_fresh_tokens`` (no sequence could qualify).
+    """
+    if min_fresh_tokens < 1:
+        raise ValueError(f"min_fresh_tokens must be at least 1, got {min_fresh_tokens}")
+    if num_tokens < min_fresh_tokens:
+        return ()
+    round_up = lambda n: -(-n // WINDOW_MULTIPLE) * WINDOW_MULTIPLE  # noqa: E731
+    last = round_up(num_tokens)
+    lengths = [min(round_up(min_fresh_tokens), last)]
+    while lengths[-1] < last:
+        lengths.append(min(round_up(int(lengths[-1] * _LENGTH_RATIO)), last))
+    return tuple(lengths)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FreshPrefill:
+    """The sequence of a step that the fresh-prefill kernel serves (traced scalars)."""
+
+    is_taken: jax.Array  # [] bool: some sequence qualified
+    seq: jax.Array  # [] int32: its slot in the batch
+    token_start: jax.Array  # [] int32: its first packed row
+    num_tokens: jax.Array  # [] int32: its query rows (0 when none was taken)
+
+
+def pick_fresh_prefill(cu_q_lens: jax.Array, kv_lens: jax.Array, min_fresh_tokens: int) -> FreshPrefill:
+    """The longest sequence whose chunk is its whole context (``q_len == kv_len``), if ``>= min_fresh_tokens``.
+
+    A chunk over a cached prefix (``kv_len > q_len``) reads K/V that are only in the pages, so it
+    stays with the paged kernel; padded slots (``q_len == kv_len == 0``) never reach the minimum.
+    """
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
+    is_fresh = (q_lens == kv_lens) & (q_lens >= min_fresh_tokens)
+    seq = jnp.argmax(jnp.where(is_fresh, q_lens, -1)).astype(jnp.int32)
+    is_taken = is_fresh[seq]
+    return FreshPrefill(is_taken=is_taken, seq=seq, token_start=cu_q_lens[seq],
+                        num_tokens=jnp.where(is_taken, q_lens[seq], 0).astype(jnp.int32))
+
+
+def hide_sequence(tiles: wt.WorkTiles, fresh: FreshPrefill) -> wt.WorkTiles:
+    """Empty the work tiles of the taken sequence: no queries and first position 0, so their programs exit at once."""
+    is_hidden = fresh.is_taken & (tiles.meta[:, wt.SEQ] == fresh.seq)  # [W]
+    meta = tiles.meta.at[:, wt.TILE_Q_LEN].set(jnp.where(is_hidden, 0, tiles.meta[:, wt.TILE_Q_LEN]))
+    meta = meta.at[:, wt.FIRST_POS].set(jnp.where(is_hidden, 0, meta[:, wt.FIRST_POS]))
+    return dataclasses.replace(tiles, meta=meta)
+
+
+def default_mgpu_config():
+    """The bundled kernel's tiles for D=128 (its own benchmark's first choice that fits shared memory)."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    return attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
+
+
+def causal_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float, config=None) -> jax.Array:
+    """Causal attention through jax's bundled Mosaic GPU kernel; q [n, L, Hq, D], k/v [n, L, Hkv, D]; out in q's dtype.
+
+    The kernel applies no softmax scale and reads only float16 (see the module docstring), so
+    q is scaled and every input converted here. ``config``: an ``attention_mgpu.TuningConfig``
+    with ``causal=True`` (default ``default_mgpu_config()``).
+    """
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    config = config or default_mgpu_config()
+    if not config.causal:
+        raise ValueError("causal_attention_mgpu needs a TuningConfig with causal=True")
+    q16 = (q.astype(jnp.float32) * sm_scale).astype(jnp.float16)
+    out = attention_mgpu.attention(q16, k.astype(jnp.float16), v.astype(jnp.float16), config)
+    return out.astype(q.dtype)
+
+
+def _fits_float16(*xs: jax.Array) -> jax.Array:
+    return functools.reduce(jnp.logical_and, [jnp.max(jnp.abs(x.astype(jnp.float32))) < _FLOAT16_LIMIT for x in xs])
+
+
+def attend_with_fresh_prefill(
+    q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sizes: BlockSizes,
+    min_fresh_tokens: int, fresh_attend=causal_attention_mgpu, interpret: bool = False,
+):
+    """Attention of a step whose K/V are already in the pages; the longest fresh prefill through ``fresh_attend``.
+
+    ``fresh_attend(q [1, L, Hq, D], k [1, L, Hkv, D], v, *, sm_scale) -> [1, L, Hq, D]``: causal
+    attention of a window (tests pass a CPU-runnable one). ``interpret`` runs the Triton kernel
+    in Pallas's interpreter. Returns out [T, Hq, D].
+    """
+    num_tokens = q.shape[0]
+    tiles = wt.plan_work_tiles(cu_q_lens, kv_lens, num_tokens, sizes.block_q)
+    lengths = fresh_prefill_lengths(num_tokens, min_fresh_tokens)
+    attend_rest = functools.partial(attend_gpu, q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens,
+                                    sm_scale=sm_scale, sizes=sizes, interpret=interpret)
+    if not lengths:
+        return attend_rest(tiles=tiles)
+    fresh = pick_fresh_prefill(cu_q_lens, kv_lens, min_fresh_tokens)
+    q_scaled = q.astype(jnp.float32) * sm_scale
+    fresh = dataclasses.replace(fresh, is_taken=fresh.is_taken & _fits_float16(q_scaled, k_new, v_new))
+    rest = attend_rest(tiles=hide_sequence(tiles, fresh))  # [T, Hq, D]; the taken sequence's rows are 0
+
+    def window(length: int):
+        def attend(rest):
+            def take(x):  # rows token_start .. token_start + length, zero past the step's end
+                padded = jnp.pad(x, ((0, length),) + ((0, 0),) * (x.ndim - 1))
+                return lax.dynamic_slice_in_dim(padded, fresh.token_start, length)
+
+            is_own = (jnp.arange(length) < fresh.num_tokens)[:, None, None]  # [length, 1, 1]
+            # Zero K/V past the sequence: their weights are 0, but 0 * NaN would still reach the output.
+            own_kv = lambda x: jnp.where(is_own, take(x), 0)[None]  # noqa: E731
+            out = fresh_attend(take(q)[None], own_kv(k_new), own_kv(v_new), sm_scale=sm_scale)[0]
+            padded = jnp.pad(rest, ((0, length), (0, 0), (0, 0)))
+            merged = jnp.where(is_own, out.astype(rest.dtype), take(rest))
+            return lax.dynamic_update_slice_in_dim(padded, merged, fresh.token_start, axis=0)[:num_tokens]
+        return attend
+
+    def run_fresh(rest):
+        branch = jnp.searchsorted(jnp.asarray(lengths, jnp.int32), fresh.num_tokens, side="left")
+        return lax.switch(jnp.minimum(branch, len(lengths) - 1), [window(n) for n in lengths], rest)
+
+    return lax.cond(fresh.is_taken, run_fresh, lambda rest: rest, rest)
+
+
+def can_take_fresh_prefill(q_dtype, page_dtype, head_dim: int, sliding_window, soft_cap) -> bool:
+    """Whether a step of these static properties may use the fresh-prefill kernel at all."""
+    half = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return (jnp.dtype(q_dtype) in half and jnp.dtype(page_dtype) in half and head_dim % 64 == 0
+            and sliding_window is None and soft_cap is None)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "sliding_window", "soft_cap", "min_fresh_tokens", "fresh_attend", "interpret"),
+    donate_argnames=("k_pages", "v_pages"),
+)
+def ragged_paged_attention_gpu_fresh_prefill(
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    kv_lens: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    min_fresh_tokens: int = 1024,
+    fresh_attend=causal_attention_mgpu,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Same contract as ``ragged_paged_attention_reference``; the cache is donated and updated in place.
+
+    Steps the fresh kernel cannot serve (see ``can_take_fresh_prefill``) run exactly as
+    ``ragged_paged_attention_gpu`` at its tuned sizes.
+    """
+    check_inputs(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"the GPU kernel needs a power-of-two head_dim (Triton tiles), got {head_dim}")
+    sizes = gpu_block_sizes(
+        num_tokens=num_tokens, max_num_seqs=kv_lens.shape[0], max_kv_len=page_tables.shape[1] * page_size,
+        num_kv_heads=num_kv_heads, group=num_q_heads // num_kv_heads, head_dim=head_dim,
+        page_size=page_size, itemsize=q.dtype.itemsize,
+    )
+    k_pages, v_pages = write_kv_reference(k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
+    if can_take_fresh_prefill(q.dtype, k_pages.dtype, head_dim, sliding_window, soft_cap):
+        out = attend_with_fresh_prefill(
+            q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale, sizes=sizes,
+            min_fresh_tokens=min_fresh_tokens, fresh_attend=fresh_attend, interpret=interpret)
+    else:
+        out = attend_gpu(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
+                         sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes, interpret=interpret)
+    return out, k_pages, v_pages

@@ -1,0 +1,72 @@
+"""Compiler options per step program (jaxinfer.compile_options): which bucket gets which options.
+
+The GPU choices are checked on CPU through ``platform="gpu"``: only the options are computed,
+nothing is compiled for a GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxinfer.compile_options import (FP8_W8A8_GEMM_OPTIONS, XLA_OVERLAP_OPTIONS, OverlapConfig, PhasedJit,
+                                      quantized_gemm_options)
+from jaxinfer.linear import FP8_W8A8_MIN_TOKENS, uses_fp8_w8a8
+from jaxinfer.runner import default_buckets
+
+
+def step(x):
+    return x @ x
+
+
+def gpu_token_buckets(max_num_seqs=384):
+    return default_buckets(max_num_seqs, 8192, 64, "gpu").num_tokens
+
+
+def test_fp8_w8a8_buckets_compile_without_triton_gemms_and_weight_only_ones_keep_it():
+    buckets = gpu_token_buckets()
+    jitted = PhasedJit(step, None, 384, quantization="fp8", platform="gpu")
+    for tokens in buckets:
+        options = jitted.compiler_options(tokens)
+        if tokens >= FP8_W8A8_MIN_TOKENS:
+            assert options == FP8_W8A8_GEMM_OPTIONS, tokens
+        else:
+            assert options is None, tokens  # weight-only: the dequant fuses into a Triton GEMM
+    # Both kinds occur among the default buckets, and the two families are two jit objects.
+    assert min(buckets) < FP8_W8A8_MIN_TOKENS <= max(buckets)
+    assert jitted.for_tokens(min(buckets)) is not jitted.for_tokens(max(buckets))
+    assert jitted.for_tokens(FP8_W8A8_MIN_TOKENS) is jitted.for_tokens(max(buckets))
+
+
+def test_the_options_follow_the_path_linear_takes():
+    for tokens in (1, FP8_W8A8_MIN_TOKENS - 1, FP8_W8A8_MIN_TOKENS, 4 * FP8_W8A8_MIN_TOKENS):
+        expected = FP8_W8A8_GEMM_OPTIONS if uses_fp8_w8a8(tokens) else {}
+        assert quantized_gemm_options("fp8", tokens, "gpu") == expected
+
+
+@pytest.mark.parametrize("quantization,platform", [(None, "gpu"), ("int8", "gpu"), ("fp8", "cpu"), ("fp8", "tpu")])
+def test_other_models_and_platforms_get_no_gemm_options(quantization, platform):
+    jitted = PhasedJit(step, None, 384, quantization=quantization, platform=platform)
+    assert all(jitted.compiler_options(t) is None for t in gpu_token_buckets())
+    assert len({id(jitted.for_tokens(t)) for t in gpu_token_buckets()}) == 1  # one program family
+
+
+def test_a_triton_choice_in_xla_flags_stays_the_users(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+    assert quantized_gemm_options("fp8", 4096, "gpu") == {}
+
+
+def test_overlap_and_base_options_merge_with_the_gemm_options():
+    jitted = PhasedJit(step, OverlapConfig(prefill=True), decode_max_tokens=256,
+                       base_compiler_options={"xla_gpu_enable_command_buffer": ""}, quantization="fp8",
+                       platform="gpu")
+    assert jitted.compiler_options(8) == {"xla_gpu_enable_command_buffer": ""}
+    assert jitted.compiler_options(256) == {"xla_gpu_enable_command_buffer": "", **FP8_W8A8_GEMM_OPTIONS}
+    assert jitted.compiler_options(512) == {"xla_gpu_enable_command_buffer": "", **XLA_OVERLAP_OPTIONS,
+                                            **FP8_W8A8_GEMM_OPTIONS}
+
+
+def test_xla_accepts_the_gemm_options():
+    # XLA refuses an option name it does not know ("No such compile option"), on any backend.
+    jitted = jax.jit(step, compiler_options=FP8_W8A8_GEMM_OPTIONS)
+    x = jnp.eye(4)
+    assert jnp.array_equal(jitted(x), x)

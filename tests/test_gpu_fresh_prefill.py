@@ -1,0 +1,168 @@
+"""The opt-in fresh-prefill GPU path (gpu_fresh_prefill.py): which sequence takes it, and its output, on CPU.
+
+The bundled Mosaic GPU kernel cannot run on a CPU, so the window's attention is a plain causal
+attention here (and the Mosaic GPU prefill prototype in Pallas's GPU interpreter); the Triton
+kernel runs in interpret mode. The bundled kernel's call is checked by lowering it for CUDA.
+"""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.paged_attention import gpu_fresh_prefill as fp
+from pallas_kernels.paged_attention import ragged_paged_attention_reference
+from pallas_kernels.paged_attention import work_tiles as wt
+from tests.attention_cases import make_case
+
+
+def dense_causal(q, k, v, *, sm_scale):  # [1, L, H, D]; the window attention a GPU would run
+    group = q.shape[2] // k.shape[2]
+    up = lambda x: jnp.repeat(x, group, axis=2).astype(jnp.float32)  # noqa: E731
+    return jax.nn.dot_product_attention(q.astype(jnp.float32), up(k), up(v), scale=sm_scale,
+                                        is_causal=True).astype(q.dtype)
+
+
+def picked(seqs, min_fresh_tokens):
+    q_lens = np.array([q for q, _ in seqs]); kv_lens = np.array([kv for _, kv in seqs])
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    fresh = fp.pick_fresh_prefill(cu, jnp.asarray(kv_lens, jnp.int32), min_fresh_tokens)
+    return bool(fresh.is_taken), int(fresh.seq), int(fresh.token_start), int(fresh.num_tokens)
+
+
+def test_pick_takes_the_longest_fresh_prefill_only():
+    # decode, chunk over a cached prefix (longer, not fresh), two fresh prompts, an empty slot
+    seqs = [(1, 40), (300, 700), (150, 150), (200, 200), (0, 0)]
+    assert picked(seqs, 64) == (True, 3, 1 + 300 + 150, 200)
+    assert picked(seqs, 201)[0] is False  # no fresh prompt that long
+    assert picked([(1, 40), (300, 700), (0, 0)], 1)[0] is False  # a cached prefix never qualifies
+    assert picked([(0, 0), (0, 0)], 1)[0] is False  # padded slots never qualify
+
+
+def test_hide_sequence_empties_only_its_tiles():
+    cu, kv = jnp.asarray([0, 1, 151, 191], jnp.int32), jnp.asarray([40, 150, 100], jnp.int32)
+    tiles = wt.plan_work_tiles(cu, kv, 200, 16)
+    fresh = fp.pick_fresh_prefill(cu, kv, 64)
+    hidden = fp.hide_sequence(tiles, fresh).meta
+    is_seq1 = np.asarray(tiles.meta[:, wt.SEQ] == 1) & np.asarray(tiles.meta[:, wt.TILE_Q_LEN] > 0)
+    assert is_seq1.sum() == 10  # 150 queries in tiles of 16
+    assert (np.asarray(hidden[is_seq1][:, [wt.FIRST_POS, wt.TILE_Q_LEN]]) == 0).all()
+    np.testing.assert_array_equal(np.asarray(hidden[~is_seq1]), np.asarray(tiles.meta[~is_seq1]))
+
+
+def test_window_lengths_cover_the_step_in_steps_of_at_most_two():
+    lengths = fp.fresh_prefill_lengths(8192, 1024)
+    assert lengths[0] == 1024 and lengths[-1] == 8192
+    assert all(b % fp.WINDOW_MULTIPLE == 0 and a < b <= 2 * a for a, b in zip(lengths, lengths[1:]))
+    assert fp.fresh_prefill_lengths(500, 1024) == ()
+    assert fp.fresh_prefill_lengths(200, 64) == (128, 256)
+    with pytest.raises(ValueError, match="min_fresh_tokens"):
+        fp.fresh_prefill_lengths(100, 0)
+
+
+MIXED = [(1, 40), (150, 150), (40, 100), (0, 0), (30, 30)]  # decode, fresh, cached prefix, empty, short fresh
+
+
+def run_against_reference(seqs, fresh_attend, min_fresh_tokens=64, scale=1.0, **kw):
+    case = make_case(7, seqs, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                     pad_tokens=5)
+    case.v_new = case.v_new * scale
+    ref = ragged_paged_attention_reference(*case.args(), sm_scale=case.sm_scale)
+    args = [jnp.array(a) for a in case.args()]  # the cache is donated
+    out, k_pages, v_pages = fp.ragged_paged_attention_gpu_fresh_prefill(
+        *args, sm_scale=case.sm_scale, min_fresh_tokens=min_fresh_tokens, fresh_attend=fresh_attend,
+        interpret=True, **kw)
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref[0], np.float32), rtol=3e-2,
+                               atol=3e-2 * scale)
+    np.testing.assert_array_equal(np.asarray(k_pages, np.float32), np.asarray(ref[1], np.float32))
+    np.testing.assert_array_equal(np.asarray(v_pages, np.float32), np.asarray(ref[2], np.float32))
+    return case
+
+
+def test_mixed_step_matches_reference_with_the_fresh_prefill_in_its_own_kernel():
+    calls = []
+
+    def recording(q, k, v, *, sm_scale):
+        calls.append(q.shape)
+        return dense_causal(q, k, v, sm_scale=sm_scale)
+
+    case = run_against_reference(MIXED, recording)
+    # Traced once per window length (the lax.switch branches): 226 rows -> windows of 128 and 256.
+    assert calls == [(1, 128, 4, 64), (1, 256, 4, 64)]
+    assert case.q.shape[0] == 226
+
+
+def test_fresh_kernel_output_is_used_for_the_taken_sequence_only():
+    # A window attention that answers 7 everywhere: only the fresh sequence's 150 rows may show it.
+    seven = lambda q, k, v, *, sm_scale: jnp.full(q.shape, 7, q.dtype)  # noqa: E731
+    case = make_case(7, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                     pad_tokens=5)
+    out, _, _ = fp.ragged_paged_attention_gpu_fresh_prefill(
+        *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=seven,
+        interpret=True)
+    is_seven = np.all(np.asarray(out, np.float32) == 7, axis=(1, 2))
+    np.testing.assert_array_equal(np.flatnonzero(is_seven), np.arange(1, 151))
+
+
+def test_out_of_float16_range_and_unsupported_options_keep_the_paged_kernel():
+    def never(q, k, v, *, sm_scale):
+        raise AssertionError("the fresh kernel must not serve this step")
+
+    seven = lambda q, k, v, *, sm_scale: jnp.full(q.shape, 7, q.dtype)  # noqa: E731
+    # V past float16's range: the on-device check sends the step down the Triton path (no 7s).
+    run_against_reference(MIXED, seven, scale=1e5)
+    # A sliding window or soft cap: the path is not even traced.
+    case = make_case(7, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16)
+    ref = ragged_paged_attention_reference(*case.args(), sm_scale=case.sm_scale, sliding_window=32)[0]
+    out, _, _ = fp.ragged_paged_attention_gpu_fresh_prefill(
+        *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, sliding_window=32, min_fresh_tokens=64,
+        fresh_attend=never, interpret=True)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.slow
+def test_mixed_step_with_the_mosaic_gpu_prototype_interpreted():
+    from benchmarks.mosaic_gpu_prefill_prototype import causal_prefill_attention_mosaic_gpu
+
+    proto = lambda q, k, v, *, sm_scale: causal_prefill_attention_mosaic_gpu(  # noqa: E731
+        q, k, v, sm_scale=sm_scale, interpret=True)
+    run_against_reference(MIXED, proto)
+
+
+def test_bundled_kernel_call_lowers_for_hopper_from_cpu(monkeypatch):
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    # A CPU jaxlib has no CUDA version to check; pretend to one the bundled kernel accepts for causal.
+    monkeypatch.setattr(attention_mgpu, "cuda_versions", types.SimpleNamespace(cuda_runtime_get_version=lambda: 12091))
+    spec = jax.ShapeDtypeStruct
+    q, kv = spec((1, 1024, 32, 128), jnp.bfloat16), spec((1, 1024, 8, 128), jnp.bfloat16)
+    attend = jax.jit(lambda q, k, v: fp.causal_attention_mgpu(q, k, v, sm_scale=128**-0.5))
+    lowered = attend.trace(q, kv, kv).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_dispatcher_takes_the_fresh_prefill_path_only_by_name_and_only_on_a_gpu():
+    from jaxinfer.attention import resolve_impl
+
+    assert resolve_impl("pallas_gpu_fresh_prefill", "gpu", head_dim=128) == "pallas_gpu_fresh_prefill"
+    assert resolve_impl("auto", "gpu", head_dim=128) == "pallas_gpu"  # opt-in until the lead measures it
+    assert resolve_impl("pallas_gpu_fresh_prefill", "cpu") == "cpu"
+    assert resolve_impl("pallas_gpu_fresh_prefill", "tpu") == "pallas_tpu"
+    assert resolve_impl("pallas_gpu_fresh_prefill", "gpu", head_dim=96) == "reference"  # as "auto" would
+    assert resolve_impl("pallas_gpu_fresh_prefill") == "cpu"  # this machine: no Hopper GPU
+
+
+def test_model_step_with_the_fresh_prefill_impl_runs_on_cpu_as_auto():
+    from jaxinfer.attention import paged_attention
+    from jaxinfer.batch import StepBatch
+
+    case = make_case(3, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+    batch = StepBatch(token_ids=None, positions=None, cu_q_lens=case.cu_q_lens, kv_lens=case.kv_lens,
+                      page_tables=case.page_tables, logits_indices=None)
+    args = (case.q, case.k_new, case.v_new, case.k_pages, case.v_pages, batch)
+    got = paged_attention(*args, sm_scale=case.sm_scale, impl="pallas_gpu_fresh_prefill")[0]
+    want = paged_attention(*args, sm_scale=case.sm_scale, impl="auto")[0]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
