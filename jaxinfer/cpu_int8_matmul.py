@@ -23,6 +23,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -46,9 +47,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("JAXINFER_CACHE_DIR", Path.home() / ".cache" / "jaxinfer"))
 
 
+def _cpu_fingerprint() -> bytes:
+    """The CPU's model and feature flags: a library built with -march=native on one CPU may use
+    instructions another lacks (a home directory shared between machines), so each gets its own."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor().encode()
+    wanted = [line for line in lines if line.startswith(("model name", "flags", "Features", "CPU part"))]
+    return "\n".join(dict.fromkeys(wanted)).encode()  # one of each line: cores repeat them
+
+
 def _library_path() -> Path:
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMPILE_FLAGS).encode() + jax.lib.__version__.encode()
-                         + os.uname().machine.encode()).hexdigest()[:16]
+                         + os.uname().machine.encode() + _cpu_fingerprint()).hexdigest()[:16]
     return cache_dir() / f"int8_matmul_cpu-{key}.so"
 
 
