@@ -224,3 +224,13 @@ def test_unknown_quantization_names_the_supported_ones():
     with pytest.raises(EngineConfigError, match="quantization") as error:
         EngineConfig(quantization="nf4")
     assert error.value.field == "quantization"
+
+
+def test_the_default_scale_method_is_the_one_measured_to_help_each_format():
+    w = weights((16, 64), scale_rows=False)
+    for quantization, method in (("fp8", "mse"), ("int8", "absmax")):
+        default, chosen = quantize(w, quantization, 1), quantize(w, quantization, 1, scale_method=method)
+        np.testing.assert_array_equal(np.asarray(default.scale), np.asarray(chosen.scale))
+    # fp8's default is the search: some row of a Gaussian matrix takes a ratio other than 1.
+    absmax = quantize(w, "fp8", 1, scale_method="absmax")
+    assert not np.allclose(np.asarray(quantize(w, "fp8", 1).scale), np.asarray(absmax.scale))
