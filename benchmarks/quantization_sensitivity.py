@@ -207,7 +207,9 @@ def markdown(results: dict) -> str:
     lines = [
         "# Quantized weights: sensitivity per projection kind and scale choice (CPU, SmolLM2-135M-Instruct)",
         "",
-        f"`{info['command']}` · {info['date']} · {info['cpu']} ({info['cores']} cores) · jax {info['jax']}",
+        f"`{info['command']}` · {info['date']} · {info['cpu']} ({info['cores']} cores) · jax {info['jax']}"
+        + (f" (rows kept from the run of {', '.join(info['resumed_from'])}: each row's `date` in the JSON)"
+           if info.get("resumed_from") else ""),
         "",
         "Against the float32 model (the Q4_1 GGUF dequantized), teacher-forced over the passages of "
         "`benchmarks/data/quantization_accuracy_texts.jsonl`; kinds not named stay float32. "
