@@ -135,7 +135,7 @@ def evaluate(config: dict, model: str, texts: list[dict], baseline: dict | None,
             tokenizer = llm.tokenizer
             result = {"name": config["name"], "llm": config["llm"], "load_s": loaded_s, "passages": {},
                       "fp8_w8a8_min_tokens": linear_module.FP8_W8A8_MIN_TOKENS,
-                      "scale_method": DEFAULT_SCALE_METHOD if config["llm"].get("quantization") else None}
+                      "scale_method": DEFAULT_SCALE_METHOD.get(config["llm"].get("quantization"))}
             logprobs = {}
             for i, text in enumerate(texts):
                 ids = tokenizer.encode(text["text"])
@@ -236,8 +236,8 @@ def markdown(results: dict) -> str:
 
 
 def _scale_methods(rows: list[dict]) -> str:
-    methods = sorted({r["scale_method"] for r in rows if r.get("scale_method")})
-    return ", ".join(f"`{m}`" for m in methods) or "absmax (rows from before the scale search)"
+    methods = {r["llm"]["quantization"]: r["scale_method"] for r in rows if r.get("scale_method")}
+    return ", ".join(f"{q} `{m}`" for q, m in sorted(methods.items())) or "absmax (rows from before the scale search)"
 
 
 def _mean_nll(row: dict) -> float:
