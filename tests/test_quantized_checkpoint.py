@@ -203,7 +203,13 @@ def test_quantize_at_load_from_a_bf16_checkpoint_matches_f32_within_bf16(tmp_pat
                       {n: reader.read(n).astype(ml_dtypes.bfloat16) for n in reader.names()})
     a = load_model(out, "bfloat16", quantization="fp8").weights.layers[0].v
     b = load_model(TINY, "float32", quantization="fp8").weights.layers[0].v
-    np.testing.assert_allclose(np.asarray(a.scale), np.asarray(b.scale), rtol=2**-7)
+    # fp8 scales are searched per row (quantization.DEFAULT_SCALE_METHOD), and bf16's rounding may
+    # tip a row to a neighbouring candidate: compare what the scales stand for, the weights, each
+    # within e4m3's 2^-4 relative rounding of the float32 one (plus bf16's 2^-8).
+    w = np.asarray(dequantize(b, jnp.float32))
+    diff = np.abs(np.asarray(dequantize(a, jnp.float32)) - w)
+    row_max = np.abs(w).reshape(w.shape[0] * w.shape[1], -1).max(axis=1).reshape(w.shape[:2] + (1,))
+    assert (diff <= 2 * (2**-4 + 2**-8) * np.abs(w) + 2**-9 * row_max).all()
 
 
 def bad_config(**weights):
