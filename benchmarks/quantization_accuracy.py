@@ -23,8 +23,10 @@ FP8 KV cache lands: add a row); ``fp8_w8a8_min_tokens`` overrides
 tokens, so fp8 rows run W8A8 unless told otherwise; decode steps run weight-only).
 
 The default model's only checkpoint is a Q4_1 GGUF: the baseline is those Q4_1 weights
-dequantized to float32, and every quantized row re-quantizes that baseline. Writes
-``quantization_accuracy.json`` and ``.md`` into ``--out``.
+dequantized to float32, and every quantized row re-quantizes that baseline (with the default
+per-channel scales: ``jaxinfer.quantization.DEFAULT_SCALE_METHOD``, recorded in the results).
+Writes ``quantization_accuracy.json`` and ``.md`` into ``--out``. Per-projection sensitivity and
+the scale choices compared: ``benchmarks/quantization_sensitivity.py``.
 """
 
 from __future__ import annotations
@@ -70,11 +72,12 @@ GREEDY_PROMPTS = [
 PUBLISHED = [
     ("RedHatAI (Neural Magic) Meta-Llama-3.1-8B-Instruct-FP8: per-tensor static W8A8, compressed-tensors `FP8`",
      "OpenLLM v1 average score",
-     "73.44 vs 73.79 unquantized: 99.5% recovery (model card, huggingface.co/neuralmagic/Meta-Llama-3.1-8B-Instruct-FP8)"),
+     "73.44 vs 73.79 unquantized: 99.5% recovery (model card, https://huggingface.co/neuralmagic/"
+     "Meta-Llama-3.1-8B-Instruct-FP8; RedHatAI/ is the same repository's current name)"),
     ("RedHatAI (Neural Magic) Meta-Llama-3.1-8B-Instruct-FP8-dynamic: per-channel weights, per-token activations, "
      "`FP8_DYNAMIC`", "recovery vs unquantized",
      "Arena-Hard 105.4%, OpenLLM v1 99.7%, OpenLLM v2 101.2%, HumanEval pass@1 100.0%, HumanEval+ 101.0% "
-     "(model card, huggingface.co/neuralmagic/Meta-Llama-3.1-8B-Instruct-FP8-dynamic)"),
+     "(model card, https://huggingface.co/neuralmagic/Meta-Llama-3.1-8B-Instruct-FP8-dynamic)"),
 ]
 
 
@@ -120,6 +123,7 @@ def evaluate(config: dict, model: str, texts: list[dict], baseline: dict | None,
 
     from jaxinfer import LLM, SamplingParams
     from jaxinfer import linear as linear_module
+    from jaxinfer.quantization import DEFAULT_SCALE_METHOD
 
     threshold = linear_module.FP8_W8A8_MIN_TOKENS
     linear_module.FP8_W8A8_MIN_TOKENS = config.get("fp8_w8a8_min_tokens", threshold)
@@ -130,7 +134,8 @@ def evaluate(config: dict, model: str, texts: list[dict], baseline: dict | None,
             loaded_s = time.perf_counter() - start
             tokenizer = llm.tokenizer
             result = {"name": config["name"], "llm": config["llm"], "load_s": loaded_s, "passages": {},
-                      "fp8_w8a8_min_tokens": linear_module.FP8_W8A8_MIN_TOKENS}
+                      "fp8_w8a8_min_tokens": linear_module.FP8_W8A8_MIN_TOKENS,
+                      "scale_method": DEFAULT_SCALE_METHOD.get(config["llm"].get("quantization"))}
             logprobs = {}
             for i, text in enumerate(texts):
                 ids = tokenizer.encode(text["text"])
@@ -203,7 +208,9 @@ def markdown(results: dict) -> str:
         f"on this machine), so each quantized row re-quantizes already-Q4_1 values. Teacher-forced over "
         f"{len(base['passages'])} passages ({n_tokens} scored positions) of "
         f"`benchmarks/data/quantization_accuracy_texts.jsonl`; activations float32 (fp8 emulated on CPU). "
-        f"Targets (issue 18): fp8 weights top-1 ≥ 97%, mean KL ≤ 0.02.",
+        f"Per-channel weight scales: {_scale_methods(rows)}. "
+        f"Targets (issue 18): fp8 weights top-1 ≥ 97%, mean KL ≤ 0.02. Which projections cost the "
+        f"agreement, and absmax against searched scales: `quantization_sensitivity.md`.",
         "",
         "| configuration | top-1 agreement | mean KL (nats) | KL p99 | NLL (baseline "
         f"{_mean_nll(base):.3f}) | greedy: identical leading tokens of {max_tokens} (mean; per prompt) |",
@@ -226,6 +233,11 @@ def markdown(results: dict) -> str:
     lines += [f"| {m} | {metric} | {value} |" for m, metric, value in results["published"]]
     lines.append("")
     return "\n".join(lines)
+
+
+def _scale_methods(rows: list[dict]) -> str:
+    methods = {r["llm"]["quantization"]: r["scale_method"] for r in rows if r.get("scale_method")}
+    return ", ".join(f"{q} `{m}`" for q, m in sorted(methods.items())) or "absmax (rows from before the scale search)"
 
 
 def _mean_nll(row: dict) -> float:

@@ -7,6 +7,7 @@ import sys
 
 from jaxinfer.engine_args import add_engine_arguments, engine_options_from_args
 from jaxinfer.engine_config import PLATFORM_DEFAULTS
+from jaxinfer.quantization import QUANTIZATIONS
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -48,6 +49,7 @@ def _fetch(args: argparse.Namespace) -> int:
 
 def _estimate(args: argparse.Namespace) -> int:
     """KV-cache arithmetic for a model, from its config alone (no weights loaded)."""
+    import dataclasses
     import json
     from pathlib import Path
 
@@ -63,6 +65,14 @@ def _estimate(args: argparse.Namespace) -> int:
     else:
         hf = json.loads((Path(path) / "config.json").read_text())
     config = ModelConfig.from_hf(hf)
+    if args.quantization is not None:
+        # As loading would: a dense checkpoint quantized at load, or a quantized one in its own.
+        from jaxinfer.quantization import QuantizationError
+
+        if config.quantization not in (None, args.quantization):
+            raise QuantizationError(f"{path} holds {config.quantization} weights; estimate it with "
+                                    f"--quantization {config.quantization} or without the flag")
+        config = dataclasses.replace(config, quantization=args.quantization)
     weight_bytes = {"float32": 4, "bfloat16": 2}[args.dtype]
     # "auto": the serving dtype's; the old --kv-dtype's names stay accepted.
     kv_bytes = {"auto": weight_bytes, "fp8": 1, "fp8_e4m3": 1, "float8": 1, "bfloat16": 2, "float32": 4}
@@ -81,7 +91,8 @@ def _convert(args: argparse.Namespace) -> int:
 
     check_output_dir(args.output)  # before the load, which may take minutes
     dtype = {"bf16": "bfloat16", "f32": "float32"}.get(args.dtype, args.dtype)
-    print(save(load_model(args.model, dtype), args.output))
+    # Quantized here, once: the checkpoint stores the payloads and scales, and restoring it skips quantizing.
+    print(save(load_model(args.model, dtype, quantization=args.quantization), args.output))
     return 0
 
 
@@ -156,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["auto", "fp8", "fp8_e4m3", "bfloat16", "float32", "float8"],
                    help="KV page storage, as serve's --kv-cache-dtype: auto (the serving dtype) or fp8 "
                         "(1 byte); --kv-dtype is the old name, and float32/bfloat16/float8 its old values")
+    e.add_argument("--quantization", default=None, choices=sorted(QUANTIZATIONS),
+                   help="count the projections quantized, as serve's --quantization: 1-byte payloads plus "
+                        "float32 per-channel scales (embedding, norms and lm_head stay in --dtype); default: "
+                        "as the checkpoint stores them")
     e.set_defaults(func=_estimate)
 
     c = sub.add_parser("convert", help="convert a model once into an Orbax checkpoint (fast, sharded loading)")
@@ -163,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--output", required=True, help="the checkpoint directory to write (must not exist or be empty)")
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "f32", "bf16"],
                    help="dtype of the stored weights (float32, the default, keeps dequantized GGUF values exactly)")
+    c.add_argument("--quantization", default=None, choices=sorted(QUANTIZATIONS),
+                   help="store the projections quantized (fp8 e4m3 or int8, per-channel scales), as "
+                        "serve --quantization would quantize them at load; embedding, norms and lm_head "
+                        "stay in --dtype. Default: as the source stores them")
     c.set_defaults(func=_convert)
 
     m = sub.add_parser("models", help="list the built-in model names")

@@ -8,6 +8,11 @@ so ``tokens that fit = free memory / bytes_per_token``, and a request of ``S`` t
 needs ``ceil(S / page_size)`` pages. ``bytes_per_element`` is the pages' storage dtype's: 1 for
 an FP8 cache (``kv_cache_dtype="fp8"``; its per-layer scales are a few bytes in all), so the same
 memory holds twice a bf16 cache's tokens.
+
+The weights are counted from their declaration (``jaxinfer.params.param_specs``), so a quantized
+model (``config.quantization``) counts its projections' payloads (1 byte an element) and float32
+per-channel scales, and its embedding, norms and lm_head in the serving dtype: the bytes the
+loaded weights hold on the device, which the engine subtracts before sizing its page pool.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import logging
 import math
 
 import jax
+import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 
@@ -47,6 +53,7 @@ class MemoryEstimate:
     num_tokens: int
     num_requests: int  # requests of ``request_len`` tokens that fit at once
     request_len: int
+    quantization: str | None = None  # the weights' projections ("fp8"/"int8"), None when dense
 
     def __str__(self) -> str:
         gib = 1 << 30
@@ -54,16 +61,22 @@ class MemoryEstimate:
             f"KV cache: {self.bytes_per_token / 1024:.1f} KiB per token; "
             f"{self.available_bytes / gib:.2f} GiB for the cache holds {self.num_tokens:,} tokens "
             f"= {self.num_requests:,} requests of {self.request_len:,} tokens "
-            f"(weights: {self.weight_bytes / gib:.2f} GiB)"
+            f"(weights: {self.weight_bytes / gib:.2f} GiB"
+            f"{f', {self.quantization} projections' if self.quantization else ''})"
         )
 
 
 def weight_bytes(config: ModelConfig, bytes_per_element: int) -> int:
-    e, f, d, v = config.hidden_size, config.intermediate_size, config.head_dim, config.vocab_size
-    attention = e * d * (2 * config.num_q_heads + 2 * config.num_kv_heads)
-    per_layer = attention + 3 * e * f + 2 * e
-    embeddings = v * e * (1 if config.tie_word_embeddings else 2)
-    return (config.num_layers * per_layer + embeddings + e) * bytes_per_element
+    """Bytes of the model's weights: ``bytes_per_element`` (the serving dtype's) for the dense
+    weights, the declared dtype's for the rest (quantized payloads and scales, when
+    ``config.quantization`` is set)."""
+    from jaxinfer.params import is_spec, param_specs
+
+    total = 0
+    for spec in jax.tree.leaves(param_specs(config), is_leaf=is_spec):
+        itemsize = jnp.dtype(spec.dtype).itemsize if spec.dtype else bytes_per_element
+        total += math.prod(spec.shape) * itemsize
+    return total
 
 
 # The share of device memory an engine may use by default (weights + KV cache); the rest holds
@@ -76,15 +89,17 @@ def estimate(config: ModelConfig, *, bytes_per_element: int, memory_bytes: int, 
              kv_bytes_per_element: int | None = None) -> MemoryEstimate:
     """How many tokens, and requests of ``request_len`` tokens, fit on a device of ``memory_bytes``.
 
-    ``bytes_per_element``: the weights' (the serving dtype's); ``kv_bytes_per_element``: the KV
-    pages' (default: the same; 1 for an FP8 cache).
+    ``bytes_per_element``: the weights' (the serving dtype's; quantized projections count their
+    own bytes, from ``config.quantization``); ``kv_bytes_per_element``: the KV pages' (default:
+    the same; 1 for an FP8 cache).
     """
     kv_bytes = bytes_per_element if kv_bytes_per_element is None else kv_bytes_per_element
     per_token = config.kv_bytes_per_token(kv_bytes)
     weights = weight_bytes(config, bytes_per_element)
     available = max(0, int(memory_bytes * memory_utilization) - weights)
     tokens = available // per_token
-    return MemoryEstimate(per_token, weights, available, tokens, tokens // max(1, request_len), request_len)
+    return MemoryEstimate(per_token, weights, available, tokens, tokens // max(1, request_len), request_len,
+                          config.quantization)
 
 
 def num_pages_for_device(config: ModelConfig, *, page_size: int, bytes_per_element: int,

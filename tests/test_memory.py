@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import sys
 from pathlib import Path
@@ -105,3 +107,59 @@ def test_gpu_fp8_page_pool_stays_under_2_31_elements_a_layer(caplog):
     with pytest.raises(EngineConfigError, match="at most 65535 pages") as error:
         cap_gpu_num_pages(131072, config, None, 32, explicit=True)
     assert error.value.field == "num_pages"
+
+@pytest.mark.parametrize("quantization", [None, "fp8", "int8"])
+def test_estimate_counts_the_weights_the_engine_loads_and_sizes_the_same_pool(monkeypatch, quantization):
+    """The estimate's weight bytes are the loaded model's, quantized or not, so on a device
+    that holds those weights the engine's page pool is the estimate's tokens in pages."""
+    import jax
+
+    from jaxinfer.checkpoint import load_model
+    from jaxinfer.engine_config import EngineConfig
+
+    from .conftest import FIXTURES
+
+    model = load_model(FIXTURES / "tiny-llama3", dtype="float32", quantization=quantization)
+    loaded_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(model.weights))
+    estimated = memory.estimate(model.config, bytes_per_element=4, memory_bytes=GIB, request_len=64,
+                                memory_utilization=0.9)
+    assert estimated.weight_bytes == loaded_bytes
+    if quantization:  # 1-byte payloads: well under the float32 model's weights
+        dense = memory.weight_bytes(ModelConfig.from_hf(json.loads((FIXTURES / "tiny-llama3" / "config.json")
+                                                                   .read_text())), 4)
+        assert loaded_bytes < dense
+        assert f"{quantization} projections" in str(estimated)
+    stats = {"bytes_limit": GIB, "bytes_in_use": loaded_bytes}
+    monkeypatch.setattr(memory.jax, "local_devices", lambda: [_FakeDevice("gpu", stats)])
+    page_size = 16
+    config = EngineConfig(page_size=page_size, memory_utilization=0.9).resolve(model, platform="gpu")
+    assert config.num_pages == estimated.num_tokens // page_size
+
+
+def test_estimate_command_counts_quantized_weights(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_1_8B))
+    outputs = {}
+    for flags in ([], ["--quantization", "fp8"], ["--quantization", "int8"]):
+        assert cli.main(["estimate", "--model", str(tmp_path), *flags]) == 0
+        outputs[tuple(flags)] = capsys.readouterr().out
+    llama = ModelConfig.from_hf(LLAMA_3_1_8B)
+    e, v = llama.hidden_size, llama.vocab_size
+    bf16 = memory.weight_bytes(llama, 2)
+    projections = bf16 // 2 - 2 * v * e - (2 * llama.num_layers + 1) * e  # parameters of q..down
+    fp8 = memory.weight_bytes(dataclasses.replace(llama, quantization="fp8"), 2)
+    # float32, one per output channel: q, k, v (heads x head_dim), o and down (embed), gate and up (ffn).
+    outputs_per_layer = (llama.num_q_heads + 2 * llama.num_kv_heads) * llama.head_dim + 2 * e + 2 * llama.intermediate_size
+    scales = llama.num_layers * 4 * outputs_per_layer
+    assert fp8 == bf16 - projections + scales
+    assert f"weights: {fp8 / GIB:.2f} GiB, fp8 projections" in outputs[("--quantization", "fp8")]
+    assert outputs[("--quantization", "fp8")].replace("fp8", "int8") == outputs[("--quantization", "int8")]
+    assert f"weights: {bf16 / GIB:.2f} GiB)" in outputs[()]
+
+
+def test_estimate_command_refuses_another_quantization_than_the_checkpoints(tmp_path, capsys):
+    hf = LLAMA_3_1_8B | {"quantization_config": {"quant_method": "jaxinfer", "weights": "fp8"}}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert cli.main(["estimate", "--model", str(tmp_path)]) == 0
+    assert "fp8 projections" in capsys.readouterr().out  # a quantized checkpoint counts as stored
+    assert cli.main(["estimate", "--model", str(tmp_path), "--quantization", "int8"]) == 2
+    assert "holds fp8 weights" in capsys.readouterr().err
