@@ -37,10 +37,13 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).resolve().parent / "csrc" / "int8_matmul_cpu.cc"
 TARGET_NAME = "jaxinfer_int8_matmul_cpu"
 SYMBOL = "JaxinferInt8MatmulCpu"
-# 512-bit vectors where the CPU has them (GCC defaults to 256). -ffast-math lets the compiler keep several partial sums in the dot (reassociation); the kernel
-# has no NaN/inf handling to lose.
-COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-std=c++20", "-shared",
-                 "-fPIC")
+# 512-bit vectors where the CPU has them (GCC defaults to 256). Reassociation lets the compiler
+# keep several partial sums in the dot. Not -ffast-math: GCC then links crtfastmath.o, which sets
+# flush-to-zero / denormals-are-zero in the process's floating-point state when the library
+# loads, changing every float computation after it (hypothesis caught it: it refuses to draw
+# floats once subnormals read as zero).
+COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fno-trapping-math",
+                 "-fno-signed-zeros", "-fassociative-math", "-std=c++20", "-shared", "-fPIC")
 
 
 def cache_dir() -> Path:

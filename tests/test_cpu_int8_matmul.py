@@ -56,3 +56,13 @@ def test_linear_keeps_xla_weight_only_path_when_the_kernel_is_off(monkeypatch):
     q = quantized_from_dense(jnp.ones((32, 48)), 1, "int8")
     jaxpr = str(jax.make_jaxpr(lambda x, q: linear("te,ef->tf", x, q))(jnp.ones((2, 32)), q))
     assert "dot_general" in jaxpr and "ffi_call" not in jaxpr
+
+
+def test_loading_the_kernel_leaves_the_process_floating_point_state_alone():
+    # Built with -ffast-math, the library set flush-to-zero / denormals-are-zero for the whole
+    # process when it loaded (GCC's crtfastmath.o): subnormals then read as zero everywhere.
+    x = jnp.ones((1, 64), jnp.float32)
+    payload, scale = jnp.ones((8, 64), jnp.int8), jnp.ones((8,), jnp.float32)
+    jax.block_until_ready(cpu_int8_matmul.int8_matmul_cpu(x, payload, scale))
+    smallest = np.float64(5e-324)  # the smallest subnormal double
+    assert smallest * 1.0 > 0 and np.nextafter(np.float32(0), np.float32(1)) * np.float32(1) > 0

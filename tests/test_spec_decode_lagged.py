@@ -29,6 +29,10 @@ from .test_spec_decode import GREEDY, K, OPTIONS, SPEC, _greedy_reference, promp
 from .test_spec_decode import plain, tiny  # noqa: F401 (fixtures)
 
 LAGGED = {**SPEC, "async_verify": True}
+# The real proposers: the module-scoped ``lagged`` fixture patches them until the module ends, so a
+# test that needs the real lookup while that fixture lives puts these back.
+REAL_DEVICE_LOOKUP = device_ngram_module.propose_ngram_on_device
+REAL_HOST_LOOKUP = speculator_module.propose_ngram
 _KNOWN: list[tuple[list[int], list[int]]] = []  # (prompt, continuation) pairs the oracle drafts from
 
 
@@ -235,8 +239,11 @@ def test_async_verify_needs_the_ngram_method():
 
 
 @pytest.mark.slow
-def test_default_model_lagged_ngram_greedy_identical_and_accepting(default_model):
+def test_default_model_lagged_ngram_greedy_identical_and_accepting(default_model, monkeypatch):
     """SmolLM2-135M, real weights, the device's own prompt lookup: a copy prompt is mostly accepted."""
+    # After the fixture-model tests of this module the oracle is still installed (module scope).
+    monkeypatch.setattr(device_ngram_module, "propose_ngram_on_device", REAL_DEVICE_LOOKUP)
+    monkeypatch.setattr(speculator_module, "propose_ngram", REAL_HOST_LOOKUP)
     passage = ("The committee met on Tuesday to review the budget. It approved the new library roof, "
                "postponed the bridge repairs until spring, and asked the treasurer for a report on parking fees.")
     messages = [{"role": "user", "content": f"Repeat this text exactly:\n\n{passage}"}]
