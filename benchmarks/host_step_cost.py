@@ -7,7 +7,9 @@ The host prepares step n+1 while the device runs step n (async scheduling), so t
 whenever the host needs longer than the device to prepare a step. What the host does per step
 does not depend on the accelerator: here the model is ``common.random_model("tiny")`` in float32
 on CPU, whose device work is small, and the host's share of each ``engine.step()`` is its wall
-time minus the time it blocked on the device's results (``engine.device_wait_seconds``).
+time minus the time it blocked on the device's results (``engine.device_wait_seconds``). The
+"device" is this CPU too: before each timed step the benchmark waits (untimed) for the step in
+flight, so that schedule, pack and dispatch do not share the cores with it.
 
 For each batch B: B requests (8-token prompts, long outputs, greedy, ``ignore_eos``,
 ``final_only`` as ``LLM.generate`` submits them) run until all decode, then ``--steps`` steady
@@ -22,6 +24,9 @@ decode steps are timed, each phase by a timer around the engine's parts:
 - ``collect``: ``OutputProcessor.collect`` (``RequestOutput``s of what changed)
 - ``other``: the rest of ``Engine.step`` (placeholders, bookkeeping)
 
+and, across the phases, ``gc``: Python's cyclic garbage collector, timed through ``gc.callbacks``
+(it runs inside whichever phase allocates when a generation fills up).
+
 Each tree in ``--trees`` runs in its own process with ``PYTHONPATH`` set to it, the trees
 interleaved round by round (the machine may be shared: each round gives every tree the same
 weather); the median per step over rounds is kept. ``--profile B`` adds a ``cProfile`` of B's
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import os
@@ -47,7 +53,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PROMPT_LEN = 8
-PHASES = ("schedule", "pack", "dispatch", "postprocess", "process", "detokenize", "collect", "other")
+PHASES = ("schedule", "pack", "dispatch", "postprocess", "process", "detokenize", "collect", "other", "gc")
 
 
 class PhaseTimers:
@@ -69,6 +75,19 @@ class PhaseTimers:
                 seconds[phase] += perf_counter() - start
 
         setattr(owner, attribute, timed)
+
+    def time_garbage_collection(self) -> None:
+        """Add the collector's pauses to ``gc`` (they also count in the phase they interrupt)."""
+        started = []
+        seconds = self.seconds
+
+        def callback(phase, info):
+            if phase == "start":
+                started.append(time.perf_counter())
+            elif started:
+                seconds["gc"] += time.perf_counter() - started.pop()
+
+        gc.callbacks.append(callback)
 
     def reset(self) -> None:
         for phase in self.seconds:
@@ -95,6 +114,7 @@ def build_engine(max_num_seqs: int, max_model_len: int):
 
 def measure_batch(engine, timers: PhaseTimers, batch: int, steps: int, tag: str, profile: bool) -> dict:
     """Per-step host seconds of ``steps`` steady decode steps at ``batch`` running sequences."""
+    import jax
     import numpy as np
 
     from jaxinfer.sampling_params import SamplingParams
@@ -118,6 +138,10 @@ def measure_batch(engine, timers: PhaseTimers, batch: int, steps: int, tag: str,
     walls, waits = [], []
     profiler = cProfile.Profile() if profile else None
     for _ in range(steps):
+        # Untimed: let the step in flight finish first, so that this step's host work does not
+        # share the CPU with the device's (here the "device" is the same CPU); the process
+        # and collect phases still overlap the step this one launches.
+        jax.block_until_ready(engine.runner.last_sampled)
         wait0 = engine.device_wait_seconds
         start = time.perf_counter()
         if profiler is not None:
@@ -131,7 +155,7 @@ def measure_batch(engine, timers: PhaseTimers, batch: int, steps: int, tag: str,
             raise RuntimeError(f"batch {batch}: a step of {engine.last_step_num_tokens} tokens in steady decode")
     phases = {phase: seconds / steps for phase, seconds in timers.seconds.items()}
     host = (sum(walls) - sum(waits)) / steps
-    phases["other"] = host - sum(v for k, v in phases.items() if k not in ("other", "detokenize"))
+    phases["other"] = host - sum(v for k, v in phases.items() if k not in ("other", "detokenize", "gc"))
     result = {"batch": batch, "steps": steps, "host_us_per_step": 1e6 * host,
               "host_us_per_seq": 1e6 * host / batch, "wall_us_per_step": 1e6 * sum(walls) / steps,
               "device_wait_us_per_step": 1e6 * sum(waits) / steps,
@@ -165,6 +189,7 @@ def worker(args) -> None:
     from jaxinfer.detokenizer import Detokenizer
 
     timers.wrap(Detokenizer, "add_token", "detokenize")
+    timers.time_garbage_collection()
     results = [measure_batch(engine, timers, b, args.steps, f"r{args.round}", b == args.profile) for b in batches]
     Path(args.worker_json).write_text(json.dumps({"jax": jax.__version__, "build_seconds": build_seconds,
                                                   "jaxinfer": str(Path(sys.modules["jaxinfer"].__file__).parent),
@@ -189,7 +214,7 @@ def markdown(info: dict, per_tree: dict) -> str:
             phases = " | ".join(f"{row['phases_us_per_step'][p]:.0f}" for p in PHASES)
             lines.append(f"| {label} | {row['batch']} | {row['host_us_per_step']:.0f} | "
                          f"{row['host_us_per_seq']:.1f} | {phases} |")
-    lines += ["", "Phases in µs per step; `detokenize` is inside `process`. µs/seq = host µs/step ÷ B."]
+    lines += ["", "Phases in µs per step; `detokenize` is inside `process`; `gc` (the collector's pauses) is inside the phases it interrupted. µs/seq = host µs/step ÷ B."]
     return "\n".join(lines) + "\n"
 
 
