@@ -11,7 +11,7 @@ time minus the time it blocked on the device's results (``engine.device_wait_sec
 "device" is this CPU too: before each timed step the benchmark waits (untimed) for the step in
 flight, so that schedule, pack and dispatch do not share the cores with it.
 
-For each batch B: B requests (8-token prompts, long outputs, greedy, ``ignore_eos``,
+For each batch B: B requests (``--prompt-len`` tokens, 8 by default; long outputs, greedy, ``ignore_eos``,
 ``final_only`` as ``LLM.generate`` submits them) run until all decode, then ``--steps`` steady
 decode steps are timed, each phase by a timer around the engine's parts:
 
@@ -52,7 +52,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PROMPT_LEN = 8
 PHASES = ("schedule", "pack", "dispatch", "postprocess", "process", "detokenize", "collect", "other", "gc")
 
 
@@ -112,7 +111,8 @@ def build_engine(max_num_seqs: int, max_model_len: int):
     return Engine(model, config, use_tqdm=False)
 
 
-def measure_batch(engine, timers: PhaseTimers, batch: int, steps: int, tag: str, profile: bool) -> dict:
+def measure_batch(engine, timers: PhaseTimers, batch: int, steps: int, tag: str, profile: bool,
+                  prompt_len: int) -> dict:
     """Per-step host seconds of ``steps`` steady decode steps at ``batch`` running sequences."""
     import jax
     import numpy as np
@@ -125,8 +125,9 @@ def measure_batch(engine, timers: PhaseTimers, batch: int, steps: int, tag: str,
     params = SamplingParams(max_tokens=steps + 64, ignore_eos=True, temperature=0.0)
     ids = [f"{tag}-{batch}-{i}" for i in range(batch)]
     for request_id in ids:
-        engine.add_request(request_id, rng.integers(3, vocab, PROMPT_LEN).tolist(), params, final_only=True)
-    for _ in range(16):  # prefill and the first decodes (async: a step in flight)
+        engine.add_request(request_id, rng.integers(3, vocab, prompt_len).tolist(), params, final_only=True)
+    # Prefill, then the first decodes (async: a step in flight).
+    for _ in range(16 + batch * prompt_len // engine.config.max_num_batched_tokens):
         engine.step()
         if engine.scheduler.num_running == batch and engine.last_step_num_tokens == batch:
             break
@@ -177,7 +178,7 @@ def worker(args) -> None:
 
     batches = [int(b) for b in args.batches.split(",")]
     start = time.perf_counter()
-    engine = build_engine(max(batches), max_model_len=args.steps + 128)
+    engine = build_engine(max(batches), max_model_len=args.prompt_len + args.steps + 128)
     build_seconds = time.perf_counter() - start
     timers = PhaseTimers()
     timers.wrap(engine.scheduler, "schedule", "schedule")
@@ -190,7 +191,8 @@ def worker(args) -> None:
 
     timers.wrap(Detokenizer, "add_token", "detokenize")
     timers.time_garbage_collection()
-    results = [measure_batch(engine, timers, b, args.steps, f"r{args.round}", b == args.profile) for b in batches]
+    results = [measure_batch(engine, timers, b, args.steps, f"r{args.round}", b == args.profile, args.prompt_len)
+               for b in batches]
     Path(args.worker_json).write_text(json.dumps({"jax": jax.__version__, "build_seconds": build_seconds,
                                                   "jaxinfer": str(Path(sys.modules["jaxinfer"].__file__).parent),
                                                   "batches": results}))
@@ -206,7 +208,8 @@ def markdown(info: dict, per_tree: dict) -> str:
              f"Command: `{info['command']}`  ", f"Host: {info['host']} ({info['cpu_count']} CPUs), "
              f"python {info['python']}, jax {info['jax']}, {info['date']}  ",
              f"Load average before / after: {info['load_before']} / {info['load_after']}  ",
-             f"Median over {info['rounds']} interleaved rounds of {info['steps']} steady decode steps.", "",
+             f"Median over {info['rounds']} interleaved rounds of {info['steps']} steady decode steps, "
+             f"{info['prompt_len']}-token prompts.", "",
              "| tree | B | host µs/step | µs/seq | " + " | ".join(PHASES) + " |",
              "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in PHASES) + " |"]
     for label, rows in per_tree.items():
@@ -214,6 +217,15 @@ def markdown(info: dict, per_tree: dict) -> str:
             phases = " | ".join(f"{row['phases_us_per_step'][p]:.0f}" for p in PHASES)
             lines.append(f"| {label} | {row['batch']} | {row['host_us_per_step']:.0f} | "
                          f"{row['host_us_per_seq']:.1f} | {phases} |")
+    if len(per_tree) > 1:
+        labels = list(per_tree)
+        lines += ["", "Host µs per running sequence per step, each tree beside the first:", "",
+                  "| B | " + " | ".join(labels) + " | " + " | ".join(f"{l} ÷ {labels[0]}" for l in labels[1:]) + " |",
+                  "| ---: | " + " | ".join("---:" for _ in range(2 * len(labels) - 1)) + " |"]
+        for rows in zip(*per_tree.values()):
+            base = rows[0]["host_us_per_seq"]
+            lines.append(f"| {rows[0]['batch']} | " + " | ".join(f"{r['host_us_per_seq']:.1f}" for r in rows) + " | "
+                         + " | ".join(f"{r['host_us_per_seq'] / base:.2f}" for r in rows[1:]) + " |")
     lines += ["", "Phases in µs per step; `detokenize` is inside `process`; `gc` (the collector's pauses) is inside the phases it interrupted. µs/seq = host µs/step ÷ B."]
     return "\n".join(lines) + "\n"
 
@@ -236,6 +248,8 @@ def main() -> None:
     parser.add_argument("--trees", default=".", help="comma-separated source trees, each run with PYTHONPATH=tree")
     parser.add_argument("--batches", default="1,64,256,1024")
     parser.add_argument("--steps", type=int, default=100, help="timed steady decode steps per batch")
+    parser.add_argument("--prompt-len", type=int, default=8,
+                        help="prompt tokens per request: longer ones mean wider page tables (throughput-1k: 1000)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", type=int, default=0, help="cProfile the steps of this batch (last round)")
     parser.add_argument("--out", type=Path, default=Path("host_step_cost_out"))
@@ -247,7 +261,7 @@ def main() -> None:
     info = {"command": "python3 " + shlex.join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "host": platform.node(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
             "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg()), "rounds": args.rounds,
-            "steps": args.steps, "batches": args.batches}
+            "steps": args.steps, "batches": args.batches, "prompt_len": args.prompt_len}
     for key in ("command", "host", "cpu_count", "python", "load_before"):
         print(f"{key}: {info[key]}", flush=True)
     trees = [Path(t).resolve() for t in args.trees.split(",")]
@@ -259,8 +273,9 @@ def main() -> None:
         for tree in trees:
             path = args.out / f"worker_{round_index}_{tree.name}.json"
             profile = args.profile if round_index == args.rounds - 1 else 0
-            command = [sys.executable, str(Path(__file__).resolve()), "--worker-json", str(path), "--batches",
-                       args.batches, "--steps", str(args.steps), "--profile", str(profile), "--round", str(round_index)]
+            command = [sys.executable, str(Path(__file__).resolve()), "--worker-json", str(path),
+                       "--batches", args.batches, "--steps", str(args.steps), "--prompt-len", str(args.prompt_len),
+                       "--profile", str(profile), "--round", str(round_index)]
             env = {**os.environ, "PYTHONPATH": str(tree), "JAX_PLATFORMS": "cpu"}
             subprocess.run(command, env=env, check=True, cwd=tree)
             run = json.loads(path.read_text())
