@@ -17,7 +17,9 @@ decode steps are timed, each phase by a timer around the engine's parts:
 
 - ``schedule``: ``Scheduler.schedule`` (which tokens run; page allocation)
 - ``pack``: ``ModelRunner.prepare`` (the step's host arrays)
-- ``dispatch``: ``ModelRunner.execute`` (transfer and launch; nothing waits for the device)
+- ``dispatch``: ``ModelRunner.execute`` (transfer and launch; nothing waits for the device). On
+  CPU this includes running the programs, which XLA:CPU does at least partly in the calling
+  thread: read ``host_us_per_seq_without_dispatch`` for the engine's own Python work.
 - ``postprocess``: ``Scheduler.postprocess`` (computed counts, prefix-cache registration)
 - ``process``: ``OutputProcessor.process`` (tokens into sequences, detokenize, stops), with
   ``detokenize`` (``Detokenizer.add_token``) inside it
@@ -29,8 +31,9 @@ and, across the phases, ``gc``: Python's cyclic garbage collector, timed through
 
 Each tree in ``--trees`` runs in its own process with ``PYTHONPATH`` set to it, the trees
 interleaved round by round (the machine may be shared: each round gives every tree the same
-weather); the median per step over rounds is kept. ``--profile B`` adds a ``cProfile`` of B's
-steps for each tree (the top functions by own time) to the results. The load average is printed
+weather); the median per step over rounds is kept. ``--profile B`` adds a round whose steps at B run
+under ``cProfile`` (the top functions by own time, per tree, go into the results; that round's
+times, inflated by the profiler, are not in the medians). The load average is printed
 before and after: on a busy machine every number grows.
 """
 
@@ -158,7 +161,8 @@ def measure_batch(engine, timers: PhaseTimers, batch: int, steps: int, tag: str,
     host = (sum(walls) - sum(waits)) / steps
     phases["other"] = host - sum(v for k, v in phases.items() if k not in ("other", "detokenize", "gc"))
     result = {"batch": batch, "steps": steps, "host_us_per_step": 1e6 * host,
-              "host_us_per_seq": 1e6 * host / batch, "wall_us_per_step": 1e6 * sum(walls) / steps,
+              "host_us_per_seq": 1e6 * host / batch,
+              "host_us_per_seq_without_dispatch": 1e6 * (host - phases["dispatch"]) / batch, "wall_us_per_step": 1e6 * sum(walls) / steps,
               "device_wait_us_per_step": 1e6 * sum(waits) / steps,
               "phases_us_per_step": {k: 1e6 * v for k, v in phases.items()}}
     if profiler is not None:
@@ -210,22 +214,25 @@ def markdown(info: dict, per_tree: dict) -> str:
              f"Load average before / after: {info['load_before']} / {info['load_after']}  ",
              f"Median over {info['rounds']} interleaved rounds of {info['steps']} steady decode steps, "
              f"{info['prompt_len']}-token prompts.", "",
-             "| tree | B | host µs/step | µs/seq | " + " | ".join(PHASES) + " |",
-             "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in PHASES) + " |"]
+             "| tree | B | host µs/step | µs/seq | µs/seq without dispatch | " + " | ".join(PHASES) + " |",
+             "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in PHASES) + " |"]
     for label, rows in per_tree.items():
         for row in rows:
             phases = " | ".join(f"{row['phases_us_per_step'][p]:.0f}" for p in PHASES)
             lines.append(f"| {label} | {row['batch']} | {row['host_us_per_step']:.0f} | "
-                         f"{row['host_us_per_seq']:.1f} | {phases} |")
+                         f"{row['host_us_per_seq']:.1f} | {row['host_us_per_seq_without_dispatch']:.1f} | {phases} |")
     if len(per_tree) > 1:
         labels = list(per_tree)
-        lines += ["", "Host µs per running sequence per step, each tree beside the first:", "",
-                  "| B | " + " | ".join(labels) + " | " + " | ".join(f"{l} ÷ {labels[0]}" for l in labels[1:]) + " |",
-                  "| ---: | " + " | ".join("---:" for _ in range(2 * len(labels) - 1)) + " |"]
-        for rows in zip(*per_tree.values()):
-            base = rows[0]["host_us_per_seq"]
-            lines.append(f"| {rows[0]['batch']} | " + " | ".join(f"{r['host_us_per_seq']:.1f}" for r in rows) + " | "
-                         + " | ".join(f"{r['host_us_per_seq'] / base:.2f}" for r in rows[1:]) + " |")
+        for key, what in (("host_us_per_seq", "all host time"), ("host_us_per_seq_without_dispatch", "without dispatch")):
+            lines += ["", f"Host µs per running sequence per step ({what}), each tree beside the first "
+                          "(median; every round in brackets):", "",
+                      "| B | " + " | ".join(labels) + " | " + " | ".join(f"{l} ÷ {labels[0]}" for l in labels[1:]) + " |",
+                      "| ---: | " + " | ".join("---:" for _ in range(2 * len(labels) - 1)) + " |"]
+            for rows in zip(*per_tree.values()):
+                base = rows[0][key]
+                cells = [f"{r[key]:.1f} ({', '.join(f'{x:.1f}' for x in r[key + '_all'])})" for r in rows]
+                lines.append(f"| {rows[0]['batch']} | " + " | ".join(cells) + " | "
+                             + " | ".join(f"{r[key] / base:.2f}" for r in rows[1:]) + " |")
     lines += ["", "Phases in µs per step; `detokenize` is inside `process`; `gc` (the collector's pauses) is inside the phases it interrupted. µs/seq = host µs/step ÷ B."]
     return "\n".join(lines) + "\n"
 
@@ -235,7 +242,8 @@ def median_rows(runs: list[list[dict]]) -> list[dict]:
     out = []
     for rows in zip(*runs):
         row = {"batch": rows[0]["batch"], "steps": rows[0]["steps"], "rounds": len(rows)}
-        for key in ("host_us_per_step", "host_us_per_seq", "wall_us_per_step", "device_wait_us_per_step"):
+        for key in ("host_us_per_step", "host_us_per_seq", "host_us_per_seq_without_dispatch", "wall_us_per_step",
+                    "device_wait_us_per_step"):
             row[key] = statistics.median(r[key] for r in rows)
             row[key + "_all"] = [r[key] for r in rows]
         row["phases_us_per_step"] = {p: statistics.median(r["phases_us_per_step"][p] for r in rows) for p in PHASES}
@@ -251,7 +259,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=8,
                         help="prompt tokens per request: longer ones mean wider page tables (throughput-1k: 1000)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--profile", type=int, default=0, help="cProfile the steps of this batch (last round)")
+    parser.add_argument("--profile", type=int, default=0, help="an extra round, cProfiling the steps of this batch")
     parser.add_argument("--out", type=Path, default=Path("host_step_cost_out"))
     parser.add_argument("--worker-json", help=argparse.SUPPRESS)
     parser.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
@@ -269,10 +277,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     runs: dict[Path, list] = {tree: [] for tree in trees}
     profiles = {}
-    for round_index in range(args.rounds):
+    # With --profile, one more round under cProfile, whose (slower) times are left out of the medians.
+    for round_index in range(args.rounds + bool(args.profile)):
         for tree in trees:
             path = args.out / f"worker_{round_index}_{tree.name}.json"
-            profile = args.profile if round_index == args.rounds - 1 else 0
+            profile = args.profile if round_index == args.rounds else 0
             command = [sys.executable, str(Path(__file__).resolve()), "--worker-json", str(path),
                        "--batches", args.batches, "--steps", str(args.steps), "--prompt-len", str(args.prompt_len),
                        "--profile", str(profile), "--round", str(round_index)]
@@ -280,7 +289,8 @@ def main() -> None:
             subprocess.run(command, env=env, check=True, cwd=tree)
             run = json.loads(path.read_text())
             info["jax"] = run["jax"]
-            runs[tree].append(run["batches"])
+            if not profile:
+                runs[tree].append(run["batches"])
             for row in run["batches"]:
                 print(f"round {round_index} {labels[tree]} B={row['batch']}: host {row['host_us_per_step']:.0f} µs/step, "
                       f"{row['host_us_per_seq']:.1f} µs/seq, " + ", ".join(
