@@ -101,11 +101,14 @@ def test_a_full_decode_step_has_a_gpu_bucket_of_its_own():
     assert default_buckets(5, 8192, 64, "gpu").num_tokens[0] == 8
 
 
-def test_decode_steps_keep_page_table_rows_in_step_with_the_allocator():
+def test_decode_steps_keep_page_table_rows_in_step_with_the_allocator(monkeypatch):
     """The one-token-per-item path caches each sequence's page-table row: pages appended in
     place, a table replaced (preemption, admission) and one cut by a rollback and regrown to
     the same length must all show in the next step's array, as the general path packs them."""
+    from jaxinfer import input_batch
     from jaxinfer.page_allocator import PageAllocator
+
+    monkeypatch.setattr(input_batch, "MIN_ITEMS_FOR_WHOLE_LIST_PACKING", 2)  # these two decodes take that path
 
     allocator = PageAllocator(num_pages=40, page_size=4, model_identity="test", enable_prefix_caching=False)
     a = make_seq(0, [1, 2, 3])
