@@ -114,6 +114,13 @@ def build_engine(max_num_seqs: int, max_model_len: int):
     return Engine(model, config, use_tqdm=False)
 
 
+def _settle_steps(batch: int, prompt_len: int) -> int:
+    """Steps allowed to reach steady decode: prefill, then the first decodes (async: a step in
+    flight). The running sequences' decodes share each step's token budget (``build_engine``'s
+    2048 at these batches) with the prefills, so this can take a few times batch * prompt_len / budget."""
+    return 16 + 4 * batch * prompt_len // 2048
+
+
 def measure_batch(engine, timers: PhaseTimers, batch: int, steps: int, tag: str, profile: bool,
                   prompt_len: int) -> dict:
     """Per-step host seconds of ``steps`` steady decode steps at ``batch`` running sequences."""
@@ -125,12 +132,13 @@ def measure_batch(engine, timers: PhaseTimers, batch: int, steps: int, tag: str,
     rng = np.random.default_rng(batch)
     vocab = engine.model_config.vocab_size
     # Random prompts of their own: no request finds another's pages in the prefix cache.
-    params = SamplingParams(max_tokens=steps + 64, ignore_eos=True, temperature=0.0)
+    # Long enough outputs that the first admitted are still running when the last finish their prefill.
+    settle_steps = _settle_steps(batch, prompt_len)
+    params = SamplingParams(max_tokens=steps + settle_steps + 32, ignore_eos=True, temperature=0.0)
     ids = [f"{tag}-{batch}-{i}" for i in range(batch)]
     for request_id in ids:
         engine.add_request(request_id, rng.integers(3, vocab, prompt_len).tolist(), params, final_only=True)
-    # Prefill, then the first decodes (async: a step in flight).
-    for _ in range(16 + batch * prompt_len // engine.config.max_num_batched_tokens):
+    for _ in range(settle_steps):
         engine.step()
         if engine.scheduler.num_running == batch and engine.last_step_num_tokens == batch:
             break
@@ -182,7 +190,8 @@ def worker(args) -> None:
 
     batches = [int(b) for b in args.batches.split(",")]
     start = time.perf_counter()
-    engine = build_engine(max(batches), max_model_len=args.prompt_len + args.steps + 128)
+    engine = build_engine(max(batches), max_model_len=args.prompt_len + args.steps
+                          + _settle_steps(max(batches), args.prompt_len) + 64)
     build_seconds = time.perf_counter() - start
     timers = PhaseTimers()
     timers.wrap(engine.scheduler, "schedule", "schedule")
