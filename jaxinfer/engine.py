@@ -395,9 +395,13 @@ class Engine:
         packed = self.runner.prepare(schedule, in_flight.packed if in_flight is not None else None)
         now = time.monotonic()
         for item in schedule.items:
-            metrics = self._seq_request[item.seq.seq_id].metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
+            seq = item.seq
+            # Only a sequence without generated tokens can be scheduled for the first time (a
+            # decode always has one): the others skip the lookup.
+            if len(seq.token_ids) == seq.num_prompt_tokens:
+                metrics = self._seq_request[seq.seq_id].metrics
+                if metrics.first_scheduled_time is None:
+                    metrics.first_scheduled_time = now
         dispatch_start = time.monotonic()
         is_masked = packed.inputs.sampler_path in MASKED_SAMPLER_PATHS
         token_bitmask = self._grammar_bitmask(packed, in_flight) if is_masked else None
@@ -406,8 +410,9 @@ class Engine:
         self.num_tokens_computed += schedule.num_batched_tokens
         self.last_step_num_tokens = schedule.num_batched_tokens
         self.scheduler.postprocess(schedule)
+        finished = SequenceStatus.FINISHED
         for seq, _ in packed.sampled:
-            if not seq.is_finished:
+            if seq.status is not finished:
                 seq.append_token(PLACEHOLDER_TOKEN)
         if self.is_verify_lagged:
             # The next step may find these sequences up to their drafts further on than the host counts.
@@ -426,10 +431,11 @@ class Engine:
             self.grammars.advance(launched.packed.sampled, fetched.token_ids)
         self._grammar_advanced = None
         stops = self.output_processor.process(launched.packed.sampled, fetched, self._seq_request, changed)
-        stopping = {seq.seq_id for seq, _ in stops}
-        # A grammar that consumed EOS ends its sequence even under ignore_eos: nothing may follow.
-        stops += [(seq, "stop") for seq, _ in launched.packed.sampled
-                  if seq.seq_id not in stopping and not seq.is_finished and self.grammars.is_done(seq)]
+        if self.grammars.num_constrained:
+            stopping = {seq.seq_id for seq, _ in stops}
+            # A grammar that consumed EOS ends its sequence even under ignore_eos: nothing may follow.
+            stops += [(seq, "stop") for seq, _ in launched.packed.sampled
+                      if seq.seq_id not in stopping and not seq.is_finished and self.grammars.is_done(seq)]
         for seq, reason in stops:
             self.scheduler.finish(seq, reason)
 

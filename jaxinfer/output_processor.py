@@ -21,7 +21,7 @@ from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.prompt_logprobs import PromptLogprobs
 from jaxinfer.sampling import SamplerOutput
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.sequence import Sequence
+from jaxinfer.sequence import Sequence, SequenceStatus
 from jaxinfer.tokenizer import Tokenizer
 
 
@@ -36,8 +36,11 @@ class RequestState:
         self.prompt_ids = prompt_ids
         self.params = params
         self.seqs = seqs
+        # A final-only sample's text is read once it ends: its tokens are detokenized then (unless
+        # stop strings must be searched for as they come).
         self.detokenizers = [
-            Detokenizer(tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output)
+            Detokenizer(tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output,
+                        defer=final_only)
             for _ in seqs
         ]
         # Tokens each sample has produced, filled as they arrive from the device (no placeholders).
@@ -51,7 +54,11 @@ class RequestState:
 
     @property
     def is_finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
+        # A loop, not all() over a generator: asked twice a step of every request that changed.
+        for seq in self.seqs:
+            if seq.status is not SequenceStatus.FINISHED:
+                return False
+        return True
 
     def output(self, is_finished: bool) -> RequestOutput:
         """The request's outputs so far. Token lists are live: they keep growing until it finishes."""
@@ -103,9 +110,14 @@ class OutputProcessor:
         token_ids, out = fetched.token_ids, fetched.logprobs
         stops = []
         stopped: set[int] = set()
+        finished = SequenceStatus.FINISHED
+        request_of = request_of_seq.get
+        num_applied = 0
+        # Runs for every sampled row of every step (1000 at a time): locals, no per-row helpers
+        # beyond the stop check.
         for seq, row in sampled:
-            request = request_of_seq.get(seq.seq_id)
-            if request is None or seq.is_finished or seq.seq_id in stopped:
+            request = request_of(seq.seq_id)
+            if request is None or seq.status is finished or seq.seq_id in stopped:
                 continue  # aborted or already stopped: this sample (and the rest of its run) is dropped
             token = token_ids[row]
             if seq.has_placeholder:
@@ -114,7 +126,7 @@ class OutputProcessor:
                 seq.set_token(seq.first_placeholder_index, token)
             else:  # a later token of a verify step's accepted run (jaxinfer.spec_decode)
                 seq.append_token(token)
-            self.num_generation_tokens += 1
+            num_applied += 1
             i = seq.sampling.index
             request.output_token_ids[i].append(token)
             num_top = request.params.logprobs
@@ -134,6 +146,7 @@ class OutputProcessor:
                 stops.append((seq, reason))
                 stopped.add(seq.seq_id)
             changed[request.request_id] = request
+        self.num_generation_tokens += num_applied
         return stops
 
     def _stop_reason(self, request: RequestState, i: int, seq: Sequence, token: int) -> str | None:

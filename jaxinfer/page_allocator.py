@@ -164,7 +164,8 @@ class PageAllocator:
                 raise AssertionError(f"page {page} past sequence {seq.seq_id}'s tokens is shared or registered")
             self._ref_counts[page] = 0
             self._free_pages.append(page)
-        del seq.page_table[num_kept:]
+        # A new list, not an in-place cut: the page table is only ever grown in place (Sequence.page_table).
+        seq.page_table = seq.page_table[:num_kept]
         return len(tail)
 
     def register_computed(self, seq: Sequence) -> None:

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
+import typing
 
 from jaxinfer.page_allocator import PageAllocator
 from jaxinfer.sequence import Sequence, SequenceStatus
@@ -62,8 +64,10 @@ class SchedulerConfig:
             )
 
 
-@dataclasses.dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(typing.NamedTuple):
+    """One sequence's share of a step. A named tuple, not a frozen dataclass: one is made per
+    running sequence per step, and a frozen dataclass's ``__init__`` cost 1.4 µs to this 0.5."""
+
     seq: Sequence
     num_new_tokens: int  # tokens whose K/V this step computes
     start_position: int  # position of the first of them (== seq.num_computed_tokens before the step)
@@ -163,16 +167,22 @@ class Scheduler:
 
     def postprocess(self, schedule: Schedule) -> None:
         """Account for a launched step: its tokens' K/V are (or will be, in order) in the cache."""
+        running = SequenceStatus.RUNNING
+        register_computed = self.allocator.register_computed
+        page_size = self.config.page_size
         for item in schedule.items:
             seq = item.seq
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # finished or aborted since it was scheduled
             if seq.num_computed_tokens != item.start_position:
                 raise RuntimeError(f"schedule postprocessed twice or out of order for {seq}")
             # Drafts count as not kept until the engine learns how many were accepted (after the
             # step, or a step later with asynchronous verify steps) and rolls the sequence forward.
             seq.num_computed_tokens += item.num_new_tokens - len(item.draft_token_ids)
-            self.allocator.register_computed(seq)
+            # Only a step that fills a page (or follows one skipped for a placeholder) has pages to
+            # register: the others skip the call.
+            if seq.num_computed_tokens >= (seq.num_registered_pages + 1) * page_size:
+                register_computed(seq)
         self._is_postprocess_due = False
 
     def _wait_until(self, now: float) -> float | None:
@@ -187,37 +197,51 @@ class Scheduler:
         return deadline if now < deadline else None
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], list[Sequence], int]:
+        # Runs over every running sequence each step (1000 at a time): counts are read from the
+        # sequence's fields directly, not through its properties.
         decodes, prefills = [], []
         for seq in self.running:
-            (decodes if seq.num_uncomputed_tokens == 1 else prefills).append(seq)
+            (decodes if len(seq.token_ids) - seq.num_computed_tokens == 1 else prefills).append(seq)
         items: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         scheduled_ids: set[int] = set()
-        for seq in decodes + prefills:
+        max_model_len = self.config.max_model_len
+        allocate_slots = self.allocator.allocate_slots
+        running = SequenceStatus.RUNNING
+        for seq in itertools.chain(decodes, prefills):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # preempted for an earlier sequence of this loop
-            if seq.num_tokens > self.config.max_model_len:
+            num_tokens = len(seq.token_ids)
+            if num_tokens > max_model_len:
                 raise RuntimeError(f"the engine must finish sequences at max_model_len: {seq}")
-            num_new = min(seq.num_uncomputed_tokens + len(seq.draft_token_ids), budget)
+            num_computed = seq.num_computed_tokens
+            num_uncomputed = num_tokens - num_computed
+            drafts = seq.draft_token_ids
+            num_new = min(num_uncomputed + len(drafts), budget)
             # After an asynchronous verify step the device may place these tokens up to
             # num_lookahead_slots later than the host counts (never past max_model_len).
-            num_slots = min(num_new + seq.num_lookahead_slots, self.config.max_model_len - seq.num_computed_tokens)
-            while not self.allocator.allocate_slots(seq, num_slots):
+            num_slots = min(num_new + seq.num_lookahead_slots, max_model_len - num_computed)
+            while not allocate_slots(seq, num_slots):
                 victim = next(s for s in reversed(self.running) if s is seq or s.seq_id not in scheduled_ids)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                items.append(self._item(seq, num_new, tuple(seq.draft_token_ids[: num_new - seq.num_uncomputed_tokens])))
+                scheduled_drafts = tuple(drafts[: num_new - num_uncomputed]) if drafts else ()
+                items.append(ScheduledSeq(seq, num_new, num_computed,
+                                          num_computed + num_new - len(scheduled_drafts) == num_tokens,
+                                          scheduled_drafts))
                 scheduled_ids.add(seq.seq_id)
                 budget -= num_new
         return items, preempted, budget
 
     def _schedule_waiting(self, budget: int) -> tuple[list[ScheduledSeq], int]:
         items: list[ScheduledSeq] = []
+        if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            return items, budget  # nothing to admit: skip the pass over the running sequences below
         deferred: list[Sequence] = []
         # Fewest computed tokens among each request's running samples: a sibling whose prompt
         # pages are still being computed will register them for the others to share.

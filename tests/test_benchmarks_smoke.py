@@ -303,3 +303,22 @@ def test_spec_decode_engine_completes(tmp_path):
     # Forced drafts: every decode step verifies but the last few (no room left under max_tokens).
     assert row["async_share_of_steps_verifying"] > 0.6 and row["sync_share_of_steps_verifying"] > 0.6
     assert row["effective_ms_copy-heavy"] == row["async_step_ms"] / 2
+
+
+def test_host_step_cost_splits_each_step_into_phases(tmp_path):
+    """The host-cost benchmark on this tree: every batch reaches steady decode, and the phases
+    (``detokenize`` and ``gc`` lie inside others) add up to the host time it reports."""
+    out = tmp_path / "host"
+    run_script([BENCHMARKS / "host_step_cost.py", "--trees", REPO, "--batches", "1,4", "--steps", "4",
+                "--rounds", "1", "--prompt-len", "20", "--profile", "4", "--out", out], tmp_path)
+    results = json.loads((out / "host_step_cost.json").read_text())
+    (rows,) = results["results"].values()
+    assert [row["batch"] for row in rows] == [1, 4]
+    for row in rows:
+        phases = row["phases_us_per_step"]
+        outer = sum(v for k, v in phases.items() if k not in ("detokenize", "gc"))
+        assert abs(outer - row["host_us_per_step"]) < 1e-6 * row["host_us_per_step"] + 1e-3
+        assert phases["schedule"] > 0 and phases["pack"] > 0 and phases["dispatch"] > 0
+        assert row["host_us_per_seq"] == pytest.approx(row["host_us_per_step"] / row["batch"])
+    assert "pack_step" in next(iter(results["profiles"].values()))  # the cProfile of B=4
+    assert "| 4 |" in (out / "host_step_cost.md").read_text()

@@ -99,3 +99,52 @@ def test_a_full_decode_step_has_a_gpu_bucket_of_its_own():
     # A power of two, or fewer sequences than the smallest bucket: nothing to add.
     assert default_buckets(1024, 8192, 64, "gpu").num_tokens == (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
     assert default_buckets(5, 8192, 64, "gpu").num_tokens[0] == 8
+
+
+def test_decode_steps_keep_page_table_rows_in_step_with_the_allocator(monkeypatch):
+    """The one-token-per-item path caches each sequence's page-table row: pages appended in
+    place, a table replaced (preemption, admission) and one cut by a rollback and regrown to
+    the same length must all show in the next step's array, as the general path packs them."""
+    from jaxinfer import input_batch
+    from jaxinfer.page_allocator import PageAllocator
+
+    monkeypatch.setattr(input_batch, "MIN_ITEMS_FOR_WHOLE_LIST_PACKING", 2)  # these two decodes take that path
+
+    allocator = PageAllocator(num_pages=40, page_size=4, model_identity="test", enable_prefix_caching=False)
+    a = make_seq(0, [1, 2, 3])
+    b = make_seq(1, [4, 5, 6, 7, 8])
+    for seq in (a, b):
+        seq.page_table = []
+        assert allocator.allocate_prompt(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens - 1
+
+    def pack_decodes():
+        packed = pack_step(schedule_of(decode(a), decode(b)), BUCKETS, None, VOCAB)
+        expected = pack_step(schedule_of(decode(a), chunk(b, b.num_tokens - 2, 2)), BUCKETS, None, VOCAB)
+        assert packed.inputs.batch.page_tables[:2].tolist() == expected.inputs.batch.page_tables[:2].tolist()
+        return packed.inputs.batch.page_tables[:2].tolist()
+
+    first = pack_decodes()
+    assert first[0][:1] == a.page_table and first[1][:2] == b.page_table
+    # Grown in place: the new page shows.
+    b.append_token(9)
+    b.num_computed_tokens = b.num_tokens - 1
+    for _ in range(4):
+        b.append_token(9)
+    assert allocator.allocate_slots(b, b.num_tokens - b.num_computed_tokens)
+    assert pack_decodes()[1][:3] == b.page_table and len(b.page_table) == 3
+    # Cut by a rollback, then regrown to the same length with a different page (free pages are
+    # taken oldest first, so the one just freed is not the one taken).
+    cut_page = b.page_table[-1]
+    for _ in range(4):
+        b.token_ids.pop()
+    allocator.free_tail(b)
+    for _ in range(4):
+        b.append_token(9)
+    assert allocator.allocate_slots(b, b.num_tokens - b.num_computed_tokens)
+    assert b.page_table[-1] != cut_page and pack_decodes()[1][:3] == b.page_table
+    # Replaced (freed and admitted again).
+    allocator.free(a)
+    assert allocator.allocate_prompt(a, a.num_tokens)
+    a.num_computed_tokens = a.num_tokens - 1
+    assert pack_decodes()[0][:1] == a.page_table

@@ -48,6 +48,11 @@ class GrammarMatchers:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def num_constrained(self) -> int:
+        """Sequences with a matcher (their grammar compiled): none, and the per-row checks are skipped."""
+        return len(self._matchers)
+
     def is_waiting(self, seq: Sequence) -> bool:
         return seq.seq_id in self._waiting
 
@@ -89,6 +94,8 @@ class GrammarMatchers:
         Called once per launched step. A matcher already done (it consumed EOS) ignores the
         samples still in flight after it: the engine drops them with the finished sequence.
         """
+        if not self._matchers:
+            return
         for seq, row in sampled:
             matcher = self._matchers.get(seq.seq_id)
             if matcher is None or seq.is_finished or self._is_done(seq.seq_id, matcher):
