@@ -240,6 +240,17 @@ def _scale_methods(rows: list[dict]) -> str:
     return ", ".join(f"{q} `{m}`" for q, m in sorted(methods.items())) or "absmax (rows from before the scale search)"
 
 
+def run_info() -> dict:
+    """The command, date, CPU and jax of this run (printed, and kept in the results)."""
+    import jax
+
+    info = {"command": "python " + shlex.join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "jax": jax.__version__,
+            "backend": jax.default_backend()}
+    print(info, flush=True)
+    return info
+
+
 def _mean_nll(row: dict) -> float:
     passages = row["passages"].values()
     return sum(p["nll"] * (p["tokens"] - 1) for p in passages) / sum(p["tokens"] - 1 for p in passages)
@@ -254,12 +265,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args()
 
-    import jax
-
-    info = {"command": "python " + shlex.join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "jax": jax.__version__,
-            "backend": jax.default_backend()}
-    print(info, flush=True)
+    info = run_info()
     texts = load_texts()
     wanted = ([c for c in CONFIGS[1:] if not c.get("optional")] if args.configs is None
               else [c for c in CONFIGS[1:] if c["name"] in args.configs.split(";")])

@@ -25,9 +25,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import os
-import platform
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -35,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.quantization_accuracy import load_texts  # noqa: E402
+from benchmarks.quantization_accuracy import load_texts, run_info  # noqa: E402
 
 NO_W8A8 = 1 << 30
 KINDS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -120,10 +117,7 @@ def main() -> None:
     from jaxinfer import linear as linear_module
     from jaxinfer.prompt_logprobs import bucket_for
 
-    info = {"command": "python " + shlex.join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "jax": jax.__version__,
-            "backend": jax.default_backend()}
-    print(info, flush=True)
+    info = run_info()
     texts = load_texts()
     start = time.perf_counter()
     llm = LLM(args.model, dtype="float32", use_tqdm=False, warm_up=False, max_model_len=1024, max_num_seqs=8,

@@ -277,19 +277,25 @@ def test_stops_and_max_tokens_inside_an_accepted_run(plain, spec, oracle):
     assert (out.text, out.token_ids, out.finish_reason) == (expected.text, expected.token_ids, expected.finish_reason)
 
 
-def test_logprobs_of_accepted_tokens_match_plain_decoding(plain, spec, oracle):
+def check_logprobs_match_plain(plain, speculative, install_drafts):
+    """Greedy logprobs of accepted tokens equal plain decoding's within 1e-5, with drafts accepted
+    (``install_drafts(prompts, continuations)`` makes the proposer draft the right tokens)."""
     prompts = prompts_of(2, seed=5)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
     expected = plain.generate(prompts, params, use_tqdm=False)
-    oracle(prompts, token_ids(expected))
-    before = spec.engine.stats()["spec_decode_num_accepted_tokens"]
-    got = spec.generate(prompts, params, use_tqdm=False)
-    assert spec.engine.stats()["spec_decode_num_accepted_tokens"] > before
+    install_drafts(prompts, token_ids(expected))
+    before = speculative.engine.stats()["spec_decode_num_accepted_tokens"]
+    got = speculative.generate(prompts, params, use_tqdm=False)
+    assert speculative.engine.stats()["spec_decode_num_accepted_tokens"] > before
     for e, g in zip(expected, got):
         assert e.outputs[0].token_ids == g.outputs[0].token_ids
         for want, have in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
             assert want.keys() == have.keys()
             np.testing.assert_allclose(list(have.values()), list(want.values()), atol=1e-5)
+
+
+def test_logprobs_of_accepted_tokens_match_plain_decoding(plain, spec, oracle):
+    check_logprobs_match_plain(plain, spec, oracle)
 
 
 def test_seeded_random_sampling_is_reproducible_with_speculation(spec, oracle):

@@ -25,7 +25,8 @@ from jaxinfer.spec_decode import device_ngram as device_ngram_module
 from jaxinfer.spec_decode import speculator as speculator_module
 
 from .test_page_allocator import check_allocator_invariants
-from .test_spec_decode import GREEDY, K, OPTIONS, SPEC, _greedy_reference, prompts_of, token_ids
+from .test_spec_decode import (GREEDY, K, OPTIONS, SPEC, _greedy_reference, check_logprobs_match_plain, prompts_of,
+                               token_ids)
 from .test_spec_decode import plain, tiny  # noqa: F401 (fixtures)
 
 LAGGED = {**SPEC, "async_verify": True}
@@ -162,18 +163,7 @@ def test_stops_and_max_tokens_inside_an_accepted_run(plain, lagged):
 
 
 def test_logprobs_and_seeds_with_lagged_steps(plain, lagged):
-    prompts = prompts_of(2, seed=5)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
-    expected = plain.generate(prompts, params, use_tqdm=False)
-    know(prompts, token_ids(expected))
-    before = lagged.engine.stats()["spec_decode_num_accepted_tokens"]
-    got = lagged.generate(prompts, params, use_tqdm=False)
-    assert lagged.engine.stats()["spec_decode_num_accepted_tokens"] > before
-    for e, g in zip(expected, got):
-        assert e.outputs[0].token_ids == g.outputs[0].token_ids
-        for want, have in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
-            assert want.keys() == have.keys()
-            np.testing.assert_allclose(list(have.values()), list(want.values()), atol=1e-5)
+    check_logprobs_match_plain(plain, lagged, know)
 
     prompts = prompts_of(3, seed=6)
     params = SamplingParams(temperature=0.9, top_k=50, max_tokens=16, seed=123, ignore_eos=True)
