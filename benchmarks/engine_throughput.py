@@ -18,7 +18,8 @@ then ``step`` until done), timed on the host's wall clock.
 - ``decode256``: 256 requests in steady decode: the host time on the critical path, as the
   step's wall time against the device time of the same step replayed back to back.
 - ``throughput-1k``: 1000 requests x 1000 in / 1000 out, all submitted at once (``--profile-steps N``:
-  also a ``jax.profiler`` trace of N of its steady decode steps).
+  also a ``jax.profiler`` trace of N of its steady decode steps; ``--host-profile-steps N``: a
+  ``cProfile`` of the engine loop over N steady decode steps).
 - ``throughput-nano``: Qwen3-0.6B, 256 requests, lengths uniform in [100, 1024], seed 0.
 - ``throughput-1k-structured`` (``--structured-fraction F``): ``throughput-1k`` with a fraction
   F of the requests (spread evenly) under a JSON schema (``structured_output_host.LONG_OUTPUT_SCHEMA``:
@@ -281,14 +282,73 @@ class DecodeProfiler:
                 "trace_files": traces}
 
 
+class HostProfiler:
+    """A ``run_requests`` capture that runs ``cProfile`` over ``num_steps`` steady decode steps.
+
+    It starts after the device trace (if any) is done and ``settle_steps`` decode-only steps in a
+    row with at least ``min_running`` sequences, so it profiles the engine loop's Python (and the
+    C calls it makes: dispatch, transfers, waits) in the state ``throughput-1k`` spends its time in,
+    without the tracer's overhead. Writes ``out_dir/host.pstats`` and the top functions by own
+    and by cumulative time to ``out_dir/host_profile.txt``.
+    """
+
+    def __init__(self, out_dir: Path, num_steps: int, min_running: int, after=None, settle_steps: int = 4, log=print):
+        self.out_dir, self.num_steps, self.min_running, self.settle_steps = out_dir, num_steps, min_running, settle_steps
+        self.after, self.log = after, log
+        self.profiler, self.decode_run, self.num_profiled, self.done = None, 0, 0, False
+
+    def __call__(self, engine) -> None:
+        if self.done or (self.after is not None and not self.after.is_done):
+            return
+        if self.profiler is not None:
+            self.num_profiled += 1
+            if self.num_profiled == self.num_steps:
+                self.stop()
+            return
+        running = engine.scheduler.num_running
+        is_decode_only = running > 0 and engine.last_step_num_tokens == running
+        self.decode_run = self.decode_run + 1 if is_decode_only else 0
+        if self.decode_run >= self.settle_steps and running >= self.min_running:
+            import cProfile
+
+            self.profiler = cProfile.Profile()
+            self.log(f"host profile: cProfile over {self.num_steps} decode steps ({running} running)")
+            self.profiler.enable()
+
+    def stop(self) -> None:
+        if self.profiler is None or self.done:
+            return
+        import io
+        import pstats
+
+        self.profiler.disable()
+        self.done = True
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.profiler.dump_stats(str(self.out_dir / "host.pstats"))
+        text = io.StringIO()
+        text.write(f"cProfile over {self.num_profiled} steady decode steps (times are totals over them)\n")
+        for key in ("tottime", "cumulative"):
+            text.write(f"\n## by {key}\n")
+            pstats.Stats(self.profiler, stream=text).sort_stats(key).print_stats(45)
+        (self.out_dir / "host_profile.txt").write_text(text.getvalue())
+        self.log(f"host profile: {self.num_profiled} steps written to {self.out_dir / 'host_profile.txt'}")
+
+
 def throughput(engine, prompt_lens, output_lens, tag, log, profile: DecodeProfiler | None = None,
-               structured_fraction: float = 0.0):
+               structured_fraction: float = 0.0, host_profile: HostProfiler | None = None):
     # Its own prompts per run: a second run over the same prompts would find their pages in the
     # prefix cache and skip the prefill (the first structured comparison did: 122% of unconstrained).
     rng = np.random.default_rng(1 if structured_fraction else 0)
     mask_before = engine.grammar_mask_seconds
+    captures = [c for c in (profile, host_profile) if c is not None]
+
+    def capture(engine_):
+        for c in captures:
+            c(engine_)
+
     summary, _, steps = run_requests(engine, random_prompts(rng, prompt_lens, engine.model_config.vocab_size),
-                                     output_lens, tag, capture=profile, structured_fraction=structured_fraction)
+                                     output_lens, tag, capture=capture if captures else None,
+                                     structured_fraction=structured_fraction)
     summary["grammar_mask_seconds"] = engine.grammar_mask_seconds - mask_before
     if structured_fraction:
         summary["structured_fraction"] = structured_fraction
@@ -297,6 +357,8 @@ def throughput(engine, prompt_lens, output_lens, tag, log, profile: DecodeProfil
         if masked_steps:
             summary["mask_fill_ms_p50"] = 1e3 * float(np.percentile([s["mask"] for s in masked_steps], 50))
             summary["mask_fill_ms_p99"] = 1e3 * float(np.percentile([s["mask"] for s in masked_steps], 99))
+    if host_profile is not None:
+        host_profile.stop()
     if profile is not None:
         profile.stop(engine)  # when the run ended first
         summary["profile"] = profile.report()
@@ -382,6 +444,9 @@ def main():
                         help="the grammar's tokenizer: a model name, GGUF or HF directory (structured_output_host.py --export-tokenizer)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="trace this many steady decode steps of throughput-1k (DIR/profile_throughput-1k_decode)")
+    parser.add_argument("--host-profile-steps", type=int, default=0,
+                        help="cProfile this many steady decode steps of throughput-1k, after the trace if any "
+                             "(DIR/host_profile_throughput-1k/host_profile.txt)")
     args = parser.parse_args()
 
     log = Log()
@@ -449,7 +514,10 @@ def main():
             profile = (DecodeProfiler(args.out / "profile_throughput-1k_decode", args.profile_steps,
                                       min_running=max(1, min(n, args.max_num_seqs) // 2), log=log)
                        if args.profile_steps else None)
-            w = throughput(engine, [length] * n, [length] * n, "throughput-1k", log, profile)
+            host_profile = (HostProfiler(args.out / "host_profile_throughput-1k", args.host_profile_steps,
+                                         min_running=max(1, min(n, args.max_num_seqs) // 2), after=profile, log=log)
+                            if args.host_profile_steps else None)
+            w = throughput(engine, [length] * n, [length] * n, "throughput-1k", log, profile, host_profile=host_profile)
             results["workloads"]["throughput-1k"] = {"shape": args.shape, **w}
             save()
         if args.structured_fraction:
