@@ -132,6 +132,49 @@ def test_mixed_step_with_the_mosaic_gpu_prototype_interpreted():
     run_against_reference(MIXED, proto)
 
 
+def test_window_rows_and_merge_touch_only_the_taken_sequence_even_past_the_step_end():
+    x = jnp.arange(10, dtype=jnp.float32)[:, None, None] + 1  # [T=10, 1, 1], row t holds t + 1
+    fresh = fp.FreshPrefill(is_taken=jnp.bool_(True), seq=jnp.int32(2), token_start=jnp.int32(6),
+                            num_tokens=jnp.int32(3))
+    window = fp.window_rows(x, fresh, 8)  # rows 6, 7, 8, then zeros (rows 9.. are not the sequence's)
+    np.testing.assert_array_equal(np.asarray(window)[:, 0, 0], [7, 8, 9, 0, 0, 0, 0, 0])
+    merged = fp.merge_window(x, -window, fresh)  # a window running 4 rows past the step's end
+    np.testing.assert_array_equal(np.asarray(merged)[:, 0, 0], [1, 2, 3, 4, 5, 6, -7, -8, -9, 10])
+
+
+def test_decode_like_step_never_takes_the_fresh_path():
+    def never(q, k, v, *, sm_scale):
+        raise AssertionError("a decode-like step must compile without the fresh branch")
+
+    # A fresh prompt long enough, but 150 token rows for 160 sequence slots: decode-like.
+    seqs = [(1, 40), (140, 140), (1, 7)] + [(0, 0)] * 157
+    case = make_case(7, seqs, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                     pad_tokens=8)
+    assert case.q.shape[0] <= case.kv_lens.shape[0]
+    ref = ragged_paged_attention_reference(*case.args(), sm_scale=case.sm_scale)[0]
+    out, _, _ = fp.ragged_paged_attention_gpu_fresh_prefill(
+        *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=never,
+        interpret=True)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=3e-2, atol=3e-2)
+
+
+def test_lowered_step_has_one_conditional_and_no_loop():
+    # On the GPU every conditional (and every loop iteration) waits for the host: one switch, no while.
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
+    case = make_case(7, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                     pad_tokens=5)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = fp.ragged_paged_attention_gpu_fresh_prefill.trace(
+            *case.args(), sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=dense_causal).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text
+    assert text.count("stablehlo.case") == 1
+    assert "stablehlo.while" not in text
+
+
 def test_bundled_kernel_call_lowers_for_hopper_from_cpu(monkeypatch):
     from jax.experimental.pallas.ops.gpu import attention_mgpu
 

@@ -7,8 +7,10 @@ two consumer warpgroups and a TMA producer warpgroup, causal blocks unmasked off
 It takes dense ``[batch, L, heads, D]`` inputs, causal from row 0 of both q and K/V, so it
 fits exactly one case of the engine's ragged step: a *fresh* prefill (no cached prefix, so
 every K/V it reads is in this step's ``k_new``/``v_new``, contiguous in the packed rows).
-``benchmarks/prefill_peers.py`` measures whether it wins; until then this path is opt-in
-(``impl="pallas_gpu_fresh_prefill"`` in ``jaxinfer.attention``).
+``benchmarks/prefill_peers.py`` times the path against cuDNN and the bundled kernel alone;
+``benchmarks/prefill_engine.py`` times it inside the engine (compile, TTFT, a prefill-heavy mix).
+Until those decide, it is opt-in (``impl="pallas_gpu_fresh_prefill"``, or
+``jaxinfer.attention.HOPPER_AUTO_IMPL`` for ``"auto"``).
 
 How one step runs, all on device, shapes static:
 
@@ -16,18 +18,30 @@ How one step runs, all on device, shapes static:
 2. ``pick_fresh_prefill`` finds the longest sequence with ``q_len == kv_len >= min_fresh_tokens``;
 3. the Triton kernel serves every other sequence: the chosen one's work tiles are emptied
    (``hide_sequence``), so its rows stay 0 and no program walks its K/V;
-4. ``lax.cond``: when a sequence was chosen, a window of its rows is sliced out of q/k_new/v_new
-   (starting at its first row, ``length`` rows, one of a few static lengths picked by
-   ``lax.switch``: the kernel's cost is that of the whole window), the bundled kernel runs on
-   it, and its first ``q_len`` rows replace the zeros. Rows of the window past the sequence
-   belong to other sequences or padding; being later in causal order, they never reach the
-   sequence's own rows, and their outputs are dropped.
+4. one ``lax.switch``: branch 0 (nothing taken) keeps the Triton output; branch i gathers a
+   window of ``lengths[i - 1]`` rows from the sequence's first row out of q/k_new/v_new (the
+   shortest of a few static lengths that holds it; the kernel's cost is that of the whole
+   window), converting them on the way, runs the bundled kernel on it, and scatters its first
+   ``q_len`` rows into the Triton output in place. Rows of the window past the sequence are
+   zeros (later in causal order, they never reach the sequence's own rows) and are dropped.
 
-Numerics: the bundled kernel in jax 0.11.2 stages Q/K/V through float16 shared memory (a
-bf16 input fails its TMA copy's dtype check), so the window is converted to float16 with
+Costs around the kernel, per call (session 8 measured ~200 us of them at 4k tokens beside the
+kernel's 301 us, when the path sliced and padded whole arrays and branched twice): a max-abs
+reduction over q/k_new/v_new (the float16 check), the Triton launch over emptied tiles with its
+zeroed output, the window's gather-and-convert (q: ``L x Hq x D``; K/V: ``Hkv`` heads) and its
+scatter back, and one device conditional. On the GPU a conditional copies its index to the
+host and waits (``jaxinfer/runner.py``'s docstring): the dispatch of the rest of the step
+stalls there, so the host cannot prepare the next step meanwhile. Two rules keep that off the
+steps that cannot gain: a step shorter than ``min_fresh_tokens`` has no branch at all, and
+neither has a *decode-like* step (token rows <= sequence slots, as ``gpu_block_sizes`` calls
+it), so steady decode never pays it; a prefill-heavy step pays one per layer.
+
+Numerics: the bundled kernel in jax 0.11.2 stages Q/K/V through float16 shared memory whatever
+the input dtype (its ``SMEM`` scratch is declared float16, so a bf16 input fails its TMA copy's
+dtype check; there is no bf16 variant to call), so the window is converted to float16 with
 ``sm_scale`` folded into q (the kernel applies no scale), and the output converted back.
 float16 has more mantissa than bf16 but a range of 65504: a step whose q, k or v exceed it
-takes the Triton path (checked on device, inside the ``lax.cond`` predicate).
+takes the Triton path (checked on device, folded into the branch index).
 
 Limits: one sequence per step takes the fast path (several fresh prompts in one step: the
 longest); no sliding window or soft cap; bf16/f16 pages only; head_dim a multiple of 64.
@@ -49,6 +63,9 @@ from pallas_kernels.paged_attention.gpu import attend_gpu
 from pallas_kernels.paged_attention.reference import write_kv_reference
 from pallas_kernels.paged_attention.validation import check_inputs
 
+# Shorter fresh prompts stay with Triton. A guess: measured gains start at 4k (session 8: 1.1x);
+# prefill_peers.py's 2k row and prefill_engine.py's mix are what should move it.
+MIN_FRESH_TOKENS = 1024
 WINDOW_MULTIPLE = 128  # the bundled kernel's query tile (two warpgroups of 64 rows) and K/V block
 _FLOAT16_LIMIT = 65504.0
 _LENGTH_RATIO = math.sqrt(2)  # window lengths grow by this: at most 2x the causal FLOPs, few compiles
@@ -134,6 +151,36 @@ def _fits_float16(*xs: jax.Array) -> jax.Array:
     return functools.reduce(jnp.logical_and, [jnp.max(jnp.abs(x.astype(jnp.float32))) < _FLOAT16_LIMIT for x in xs])
 
 
+def is_prefill_heavy(num_tokens: int, kv_lens: jax.Array) -> bool:
+    """Static: more token rows than sequence slots. A decode-like step (rows <= slots) never
+    takes the fresh path, so it compiles with no device conditional (see the module docstring)."""
+    return num_tokens > kv_lens.shape[0]
+
+
+def window_rows(x: jax.Array, fresh: FreshPrefill, length: int) -> jax.Array:
+    """Rows ``token_start .. token_start + length`` of ``x`` [T, ...], zero past the sequence's own rows.
+
+    A gather that reads only the window (rows past the sequence, including past the step's end,
+    become 0): the rows of other sequences are later in causal order and never reach the
+    sequence's own outputs, but 0 * NaN would, and a padded step may hold anything there.
+    """
+    offsets = jnp.arange(length, dtype=jnp.int32)
+    rows = jnp.where(offsets < fresh.num_tokens, fresh.token_start + offsets, x.shape[0])  # x.shape[0]: filled
+    return jnp.take(x, rows, axis=0, mode="fill", fill_value=0)
+
+
+def merge_window(rest: jax.Array, window_out: jax.Array, fresh: FreshPrefill) -> jax.Array:
+    """``rest`` [T, Hq, D] with the sequence's rows replaced by the first ``num_tokens`` rows of ``window_out``.
+
+    A scatter into ``rest`` in place (its buffer is dead after this), converting on the way;
+    rows of the window past the sequence go to distinct out-of-range rows and are dropped.
+    """
+    num_tokens, length = rest.shape[0], window_out.shape[0]
+    offsets = jnp.arange(length, dtype=jnp.int32)
+    rows = jnp.where(offsets < fresh.num_tokens, fresh.token_start + offsets, num_tokens + offsets)
+    return rest.at[rows].set(window_out.astype(rest.dtype), mode="drop", unique_indices=True)
+
+
 def attend_with_fresh_prefill(
     q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sizes: BlockSizes,
     min_fresh_tokens: int, fresh_attend=causal_attention_mgpu, interpret: bool = False,
@@ -143,39 +190,37 @@ def attend_with_fresh_prefill(
     ``fresh_attend(q [1, L, Hq, D], k [1, L, Hkv, D], v, *, sm_scale) -> [1, L, Hq, D]``: causal
     attention of a window (tests pass a CPU-runnable one). ``interpret`` runs the Triton kernel
     in Pallas's interpreter. Returns out [T, Hq, D].
+
+    One device-side branch (``lax.switch``: branch 0 keeps the Triton output, branch i runs the
+    window of the i-th length), because on the GPU every conditional copies its index to the
+    host and waits for it (``jaxinfer/runner.py``'s docstring): the dispatch of the rest of the
+    step stalls there. Around the fresh kernel only the window's rows are touched: gathered
+    (and converted) from q/k_new/v_new, scattered (and converted) into the Triton output in place.
     """
     num_tokens = q.shape[0]
     tiles = wt.plan_work_tiles(cu_q_lens, kv_lens, num_tokens, sizes.block_q)
-    lengths = fresh_prefill_lengths(num_tokens, min_fresh_tokens)
+    lengths = fresh_prefill_lengths(num_tokens, min_fresh_tokens) if is_prefill_heavy(num_tokens, kv_lens) else ()
     attend_rest = functools.partial(attend_gpu, q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens,
                                     sm_scale=sm_scale, sizes=sizes, interpret=interpret)
     if not lengths:
         return attend_rest(tiles=tiles)
     fresh = pick_fresh_prefill(cu_q_lens, kv_lens, min_fresh_tokens)
-    q_scaled = q.astype(jnp.float32) * sm_scale
-    fresh = dataclasses.replace(fresh, is_taken=fresh.is_taken & _fits_float16(q_scaled, k_new, v_new))
+    fits = _fits_float16(q.astype(jnp.float32) * sm_scale, k_new, v_new)
+    fresh = dataclasses.replace(fresh, is_taken=fresh.is_taken & fits)
     rest = attend_rest(tiles=hide_sequence(tiles, fresh))  # [T, Hq, D]; the taken sequence's rows are 0
 
     def window(length: int):
         def attend(rest):
-            def take(x):  # rows token_start .. token_start + length, zero past the step's end
-                padded = jnp.pad(x, ((0, length),) + ((0, 0),) * (x.ndim - 1))
-                return lax.dynamic_slice_in_dim(padded, fresh.token_start, length)
-
-            is_own = (jnp.arange(length) < fresh.num_tokens)[:, None, None]  # [length, 1, 1]
-            # Zero K/V past the sequence: their weights are 0, but 0 * NaN would still reach the output.
-            own_kv = lambda x: jnp.where(is_own, take(x), 0)[None]  # noqa: E731
-            out = fresh_attend(take(q)[None], own_kv(k_new), own_kv(v_new), sm_scale=sm_scale)[0]
-            padded = jnp.pad(rest, ((0, length), (0, 0), (0, 0)))
-            merged = jnp.where(is_own, out.astype(rest.dtype), take(rest))
-            return lax.dynamic_update_slice_in_dim(padded, merged, fresh.token_start, axis=0)[:num_tokens]
+            take = lambda x: window_rows(x, fresh, length)[None]  # noqa: E731  [1, length, H, D]
+            out = fresh_attend(take(q), take(k_new), take(v_new), sm_scale=sm_scale)[0]  # [length, Hq, D]
+            return merge_window(rest, out, fresh)
         return attend
 
-    def run_fresh(rest):
-        branch = jnp.searchsorted(jnp.asarray(lengths, jnp.int32), fresh.num_tokens, side="left")
-        return lax.switch(jnp.minimum(branch, len(lengths) - 1), [window(n) for n in lengths], rest)
-
-    return lax.cond(fresh.is_taken, run_fresh, lambda rest: rest, rest)
+    # Branch 0: nothing taken; branch i: the shortest window length that holds the sequence.
+    # A comparison, not searchsorted's default loop: a loop on the GPU is a conditional per iteration.
+    branch = 1 + jnp.sum(jnp.asarray(lengths, jnp.int32) < fresh.num_tokens)
+    index = jnp.where(fresh.is_taken, jnp.minimum(branch, len(lengths)), 0)
+    return lax.switch(index, [lambda rest: rest] + [window(n) for n in lengths], rest)
 
 
 def can_take_fresh_prefill(q_dtype, page_dtype, head_dim: int, sliding_window, soft_cap) -> bool:
@@ -203,7 +248,7 @@ def ragged_paged_attention_gpu_fresh_prefill(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    min_fresh_tokens: int = 1024,
+    min_fresh_tokens: int = MIN_FRESH_TOKENS,
     fresh_attend=causal_attention_mgpu,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
