@@ -198,6 +198,18 @@ def test_dispatcher_takes_the_fresh_prefill_path_only_by_name_and_only_on_a_gpu(
     assert resolve_impl("pallas_gpu_fresh_prefill") == "cpu"  # this machine: no Hopper GPU
 
 
+def test_flipping_the_hopper_default_changes_auto_on_hopper_only(monkeypatch):
+    import jaxinfer.attention as attention
+
+    monkeypatch.setattr(attention, "HOPPER_AUTO_IMPL", "pallas_gpu_fresh_prefill")
+    assert attention.resolve_impl("auto", "gpu", head_dim=128) == "pallas_gpu_fresh_prefill"
+    assert attention.resolve_impl("auto", "rocm", head_dim=128) == "pallas_gpu"
+    assert attention.resolve_impl("auto", "gpu", head_dim=96) == "reference"
+    assert attention.resolve_impl("auto", "tpu") == "pallas_tpu"
+    assert attention.resolve_impl("auto") == "cpu"  # this machine
+    assert attention.resolve_impl("pallas_gpu", "gpu", head_dim=128) == "pallas_gpu"  # a name is kept
+
+
 def test_model_step_with_the_fresh_prefill_impl_runs_on_cpu_as_auto():
     from jaxinfer.attention import paged_attention
     from jaxinfer.batch import StepBatch
