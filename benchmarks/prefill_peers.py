@@ -29,7 +29,8 @@ Each implementation's output is checked in the same run against the XLA referenc
 unrolled in one jit, median of 3); a time budget skips what is left, results are written after
 every implementation.
 
-    python3 benchmarks/prefill_peers.py --out DIR [--budget-s 270] [--shapes 4096,8192,...,ragged]
+    python3 benchmarks/prefill_peers.py --out DIR [--budget-s 270] [--shapes 4096,8192,...,ragged] \
+        [--impls cudnn,ours,fresh_path,bundled_64_128_2]   # a subset: names, or families (bundled, proto)
     python3 benchmarks/prefill_peers.py --out /tmp/pp --smoke   # CPU: interpreter, tiny shapes
 
 Writes DIR/prefill_peers.json and .md.
@@ -70,11 +71,17 @@ CHECK_AGAINST_XLA_MAX = 4096
 class Setup:
     """Heads, page size and mode of one run (the smoke run shrinks them)."""
 
-    def __init__(self, smoke: bool, page_size: int):
+    def __init__(self, smoke: bool, page_size: int, impls: str | None = None):
         self.smoke = smoke
+        self.impls = set(impls.split(",")) if impls else None
         self.num_q_heads, self.num_kv_heads, self.head_dim = (4, 2, 64) if smoke else (32, 8, 128)
         self.sm_scale = self.head_dim**-0.5
         self.page_size = page_size
+
+    def is_wanted(self, impl: str) -> bool:
+        """Every implementation, or those named in ``--impls`` (a family name selects its variants)."""
+        family = impl.split("_")[0] if impl.startswith(("bundled_", "proto_")) else None
+        return self.impls is None or impl == "reference-for-check" or impl in self.impls or family in self.impls
 
     def repeats(self, num_tokens: int) -> int:
         """Chained calls per timed program: fewer for long chunks (a 32k chunk is tens of ms)."""
@@ -135,6 +142,8 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
         return [out_packed[a:b][None] for a, b in zip(starts[:-1], starts[1:])]
 
     def attempt(impl, fn):
+        if not setup.is_wanted(impl):
+            return
         start = time.time()
         try:
             budget.check(5)
@@ -308,9 +317,10 @@ def main():
     parser.add_argument("--shapes", default="4096,8192,16384,32768,ragged,2048",
                         help="single-sequence chunk lengths and/or 'ragged', in the order run")
     parser.add_argument("--page-size", type=int, default=32)
+    parser.add_argument("--impls", default=None, help="comma-separated implementations or families (default: all)")
     parser.add_argument("--smoke", action="store_true", help="CPU check of this script: interpreter, tiny shapes")
     args = parser.parse_args()
-    setup = Setup(args.smoke, args.page_size)
+    setup = Setup(args.smoke, args.page_size, args.impls)
     if args.smoke:
         args.shapes = "256,ragged"
     budget = Budget(args.budget_s)
