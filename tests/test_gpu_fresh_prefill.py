@@ -71,6 +71,7 @@ def run_against_reference(seqs, fresh_attend, min_fresh_tokens=64, scale=1.0, **
     case.v_new = case.v_new * scale
     ref = ragged_paged_attention_reference(*case.args(), sm_scale=case.sm_scale)
     args = [jnp.array(a) for a in case.args()]  # the cache is donated
+    kw.setdefault("max_window_waste", 4.0)  # tiny steps: a 150-row prompt in a 256-row window still takes it
     out, k_pages, v_pages = fp.ragged_paged_attention_gpu_fresh_prefill(
         *args, sm_scale=case.sm_scale, min_fresh_tokens=min_fresh_tokens, fresh_attend=fresh_attend,
         interpret=True, **kw)
@@ -102,7 +103,7 @@ def test_fresh_kernel_output_is_used_for_the_taken_sequence_only():
                      pad_tokens=5)
     out, _, _ = fp.ragged_paged_attention_gpu_fresh_prefill(
         *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=seven,
-        interpret=True)
+        interpret=True, max_window_waste=4.0)
     is_seven = np.all(np.asarray(out, np.float32) == 7, axis=(1, 2))
     np.testing.assert_array_equal(np.flatnonzero(is_seven), np.arange(1, 151))
 
@@ -140,6 +141,19 @@ def test_window_rows_and_merge_touch_only_the_taken_sequence_even_past_the_step_
     np.testing.assert_array_equal(np.asarray(window)[:, 0, 0], [7, 8, 9, 0, 0, 0, 0, 0])
     merged = fp.merge_window(x, -window, fresh)  # a window running 4 rows past the step's end
     np.testing.assert_array_equal(np.asarray(merged)[:, 0, 0], [1, 2, 3, 4, 5, 6, -7, -8, -9, 10])
+
+
+def test_a_window_much_longer_than_its_sequence_stays_on_triton():
+    seven = lambda q, k, v, *, sm_scale: jnp.full(q.shape, 7, q.dtype)  # noqa: E731
+    for q_len, is_taken in ((150, False), (240, True)):  # windows 128, 256, 384: 256 rows for 150 too long
+        seqs = [(1, 40), (q_len, q_len), (40, 100)]
+        case = make_case(7, seqs, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                         pad_tokens=296 - 41 - q_len)
+        out, _, _ = fp.ragged_paged_attention_gpu_fresh_prefill(
+            *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=seven,
+            interpret=True)  # the default MAX_WINDOW_WASTE
+        assert fp.fresh_prefill_lengths(296, 64) == (128, 256, 384)
+        assert bool(np.all(np.asarray(out[1:1 + q_len], np.float32) == 7)) is is_taken
 
 
 def test_decode_like_step_never_takes_the_fresh_path():

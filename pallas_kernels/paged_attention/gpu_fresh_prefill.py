@@ -69,6 +69,10 @@ MIN_FRESH_TOKENS = 1024
 WINDOW_MULTIPLE = 128  # the bundled kernel's query tile (two warpgroups of 64 rows) and K/V block
 _FLOAT16_LIMIT = 65504.0
 _LENGTH_RATIO = math.sqrt(2)  # window lengths grow by this: at most 2x the causal FLOPs, few compiles
+# The fresh kernel's cost follows its window (L^2), Triton's the sequence (n^2). Session 8 measured the
+# bundled kernel at 1.85-2.0x Triton's TFLOP/s on 4k-16k chunks; with ~80 us of copies around it at 4k,
+# a window of more than ~1.5x the sequence's causal work would be slower than Triton on the sequence.
+MAX_WINDOW_WASTE = 1.5
 
 
 def fresh_prefill_lengths(num_tokens: int, min_fresh_tokens: int) -> tuple[int, ...]:
@@ -184,8 +188,12 @@ def merge_window(rest: jax.Array, window_out: jax.Array, fresh: FreshPrefill) ->
 def attend_with_fresh_prefill(
     q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sizes: BlockSizes,
     min_fresh_tokens: int, fresh_attend=causal_attention_mgpu, interpret: bool = False,
+    max_window_waste: float = MAX_WINDOW_WASTE,
 ):
     """Attention of a step whose K/V are already in the pages; the longest fresh prefill through ``fresh_attend``.
+
+    The sequence stays with Triton when its window's causal work exceeds ``max_window_waste``
+    times its own (``L^2 > max_window_waste * n^2``: a length just past a window length).
 
     ``fresh_attend(q [1, L, Hq, D], k [1, L, Hkv, D], v, *, sm_scale) -> [1, L, Hq, D]``: causal
     attention of a window (tests pass a CPU-runnable one). ``interpret`` runs the Triton kernel
@@ -206,7 +214,13 @@ def attend_with_fresh_prefill(
         return attend_rest(tiles=tiles)
     fresh = pick_fresh_prefill(cu_q_lens, kv_lens, min_fresh_tokens)
     fits = _fits_float16(q.astype(jnp.float32) * sm_scale, k_new, v_new)
-    fresh = dataclasses.replace(fresh, is_taken=fresh.is_taken & fits)
+    # Branch i >= 1: the shortest window length that holds the sequence. A comparison, not
+    # searchsorted's default loop: a loop on the GPU is a conditional per iteration.
+    branch = jnp.minimum(1 + jnp.sum(jnp.asarray(lengths, jnp.int32) < fresh.num_tokens), len(lengths))
+    window_len = jnp.asarray(lengths, jnp.float32)[branch - 1]
+    is_worth_it = window_len**2 <= max_window_waste * fresh.num_tokens.astype(jnp.float32) ** 2
+    fresh = dataclasses.replace(fresh, is_taken=fresh.is_taken & fits & is_worth_it)
+    index = jnp.where(fresh.is_taken, branch, 0)  # branch 0: nothing taken, the Triton output as it is
     rest = attend_rest(tiles=hide_sequence(tiles, fresh))  # [T, Hq, D]; the taken sequence's rows are 0
 
     def window(length: int):
@@ -216,10 +230,6 @@ def attend_with_fresh_prefill(
             return merge_window(rest, out, fresh)
         return attend
 
-    # Branch 0: nothing taken; branch i: the shortest window length that holds the sequence.
-    # A comparison, not searchsorted's default loop: a loop on the GPU is a conditional per iteration.
-    branch = 1 + jnp.sum(jnp.asarray(lengths, jnp.int32) < fresh.num_tokens)
-    index = jnp.where(fresh.is_taken, jnp.minimum(branch, len(lengths)), 0)
     return lax.switch(index, [lambda rest: rest] + [window(n) for n in lengths], rest)
 
 
@@ -232,7 +242,8 @@ def can_take_fresh_prefill(q_dtype, page_dtype, head_dim: int, sliding_window, s
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "soft_cap", "min_fresh_tokens", "fresh_attend", "interpret"),
+    static_argnames=("sm_scale", "sliding_window", "soft_cap", "min_fresh_tokens", "fresh_attend", "interpret",
+                     "max_window_waste"),
     donate_argnames=("k_pages", "v_pages"),
 )
 def ragged_paged_attention_gpu_fresh_prefill(
@@ -251,6 +262,7 @@ def ragged_paged_attention_gpu_fresh_prefill(
     min_fresh_tokens: int = MIN_FRESH_TOKENS,
     fresh_attend=causal_attention_mgpu,
     interpret: bool = False,
+    max_window_waste: float = MAX_WINDOW_WASTE,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Same contract as ``ragged_paged_attention_reference``; the cache is donated and updated in place.
 
@@ -271,7 +283,8 @@ def ragged_paged_attention_gpu_fresh_prefill(
     if can_take_fresh_prefill(q.dtype, k_pages.dtype, head_dim, sliding_window, soft_cap):
         out = attend_with_fresh_prefill(
             q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale, sizes=sizes,
-            min_fresh_tokens=min_fresh_tokens, fresh_attend=fresh_attend, interpret=interpret)
+            min_fresh_tokens=min_fresh_tokens, fresh_attend=fresh_attend, interpret=interpret,
+            max_window_waste=max_window_waste)
     else:
         out = attend_gpu(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
                          sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes, interpret=interpret)
