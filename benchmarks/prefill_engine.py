@@ -1,6 +1,6 @@
 """Issue 21: the fresh-prefill attention path inside the engine, against the default, in one run.
 
-    python3 benchmarks/prefill_engine.py --out DIR [--impls pallas_gpu,pallas_gpu_fresh_prefill] \
+    python3 benchmarks/prefill_engine.py --out DIR [--impls pallas_gpu,pallas_gpu_fresh_prefill[_branchless]] \
         [--prompt-lens 4096,16384,32768] [--repeats 3] [--mix-requests 32] [--budget-s 225]
     python3 benchmarks/prefill_engine.py --out /tmp/pe --smoke   # CPU: tiny model, script check only
 
@@ -9,7 +9,8 @@ same model object) built with it, then freed before the next:
 
 - ``compile``: programs compiled by the engine's warm-up and its seconds, with the number of
   entries in JAX's persistent compilation cache before it (0: cold). The fresh path adds one
-  Mosaic GPU kernel per window length to every prefill-heavy bucket's program.
+  Mosaic GPU kernel per window length to every prefill-heavy bucket's program; the branchless
+  one, one kernel.
 - ``ttft``: batch 1, a fresh random prompt of each length with ``max_tokens=1`` (the request is
   its prefill), arrival to first token, median of ``--repeats`` (a first, untimed request of
   each length touches its programs once). Also the host seconds spent inside dispatch for it:

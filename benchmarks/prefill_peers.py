@@ -13,6 +13,8 @@ error is printed and recorded, the run goes on):
 - ``fresh_path``: the opt-in engine path ``gpu_fresh_prefill.ragged_paged_attention_gpu_fresh_prefill``
   (the longest fresh prefill through jax's bundled Mosaic GPU kernel, float16 window, the rest
   through Triton), full call with its scatter: the number that decides the dispatcher's default;
+- ``fresh_branchless``: the same path with our bf16 window kernel (``gpu_fresh_window.py``, the
+  ``proto`` kernel with a dynamic block count) and no device conditional (``branchless=True``);
 - ``bundled_Q_KV_S``: jax's bundled FA3-style kernel (``jax.experimental.pallas.ops.gpu.attention_mgpu``,
   two consumer warpgroups + a TMA warpgroup) alone, on float16 inputs (in jax 0.11.2 it stages
   through float16 shared memory and refuses bf16), block_q Q, block_kv KV, S pipeline steps;
@@ -224,8 +226,10 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
         record("ours_prefix", seconds, flops_done=flops_prefix)
 
     fresh_attend = gpu_fresh_prefill.causal_attention_mgpu
+    window_attend = None  # the branchless path's own kernel
     if setup.smoke:  # no Mosaic GPU kernel runs on a CPU: the prototype, interpreted, stands in for the check
         fresh_attend = functools.partial(causal_prefill_attention_mosaic_gpu, interpret=True)
+        window_attend = functools.partial(causal_prefill_attention_mosaic_gpu, interpret=True)
     min_fresh = 64 if setup.smoke else 1024
 
     def time_bundled(config):
@@ -254,6 +258,9 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
     attempt("ours", lambda: time_full("ours", gpu.ragged_paged_attention_gpu))
     attempt("fresh_path", lambda: time_full("fresh_path", gpu_fresh_prefill.ragged_paged_attention_gpu_fresh_prefill,
                                             min_fresh_tokens=min_fresh, fresh_attend=fresh_attend))
+    attempt("fresh_branchless", lambda: time_full(
+        "fresh_branchless", gpu_fresh_prefill.ragged_paged_attention_gpu_fresh_prefill, min_fresh_tokens=min_fresh,
+        fresh_attend=window_attend, branchless=True))
     for block_q, block_kv, steps in BUNDLED_CONFIGS:
         if setup.smoke and block_kv > min(lens):
             continue
@@ -272,11 +279,13 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
         say(f"{name} RESULT: best {best} {row['tflops'][best]:.0f} TFLOP/s ({row['tflops'][best] / matmul:.0%} of "
             f"matmul {matmul:.0f})" + (f", {row['tflops'][best] / cud:.2f}x cuDNN" if cud else "")
             + (f"; ours {row['tflops']['ours']:.0f}" if "ours" in row["tflops"] else "")
-            + (f"; fresh_path {row['tflops']['fresh_path']:.0f}" if "fresh_path" in row["tflops"] else ""))
+            + (f"; fresh_path {row['tflops']['fresh_path']:.0f}" if "fresh_path" in row["tflops"] else "")
+            + (f"; fresh_branchless {row['tflops']['fresh_branchless']:.0f}" if "fresh_branchless" in row["tflops"]
+               else ""))
     del q, k_pages, v_pages, k_new, v_new, chunks, qs, ks, vs, want
 
 
-IMPLS = ("ours", "ours_attend", "ours_prefix", "fresh_path", "cudnn", "xla")
+IMPLS = ("ours", "ours_attend", "ours_prefix", "fresh_path", "fresh_branchless", "cudnn", "xla")
 
 
 def write_outputs(out_dir: str, report: dict):

@@ -60,6 +60,7 @@ from jax import lax
 from pallas_kernels.paged_attention import work_tiles as wt
 from pallas_kernels.paged_attention.block_sizes import BlockSizes, gpu_block_sizes
 from pallas_kernels.paged_attention.gpu import attend_gpu
+from pallas_kernels.paged_attention.gpu_fresh_window import causal_window_attention_mosaic_gpu
 from pallas_kernels.paged_attention.reference import write_kv_reference
 from pallas_kernels.paged_attention.validation import check_inputs
 
@@ -67,6 +68,7 @@ from pallas_kernels.paged_attention.validation import check_inputs
 # prefill_peers.py's 2k row and prefill_engine.py's mix are what should move it.
 MIN_FRESH_TOKENS = 1024
 WINDOW_MULTIPLE = 128  # the bundled kernel's query tile (two warpgroups of 64 rows) and K/V block
+WINDOW_BLOCK = 64  # our window kernel's query and K/V block (gpu_fresh_window.py)
 _FLOAT16_LIMIT = 65504.0
 _LENGTH_RATIO = math.sqrt(2)  # window lengths grow by this: at most 2x the causal FLOPs, few compiles
 # The fresh kernel's cost follows its window (L^2), Triton's the sequence (n^2). Session 8 measured the
@@ -120,8 +122,13 @@ def pick_fresh_prefill(cu_q_lens: jax.Array, kv_lens: jax.Array, min_fresh_token
 
 
 def hide_sequence(tiles: wt.WorkTiles, fresh: FreshPrefill) -> wt.WorkTiles:
-    """Empty the work tiles of the taken sequence: no queries and first position 0, so their programs exit at once."""
-    is_hidden = fresh.is_taken & (tiles.meta[:, wt.SEQ] == fresh.seq)  # [W]
+    """Empty the taken sequence's work tiles that start below ``fresh.num_tokens`` (all of them unless the
+    fresh kernel serves fewer rows): no queries and first position 0, so their programs exit at once.
+
+    A fresh sequence's tile starting at query ``i`` has first position ``i`` (no cached prefix).
+    """
+    is_hidden = (fresh.is_taken & (tiles.meta[:, wt.SEQ] == fresh.seq)
+                 & (tiles.meta[:, wt.FIRST_POS] < fresh.num_tokens))  # [W]
     meta = tiles.meta.at[:, wt.TILE_Q_LEN].set(jnp.where(is_hidden, 0, tiles.meta[:, wt.TILE_Q_LEN]))
     meta = meta.at[:, wt.FIRST_POS].set(jnp.where(is_hidden, 0, meta[:, wt.FIRST_POS]))
     return dataclasses.replace(tiles, meta=meta)
@@ -233,6 +240,37 @@ def attend_with_fresh_prefill(
     return lax.switch(index, [lambda rest: rest] + [window(n) for n in lengths], rest)
 
 
+def attend_with_fresh_window(
+    q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sizes: BlockSizes,
+    min_fresh_tokens: int, window_attend=causal_window_attention_mosaic_gpu, interpret: bool = False,
+):
+    """As ``attend_with_fresh_prefill``, with no device conditional: our window kernel runs on every
+    prefill-heavy step, over a static window of the step's length, and does work only for live rows.
+
+    ``window_attend(q [1, L, Hq, D], k [1, L, Hkv, D], v, num_blocks [1], *, sm_scale)``: causal
+    attention of the first ``64 * num_blocks`` rows of the window (its other rows are not read).
+    The kernel serves the sequence's rows in whole blocks (a multiple of 64 and of Triton's
+    ``block_q``); the last few rows stay with Triton, whose tiles for them are kept. With nothing
+    taken the kernel gets 0 blocks: one launch of programs that exit. Inputs stay bf16 (no
+    float16 copies, no range check); the window's K/V past the served rows are zeros.
+    """
+    num_tokens = q.shape[0]
+    tiles = wt.plan_work_tiles(cu_q_lens, kv_lens, num_tokens, sizes.block_q)
+    attend_rest = functools.partial(attend_gpu, q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens,
+                                    sm_scale=sm_scale, sizes=sizes, interpret=interpret)
+    if num_tokens < min_fresh_tokens or not is_prefill_heavy(num_tokens, kv_lens):
+        return attend_rest(tiles=tiles)
+    fresh = pick_fresh_prefill(cu_q_lens, kv_lens, min_fresh_tokens)
+    unit = math.lcm(WINDOW_BLOCK, sizes.block_q)  # Triton's tiles of the sequence end where the kernel's rows do
+    served = jnp.where(fresh.is_taken, fresh.num_tokens // unit * unit, 0).astype(jnp.int32)
+    fresh = dataclasses.replace(fresh, is_taken=served > 0, num_tokens=served)
+    rest = attend_rest(tiles=hide_sequence(tiles, fresh))  # [T, Hq, D]; the served rows are 0
+    length = -(-num_tokens // WINDOW_BLOCK) * WINDOW_BLOCK
+    take = lambda x: window_rows(x, fresh, length)[None]  # noqa: E731  [1, length, H, D]
+    out = window_attend(take(q), take(k_new), take(v_new), (served // WINDOW_BLOCK)[None], sm_scale=sm_scale)[0]
+    return merge_window(rest, out, fresh)
+
+
 def can_take_fresh_prefill(q_dtype, page_dtype, head_dim: int, sliding_window, soft_cap) -> bool:
     """Whether a step of these static properties may use the fresh-prefill kernel at all."""
     half = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -243,7 +281,7 @@ def can_take_fresh_prefill(q_dtype, page_dtype, head_dim: int, sliding_window, s
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "soft_cap", "min_fresh_tokens", "fresh_attend", "interpret",
-                     "max_window_waste"),
+                     "max_window_waste", "branchless"),
     donate_argnames=("k_pages", "v_pages"),
 )
 def ragged_paged_attention_gpu_fresh_prefill(
@@ -260,14 +298,18 @@ def ragged_paged_attention_gpu_fresh_prefill(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     min_fresh_tokens: int = MIN_FRESH_TOKENS,
-    fresh_attend=causal_attention_mgpu,
+    fresh_attend=None,
     interpret: bool = False,
     max_window_waste: float = MAX_WINDOW_WASTE,
+    branchless: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Same contract as ``ragged_paged_attention_reference``; the cache is donated and updated in place.
 
-    Steps the fresh kernel cannot serve (see ``can_take_fresh_prefill``) run exactly as
-    ``ragged_paged_attention_gpu`` at its tuned sizes.
+    ``branchless=False``: the bundled kernel on a float16 window behind one ``lax.switch``
+    (``attend_with_fresh_prefill``); ``True``: our bf16 window kernel with no conditional
+    (``attend_with_fresh_window``). ``fresh_attend``: that path's window attention (default: its
+    Mosaic GPU kernel; tests pass CPU-runnable ones). Steps the fresh kernel cannot serve (see
+    ``can_take_fresh_prefill``) run exactly as ``ragged_paged_attention_gpu`` at its tuned sizes.
     """
     check_inputs(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -280,11 +322,16 @@ def ragged_paged_attention_gpu_fresh_prefill(
         page_size=page_size, itemsize=q.dtype.itemsize,
     )
     k_pages, v_pages = write_kv_reference(k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
-    if can_take_fresh_prefill(q.dtype, k_pages.dtype, head_dim, sliding_window, soft_cap):
+    if can_take_fresh_prefill(q.dtype, k_pages.dtype, head_dim, sliding_window, soft_cap) and branchless:
+        out = attend_with_fresh_window(
+            q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale, sizes=sizes,
+            min_fresh_tokens=min_fresh_tokens, window_attend=fresh_attend or causal_window_attention_mosaic_gpu,
+            interpret=interpret)
+    elif can_take_fresh_prefill(q.dtype, k_pages.dtype, head_dim, sliding_window, soft_cap):
         out = attend_with_fresh_prefill(
             q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale, sizes=sizes,
-            min_fresh_tokens=min_fresh_tokens, fresh_attend=fresh_attend, interpret=interpret,
-            max_window_waste=max_window_waste)
+            min_fresh_tokens=min_fresh_tokens, fresh_attend=fresh_attend or causal_attention_mgpu,
+            interpret=interpret, max_window_waste=max_window_waste)
     else:
         out = attend_gpu(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
                          sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes, interpret=interpret)
