@@ -1,4 +1,4 @@
-"""Opt-in GPU path: a step's longest fresh prefill through jax's Mosaic GPU flash attention.
+"""Opt-in GPU paths: a step's longest fresh prefill through a Mosaic GPU flash attention, the rest through Triton.
 
 Why: the Pallas-Triton kernel (``gpu.py``) reaches 18-40% of the H200's bf16 matmul rate on
 prefill, cuDNN's flash attention 379-578 TFLOP/s (``benchmarks/results/kernel_attention.md``).
@@ -42,6 +42,13 @@ dtype check; there is no bf16 variant to call), so the window is converted to fl
 ``sm_scale`` folded into q (the kernel applies no scale), and the output converted back.
 float16 has more mantissa than bf16 but a range of 65504: a step whose q, k or v exceed it
 takes the Triton path (checked on device, folded into the branch index).
+
+Branchless variant (``branchless=True``, ``impl="pallas_gpu_fresh_prefill_branchless"``,
+``attend_with_fresh_window``): our own window kernel (``gpu_fresh_window.py``) takes the number
+of live query blocks as data, so it runs on every prefill-heavy step over one static window of
+the whole step and needs no branch, no window ladder, no float16 copies and no range check; it
+serves the sequence's rows in whole blocks and leaves the last few to Triton. Its kernel is the
+one-warpgroup prototype, slower than the bundled one (docs/KERNELS.md).
 
 Limits: one sequence per step takes the fast path (several fresh prompts in one step: the
 longest); no sliding window or soft cap; bf16/f16 pages only; head_dim a multiple of 64.
