@@ -54,13 +54,23 @@ MIX_PROMPT_RANGE = (1024, 8192)
 MIX_OUTPUT_TOKENS = 32
 
 
-def build(model, impl: str, args, log) -> tuple[Engine, dict]:
+def pages_needed(args, mix_range: tuple[int, int]) -> int:
+    """Pages for the whole mix at once plus the longest TTFT prompt (and the scratch page), with 10% spare.
+
+    Sized by the workload, not by free memory: the second engine is built after the first is
+    freed, and a pool sized from what is free then would depend on when the allocator gave it back.
+    """
+    mix = args.mix_requests * pages_for(mix_range[1] + MIX_OUTPUT_TOKENS, args.page_size)
+    return int(1.1 * (mix + pages_for(max(args.prompt_lens) + 64, args.page_size))) + 1
+
+
+def build(model, impl: str, args, mix_range: tuple[int, int], log) -> tuple[Engine, dict]:
     max_model_len = max(args.prompt_lens) + 64
-    num_pages = args.num_pages or num_pages_for_device(
-        model.config, page_size=args.page_size, bytes_per_element=model.weights.embed.dtype.itemsize,
-        memory_utilization=args.memory_utilization, reserve_bytes=4 << 30)
-    if jax.default_backend() == "cpu":
-        num_pages = max(num_pages, 4 * pages_for(max_model_len, args.page_size) + 1)
+    num_pages = args.num_pages or pages_needed(args, mix_range)
+    if jax.default_backend() != "cpu":  # never more than the device holds
+        num_pages = min(num_pages, num_pages_for_device(
+            model.config, page_size=args.page_size, bytes_per_element=model.weights.embed.dtype.itemsize,
+            memory_utilization=args.memory_utilization, reserve_bytes=4 << 30))
     config = EngineConfig(max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
                           num_pages=num_pages, attention_impl=impl)
@@ -160,7 +170,8 @@ def main():
     parser.add_argument("--max-num-batched-tokens", type=int, default=32768)
     parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--memory-utilization", type=float, default=0.9)
-    parser.add_argument("--num-pages", type=int, default=None, help="KV pages per engine (default: from free memory)")
+    parser.add_argument("--num-pages", type=int, default=None,
+                        help="KV pages per engine (default: what the mix and the longest prompt need)")
     parser.add_argument("--budget-s", type=float, default=225.0, help="start no phase after this many seconds")
     parser.add_argument("--smoke", action="store_true", help="CPU check of this script: tiny model and lengths")
     args = parser.parse_args()
@@ -184,7 +195,7 @@ def main():
         if time.perf_counter() - start > args.budget_s:
             r["skipped"].append("engine")
             continue
-        engine, r["engine"] = build(model, impl, args, log)
+        engine, r["engine"] = build(model, impl, args, mix_range, log)
         save()
         tokens = {}
         if time.perf_counter() - start <= args.budget_s:
