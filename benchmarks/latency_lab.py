@@ -100,6 +100,18 @@ def event_text(event: dict, scopes: dict[str, str]) -> str:
     return " ".join(strings).lower()
 
 
+def kernel_op(event: dict, scopes: dict[str, str]) -> str:
+    """The JAX op a kernel event came from (its HLO name stack), shortened to what follows the
+    layer scope ("layer_*/mlp/add") or to its last three parts; "" when the HLO does not name it.
+
+    With identical fusions XLA reuses one compiled kernel, named after the first (layer 0's)."""
+    args = event.get("args", {})
+    names = [event["name"].split("(")[0]] + [str(args[key]) for key in ("hlo_op", "name") if key in args]
+    op_name = next((scopes[n] for n in names if n in scopes), str(args.get("tf_op", "")))
+    layer = re.search(r"/layer_\d+/(.*)", op_name)
+    return f"layer_*/{layer.group(1)}" if layer else "/".join(op_name.split("/")[-3:])
+
+
 def breakdown(trace_path: Path, steps: int, top: int, scopes: dict[str, str] | None = None) -> dict:
     """µs per step by kind and by kernel, busy vs the span (the rest are gaps), from the GPU's kernel events.
 
@@ -116,11 +128,14 @@ def breakdown(trace_path: Path, steps: int, top: int, scopes: dict[str, str] | N
     span = max(end for _, end in intervals) - min(start for start, _ in intervals)
     busy = busy_time(intervals)
     by_kind, by_name, counts = collections.Counter(), collections.Counter(), collections.Counter()
+    launches, ops = collections.Counter(), {}
     for e in kernels:
         kind = kernel_kind(event_text(e, scopes))
         by_kind[kind] += e["dur"] / steps
         name = e["name"].split("(")[0][:90]
         by_name[f"{kind}: {name}"] += e["dur"] / steps
+        launches[f"{kind}: {name}"] += 1 / steps
+        ops.setdefault(f"{kind}: {name}", kernel_op(e, scopes))
         counts[kind] += 1 / steps
     by_kind["gaps between kernels"] = (span - busy) / steps
     step_us = span / steps
@@ -129,6 +144,10 @@ def breakdown(trace_path: Path, steps: int, top: int, scopes: dict[str, str] | N
         "by_kind_us": dict(by_kind.most_common()), "kernels_per_step_by_kind": dict(counts),
         "share": {k: v / step_us for k, v in by_kind.items()},
         "top_kernels_us": dict(by_name.most_common(top)),
+        # Per top kernel: launches a step (32 for one kernel per layer of Llama-3.1-8B, 64 for two)
+        # and the JAX op it came from, which says what a generic name ("fusion_1305") does.
+        "top_kernels": {key: {"us": us, "launches_per_step": launches[key], "jax_op": ops[key]}
+                        for key, us in by_name.most_common(top)},
         # What the trace annotates kernels with, so the classification can be checked against it.
         "sample_event_args": [e.get("args", {}) for e in kernels[:3]],
     }
@@ -255,7 +274,8 @@ def log_breakdown(log: Log, label: str, b: dict) -> None:
     for kind, us in b["by_kind_us"].items():
         log(f"    {us:8.1f} us  {b['share'][kind]:6.1%}  {kind}")
     for name, us in list(b["top_kernels_us"].items())[:12]:
-        log(f"    {us:8.1f} us  {name}")
+        about = b.get("top_kernels", {}).get(name, {})
+        log(f"    {us:8.1f} us  {name}  ({about.get('launches_per_step', 0):.0f} a step: {about.get('jax_op', '')})")
 
 
 def markdown(results: dict, args) -> str:
@@ -278,8 +298,11 @@ def markdown(results: dict, args) -> str:
                    "| --- | --- | --- | --- |"]
             md += [f"| {kind} | {us:.1f} | {b['share'][kind]:.1%} | {b['kernels_per_step_by_kind'].get(kind, 0):.0f} |"
                    for kind, us in b["by_kind_us"].items()]
-            md += ["", "| top kernels | µs per step |", "| --- | --- |"]
-            md += [f"| `{re.sub(r'[|`]', ' ', name)}` | {us:.1f} |" for name, us in b["top_kernels_us"].items()]
+            md += ["", "| top kernels | µs per step | launches per step | JAX op |", "| --- | --- | --- | --- |"]
+            about = b.get("top_kernels", {})
+            md += [f"| `{re.sub(r'[|`]', ' ', name)}` | {us:.1f} | {about.get(name, {}).get('launches_per_step', 0):.0f} "
+                   f"| `{re.sub(r'[|`]', ' ', about.get(name, {}).get('jax_op', ''))}` |"
+                   for name, us in b["top_kernels_us"].items()]
     return "\n".join(md) + "\n"
 
 

@@ -46,6 +46,28 @@ def test_breakdown_sorts_kernels_by_what_they_do_and_counts_the_gaps(tmp_path):
     assert list(b["top_kernels_us"]) == ["weight GEMV (XLA): gemm_fusion_dot_3",
                                          "weight GEMV (ours): weight_only_matmul_float8_e4m3fn_nk",
                                          "lm_head: fusion_12"]
+    # Each top kernel ran once a step; the lm_head's op comes from its trace annotation.
+    assert {k: v["launches_per_step"] for k, v in b["top_kernels"].items()} == pytest.approx(
+        {k: 1 for k in b["top_kernels_us"]})
+    assert b["top_kernels"]["lm_head: fusion_12"]["jax_op"] == "body/lm_head/dot_general"
+
+
+def test_breakdown_names_each_kernels_jax_op_and_launches_per_step(tmp_path):
+    """Two layers' add fusions share one kernel (XLA's kernel reuse): 2 launches a step, named by the HLO's op."""
+    from latency_lab import breakdown, op_scopes
+
+    hlo = ('  %loop_add_fusion.1 = bf16[8,64]{1,0} fusion(%a, %b), kind=kLoop, calls=%f, '
+           'metadata={op_name="jit(run)/while/body/layer_0/mlp/add" stack_frame_id=3}\n'
+           '  %fusion.7 = bf16[8,64]{1,0} fusion(%c), kind=kCustom, calls=%g, '
+           'metadata={op_name="jit(run)/while/body/layer_0/attention/mul" stack_frame_id=4}\n')
+    step = [("loop_add_fusion_1", 0, 4, {}), ("fusion_7", 4, 2, {}), ("loop_add_fusion_1", 6, 4, {})]
+    path = tmp_path / "vm.trace.json.gz"
+    write_trace(path, [(name, ts + offset, dur, args) for offset in (0, 10) for name, ts, dur, args in step])
+    b = breakdown(path, steps=2, top=2, scopes=op_scopes(hlo))
+    add = b["top_kernels"]["fusions (norms, rope, residual, convert): loop_add_fusion_1"]
+    assert add == {"us": pytest.approx(8), "launches_per_step": pytest.approx(2), "jax_op": "layer_*/mlp/add"}
+    norm = b["top_kernels"]["fusions (norms, rope, residual, convert): fusion_7"]
+    assert norm["launches_per_step"] == pytest.approx(1) and norm["jax_op"] == "layer_*/attention/mul"
 
 
 def test_breakdown_says_when_the_trace_has_no_gpu(tmp_path):
