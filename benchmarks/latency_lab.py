@@ -2,6 +2,8 @@
 
     python3 benchmarks/latency_lab.py --out DIR [--weights bf16,fp8] [--steps 16] [--top 30]
     python3 benchmarks/latency_lab.py --out DIR --shape tiny --steps 2   # CPU smoke run
+    python3 benchmarks/latency_lab.py --out DIR --weights bf16 \
+        --xla-options xla_gpu_unsupported_enable_triton_multi_output_fusion=true   # a fusion choice, same run
 
 For each weight format (``fp8``: the projections quantized per channel, as
 ``--quantization fp8`` does; embedding and lm_head stay bf16), one sequence at a 384-token
@@ -203,9 +205,21 @@ def static_loop(body, steps: int):
     return run
 
 
-def compile_loop(run, carry, weights):
+def parse_xla_options(text: str) -> dict:
+    """``"name=value,name=value"`` -> compiler options: true/false as booleans, integers as ints."""
+    options = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith("xla_"):
+            raise SystemExit(f"--xla-options: {item!r} is not xla_<name>=<value>")
+        options[name] = {"true": True, "false": False}.get(value.lower(), int(value) if value.lstrip("-").isdigit()
+                                                            else value)
+    return options
+
+
+def compile_loop(run, carry, weights, compiler_options: dict | None = None):
     """The loop compiled ahead of time (one compile), and its HLO's name stacks per instruction."""
-    compiled = run.lower(carry, weights).compile()
+    compiled = run.lower(carry, weights).compile(compiler_options or None)
     return compiled, op_scopes(compiled.as_text() or "")
 
 
@@ -232,12 +246,15 @@ def measure_format(log: Log, args, fmt: str, ceiling_tbs: float) -> dict:
     impl = "pallas_gpu" if jax.default_backend() == "gpu" else "reference"
     max_pages = 2048 // PAGE_SIZE
     rows = []
-    variants = [("decode step, bucket 8x8 (engine's)", 8, 8), ("decode step, bucket 1x1", 1, 1),
-                ("weight layer only (projections + lm_head), 8 rows", 8, None)]
-    for label, t, b in variants:
+    variants = [("decode step, bucket 8x8 (engine's)", 8, 8, {}), ("decode step, bucket 1x1", 1, 1, {}),
+                ("weight layer only (projections + lm_head), 8 rows", 8, None, {})]
+    # The engine's step again under other XLA compiler options, in the same run (fusion choices).
+    variants[1:1] = [(f"decode step, bucket 8x8, XLA {text}", 8, 8, parse_xla_options(text))
+                     for text in args.xla_options]
+    for i, (label, t, b, options) in enumerate(variants):
         trace_dir = None
         if not args.no_trace and b is not None:
-            trace_dir = args.out / f"profile_{fmt}_{t}x{b}"
+            trace_dir = args.out / (f"profile_{fmt}_{t}x{b}" + (f"_xla{i}" if options else ""))
         try:
             if b is None:
                 carry = jnp.ones((t, config.hidden_size), jnp.bfloat16) * 0.01
@@ -246,7 +263,7 @@ def measure_format(log: Log, args, fmt: str, ceiling_tbs: float) -> dict:
                 cache = create_kv_cache(config, 64, PAGE_SIZE, jnp.bfloat16)
                 carry = (cache, jax.tree.map(jnp.asarray, decode_batch(t, b, max_pages)))
                 run = static_loop(step_body(model, impl, b), args.steps)
-            run, scopes = compile_loop(run, carry, weights)
+            run, scopes = compile_loop(run, carry, weights, options)
             seconds = time_and_trace(log, run, carry, weights, args.steps, args.repeats, trace_dir)
         except Exception as error:  # noqa: BLE001  (reported, not hidden)
             log(f"[{fmt}] {label}: failed: {type(error).__name__}: {str(error)[:300]}")
@@ -315,6 +332,8 @@ def main():
     parser.add_argument("--no-trace", action="store_true", help="time only: no profiler traces, no breakdown")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls of the loop (median)")
     parser.add_argument("--top", type=int, default=30, help="kernels listed by time per step")
+    parser.add_argument("--xla-options", action="append", default=[], metavar="NAME=VALUE,...",
+                        help="time and trace the 8x8 step again compiled with these XLA options (repeatable; values without commas)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = Log()

@@ -119,3 +119,22 @@ def test_kernels_take_their_named_scope_from_the_compiled_hlo(tmp_path):
     write_trace(path, [(kernel, 0, 4, {}), ("unknown_kernel", 4, 6, {})])
     b = breakdown(path, steps=1, top=2, scopes=scopes)
     assert b["by_kind_us"]["sampler"] == pytest.approx(4)
+
+
+def test_xla_options_parse_and_reach_the_compiler():
+    import jax
+    import jax.numpy as jnp
+
+    from latency_lab import compile_loop, parse_xla_options
+
+    options = parse_xla_options("xla_gpu_enable_command_buffer=FUSION,xla_gpu_graph_min_graph_size=5,"
+                                "xla_gpu_unsupported_enable_triton_multi_output_fusion=true")
+    assert options == {"xla_gpu_enable_command_buffer": "FUSION", "xla_gpu_graph_min_graph_size": 5,
+                       "xla_gpu_unsupported_enable_triton_multi_output_fusion": True}
+    with pytest.raises(SystemExit, match="not xla_<name>=<value>"):
+        parse_xla_options("enable_everything")
+    compiled, _ = compile_loop(jax.jit(lambda x, w: x @ w), jnp.ones((2, 2)), jnp.ones((2, 2)), options)
+    assert float(compiled(jnp.ones((2, 2)), jnp.ones((2, 2)))[0, 0]) == 2.0
+    # An option XLA does not know is refused, not ignored: the variant's row says so.
+    with pytest.raises(Exception, match="No such compile option"):
+        compile_loop(jax.jit(lambda x, w: x @ w), jnp.ones((2, 2)), jnp.ones((2, 2)), {"xla_gpu_no_such_option": True})
