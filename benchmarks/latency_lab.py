@@ -4,6 +4,7 @@
     python3 benchmarks/latency_lab.py --out DIR --shape tiny --steps 2   # CPU smoke run
     python3 benchmarks/latency_lab.py --out DIR --weights bf16 \
         --xla-options xla_gpu_unsupported_enable_triton_multi_output_fusion=true   # a fusion choice, same run
+    python3 benchmarks/latency_lab.py --out DIR --attention pallas_gpu_fused   # the fused-write kernel at batch 1
 
 For each weight format (``fp8``: the projections quantized per channel, as
 ``--quantization fp8`` does; embedding and lm_head stay bf16), one sequence at a 384-token
@@ -243,18 +244,23 @@ def measure_format(log: Log, args, fmt: str, ceiling_tbs: float) -> dict:
     per_token = decode_weight_bytes(weights)
     roofline = per_token / (ceiling_tbs * 1e12)
     log(f"[{fmt}] roofline: {per_token / 1e9:.2f} GB / {ceiling_tbs:.2f} TB/s = {roofline * 1e3:.3f} ms")
-    impl = "pallas_gpu" if jax.default_backend() == "gpu" else "reference"
+    on_gpu = jax.default_backend() == "gpu"
+    impl = "pallas_gpu" if on_gpu else "reference"
     max_pages = 2048 // PAGE_SIZE
     rows = []
-    variants = [("decode step, bucket 8x8 (engine's)", 8, 8, {}), ("decode step, bucket 1x1", 1, 1, {}),
-                ("weight layer only (projections + lm_head), 8 rows", 8, None, {})]
-    # The engine's step again under other XLA compiler options, in the same run (fusion choices).
-    variants[1:1] = [(f"decode step, bucket 8x8, XLA {text}", 8, 8, parse_xla_options(text))
-                     for text in args.xla_options]
-    for i, (label, t, b, options) in enumerate(variants):
+    variants = [("decode step, bucket 8x8 (engine's)", 8, 8, {}, impl), ("decode step, bucket 1x1", 1, 1, {}, impl),
+                ("weight layer only (projections + lm_head), 8 rows", 8, None, {}, impl)]
+    # The engine's step again with another attention kernel, or under other XLA compiler options
+    # (fusion choices), in the same run. Off a GPU the kernels run the reference (smoke runs).
+    extra = [(f"decode step, bucket 8x8, attention {other}", 8, 8, {}, other if on_gpu else impl)
+             for other in args.attention if other != "pallas_gpu"]
+    extra += [(f"decode step, bucket 8x8, XLA {text}", 8, 8, parse_xla_options(text), impl)
+              for text in args.xla_options]
+    variants[1:1] = extra
+    for i, (label, t, b, options, step_impl) in enumerate(variants):
         trace_dir = None
         if not args.no_trace and b is not None:
-            trace_dir = args.out / (f"profile_{fmt}_{t}x{b}" + (f"_xla{i}" if options else ""))
+            trace_dir = args.out / (f"profile_{fmt}_{t}x{b}" + (f"_v{i}" if 0 < i <= len(extra) else ""))
         try:
             if b is None:
                 carry = jnp.ones((t, config.hidden_size), jnp.bfloat16) * 0.01
@@ -262,7 +268,7 @@ def measure_format(log: Log, args, fmt: str, ceiling_tbs: float) -> dict:
             else:
                 cache = create_kv_cache(config, 64, PAGE_SIZE, jnp.bfloat16)
                 carry = (cache, jax.tree.map(jnp.asarray, decode_batch(t, b, max_pages)))
-                run = static_loop(step_body(model, impl, b), args.steps)
+                run = static_loop(step_body(model, step_impl, b), args.steps)
             run, scopes = compile_loop(run, carry, weights, options)
             seconds = time_and_trace(log, run, carry, weights, args.steps, args.repeats, trace_dir)
         except Exception as error:  # noqa: BLE001  (reported, not hidden)
@@ -332,6 +338,8 @@ def main():
     parser.add_argument("--no-trace", action="store_true", help="time only: no profiler traces, no breakdown")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls of the loop (median)")
     parser.add_argument("--top", type=int, default=30, help="kernels listed by time per step")
+    parser.add_argument("--attention", type=lambda text: [x for x in text.split(",") if x], default=[],
+                        help="also time and trace the 8x8 step with these attention kernels (pallas_gpu_fused, ...)")
     parser.add_argument("--xla-options", action="append", default=[], metavar="NAME=VALUE,...",
                         help="time and trace the 8x8 step again compiled with these XLA options (repeatable; values without commas)")
     args = parser.parse_args()
@@ -341,6 +349,11 @@ def main():
     results["ceilings"] = ceilings = measure_ceilings(log)
     results["formats"] = {}
     formats = [f for f in args.weights.split(",") if f]
+    from jaxinfer.attention import IMPLEMENTATIONS
+
+    for impl in args.attention:
+        if impl not in IMPLEMENTATIONS:
+            raise SystemExit(f"--attention: {impl!r} is not one of {IMPLEMENTATIONS}")
     for fmt in formats:
         if fmt not in ("bf16", "fp8", "int8"):
             raise SystemExit(f"--weights: {fmt!r} is not one of bf16, fp8, int8")
