@@ -71,3 +71,24 @@ def test_compiled_layer_kernels_are_listed_with_their_ops():
     assert any(op.startswith("attention/") for op in ops) and any(op.startswith("mlp/") for op in ops), ops
     # Layer 1's projections are there, and no other layer's (3 MLP dots, not 9).
     assert sum(op.startswith("mlp/") and op.endswith("dot_general") for op in ops) == 3, ops
+
+
+def test_step_ops_cli_writes_the_layer_counts(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    done = subprocess.run([sys.executable, "benchmarks/step_ops.py", "--shape", "tiny", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    results = json.loads((tmp_path / "step_ops.json").read_text())
+    assert results["platform"] == "cuda" and results["bucket"] == [8, 8]
+    assert results["stablehlo_ops_per_layer"]["custom_call"] >= 1  # the Triton kernel, lowered without a GPU
+    assert results["model_stablehlo_ops_per_layer"]["dot_general"] == 7
+    import jax
+
+    # The compiled view comes only where the program can be compiled for the GPU.
+    assert ("layer_1_kernels" in results) == (jax.default_backend() == "gpu")
+    assert "kernel boundaries" in (tmp_path / "step_ops.md").read_text()
