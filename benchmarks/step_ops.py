@@ -155,7 +155,8 @@ def per_layer_op_counts(shape: StepShape, platform: str, skip_calls_to: tuple[st
     return {op: three[op] - two[op] for op in sorted(set(two) | set(three)) if three[op] != two[op]}
 
 
-_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s+([\w\-]+)\(")
+# name = shape op(...): the shape may be a tuple, "(bf16[8,64]{1,0}, f32[8]{0})".
+_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\([^=]*?\)|\S+)\s+([\w\-]+)\(")
 _HLO_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _FREE_OPS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "opt-barrier"}
 
@@ -174,6 +175,22 @@ def hlo_computations(hlo_text: str) -> dict[str, list[str]]:
     return computations
 
 
+def launched_instructions(computations: dict[str, list[str]], name: str = "ENTRY"):
+    """(line, HLO name, shape, op) of each instruction the program runs, in order: the entry's,
+    with calls (XLA:GPU wraps runs of kernels in ``call``s to command-buffer computations, which a
+    CUDA graph launches) replaced by the called computation's; free ops (parameters, bitcasts,
+    tuples) left out."""
+    for line in computations.get(name, []):
+        match = _HLO_INSTRUCTION.match(line)
+        if not match or match.group(3) in _FREE_OPS:
+            continue
+        called = re.search(r"to_apply=%?([\w.\-]+)", line)
+        if match.group(3) == "call" and called:
+            yield from launched_instructions(computations, called.group(1))
+        else:
+            yield line, match.group(1), match.group(2), match.group(3)
+
+
 def _jax_ops(lines: list[str], scope: str) -> list[str]:
     """Distinct JAX op names (the name stack after ``scope``) of HLO instruction lines, in order."""
     names = []
@@ -186,27 +203,33 @@ def _jax_ops(lines: list[str], scope: str) -> list[str]:
     return names
 
 
+def kernels_by_layer(compiled_text: str) -> dict[str, int]:
+    """Launched instructions per ``layer_<i>`` scope of their op name; "step" for the rest (work done
+    once a step, and instructions XLA made without a JAX op, such as copies)."""
+    counts = collections.Counter()
+    for line, *_ in launched_instructions(hlo_computations(compiled_text)):
+        layer = re.search(r'op_name="[^"]*?/(layer_\d+)/', line)
+        counts[layer.group(1) if layer else "step"] += 1
+    return dict(sorted(counts.items()))
+
+
 def layer_kernels(compiled_text: str, layer: int = 1) -> list[dict]:
-    """The optimized HLO's entry instructions from ``layer_<layer>``, in program order: each launches
-    a kernel (or a library call) on the GPU, except the free ones (parameters, bitcasts, tuples).
-    ``jax_ops``: the JAX ops fused into it (name stacks below the layer's scope), which say what it does."""
+    """The instructions the compiled program runs for ``layer_<layer>``, in program order: each
+    launches a kernel (or a library call) on the GPU. ``jax_ops_fused``: the JAX ops fused into it
+    (name stacks below the layer's scope), which say what it does."""
     computations = hlo_computations(compiled_text)
     scope = f"/layer_{layer}/"
     kernels = []
-    for line in computations["ENTRY"]:
-        match = _HLO_INSTRUCTION.match(line)
-        if not match or match.group(3) in _FREE_OPS or not _jax_ops([line], scope):
+    for line, hlo, shape, op in launched_instructions(computations):
+        if not _jax_ops([line], scope):
             continue
         kind = re.search(r"kind=(k\w+)", line)
         target = re.search(r'custom_call_target="([^"]*)"', line)
         called = re.search(r"calls=%?([\w.\-]+)", line)
         body = computations.get(called.group(1), []) if called else []
         kernels.append({
-            "hlo": match.group(1), "op": match.group(3),
-            "kind": kind.group(1) if kind else (target.group(1) if target else ""),
-            "shape": match.group(2),
-            "jax_op": _jax_ops([line], scope)[0],
-            "jax_ops_fused": _jax_ops(body, scope),
+            "hlo": hlo, "op": op, "kind": kind.group(1) if kind else (target.group(1) if target else ""),
+            "shape": shape, "jax_op": _jax_ops([line], scope)[0], "jax_ops_fused": _jax_ops(body, scope),
         })
     return kernels
 
@@ -245,7 +268,10 @@ def main():
         compiled = trace_step(shape, 3).lower().compile().as_text()
         kernels = layer_kernels(compiled, layer=1)
         results["layer_1_kernels"] = kernels
-        lines.append(f"compiled on {backend}: layer 1 launches {len(kernels)} kernels")
+        results["kernels_by_layer"] = by_layer = kernels_by_layer(compiled)
+        lines.append(f"compiled on {backend}: kernels by the layer they came from (3 layers; 'step': once a step "
+                     f"or made by XLA): {by_layer}")
+        lines.append(f"layer 1 launches {len(kernels)} kernels:")
         for k in kernels:
             lines.append(f"  {k['hlo']:36s} {k['op']:12s} {k['kind']:16s} {k['shape'][:40]:40s} {k['jax_op']}")
             fused = [op for op in k["jax_ops_fused"] if op != k["jax_op"]]

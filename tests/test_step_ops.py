@@ -92,3 +92,43 @@ def test_step_ops_cli_writes_the_layer_counts(tmp_path):
     # The compiled view comes only where the program can be compiled for the GPU.
     assert ("layer_1_kernels" in results) == (jax.default_backend() == "gpu")
     assert "kernel boundaries" in (tmp_path / "step_ops.md").read_text()
+
+
+# XLA:GPU's optimized HLO as printed: kernels inside a command buffer's computation (one CUDA graph)
+# reached through a call, and a custom call with a tuple shape (the split kernel's two outputs).
+GPU_LIKE_HLO = """HloModule jit_step, entry_computation_layout={(bf16[8,64]{1,0})->bf16[8,64]{1,0}}
+
+%fused_add (param_0: bf16[8,64], param_1: bf16[8,64]) -> bf16[8,64] {
+  %param_0 = bf16[8,64]{1,0} parameter(0)
+  %param_1 = bf16[8,64]{1,0} parameter(1)
+  %convert.2 = f32[8,64]{1,0} convert(%param_1), metadata={op_name="jit(step)/layer_1/mlp/convert_element_type"}
+  ROOT %add.3 = bf16[8,64]{1,0} add(%param_0, %param_1), metadata={op_name="jit(step)/layer_1/mlp/add"}
+}
+
+%command_buffer (p0: bf16[8,64], p1: bf16[8,64]) -> bf16[8,64] {
+  %p0 = bf16[8,64]{1,0} parameter(0)
+  %p1 = bf16[8,64]{1,0} parameter(1)
+  ROOT %loop_add_fusion.1 = bf16[8,64]{1,0} fusion(%p0, %p1), kind=kLoop, calls=%fused_add, metadata={op_name="jit(step)/layer_1/mlp/add"}
+}
+
+ENTRY %main.9 (Arg_0.1: bf16[8,64]) -> bf16[8,64] {
+  %Arg_0.1 = bf16[8,64]{1,0} parameter(0)
+  %custom-call.4 = (f32[8,9]{1,0}, f32[8]{0}) custom-call(%Arg_0.1), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/layer_1/attention/ragged_paged_attention_gpu/pallas_call"}
+  %get-tuple-element.5 = f32[8,9]{1,0} get-tuple-element(%custom-call.4), index=0
+  %call.6 = bf16[8,64]{1,0} call(%Arg_0.1, %Arg_0.1), to_apply=%command_buffer
+  %fusion.7 = bf16[8,64]{1,0} fusion(%call.6, %Arg_0.1), kind=kLoop, calls=%fused_add, metadata={op_name="jit(step)/layer_0/mlp/add"}
+  ROOT %copy.8 = bf16[8,64]{1,0} copy(%fusion.7)
+}
+"""
+
+
+def test_layer_kernels_reads_command_buffers_and_tuple_shapes():
+    from benchmarks.step_ops import kernels_by_layer, layer_kernels
+
+    kernels = layer_kernels(GPU_LIKE_HLO, layer=1)
+    assert [(k["hlo"], k["op"], k["kind"]) for k in kernels] == [
+        ("custom-call.4", "custom-call", "__gpu$xla.gpu.triton"), ("loop_add_fusion.1", "fusion", "kLoop")]
+    assert kernels[0]["shape"] == "(f32[8,9]{1,0}, f32[8]{0})"
+    assert kernels[0]["jax_op"] == "attention/ragged_paged_attention_gpu/pallas_call"
+    assert kernels[1]["jax_ops_fused"] == ["mlp/convert_element_type", "mlp/add"]
+    assert kernels_by_layer(GPU_LIKE_HLO) == {"layer_0": 1, "layer_1": 2, "step": 1}  # the copy is XLA's
