@@ -341,7 +341,8 @@ def main():
     parser.add_argument("--attention", type=lambda text: [x for x in text.split(",") if x], default=[],
                         help="also time and trace the 8x8 step with these attention kernels (pallas_gpu_fused, ...)")
     parser.add_argument("--xla-options", action="append", default=[], metavar="NAME=VALUE,...",
-                        help="time and trace the 8x8 step again compiled with these XLA options (repeatable; values without commas)")
+                        help="time and trace the 8x8 step again compiled with these XLA options "
+                             "(repeatable; values without commas)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = Log()
