@@ -248,7 +248,8 @@ def main():
     args = parser.parse_args()
     platform = args.platform or ("cuda" if args.impl in GPU_IMPLS else jax.default_backend())
     shape = StepShape(SHAPES[args.shape], args.weights, args.tokens, args.seqs, args.impl, args.kv_cache_dtype)
-    lines = [f"command: python3 {' '.join(sys.argv)}", f"jax {jax.__version__}, backend {jax.default_backend()}",
+    device = getattr(jax.devices()[0], "device_kind", str(jax.devices()[0]))
+    lines = [f"command: python3 {' '.join(sys.argv)}", f"jax {jax.__version__}, backend {jax.default_backend()} ({device})",
              f"step: {args.shape}, {args.weights} weights, {args.kv_cache_dtype} KV, bucket "
              f"{args.tokens}x{args.seqs}, impl {args.impl}, lowered for {platform}"]
     counts = per_layer_op_counts(shape, platform)
@@ -259,7 +260,8 @@ def main():
                  f"{boundaries}")
     lines.append(f"  {'layer':>5s}  {'model':>5s}  op")
     lines += [f"  {n:5d}  {model_counts.get(op, 0):5d}  {op}" for op, n in sorted(counts.items(), key=lambda kv: -kv[1])]
-    results = {"shape": args.shape, "weights": args.weights, "kv_cache_dtype": args.kv_cache_dtype,
+    results = {"command": lines[0][len("command: "):], "jax": jax.__version__, "device": device,
+               "shape": args.shape, "weights": args.weights, "kv_cache_dtype": args.kv_cache_dtype,
                "bucket": [args.tokens, args.seqs], "impl": args.impl, "platform": platform,
                "stablehlo_ops_per_layer": counts, "model_stablehlo_ops_per_layer": model_counts,
                "kernel_boundaries_per_layer": boundaries}
