@@ -362,9 +362,13 @@ def test_accepted_runs_roll_back_with_the_head_and_leak_no_pages(target, plain, 
     check_head_drafts(target, eagle, rounds)
 
 
-def test_seeded_random_sampling_is_reproducible_with_the_head(eagle):
+def test_seeded_random_sampling_is_reproducible_with_the_head(target, eagle, monkeypatch):
+    """Random rows verify the head's point-mass drafts (``rejection.verify``, exact by the chi-square
+    test of tests/test_spec_decode.py); here: seeds reproduce, and the head's state stays right."""
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=7, ignore_eos=True)
     prompts = prompts_of(3, seed=4)
+    rounds = record_head_drafts(monkeypatch)
     first = token_ids(eagle.generate(prompts, params, use_tqdm=False))
     assert token_ids(eagle.generate(prompts, params, use_tqdm=False)) == first
     assert eagle.engine.stats()["num_pages_used"] == 0
+    check_head_drafts(target, eagle, rounds)
