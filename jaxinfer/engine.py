@@ -106,8 +106,8 @@ class Engine:
         )
         self.speculator = None
         if speculative is not None:
-            self.speculator = Speculator(speculative, config.max_model_len,
-                                         self._draft_proposer(speculative, mesh, eagle3_head) if speculative.model else None)
+            proposer = self._draft_proposer(speculative, mesh, eagle3_head) if speculative.model else None
+            self.speculator = Speculator(speculative, config.max_model_len, proposer)
         # Prompt logprobs run as their own program over the runner's (possibly sharded) weights,
         # never through the step programs: see jaxinfer.prompt_logprobs.
         self.prompt_scorer = PromptScorer(

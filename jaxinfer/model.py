@@ -150,7 +150,8 @@ def hidden_states_and_aux(
         new_k.append(k_pages)
         new_v.append(v_pages)
     aux_states = jnp.concatenate([aux[i] for i in aux_layers], axis=-1) if aux_layers else None
-    return rms_norm(x, weights.final_norm, config.rms_norm_eps), aux_states, dataclasses.replace(cache, k=new_k, v=new_v)
+    cache = dataclasses.replace(cache, k=new_k, v=new_v)
+    return rms_norm(x, weights.final_norm, config.rms_norm_eps), aux_states, cache
 
 
 def compute_logits(weights: Weights, x: jax.Array) -> jax.Array:

@@ -221,8 +221,8 @@ class ModelRunner:
         self.aux_hidden_layers = tuple(aux_hidden_layers)
         self.aux_pages = None
         if self.aux_hidden_layers:
-            self.aux_pages = create_aux_pages(num_pages, page_size, len(self.aux_hidden_layers) * self.config.hidden_size,
-                                              model.weights.embed.dtype)
+            width = len(self.aux_hidden_layers) * self.config.hidden_size
+            self.aux_pages = create_aux_pages(num_pages, page_size, width, model.weights.embed.dtype)
         # Programs may compile with different options per token count: overlap per phase, no
         # Triton GEMMs for FP8 W8A8 steps on GPU (jaxinfer.compile_options).
         self._step = PhasedJit(

@@ -25,7 +25,8 @@ from jaxinfer.batch import build_step_batch
 from jaxinfer.checkpoint import load_model
 from jaxinfer.kv_cache import create_kv_cache
 from jaxinfer.loaded_model import LoadedModel
-from jaxinfer.model import apply_rope, hidden_states_and_aux, mlp_block, output_projection, rms_norm, rope_inverse_frequencies
+from jaxinfer.model import (apply_rope, hidden_states, hidden_states_and_aux, mlp_block, output_projection, rms_norm,
+                            rope_inverse_frequencies)
 from jaxinfer.params import init_random
 from jaxinfer.runner import ModelRunner
 from jaxinfer.spec_decode import eagle3_proposer
@@ -228,6 +229,27 @@ def test_plain_steps_carry_no_aux_hidden_states(target):
         shapes[aux] = jax.eval_shape(fn, *args, **kwargs)[0]
     assert runners[()].aux_pages is None and len(shapes[()]) == 2
     assert shapes[(1, 2, 3)][2].shape == (8, 16, 3 * target.config.hidden_size)
+
+
+def test_aux_hidden_states_are_the_residual_stream_entering_each_layer(target):
+    """Layer i's feature is Hugging Face's ``hidden_states[i]``: the embeddings for i = 0, else the
+    output of the first i layers (a model truncated there, before its final norm)."""
+    tokens = prompts_of(1, seed=9)[0]
+    config, weights = target.config, target.weights
+    batch = jax.tree.map(jnp.asarray, build_step_batch([(tokens, 0, [1, 2, 3])], num_tokens=len(tokens), num_seqs=1,
+                                                       pages_per_seq=3))
+    _, aux, _ = hidden_states_and_aux(weights, create_kv_cache(config, 4, 16, jnp.float32), batch, config,
+                                      "reference", (0, 3, 2))
+    e = config.hidden_size
+    np.testing.assert_array_equal(aux[:, :e], weights.embed[jnp.asarray(tokens)])
+    ones = jnp.ones(e, jnp.float32)
+    for j, layer in ((1, 3), (2, 2)):
+        truncated_config = dataclasses.replace(config, num_layers=layer)
+        truncated = dataclasses.replace(weights, layers=weights.layers[:layer], final_norm=ones)
+        x, _ = hidden_states(truncated, create_kv_cache(truncated_config, 4, 16, jnp.float32), batch, truncated_config,
+                             "reference")
+        feature = aux[:, j * e:(j + 1) * e]
+        np.testing.assert_allclose(rms_norm(feature, ones, config.rms_norm_eps), x, rtol=1e-5, atol=1e-5)
 
 
 REFERENCE_ROWS = OPTIONS["max_model_len"]  # one padded shape: each jitted reference compiles once

@@ -79,7 +79,8 @@ class Eagle3Weights:
     embed: Any = None  # [V, E]; None: the target's embedding (most checkpoints share it)
 
 
-def init_random_head(config: Eagle3Config, key: jax.Array, dtype=jnp.bfloat16, with_embed: bool = False) -> Eagle3Weights:
+def init_random_head(config: Eagle3Config, key: jax.Array, dtype=jnp.bfloat16,
+                     with_embed: bool = False) -> Eagle3Weights:
     """Random weights of the head's shapes (fan-in scaled normals, unit norms) and a random draft
     vocabulary: for benchmarks and tests, where only the cost or the plumbing matters."""
     c = config.layer
