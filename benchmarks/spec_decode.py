@@ -4,6 +4,7 @@
     python3 benchmarks/spec_decode.py step-cost --out DIR [--shape llama-3.1-8b] [--acceptance DIR/spec_acceptance.json ...]
     python3 benchmarks/spec_decode.py engine --out DIR [--shape llama-3.1-8b] [--ks 5] [--acceptance ...]
     python3 benchmarks/spec_decode.py eagle3 --out DIR [--shape llama-3.1-8b] [--ks 1 3 5 7] [--draft-vocab 32000]
+    python3 benchmarks/spec_decode.py eagle3-engine --out DIR [--shape llama-3.1-8b] [--ks 3 5]
 
 ``acceptance`` (the ``latency-spec`` workload of shared/BENCHMARKS.md; CPU is fine): the default
 model with real weights, greedy, one request at a time (batch 1), 128 output tokens, on two
@@ -62,6 +63,14 @@ verify step, accepted counts read). The acceptance length a head must reach to p
 to be set against the acceptance a trained head measures on real weights (vLLM's anchor:
 7.07 -> 4.05 ms/token for Llama-3.1-8B on an H100). The head's weights are also read once per
 drafting round: its roofline is printed beside it. Writes DIR/spec_eagle3.{json,md,log}.
+
+``eagle3-engine`` (the GPU; same shapes, batch 1, a 1,024-token prompt, 256 greedy output
+tokens): the whole engine loop with ``{"method": "eagle3", ...}``, host included (the head's
+catch-up batch, the drafts read, the verify step read), per target step, against plain async
+decode in the same process, like ``engine``. The head is a random bf16 checkpoint of the
+Llama-3.1-8B heads' shapes written in the ``speculators`` layout under DIR (so the loader runs
+at full size too); the low-gain switch is off so every step verifies. Writes
+DIR/spec_eagle3_engine.{json,md,log}.
 """
 
 from __future__ import annotations
@@ -555,9 +564,112 @@ def eagle3_cost(args, log):
             "aux_layer_ids": list(aux_ids), "draft_vocab": draft_vocab, "rows": rows}, md
 
 
+def write_random_eagle3_head(path: Path, shape: str, draft_vocab: int, seed: int = 0) -> Path:
+    """A random bf16 EAGLE-3 head for ``shape`` in the ``speculators`` layout (d2t: the first
+    ``draft_vocab`` target ids), written a tensor at a time."""
+    from loader_memory import write_safetensors
+    from model_shapes import SHAPES
+
+    hf = SHAPES[shape]
+    e, f, hq, hkv = hf["hidden_size"], hf["intermediate_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
+    d = hf.get("head_dim") or e // hq
+    draft_vocab = min(draft_vocab, hf["vocab_size"])
+    layers = hf["num_hidden_layers"]
+    aux = [2, layers // 2, layers - 3] if layers >= 6 else [0, layers // 2, layers - 1]
+    path.mkdir(parents=True, exist_ok=True)
+    layer = "layers.0."
+    tensors = [("fc.weight", (e, 3 * e)), (f"{layer}hidden_norm.weight", (e,)), (f"{layer}input_layernorm.weight", (e,)),
+               (f"{layer}post_attention_layernorm.weight", (e,)), (f"{layer}self_attn.q_proj.weight", (hq * d, 2 * e)),
+               (f"{layer}self_attn.k_proj.weight", (hkv * d, 2 * e)), (f"{layer}self_attn.v_proj.weight", (hkv * d, 2 * e)),
+               (f"{layer}self_attn.o_proj.weight", (e, hq * d)), (f"{layer}mlp.gate_proj.weight", (f, e)),
+               (f"{layer}mlp.up_proj.weight", (f, e)), (f"{layer}mlp.down_proj.weight", (e, f)), ("norm.weight", (e,)),
+               ("lm_head.weight", (draft_vocab, e))]
+    write_safetensors(path / "model.safetensors", tensors, np.random.default_rng(seed))
+    d2t = np.zeros(draft_vocab, "<i8")  # draft id j is target id j
+    header = json.dumps({"d2t": {"dtype": "I64", "shape": [draft_vocab], "data_offsets": [0, d2t.nbytes]}}).encode()
+    header += b" " * (-len(header) % 8)
+    with open(path / "d2t.safetensors", "wb") as out:
+        out.write(len(header).to_bytes(8, "little") + header + d2t.tobytes())
+    layer_config = {key: hf[key] for key in ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+                                             "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "rope_theta",
+                                             "max_position_embeddings") if key in hf}
+    layer_config.update(head_dim=d, num_hidden_layers=1, rope_scaling=hf.get("rope_scaling"))
+    config = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+              "transformer_layer_config": layer_config, "draft_vocab_size": draft_vocab, "norm_before_residual": False,
+              "target_hidden_size": e, "eagle_aux_hidden_state_layer_ids": aux}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def eagle3_engine(args, log):
+    from common import random_model, random_prompts
+    from jaxinfer import SamplingParams
+    from jaxinfer.engine import Engine
+    from jaxinfer.engine_config import EngineConfig
+
+    model = random_model(args.shape)
+    vocab = model.config.vocab_size
+    start = time.perf_counter()
+    head_dir = write_random_eagle3_head(args.out / "eagle3-head", args.shape, args.draft_vocab)
+    log(f"random head written to {head_dir} in {time.perf_counter() - start:.1f} s")
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    length = args.context + args.max_tokens + 64
+    base = dict(max_model_len=length, max_num_seqs=1, max_num_batched_tokens=256, page_size=32,
+                num_pages=length // 32 * 2 + 8)
+
+    def per_step(engine, tag):
+        """Wall seconds per target step of one request alone, and its decode steps' share that verified."""
+        before = engine.stats()
+        engine.add_request(tag, random_prompts(rng, [args.context], vocab)[0], params, final_only=True)
+        first = last = None
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                first, last = output.metrics.first_token_time, output.metrics.last_token_time
+        after = engine.stats()
+        accepted = after.get("spec_decode_num_accepted_tokens", 0) - before.get("spec_decode_num_accepted_tokens", 0)
+        decode_steps = args.max_tokens - 1 - accepted
+        verified = after.get("spec_decode_num_drafts", 0) - before.get("spec_decode_num_drafts", 0)
+        return (last - first) / decode_steps, verified / decode_steps
+
+    def best_of(engine, tag, repeats=3):
+        per_step(engine, f"{tag}-warm")
+        return min(per_step(engine, f"{tag}-{r}") for r in range(repeats))
+
+    plain = Engine(model, EngineConfig(**base), warm_up=False, use_tqdm=False)
+    plain_step, _ = best_of(plain, "plain")
+    del plain
+    log(f"plain async decode: {plain_step * 1e3:.3f} ms per step")
+    rows = []
+    for k in args.ks:
+        start = time.perf_counter()
+        engine = Engine(model, EngineConfig(**base, speculative_config={"method": "eagle3", "model": str(head_dir),
+                                                                        "num_speculative_tokens": k}),
+                        warm_up=False, use_tqdm=False)
+        built = time.perf_counter() - start
+        # Every step verifies: random drafts would otherwise be judged low and the sequence run plain.
+        engine.speculator.config = dataclasses.replace(engine.speculator.config, min_acceptance_rate=0.0,
+                                                       min_accepted_per_step=0.0)
+        step, verified = best_of(engine, f"eagle3-{k}")
+        del engine
+        row = dict(k=k, step_ms=step * 1e3, ratio_to_plain=step / plain_step, share_of_steps_verifying=verified,
+                   tokens_per_step_for_2_3_ms=step * 1e3 / 2.3, built_s=built)
+        rows.append(row)
+        log(f"k={k}: {row['step_ms']:.3f} ms per target step ({row['ratio_to_plain']:.3f}x plain; verifying "
+            f"{verified:.0%} of steps): pays off above {row['ratio_to_plain']:.2f} tokens/step, 2.3 ms/token needs "
+            f"{row['tokens_per_step_for_2_3_ms']:.2f} (engine with head loaded in {built:.1f} s)")
+    md = [f"# EAGLE-3 through the engine loop, {args.shape}, batch 1, prompt {args.context} (random head)", "",
+          f"Command: `{header_command()}`  ", f"plain async decode {plain_step * 1e3:.3f} ms per step", "",
+          "| k | ms per target step | x plain = break-even tokens/step | tokens/step for 2.3 ms | steps verifying |",
+          "| --- | --- | --- | --- | --- |"]
+    md += [f"| {r['k']} | {r['step_ms']:.3f} | {r['ratio_to_plain']:.3f} | {r['tokens_per_step_for_2_3_ms']:.2f} | "
+           f"{r['share_of_steps_verifying']:.0%} |" for r in rows]
+    return {"plain_step_ms": plain_step * 1e3, "rows": rows}, md
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=("acceptance", "step-cost", "engine", "eagle3"))
+    parser.add_argument("mode", choices=("acceptance", "step-cost", "engine", "eagle3", "eagle3-engine"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
@@ -574,10 +686,11 @@ def main():
     args = parser.parse_args()
     log = Log()
     info = header(log)
-    run = {"acceptance": acceptance, "step-cost": step_cost, "engine": engine_steps, "eagle3": eagle3_cost}[args.mode]
+    run = {"acceptance": acceptance, "step-cost": step_cost, "engine": engine_steps, "eagle3": eagle3_cost,
+           "eagle3-engine": eagle3_engine}[args.mode]
     results, md = run(args, log)
     name = {"acceptance": "spec_acceptance", "step-cost": "spec_step_cost", "engine": "spec_engine",
-            "eagle3": "spec_eagle3"}[args.mode]
+            "eagle3": "spec_eagle3", "eagle3-engine": "spec_eagle3_engine"}[args.mode]
     write_results(args.out, name, {"info": info, "args": vars(args) | {"out": str(args.out)}, **results},
                   "\n".join(md) + "\n", log)
 

@@ -83,11 +83,11 @@ def read_eagle3_config(path: Path, target: ModelConfig) -> Eagle3Config:
     ids = (hf.get("eagle_aux_hidden_state_layer_ids") or (hf.get("eagle_config") or {}).get(
         "eagle_aux_hidden_state_layer_ids") or default_aux_layer_ids(target.num_layers))
     ids = tuple(int(i) for i in ids)
-    if len(ids) != 3 or len(set(ids)) != 3 or not all(0 <= i < target.num_layers for i in ids):
+    # Three in every published head; fc's width (checked with the tensors) follows their number.
+    if not ids or not all(0 <= i < target.num_layers for i in ids):
         raise SpeculativeConfigError(
-            f"{FIELD}.eagle_aux_hidden_state_layer_ids must be 3 distinct layers in [0, {target.num_layers - 1}] "
-            f"of the target, got {list(ids)}", field=f"{FIELD}.eagle_aux_hidden_state_layer_ids",
-            limit=target.num_layers - 1)
+            f"{FIELD}.eagle_aux_hidden_state_layer_ids must be layers of the target, in [0, {target.num_layers - 1}], "
+            f"got {list(ids)}", field=f"{FIELD}.eagle_aux_hidden_state_layer_ids", limit=target.num_layers - 1)
     return Eagle3Config(layer=layer, target_hidden_size=target_hidden, target_vocab_size=target.vocab_size,
                         aux_layer_ids=ids, norm_before_residual=bool(hf.get("norm_before_residual", False)))
 
