@@ -53,8 +53,12 @@
 #           throughput-1k at 1024 sequences with a trace), then the GEMV sweep at M = 8 and 1, its
 #           table adopted in place for engine latency in bf16 and fp8, then prefill_peers with the
 #           time left.
+#   s9eagle one GPU (carry .whl), session 9: EAGLE-3 at batch 1 (8B shapes, a random head of the
+#           Llama-3.1-8B heads' shapes): the verify step with and without the target's features,
+#           the head's round and the synchronous cycle for k = 1/3/5/7 (spec_decode.py eagle3),
+#           then the engine loop with a random head checkpoint at k = 3/5 (eagle3-engine).
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2 or s8final}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final or s9eagle}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -304,6 +308,12 @@ s8final)
     left=$(( 530 - SECONDS ))
     (( left > 60 )) && on_gpu 0 prefill.log "$left" python3 benchmarks/prefill_peers.py --out "$R/prefill_peers" \
         --budget-s $(( left - 30 )) ;;
+s9eagle)
+    wheels
+    on_gpu 0 eagle3.log 300 python3 benchmarks/spec_decode.py eagle3 --out "$R/eagle3" --ks 1 3 5 7
+    # The random head (~0.85 GB) is written under $R: removed before packing.
+    on_gpu 0 eagle3_engine.log 240 python3 benchmarks/spec_decode.py eagle3-engine --out "$R/eagle3_engine" --ks 3 5
+    rm -rf "$R/eagle3_engine/eagle3-head" ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac

@@ -511,8 +511,8 @@ def eagle3_cost(args, log):
         round_fn = jax.jit(functools.partial(draft_round, config=head_config, attention_impl="auto", num_drafts=k),
                            donate_argnames=("cache",))
         # The catch-up after a fully accepted run: k positions whose target features are known.
-        catch_up = build_step_batch([([7] * k, context - k, pages)], num_tokens=runner.buckets.pick(k, 1, 1)[0],
-                                    num_seqs=1, pages_per_seq=len(pages))
+        t, b, p = runner.buckets.pick(k, 1, len(pages))  # the shapes the engine's proposer would use
+        catch_up = build_step_batch([([7] * k, context - k, pages)], num_tokens=t, num_seqs=b, pages_per_seq=p)
         catch_up = jax.tree.map(jnp.asarray, catch_up)
         state = {"cache": head_cache}
 
