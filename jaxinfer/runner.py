@@ -48,8 +48,8 @@ from jaxinfer.sampling import SamplerOutput, SamplingFlags, sample
 from jaxinfer.sampling_params import MAX_TOP_LOGPROBS
 from jaxinfer.scheduler import Schedule
 from jaxinfer.structured_output.bitmask import allocate_bitmask, bitmask_width
-from jaxinfer.spec_decode.lagged import DeviceDrafts, continue_batch, continue_verify_inputs, drafts_for_next_step
 from jaxinfer.spec_decode.aux_hidden import create_aux_pages, write_aux_hidden
+from jaxinfer.spec_decode.lagged import DeviceDrafts, continue_batch, continue_verify_inputs, drafts_for_next_step
 from jaxinfer.spec_decode.layout import expand_to_rows
 from jaxinfer.spec_decode.rejection import VerifyOutput, verify
 from jaxinfer.token_history import gather_history, write_tokens
