@@ -394,3 +394,21 @@ def test_seeded_random_sampling_is_reproducible_with_the_head(target, eagle, mon
     assert token_ids(eagle.generate(prompts, params, use_tqdm=False)) == first
     assert eagle.engine.stats()["num_pages_used"] == 0
     check_head_drafts(target, eagle, rounds)
+
+
+@pytest.mark.slow
+def test_default_model_with_a_random_head_greedy_identical(default_model, tmp_path, monkeypatch):
+    """SmolLM2-135M (30 layers, 9 query heads over 3 KV heads) with a random head in SafeAILab's
+    layout and vLLM's default layers (2, 15, 27): output unchanged, drafts equal the dense reference."""
+    write_head(tmp_path, default_model.config, seed=2, layout="eagle", aux_layers=None)
+    messages = [{"role": "user", "content": "Name three rivers in Europe."}]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    options = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, use_tqdm=False, max_wait_s=0.0)
+    expected = LLM(loaded=default_model, **options).chat(messages, params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(loaded=default_model, speculative_config={"method": "eagle3", "model": str(tmp_path),
+                                                        "num_speculative_tokens": K}, **options)
+    assert llm.engine.speculator.proposer.config.aux_layer_ids == (2, 15, 27)
+    rounds = record_head_drafts(monkeypatch)
+    got = llm.chat([messages, messages], params, use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in got] == [expected] * 2
+    check_head_drafts(default_model, llm, rounds[::4])
