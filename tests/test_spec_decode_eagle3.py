@@ -384,6 +384,16 @@ def test_accepted_runs_roll_back_with_the_head_and_leak_no_pages(target, plain, 
     check_head_drafts(target, eagle, rounds)
 
 
+def test_sequences_without_drafts_share_steps_with_the_head_exactly(plain, eagle):
+    """A penalized request (never drafted for) and a short max_tokens in a batch with speculating ones."""
+    prompts = prompts_of(3, seed=6)
+    params = [GREEDY, SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)]
+    reference = token_ids(plain.generate(prompts, params, use_tqdm=False))
+    assert token_ids(eagle.generate(prompts, params, use_tqdm=False)) == reference
+    assert eagle.engine.stats()["num_pages_used"] == 0
+
+
 def test_seeded_random_sampling_is_reproducible_with_the_head(target, eagle, monkeypatch):
     """Random rows verify the head's point-mass drafts (``rejection.verify``, exact by the chi-square
     test of tests/test_spec_decode.py); here: seeds reproduce, and the head's state stays right."""
