@@ -310,9 +310,9 @@ s8final)
         --budget-s $(( left - 30 )) ;;
 s9eagle)
     wheels
-    on_gpu 0 eagle3.log 300 python3 benchmarks/spec_decode.py eagle3 --out "$R/eagle3" --ks 1 3 5
+    on_gpu 0 eagle3.log 300 python3 benchmarks/spec_decode.py eagle3 --out "$R/eagle3" --ks 1 3 5 --budget-s 200
     # The random head (~0.85 GB) is written under $R: removed before packing.
-    on_gpu 0 eagle3_engine.log 240 python3 benchmarks/spec_decode.py eagle3-engine --out "$R/eagle3_engine" --ks 3 5
+    on_gpu 0 eagle3_engine.log 240 python3 benchmarks/spec_decode.py eagle3-engine --out "$R/eagle3_engine" --ks 3 5 --budget-s 150
     rm -rf "$R/eagle3_engine/eagle3-head" ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;

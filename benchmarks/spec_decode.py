@@ -499,6 +499,8 @@ def eagle3_cost(args, log):
     log(f"plain decode step: {plain['async'] * 1e3:.3f} ms back to back, {plain['sync'] * 1e3:.3f} ms one at a time")
     rows = []
     for k in args.ks:
+        if not _time_left(log):
+            break
         row = dict(k=k)
         runner = runner_for(k, aux=False)
         row["verify_ms"] = best_time(step(runner, inputs_for(runner, k), False)) * 1e3
@@ -562,6 +564,16 @@ def eagle3_cost(args, log):
     return {"ceilings": ceilings, "roofline_ms": roofline_ms, "head_bytes": head_bytes,
             "head_roofline_ms": head_roofline_ms, "plain_ms": plain["async"] * 1e3, "plain_sync_ms": plain["sync"] * 1e3,
             "aux_layer_ids": list(aux_ids), "draft_vocab": draft_vocab, "rows": rows}, md
+
+
+_DEADLINE = [None]  # (--budget-s) the time after which no new k starts: results of finished ones are written
+
+
+def _time_left(log) -> bool:
+    if _DEADLINE[0] is not None and time.perf_counter() > _DEADLINE[0]:
+        log("budget spent: no more k")
+        return False
+    return True
 
 
 def write_random_eagle3_head(path: Path, shape: str, draft_vocab: int, seed: int = 0) -> Path:
@@ -642,6 +654,8 @@ def eagle3_engine(args, log):
     log(f"plain async decode: {plain_step * 1e3:.3f} ms per step")
     rows = []
     for k in args.ks:
+        if not _time_left(log):
+            break
         start = time.perf_counter()
         engine = Engine(model, EngineConfig(**base, speculative_config={"method": "eagle3", "model": str(head_dir),
                                                                         "num_speculative_tokens": k}),
@@ -681,9 +695,13 @@ def main():
     parser.add_argument("--max-num-seqs", type=int, default=1)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--draft-vocab", type=int, default=32000, help="eagle3: the head's draft vocabulary")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="eagle3, eagle3-engine: start no new k after this many seconds")
     parser.add_argument("--acceptance", nargs="+",
                         help="spec_acceptance.json files of acceptance runs, for the effective time per token")
     args = parser.parse_args()
+    if args.budget_s is not None:
+        _DEADLINE[0] = time.perf_counter() + args.budget_s
     log = Log()
     info = header(log)
     run = {"acceptance": acceptance, "step-cost": step_cost, "engine": engine_steps, "eagle3": eagle3_cost,
