@@ -107,7 +107,8 @@ def load_eagle3_head(path: str | Path, target: ModelConfig, dtype) -> tuple[Eagl
     try:
         get = _safetensors_getter(path)
     except FileNotFoundError as error:
-        raise SpeculativeConfigError(f"{FIELD}: {error}", field=FIELD) from None
+        # Some EAGLE-3 heads are published as pytorch_model.bin: convert them to safetensors first.
+        raise SpeculativeConfigError(f"{FIELD}: {error} (only safetensors heads are read)", field=FIELD) from None
     names = get.names
     top = "model." if "model.fc.weight" in names else ""
     prefix = _layer_prefix(names)
