@@ -56,8 +56,12 @@
 #   s9a     one GPU, session 9 (carry .whl): fp8 throughput-1k at 1024 sequences with a trace of 6
 #           steady decode steps (kernel and host tables) and a cProfile of 24 more, then latency_lab.
 #   s9b     one GPU, session 9 (carry .whl): s8spec's engine run, then the fp8-page tile sweep.
+#   s9eagle one GPU (carry .whl), session 9: EAGLE-3 at batch 1 (8B shapes, a random head of the
+#           Llama-3.1-8B heads' shapes): the verify step with and without the target's features,
+#           the head's round and the synchronous cycle for k = 1/3/5 (spec_decode.py eagle3),
+#           then the engine loop with a random head checkpoint at k = 3/5 (eagle3-engine).
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a or s9b}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b or s9eagle}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -329,6 +333,12 @@ s9b)
     left=$(( 570 - SECONDS ))
     (( left > 90 )) && on_gpu 0 ka.log "$left" python3 benchmarks/kernel_frontier.py --out "$R/ka" \
         --only ceilings,fp8 --budget-s $(( left - 50 )) ;;
+s9eagle)
+    wheels
+    on_gpu 0 eagle3.log 300 python3 benchmarks/spec_decode.py eagle3 --out "$R/eagle3" --ks 1 3 5 --budget-s 200
+    # The random head (~0.85 GB) is written under $R: removed before packing.
+    on_gpu 0 eagle3_engine.log 240 python3 benchmarks/spec_decode.py eagle3-engine --out "$R/eagle3_engine" --ks 3 5 --budget-s 150
+    rm -rf "$R/eagle3_engine/eagle3-head" ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac

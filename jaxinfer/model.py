@@ -145,10 +145,24 @@ def hidden_states(
     weights: Weights, cache: KVCache, batch: StepBatch, config: ModelConfig, attention_impl: str = "auto"
 ) -> tuple[jax.Array, KVCache]:
     """Run every layer over the step's tokens; returns the final-normed hidden states [T, E]."""
+    x, _, cache = hidden_states_and_aux(weights, cache, batch, config, attention_impl, ())
+    return x, cache
+
+
+def hidden_states_and_aux(
+    weights: Weights, cache: KVCache, batch: StepBatch, config: ModelConfig, attention_impl: str,
+    aux_layers: tuple[int, ...],
+) -> tuple[jax.Array, jax.Array | None, KVCache]:
+    """:func:`hidden_states`, and the residual stream entering each layer of ``aux_layers`` (an
+    EAGLE-3 head's input, ``jaxinfer.spec_decode.eagle3``), concatenated in that order: [T, len * E];
+    None when ``aux_layers`` is empty, whose program is exactly :func:`hidden_states`'s."""
     x = weights.embed[batch.token_ids]  # [T, E]
+    aux = {}
     new_k, new_v = [], []
     rope = rope_tables(batch.positions, rope_inverse_frequencies(config))  # once per step, not per layer
     for i, layer in enumerate(weights.layers):
+        if i in aux_layers:
+            aux[i] = x  # HF's hidden_states[i], vLLM's aux hidden state of layer i
         with jax.named_scope(f"layer_{i}"):
             with jax.named_scope("attention"):
                 attn, k_pages, v_pages = attention_block(
@@ -159,7 +173,9 @@ def hidden_states(
                 x = x + mlp_block(layer, x, config)
         new_k.append(k_pages)
         new_v.append(v_pages)
-    return rms_norm(x, weights.final_norm, config.rms_norm_eps), dataclasses.replace(cache, k=new_k, v=new_v)
+    aux_states = jnp.concatenate([aux[i] for i in aux_layers], axis=-1) if aux_layers else None
+    cache = dataclasses.replace(cache, k=new_k, v=new_v)
+    return rms_norm(x, weights.final_norm, config.rms_norm_eps), aux_states, cache
 
 
 def compute_logits(weights: Weights, x: jax.Array) -> jax.Array:
@@ -180,3 +196,13 @@ def forward(
     """
     x, cache = hidden_states(weights, cache, batch, config, attention_impl)
     return compute_logits(weights, x[batch.logits_indices]), cache
+
+
+def forward_with_aux(
+    weights: Weights, cache: KVCache, batch: StepBatch, config: ModelConfig, attention_impl: str,
+    aux_layers: tuple[int, ...],
+) -> tuple[jax.Array, jax.Array, KVCache]:
+    """:func:`forward` that also returns every token's auxiliary hidden states [T, len(aux_layers) * E]
+    (:func:`hidden_states_and_aux`): only the programs of an engine with an EAGLE-3 head call it."""
+    x, aux, cache = hidden_states_and_aux(weights, cache, batch, config, attention_impl, aux_layers)
+    return compute_logits(weights, x[batch.logits_indices]), aux, cache
