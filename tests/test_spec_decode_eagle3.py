@@ -26,7 +26,7 @@ from jaxinfer.checkpoint import load_model
 from jaxinfer.kv_cache import create_kv_cache
 from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.model import (apply_rope, hidden_states, hidden_states_and_aux, mlp_block, output_projection, rms_norm,
-                            rope_inverse_frequencies)
+                            rope_inverse_frequencies, rope_tables)
 from jaxinfer.params import init_random
 from jaxinfer.runner import ModelRunner
 from jaxinfer.spec_decode import eagle3_proposer
@@ -273,9 +273,9 @@ def reference_head_pass(head, embed, tokens, hidden, config):
     normed_hidden = rms_norm(hidden, head.hidden_norm, c.rms_norm_eps)
     residual = normed_hidden if config.norm_before_residual else hidden
     x = jnp.concatenate([rms_norm(embed[tokens], layer.attn_norm, c.rms_norm_eps), normed_hidden], -1)
-    inv_freq = rope_inverse_frequencies(c)
-    q = apply_rope(jnp.einsum("te,ehd->thd", x, layer.q), positions, inv_freq)
-    k = apply_rope(jnp.einsum("te,ehd->thd", x, layer.k), positions, inv_freq)
+    rope = rope_tables(positions, rope_inverse_frequencies(c))
+    q = apply_rope(jnp.einsum("te,ehd->thd", x, layer.q), rope)
+    k = apply_rope(jnp.einsum("te,ehd->thd", x, layer.k), rope)
     v = jnp.einsum("te,ehd->thd", x, layer.v)
     group = c.num_q_heads // c.num_kv_heads
     k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)

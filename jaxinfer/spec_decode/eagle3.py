@@ -38,7 +38,7 @@ from jaxinfer.batch import StepBatch
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.linear import linear, linear_many
-from jaxinfer.model import apply_rope, mlp_block, output_projection, rms_norm, rope_inverse_frequencies
+from jaxinfer.model import apply_rope, mlp_block, output_projection, rms_norm, rope_inverse_frequencies, rope_tables
 from jaxinfer.params import LayerWeights
 from jaxinfer.spec_decode.aux_hidden import gather_aux_hidden
 
@@ -123,8 +123,8 @@ def head_layer(head: Eagle3Weights, cache: KVCache, embeds: jax.Array, hidden: j
         q, k, v = linear_many("te,ehd->thd", x, (layer.q, layer.k, layer.v))  # [T, Hq|Hkv, D]
         if c.attention_bias:
             q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
-        inv_freq = rope_inverse_frequencies(c)
-        q, k = apply_rope(q, batch.positions, inv_freq), apply_rope(k, batch.positions, inv_freq)
+        rope = rope_tables(batch.positions, rope_inverse_frequencies(c))
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         out, k_pages, v_pages = paged_attention(q, k, v, cache.k[0], cache.v[0], batch, sm_scale=c.head_dim**-0.5,
                                                 impl=attention_impl)
     residual = residual + output_projection(out, layer.o)
