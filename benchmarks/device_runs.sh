@@ -56,12 +56,14 @@
 #   s9a     one GPU, session 9 (carry .whl): fp8 throughput-1k at 1024 sequences with a trace of 6
 #           steady decode steps (kernel and host tables) and a cProfile of 24 more, then latency_lab.
 #   s9b     one GPU, session 9 (carry .whl): s8spec's engine run, then the fp8-page tile sweep.
+#   s9c     one GPU, session 9 (carry .whl and .gpu/fp8mma, a helper's tree): the FP8-dot decode
+#           modes, the fresh-prefill path in the engine, EAGLE-3's cost at batch 1.
 #   s9eagle one GPU (carry .whl), session 9: EAGLE-3 at batch 1 (8B shapes, a random head of the
 #           Llama-3.1-8B heads' shapes): the verify step with and without the target's features,
 #           the head's round and the synchronous cycle for k = 1/3/5 (spec_decode.py eagle3),
 #           then the engine loop with a random head checkpoint at k = 3/5 (eagle3-engine).
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b or s9eagle}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c or s9eagle}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -339,6 +341,17 @@ s9eagle)
     # The random head (~0.85 GB) is written under $R: removed before packing.
     on_gpu 0 eagle3_engine.log 240 python3 benchmarks/spec_decode.py eagle3-engine --out "$R/eagle3_engine" --ks 3 5 --budget-s 150
     rm -rf "$R/eagle3_engine/eagle3-head" ;;
+s9c)
+    # Session 9, third call: the FP8-dot modes of the fp8-page decode kernel (from the helper's tree,
+    # carried as .gpu/fp8mma: not merged, it conflicts with gpu_tile's refactor), the fresh-prefill
+    # path inside the engine (compile time, TTFT, a prefill-heavy mix), EAGLE-3's cost at batch 1.
+    wheels
+    (cd .gpu/fp8mma && on_gpu 0 fp8mma.log 200 python3 benchmarks/fp8_mma_decode.py --out "$R/fp8mma" \
+        --modes off,qk,swap,swap_qk --repeats 8)
+    on_gpu 0 prefill_engine.log 230 python3 benchmarks/prefill_engine.py --out "$R/pe" --budget-s 170
+    left=$(( 575 - SECONDS ))
+    (( left > 60 )) && on_gpu 0 eagle3.log "$left" python3 benchmarks/spec_decode.py eagle3 --out "$R/eagle3" \
+        --ks 3 5 --budget-s $(( left - 40 )) ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac
