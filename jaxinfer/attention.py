@@ -11,8 +11,9 @@ longest fresh prefill (no cached prefix, >= 1024 tokens) sent through jax's bund
 attention (``pallas_kernels.paged_attention.gpu_fresh_prefill``); on other platforms it is ``"auto"``.
 ``"pallas_gpu_fresh_prefill_branchless"`` is the same with our bf16 Mosaic GPU window kernel
 (``gpu_fresh_window``), which needs no device conditional.
-What ``"auto"`` runs on a Hopper GPU is ``HOPPER_AUTO_IMPL``: making the fresh path the default is
-that one line (and docs/KERNELS.md), once ``benchmarks/prefill_engine.py`` says so.
+What ``"auto"`` runs on a Hopper GPU is ``HOPPER_AUTO_IMPL``: the fresh path, since
+``benchmarks/prefill_engine.py`` measured it faster in the engine (below); ``attention_impl="pallas_gpu"``
+keeps the Triton kernel for every step.
 
 FP8 pages (``kv_cache_dtype="fp8"``) are scaled here, so that every kernel only converts the
 tiles it loads: the new K/V are quantized before the kernel writes them, ``k_scale`` is folded
@@ -36,10 +37,12 @@ IMPLEMENTATIONS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu", "pall
                    "pallas_gpu_fresh_prefill_branchless")
 _FRESH_PREFILL = ("pallas_gpu_fresh_prefill", "pallas_gpu_fresh_prefill_branchless")
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
-# "auto" on a Hopper GPU (sm_90). "pallas_gpu_fresh_prefill" would send each prefill-heavy step's
-# longest fresh prompt (>= MIN_FRESH_TOKENS) through the Mosaic GPU kernel; it is not the default
-# until its engine-level cost (compile time, TTFT, a prefill-heavy mix) is measured.
-HOPPER_AUTO_IMPL = "pallas_gpu"
+# "auto" on a Hopper GPU (sm_90): each prefill-heavy step's longest fresh prompt (>= MIN_FRESH_TOKENS)
+# goes through the Mosaic GPU kernel. Measured in the engine on an H200 (session 9,
+# benchmarks/results/prefill_engine.session9.md): TTFT 104.7 -> 101.5 ms at 4k, 556 -> 470 ms at 16k,
+# 1604 -> 1209 ms at 32k, the same prompt tok/s on a 1k-8k mix, identical first tokens; its cost is
+# compile time (29 programs in 69 s instead of 47 s at a 32k token budget). "pallas_gpu" turns it off.
+HOPPER_AUTO_IMPL = "pallas_gpu_fresh_prefill"
 
 
 def resolve_impl(impl: str, platform: str | None = None, head_dim: int | None = None) -> str:

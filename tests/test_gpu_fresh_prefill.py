@@ -264,7 +264,8 @@ def test_dispatcher_takes_the_fresh_prefill_path_only_by_name_and_only_on_a_gpu(
     from jaxinfer.attention import resolve_impl
 
     assert resolve_impl("pallas_gpu_fresh_prefill", "gpu", head_dim=128) == "pallas_gpu_fresh_prefill"
-    assert resolve_impl("auto", "gpu", head_dim=128) == "pallas_gpu"  # opt-in until the lead measures it
+    assert resolve_impl("auto", "gpu", head_dim=128) == "pallas_gpu_fresh_prefill"  # Hopper's default
+    assert resolve_impl("pallas_gpu", "gpu", head_dim=128) == "pallas_gpu"  # the Triton kernel alone, by name
     assert resolve_impl("pallas_gpu_fresh_prefill", "cpu") == "cpu"
     assert resolve_impl("pallas_gpu_fresh_prefill", "tpu") == "pallas_tpu"
     assert resolve_impl("pallas_gpu_fresh_prefill", "gpu", head_dim=96) == "reference"  # as "auto" would
@@ -274,16 +275,18 @@ def test_dispatcher_takes_the_fresh_prefill_path_only_by_name_and_only_on_a_gpu(
     assert resolve_impl("pallas_gpu_fresh_prefill_branchless", "cpu") == "cpu"
 
 
-def test_flipping_the_hopper_default_changes_auto_on_hopper_only(monkeypatch):
+def test_the_hopper_default_changes_auto_on_hopper_only(monkeypatch):
     import jaxinfer.attention as attention
 
-    monkeypatch.setattr(attention, "HOPPER_AUTO_IMPL", "pallas_gpu_fresh_prefill")
+    assert attention.HOPPER_AUTO_IMPL == "pallas_gpu_fresh_prefill"
     assert attention.resolve_impl("auto", "gpu", head_dim=128) == "pallas_gpu_fresh_prefill"
     assert attention.resolve_impl("auto", "rocm", head_dim=128) == "pallas_gpu"
     assert attention.resolve_impl("auto", "gpu", head_dim=96) == "reference"
     assert attention.resolve_impl("auto", "tpu") == "pallas_tpu"
     assert attention.resolve_impl("auto") == "cpu"  # this machine
     assert attention.resolve_impl("pallas_gpu", "gpu", head_dim=128) == "pallas_gpu"  # a name is kept
+    monkeypatch.setattr(attention, "HOPPER_AUTO_IMPL", "pallas_gpu")  # the one line that turns it off
+    assert attention.resolve_impl("auto", "gpu", head_dim=128) == "pallas_gpu"
 
 
 def test_model_step_with_the_fresh_prefill_impl_runs_on_cpu_as_auto():
@@ -298,3 +301,27 @@ def test_model_step_with_the_fresh_prefill_impl_runs_on_cpu_as_auto():
     for impl in ("pallas_gpu_fresh_prefill", "pallas_gpu_fresh_prefill_branchless"):
         got = paged_attention(*args, sm_scale=case.sm_scale, impl=impl)[0]
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_fp8_pages_keep_the_paged_kernel_under_the_hopper_default():
+    # The Hopper default also serves kv_cache_dtype="fp8" engines: their steps never take the
+    # window (can_take_fresh_prefill wants 16-bit pages) and stay exact on the Triton kernel.
+    case = make_case(11, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                     pad_tokens=5, nan_fill=False)
+    fp8 = jnp.float8_e4m3fn
+    case.k_new, case.v_new = case.k_new.astype(fp8), case.v_new.astype(fp8)
+    case.k_pages, case.v_pages = case.k_pages.astype(fp8), case.v_pages.astype(fp8)
+    ref = ragged_paged_attention_reference(*case.args(), sm_scale=case.sm_scale)
+    calls = []
+
+    def recording(q, k, v, *, sm_scale):
+        calls.append(q.shape)
+        return dense_causal(q, k, v, sm_scale=sm_scale)
+
+    out, k_pages, v_pages = fp.ragged_paged_attention_gpu_fresh_prefill(
+        *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=recording,
+        interpret=True, max_window_waste=4.0)
+    assert calls == []  # not even traced: the window's branch is not built for fp8 pages
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref[0], np.float32), rtol=3e-2, atol=3e-2)
+    np.testing.assert_array_equal(np.asarray(k_pages, np.float32), np.asarray(ref[1], np.float32))
+    np.testing.assert_array_equal(np.asarray(v_pages, np.float32), np.asarray(ref[2], np.float32))
