@@ -96,6 +96,135 @@ CHAT = [
 ]
 
 
+PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "spec_prompts.json"
+
+
+def load_prompt_sets(path: Path = PROMPTS_FILE) -> dict[str, list[str]]:
+    """The prompt sets of ``benchmarks/data/spec_prompts.json``, their ``{TEXT}`` fields filled in."""
+    data = json.loads(Path(path).read_text())
+    texts = data["texts"]
+
+    def fill(prompt):
+        for name, text in texts.items():
+            prompt = prompt.replace("{" + name + "}", text)
+        return prompt
+
+    return {name: [fill(p) for p in data[name]] for name in ("copy-heavy", "chat")}
+
+
+def greedy_outputs(args, log):
+    """Speculation off, greedy, all prompts in one batch: each prompt's token ids and its output's.
+
+    Greedy output is token-identical with speculation on (tests/test_spec_decode*.py), so what a
+    proposer would gain on it follows from these ids alone (``jaxinfer.spec_decode.replay``).
+    """
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.checkpoint import load_model
+
+    dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    sets = load_prompt_sets()
+    prompts = [(name, p) for name, ps in sets.items() for p in ps]
+    llm = LLM(loaded=load_model(args.model, dtype=dtype), max_model_len=1024, max_num_seqs=len(prompts),
+              max_num_batched_tokens=2048, use_tqdm=False, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    start = time.perf_counter()
+    outputs = llm.chat([[{"role": "user", "content": p}] for _, p in prompts], params, use_tqdm=False)
+    log(f"{len(prompts)} prompts, {sum(len(o.outputs[0].token_ids) for o in outputs)} output tokens in "
+        f"{time.perf_counter() - start:.1f} s")
+    records = [dict(set=name, prompt=p, prompt_token_ids=list(map(int, o.prompt_token_ids)),
+                    output_token_ids=list(map(int, o.outputs[0].token_ids)), finish_reason=o.outputs[0].finish_reason)
+               for (name, p), o in zip(prompts, outputs)]
+    md = [f"# Greedy outputs, {args.model} ({dtype}), speculation off", "", f"Command: `{header_command()}`", "",
+          "| set | prompt | output tokens | finish |", "| --- | --- | --- | --- |"]
+    md += [f"| {r['set']} | {r['prompt'][:50]!r} | {len(r['output_token_ids'])} | {r['finish_reason']} |" for r in records]
+    return {"model": args.model, "dtype": dtype, "max_tokens": args.max_tokens, "records": records}, md
+
+
+def lookup_variant(variant: str, min_n: int, max_n: int, num_prompt: int):
+    """A prompt-lookup proposer ``(context, room) -> drafts`` for the replay, by how it picks a match.
+
+    ``latest``: what ``spec_decode/ngram.py`` does (the longest n-gram, its latest earlier
+    occurrence). ``earliest``: its first occurrence. ``prompt-only``: matches inside the prompt
+    only (what drafting from the generated text adds). ``overlap``: ``latest``, but a continuation
+    that reaches the context's end goes on through its own drafts (a copy that overlaps itself, as
+    LZ77 does: "a b a b" drafts "a b a b ..." rather than stopping after two tokens).
+    """
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    from jaxinfer.spec_decode.ngram import propose_ngram
+
+    if variant == "latest":
+        return lambda context, room: propose_ngram(context, room, min_n, max_n)
+
+    def propose(context, room):
+        length = context.shape[0]
+        searched = context[: min(length - 1, num_prompt)] if variant == "prompt-only" else context[: length - 1]
+        for n in range(min(max_n, length - 1), min_n - 1, -1):
+            if searched.shape[0] < n:
+                continue
+            matches = np.flatnonzero((sliding_window_view(searched, n) == context[length - n:]).all(axis=1))
+            if matches.size:
+                start = int(matches[0 if variant == "earliest" else -1]) + n
+                if variant != "overlap":
+                    return context[start: start + room].tolist()
+                period = length - start  # each draft repeats the token `period` before it
+                extended = context[start:].tolist()
+                while len(extended) < room:
+                    extended.append(extended[len(extended) - period])
+                return extended[:room]
+        return []
+
+    if variant not in ("earliest", "prompt-only", "overlap"):
+        raise ValueError(f"unknown lookup variant {variant!r}")
+    return propose
+
+
+def replay_acceptance(args, log):
+    """Tokens per target step of prompt-lookup settings, replayed over recorded greedy outputs."""
+    from jaxinfer.spec_decode.config import SpeculativeConfig
+    from jaxinfer.spec_decode.replay import ReplayCounts, replay_greedy
+
+    recorded = json.loads(Path(args.outputs).read_text())
+    records = recorded["records"]
+    settings = [(variant, k, min_n, max_n, judge) for variant in args.variants for k in args.ks
+                for min_n in args.lookup_mins for max_n in args.lookup_maxes if min_n <= max_n
+                for judge in (True, False)]
+    rows = []
+    for variant, k, min_n, max_n, judge in settings:
+        config = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=min_n, prompt_lookup_max=max_n)
+        row = dict(variant=variant, k=k, prompt_lookup_min=min_n, prompt_lookup_max=max_n, judge=judge)
+        for name in ("copy-heavy", "chat"):
+            total, per_prompt = ReplayCounts(), []
+            for record in records:
+                if record["set"] != name:
+                    continue
+                propose = lookup_variant(variant, min_n, max_n, len(record["prompt_token_ids"]))
+                counts = replay_greedy(record["prompt_token_ids"], record["output_token_ids"], propose, config,
+                                       max_tokens=recorded["max_tokens"], max_model_len=1024, judge=judge)
+                total += counts
+                per_prompt.append(round(counts.tokens_per_step, 3))
+            row[name] = dict(dataclasses.asdict(total), tokens_per_step=total.tokens_per_step,
+                             mean_acceptance_length=total.mean_acceptance_length, acceptance_rate=total.acceptance_rate,
+                             share_of_steps_with_drafts=total.share_of_steps_with_drafts, per_prompt=per_prompt)
+        rows.append(row)
+    rows.sort(key=lambda r: -r["copy-heavy"]["tokens_per_step"])
+    for r in rows[:15]:
+        log(f"{r['variant']:11s} k={r['k']:2d} n={r['prompt_lookup_min']}..{r['prompt_lookup_max']:2d} "
+            f"judge={'on ' if r['judge'] else 'off'}: copy-heavy {r['copy-heavy']['tokens_per_step']:.2f}, "
+            f"chat {r['chat']['tokens_per_step']:.2f} tokens per target step")
+    md = [f"# Prompt lookup replayed over greedy outputs of {recorded['model']} ({recorded['dtype']})", "",
+          f"Command: `{header_command()}`  ",
+          f"outputs: `{args.outputs}` ({len(records)} prompts, max_tokens {recorded['max_tokens']})", "",
+          "| lookup | k | n min..max | low-gain switch | copy-heavy tokens/step | steps with drafts | acceptance length "
+          "| chat tokens/step | steps with drafts |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        c, h = r["copy-heavy"], r["chat"]
+        md.append(f"| {r['variant']} | {r['k']} | {r['prompt_lookup_min']}..{r['prompt_lookup_max']} | "
+                  f"{'on' if r['judge'] else 'off'} | {c['tokens_per_step']:.3f} | {c['share_of_steps_with_drafts']:.0%} | "
+                  f"{c['mean_acceptance_length']:.2f} | {h['tokens_per_step']:.3f} | {h['share_of_steps_with_drafts']:.0%} |")
+    return {"outputs": args.outputs, "rows": rows}, md
+
+
 def run_plain(llm_plain, prompts, max_tokens):
     """Speculation off, greedy, one request at a time: each prompt's (output token ids, seconds)."""
     from jaxinfer import SamplingParams
@@ -395,13 +524,18 @@ def engine_steps(args, log):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=("acceptance", "step-cost", "engine"))
+    parser.add_argument("mode", choices=("outputs", "replay", "acceptance", "step-cost", "engine"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--lookup-min", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--outputs", help="replay: a spec_greedy_outputs.json of the outputs mode")
+    parser.add_argument("--variants", nargs="+", default=["latest"],
+                        help="replay: how a match is picked (latest, earliest, prompt-only, overlap)")
+    parser.add_argument("--lookup-mins", type=int, nargs="+", default=[1, 2], help="replay: prompt_lookup_min values")
+    parser.add_argument("--lookup-maxes", type=int, nargs="+", default=[4], help="replay: prompt_lookup_max values")
     parser.add_argument("--shape", default="llama-3.1-8b")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=1)
@@ -411,9 +545,9 @@ def main():
     args = parser.parse_args()
     log = Log()
     info = header(log)
-    run = {"acceptance": acceptance, "step-cost": step_cost, "engine": engine_steps}[args.mode]
+    run = {"outputs": greedy_outputs, "replay": replay_acceptance, "acceptance": acceptance, "step-cost": step_cost, "engine": engine_steps}[args.mode]
     results, md = run(args, log)
-    name = {"acceptance": "spec_acceptance", "step-cost": "spec_step_cost", "engine": "spec_engine"}[args.mode]
+    name = {"outputs": "spec_greedy_outputs", "replay": "spec_replay", "acceptance": "spec_acceptance", "step-cost": "spec_step_cost", "engine": "spec_engine"}[args.mode]
     write_results(args.out, name, {"info": info, "args": vars(args) | {"out": str(args.out)}, **results},
                   "\n".join(md) + "\n", log)
 
