@@ -1,15 +1,25 @@
 """Speculative decoding: acceptance on real weights, and the verify step's cost on the GPU.
 
+    python benchmarks/spec_decode.py outputs --out DIR [--model smollm2-135m-instruct] [--max-tokens 256]
+    python benchmarks/spec_decode.py replay --out DIR --outputs DIR/spec_greedy_outputs.json [--ks ...]
+        [--lookup-mins 1 2] [--lookup-maxes 4] [--variants latest ...] [--judges 0.1,0.1 off]
     python benchmarks/spec_decode.py acceptance --out DIR [--model smollm2-135m-instruct] [--ks 2 4 8]
     python3 benchmarks/spec_decode.py step-cost --out DIR [--shape llama-3.1-8b] [--acceptance DIR/spec_acceptance.json ...]
     python3 benchmarks/spec_decode.py engine --out DIR [--shape llama-3.1-8b] [--ks 5] [--acceptance ...]
 
+``outputs`` (CPU is fine): the default model's greedy outputs, speculation off, for the prompts of
+``benchmarks/data/spec_prompts.json`` (copy-heavy and chat), token ids and all. ``replay``: from
+those alone, the exact tokens per target step of prompt-lookup settings (k, lookup lengths, which
+match, the low-gain switch), as ``jaxinfer.spec_decode.replay`` computes them: greedy output is
+the same with speculation on, so a proposer's gain follows from the recorded tokens. Hundreds of
+settings in seconds after one slow run of the model.
+
 ``acceptance`` (the ``latency-spec`` workload of shared/BENCHMARKS.md; CPU is fine): the default
-model with real weights, greedy, one request at a time (batch 1), 128 output tokens, on two
-prompt sets: *copy-heavy* (repeat, quote or edit a given passage; change code) and *plain
-chat*. For each set and each ``k`` it reports the mean acceptance length (tokens a verify
-step gives: accepted drafts + 1), the tokens per target step over the whole output (steps
-without a draft count as 1), whether the output is token-identical to speculation off, and
+model with real weights, greedy, one request at a time (batch 1), 128 output tokens, on the
+same two prompt sets (``--num-prompts``: the first N of each), through the engine itself, with
+the replay of its plain outputs beside it as a check. For each set and each ``k`` it reports
+the mean acceptance length (tokens a verify step gives: accepted drafts + 1), the tokens per
+target step over the whole output (steps without a draft count as 1), whether the output is token-identical to speculation off, and
 the wall time per output token beside speculation off (on a CPU the step is compute-bound,
 so the wall-time ratio says little about a GPU: see ``step-cost``).
 
@@ -28,7 +38,8 @@ where L(k) is the tokens per target step measured on real weights (a step withou
 costs a plain synchronous step and gives one token; the JSON's ``tokens_per_step`` already
 counts those). Writes DIR/spec_acceptance.* or DIR/spec_step_cost.{json,md,log}.
 
-``engine`` (the GPU; same shapes, batch 1, a 1,024-token prompt, 256 greedy output tokens): the
+``engine`` (the GPU; same shapes, batch 1, a 1,024-token prompt, 256 greedy output tokens;
+``--modes async`` skips the synchronous runs; ``--acceptance`` takes a ``replay`` JSON too): the
 whole engine loop, host included, as ``Engine.step`` runs it, for plain async decode and, per
 ``k``, speculation with asynchronous verify steps (``async_verify``: drafts made on the device,
 accepted counts read a step late) and with synchronous ones (the host reads each verify step
