@@ -16,7 +16,7 @@ from jaxinfer.spec_decode.config import SpeculativeConfig
 from jaxinfer.spec_decode.ngram import propose_ngram
 from jaxinfer.spec_decode.replay import ReplayCounts, replay_greedy
 
-from .conftest import FIXTURES
+from .conftest import FIXTURES, REPO
 
 OPTIONS = dict(max_model_len=96, max_num_seqs=1, max_num_batched_tokens=64, num_pages=32, page_size=16,
                use_tqdm=False, max_wait_s=0.0)
@@ -85,3 +85,18 @@ def test_replay_of_a_copy_counts_steps_by_hand():
     assert counts.tokens_per_step == 2.0
     capped = replay_greedy(prompt, output, lookup, config, max_tokens=6, max_model_len=64)
     assert capped.num_steps == 3  # room for the last run: 6 - 4 - 1 = 1 draft, + the token after it
+
+
+def test_lookup_variants_of_the_benchmark_pick_the_match_they_name():
+    """benchmarks/spec_decode.py's variants, on a context where they disagree (by hand)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from spec_decode import lookup_variant
+
+    context = np.array([5, 1, 2, 1, 2, 9, 1, 2], np.int32)  # a 5-token prompt, then 9 1 2
+    assert lookup_variant("latest", 1, 3, 5)(context, 6) == [9, 1, 2]  # the latest "1 2", then the end
+    assert lookup_variant("earliest", 1, 3, 5)(context, 6) == [1, 2, 9, 1, 2]
+    assert lookup_variant("overlap", 1, 3, 5)(context, 6) == [9, 1, 2, 9, 1, 2]  # copies through its own drafts
+    assert lookup_variant("prompt-only", 1, 3, 4)(context, 6) == [1, 2, 9, 1, 2]  # the only "1 2" in the first 4 tokens
+    assert lookup_variant("latest", 1, 3, 5)(context, 6) == propose_ngram(context, 6, 1, 3)
