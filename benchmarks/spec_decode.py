@@ -1,17 +1,27 @@
 """Speculative decoding: acceptance on real weights, and the verify step's cost on the GPU.
 
+    python benchmarks/spec_decode.py outputs --out DIR [--model smollm2-135m-instruct] [--max-tokens 256]
+    python benchmarks/spec_decode.py replay --out DIR --outputs DIR/spec_greedy_outputs.json [--ks ...]
+        [--lookup-mins 1 2] [--lookup-maxes 4] [--variants latest ...] [--judges 0.1,0.1 off]
     python benchmarks/spec_decode.py acceptance --out DIR [--model smollm2-135m-instruct] [--ks 2 4 8]
     python3 benchmarks/spec_decode.py step-cost --out DIR [--shape llama-3.1-8b] [--acceptance DIR/spec_acceptance.json ...]
     python3 benchmarks/spec_decode.py engine --out DIR [--shape llama-3.1-8b] [--ks 5] [--acceptance ...]
     python3 benchmarks/spec_decode.py eagle3 --out DIR [--shape llama-3.1-8b] [--ks 1 3 5 7] [--draft-vocab 32000]
     python3 benchmarks/spec_decode.py eagle3-engine --out DIR [--shape llama-3.1-8b] [--ks 3 5]
 
+``outputs`` (CPU is fine): the default model's greedy outputs, speculation off, for the prompts of
+``benchmarks/data/spec_prompts.json`` (copy-heavy and chat), token ids and all. ``replay``: from
+those alone, the exact tokens per target step of prompt-lookup settings (k, lookup lengths, which
+match, the low-gain switch), as ``jaxinfer.spec_decode.replay`` computes them: greedy output is
+the same with speculation on, so a proposer's gain follows from the recorded tokens. Hundreds of
+settings in seconds after one slow run of the model.
+
 ``acceptance`` (the ``latency-spec`` workload of shared/BENCHMARKS.md; CPU is fine): the default
-model with real weights, greedy, one request at a time (batch 1), 128 output tokens, on two
-prompt sets: *copy-heavy* (repeat, quote or edit a given passage; change code) and *plain
-chat*. For each set and each ``k`` it reports the mean acceptance length (tokens a verify
-step gives: accepted drafts + 1), the tokens per target step over the whole output (steps
-without a draft count as 1), whether the output is token-identical to speculation off, and
+model with real weights, greedy, one request at a time (batch 1), 128 output tokens, on the
+same two prompt sets (``--num-prompts``: the first N of each), through the engine itself, with
+the replay of its plain outputs beside it as a check. For each set and each ``k`` it reports
+the mean acceptance length (tokens a verify step gives: accepted drafts + 1), the tokens per
+target step over the whole output (steps without a draft count as 1), whether the output is token-identical to speculation off, and
 the wall time per output token beside speculation off (on a CPU the step is compute-bound,
 so the wall-time ratio says little about a GPU: see ``step-cost``).
 
@@ -30,7 +40,8 @@ where L(k) is the tokens per target step measured on real weights (a step withou
 costs a plain synchronous step and gives one token; the JSON's ``tokens_per_step`` already
 counts those). Writes DIR/spec_acceptance.* or DIR/spec_step_cost.{json,md,log}.
 
-``engine`` (the GPU; same shapes, batch 1, a 1,024-token prompt, 256 greedy output tokens): the
+``engine`` (the GPU; same shapes, batch 1, a 1,024-token prompt, 256 greedy output tokens;
+``--modes async`` skips the synchronous runs; ``--acceptance`` takes a ``replay`` JSON too): the
 whole engine loop, host included, as ``Engine.step`` runs it, for plain async decode and, per
 ``k``, speculation with asynchronous verify steps (``async_verify``: drafts made on the device,
 accepted counts read a step late) and with synchronous ones (the host reads each verify step
@@ -90,63 +101,191 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from common import Log, header, write_results  # noqa: E402
 
-PASSAGE = (
-    "The lighthouse keeper climbed the spiral stairs every evening at dusk. He wiped the salt from the "
-    "great lens, trimmed the wick, and wrote the weather in a leather book: wind from the north-west, "
-    "swell moderate, two fishing boats returning late. In forty years he had missed the lamp only once, "
-    "on the night his daughter was born, and the harbour master had forgiven him with a bottle of rum."
-)
-CODE = '''def moving_average(values, window):
-    """Mean of each run of `window` consecutive values."""
-    if window <= 0:
-        raise ValueError("window must be positive")
-    averages = []
-    for start in range(len(values) - window + 1):
-        chunk = values[start:start + window]
-        averages.append(sum(chunk) / window)
-    return averages
-'''
-COPY_HEAVY = [
-    f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}",
-    f"Fix any spelling mistakes in this text and output the whole corrected text:\n\n{PASSAGE.replace('weather', 'wether')}",
-    f"Rename the function `moving_average` to `rolling_mean` and output the full updated code:\n\n{CODE}",
-    f"Add type hints to this Python function and output the complete function:\n\n{CODE}",
-    f"Quote the sentence about the harbour master from this passage, then explain it:\n\n{PASSAGE}",
-    f"Convert this function to use a list comprehension and show the whole new function:\n\n{CODE}",
-]
-CHAT = [
-    "What is the capital of France, and what is it famous for?",
-    "Write a short poem about the sea at night.",
-    "Give me three tips for learning a new language.",
-    "Explain in simple words how a rainbow forms.",
-    "What should I pack for a weekend hiking trip?",
-    "Why do cats purr?",
-]
+PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "spec_prompts.json"
+
+
+def load_prompt_sets(path: Path = PROMPTS_FILE) -> dict[str, list[str]]:
+    """The prompt sets of ``benchmarks/data/spec_prompts.json``, their ``{TEXT}`` fields filled in."""
+    data = json.loads(Path(path).read_text())
+    texts = data["texts"]
+
+    def fill(prompt):
+        for name, text in texts.items():
+            prompt = prompt.replace("{" + name + "}", text)
+        return prompt
+
+    return {name: [fill(p) for p in data[name]] for name in ("copy-heavy", "chat")}
+
+
+def greedy_outputs(args, log):
+    """Speculation off, greedy, all prompts in one batch: each prompt's token ids and its output's.
+
+    Greedy output is token-identical with speculation on (tests/test_spec_decode*.py), so what a
+    proposer would gain on it follows from these ids alone (``jaxinfer.spec_decode.replay``).
+    """
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.checkpoint import load_model
+
+    dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    sets = load_prompt_sets()
+    prompts = [(name, p) for name, ps in sets.items() for p in ps]
+    llm = LLM(loaded=load_model(args.model, dtype=dtype), max_model_len=1024, max_num_seqs=len(prompts),
+              max_num_batched_tokens=2048, use_tqdm=False, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    start = time.perf_counter()
+    outputs = llm.chat([[{"role": "user", "content": p}] for _, p in prompts], params, use_tqdm=False)
+    log(f"{len(prompts)} prompts, {sum(len(o.outputs[0].token_ids) for o in outputs)} output tokens in "
+        f"{time.perf_counter() - start:.1f} s")
+    records = [dict(set=name, prompt=p, prompt_token_ids=list(map(int, o.prompt_token_ids)),
+                    output_token_ids=list(map(int, o.outputs[0].token_ids)), finish_reason=o.outputs[0].finish_reason)
+               for (name, p), o in zip(prompts, outputs)]
+    md = [f"# Greedy outputs, {args.model} ({dtype}), speculation off", "", f"Command: `{header_command()}`", "",
+          "| set | prompt | output tokens | finish |", "| --- | --- | --- | --- |"]
+    md += [f"| {r['set']} | {r['prompt'][:50]!r} | {len(r['output_token_ids'])} | {r['finish_reason']} |" for r in records]
+    return {"model": args.model, "dtype": dtype, "max_tokens": args.max_tokens, "records": records}, md
+
+
+def lookup_variant(variant: str, min_n: int, max_n: int, num_prompt: int):
+    """A prompt-lookup proposer ``(context, room) -> drafts`` for the replay, by how it picks a match.
+
+    ``latest``: what ``spec_decode/ngram.py`` does (the longest n-gram, its latest earlier
+    occurrence). ``earliest``: its first occurrence. ``prompt-only``: matches inside the prompt
+    only (what drafting from the generated text adds). ``overlap``: ``latest``, but a continuation
+    that reaches the context's end goes on through its own drafts (a copy that overlaps itself, as
+    LZ77 does: "a b a b" drafts "a b a b ..." rather than stopping after two tokens).
+    """
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    from jaxinfer.spec_decode.ngram import propose_ngram
+
+    if variant == "latest":
+        return lambda context, room: propose_ngram(context, room, min_n, max_n)
+
+    def propose(context, room):
+        length = context.shape[0]
+        searched = context[: min(length - 1, num_prompt)] if variant == "prompt-only" else context[: length - 1]
+        for n in range(min(max_n, length - 1), min_n - 1, -1):
+            if searched.shape[0] < n:
+                continue
+            matches = np.flatnonzero((sliding_window_view(searched, n) == context[length - n:]).all(axis=1))
+            if matches.size:
+                start = int(matches[0 if variant == "earliest" else -1]) + n
+                if variant != "overlap":
+                    return context[start: start + room].tolist()
+                period = length - start  # each draft repeats the token `period` before it
+                extended = context[start:].tolist()
+                while len(extended) < room:
+                    extended.append(extended[len(extended) - period])
+                return extended[:room]
+        return []
+
+    if variant not in ("earliest", "prompt-only", "overlap"):
+        raise ValueError(f"unknown lookup variant {variant!r}")
+    return propose
+
+
+def load_acceptance(args) -> list[dict]:
+    """``(set, k, tokens_per_step)`` rows of ``--acceptance`` files: an ``acceptance`` run's rows, or
+    the rows of a ``replay`` run for this run's lookup (``latest``, ``--lookup-min/max``, the low-gain
+    switch's default thresholds for asynchronous verify steps, as an engine runs by default)."""
+    from jaxinfer.spec_decode.config import SpeculativeConfig
+
+    default = SpeculativeConfig(async_verify=True)
+    rows = []
+    for path in args.acceptance or []:
+        for row in json.loads(Path(path).read_text())["rows"]:
+            if "set" in row:
+                rows.append(row)
+            elif (row["variant"], row["prompt_lookup_min"], row["prompt_lookup_max"], row["min_acceptance_rate"],
+                  row["min_accepted_per_step"]) == ("latest", args.lookup_min, args.lookup_max,
+                                                    default.min_acceptance_rate, default.min_accepted_per_step):
+                rows += [dict(set=name, k=row["k"], tokens_per_step=row[name]["tokens_per_step"])
+                         for name in ("copy-heavy", "chat")]
+    return rows
+
+
+def judge_label(row) -> str:
+    return f"rate {row['min_acceptance_rate']:g}, gain {row['min_accepted_per_step']:g}" if row["judge"] else "off"
+
+
+def replay_acceptance(args, log):
+    """Tokens per target step of prompt-lookup settings, replayed over recorded greedy outputs."""
+    from jaxinfer.spec_decode.config import SpeculativeConfig
+    from jaxinfer.spec_decode.replay import ReplayCounts, replay_greedy
+
+    recorded = json.loads(Path(args.outputs).read_text())
+    records = recorded["records"]
+    # The low-gain switch: "off", or "RATE,PER_STEP" (min_acceptance_rate, min_accepted_per_step).
+    judges = [None if j == "off" else tuple(map(float, j.split(","))) for j in args.judges]
+    settings = [(variant, k, min_n, max_n, judge) for variant in args.variants for k in args.ks
+                for min_n in args.lookup_mins for max_n in args.lookup_maxes if min_n <= max_n for judge in judges]
+    rows = []
+    for variant, k, min_n, max_n, thresholds in settings:
+        judge = thresholds is not None
+        config = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=min_n, prompt_lookup_max=max_n,
+                                   **(dict(zip(("min_acceptance_rate", "min_accepted_per_step"), thresholds)) if judge else {}))
+        row = dict(variant=variant, k=k, prompt_lookup_min=min_n, prompt_lookup_max=max_n, judge=judge,
+                   min_acceptance_rate=config.min_acceptance_rate if judge else None,
+                   min_accepted_per_step=config.min_accepted_per_step if judge else None)
+        for name in ("copy-heavy", "chat"):
+            total, per_prompt = ReplayCounts(), []
+            for record in records:
+                if record["set"] != name:
+                    continue
+                propose = lookup_variant(variant, min_n, max_n, len(record["prompt_token_ids"]))
+                counts = replay_greedy(record["prompt_token_ids"], record["output_token_ids"], propose, config,
+                                       max_tokens=recorded["max_tokens"], max_model_len=1024, judge=judge)
+                total += counts
+                per_prompt.append(round(counts.tokens_per_step, 3))
+            row[name] = dict(dataclasses.asdict(total), tokens_per_step=total.tokens_per_step,
+                             mean_acceptance_length=total.mean_acceptance_length, acceptance_rate=total.acceptance_rate,
+                             share_of_steps_with_drafts=total.share_of_steps_with_drafts, per_prompt=per_prompt)
+        rows.append(row)
+    rows.sort(key=lambda r: -r["copy-heavy"]["tokens_per_step"])
+    for r in rows[:15]:
+        log(f"{r['variant']:11s} k={r['k']:2d} n={r['prompt_lookup_min']}..{r['prompt_lookup_max']:2d} "
+            f"judge={r['min_acceptance_rate']},{r['min_accepted_per_step']}: copy-heavy {r['copy-heavy']['tokens_per_step']:.2f}, "
+            f"chat {r['chat']['tokens_per_step']:.2f} tokens per target step")
+    md = [f"# Prompt lookup replayed over greedy outputs of {recorded['model']} ({recorded['dtype']})", "",
+          f"Command: `{header_command()}`  ",
+          f"outputs: `{args.outputs}` ({len(records)} prompts, max_tokens {recorded['max_tokens']})", "",
+          "| lookup | k | n min..max | low-gain switch | copy-heavy tokens/step | steps with drafts | acceptance length "
+          "| chat tokens/step | steps with drafts |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        c, h = r["copy-heavy"], r["chat"]
+        md.append(f"| {r['variant']} | {r['k']} | {r['prompt_lookup_min']}..{r['prompt_lookup_max']} | "
+                  f"{judge_label(r)} | {c['tokens_per_step']:.3f} | {c['share_of_steps_with_drafts']:.0%} | "
+                  f"{c['mean_acceptance_length']:.2f} | {h['tokens_per_step']:.3f} | {h['share_of_steps_with_drafts']:.0%} |")
+    return {"outputs": args.outputs, "rows": rows}, md
 
 
 def run_plain(llm_plain, prompts, max_tokens):
-    """Speculation off, greedy, one request at a time: each prompt's (output token ids, seconds)."""
+    """Speculation off, greedy, one request at a time: each prompt's (output token ids, seconds, prompt token ids)."""
     from jaxinfer import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     results = {}
     for prompt in prompts:
         start = time.perf_counter()
-        out = llm_plain.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0].outputs[0]
-        results[prompt] = (out.token_ids, time.perf_counter() - start)
+        out = llm_plain.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
+        results[prompt] = (out.outputs[0].token_ids, time.perf_counter() - start, out.prompt_token_ids)
     return results
 
 
 def run_set(plain_results, llm_spec, prompts, max_tokens):
-    """Greedy, one request at a time, through the chat template: per-set acceptance and timing."""
+    """Greedy, one request at a time, through the chat template: per-set acceptance and timing,
+    beside what the replay (``jaxinfer.spec_decode.replay``) computes from the plain output alone."""
     from jaxinfer import SamplingParams
+    from jaxinfer.spec_decode.replay import ReplayCounts, replay_greedy
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     totals = dict(output_tokens=0, accepted=0, drafts=0, draft_tokens=0, identical=0, plain_s=0.0, spec_s=0.0)
+    config = llm_spec.engine.speculator.config
+    replayed = ReplayCounts()
     per_prompt = []
     for prompt in prompts:
         messages = [{"role": "user", "content": prompt}]
-        plain_ids, plain_s = plain_results[prompt]
+        plain_ids, plain_s, prompt_ids = plain_results[prompt]
         totals["plain_s"] += plain_s
         before = llm_spec.engine.stats()
         start = time.perf_counter()
@@ -161,7 +300,12 @@ def run_set(plain_results, llm_spec, prompts, max_tokens):
         totals["drafts"] += after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
         totals["draft_tokens"] += after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
         totals["identical"] += int(spec.token_ids == plain_ids)
-    # Every target step (prefill's first token included) gives 1 token plus what it accepted.
+        propose = lookup_variant("latest", config.prompt_lookup_min, config.prompt_lookup_max, len(prompt_ids))
+        replayed += replay_greedy(prompt_ids, plain_ids, propose, config, max_tokens=max_tokens,
+                                  max_model_len=llm_spec.engine.config.max_model_len)
+    # Every target step (prefill's first token included) gives 1 token plus what it accepted. The
+    # engine records no run its sequence ends in, so this counts the last run's tokens as steps and
+    # reads a little low; the replay counts steps exactly (compare the accepted counts).
     steps = totals["output_tokens"] - totals["accepted"]
     return dict(
         totals,
@@ -172,6 +316,7 @@ def run_set(plain_results, llm_spec, prompts, max_tokens):
         share_of_steps_with_drafts=totals["drafts"] / max(1, steps),
         wall_ratio_spec_over_plain=totals["spec_s"] / max(1e-9, totals["plain_s"]),
         per_prompt=per_prompt,
+        replay=dict(dataclasses.asdict(replayed), tokens_per_step=replayed.tokens_per_step),
     )
 
 
@@ -184,32 +329,37 @@ def acceptance(args, log):
     options = dict(max_model_len=1024, max_num_seqs=1, max_num_batched_tokens=256, use_tqdm=False, max_wait_s=0.0,
                    enable_prefix_caching=False)
     plain = LLM(loaded=model, **options)
-    sets = (("copy-heavy", COPY_HEAVY), ("chat", CHAT))
+    sets = tuple((name, prompts[: args.num_prompts]) for name, prompts in load_prompt_sets().items())
     plain_results = {name: run_plain(plain, prompts, args.max_tokens) for name, prompts in sets}
     del plain
     rows = []
     for k in args.ks:
         spec = LLM(loaded=model, speculative_config={"method": "ngram", "num_speculative_tokens": k,
                                                      "prompt_lookup_max": args.lookup_max,
-                                                     "prompt_lookup_min": args.lookup_min}, **options)
+                                                     "prompt_lookup_min": args.lookup_min,
+                                                     "async_verify": args.async_verify == "on"}, **options)
         for name, prompts in sets:
             row = dict(set=name, k=k, **run_set(plain_results[name], spec, prompts, args.max_tokens))
             rows.append(row)
             log(f"{name:10s} k={k}: acceptance length {row['mean_acceptance_length']:.2f} per verify step, "
                 f"{row['tokens_per_step']:.2f} tokens per target step, drafts in {row['share_of_steps_with_drafts']:.0%} "
                 f"of steps, rate {row['acceptance_rate']:.0%}, identical {row['identical']}/{row['num_prompts']}, "
-                f"wall spec/plain {row['wall_ratio_spec_over_plain']:.2f}; per prompt "
+                f"wall spec/plain {row['wall_ratio_spec_over_plain']:.2f}; replayed: {row['replay']['tokens_per_step']:.2f} "
+                f"tokens per step, {row['replay']['num_accepted_tokens']} accepted (engine {row['accepted']}); per prompt "
                 + ", ".join(f"{p['tokens_per_step']:.2f}" for p in row["per_prompt"]))
         assert spec.engine.stats()["num_compilations_after_warmup"] == 0
         del spec
     md = [f"# Speculative decoding acceptance, {args.model} ({dtype}, n-gram, greedy, batch 1)", "",
           f"Command: `{header_command()}`", "",
-          "| set | k | acceptance length | tokens / target step | steps with drafts | acceptance rate | identical | wall spec/plain |",
-          "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+          "Tokens / target step: the engine's recorded counts (a request's last run is not recorded: a "
+          "little low); replayed: exact, from the plain output. Accepted tokens: engine / replay.", "",
+          "| set | k | acceptance length | tokens / target step | replayed | accepted | steps with drafts | acceptance rate "
+          "| identical | wall spec/plain |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         md.append(f"| {r['set']} | {r['k']} | {r['mean_acceptance_length']:.2f} | {r['tokens_per_step']:.2f} | "
-                  f"{r['share_of_steps_with_drafts']:.0%} | {r['acceptance_rate']:.0%} | {r['identical']}/{r['num_prompts']} | "
-                  f"{r['wall_ratio_spec_over_plain']:.2f} |")
+                  f"{r['replay']['tokens_per_step']:.2f} | {r['accepted']} / {r['replay']['num_accepted_tokens']} | "
+                  f"{r['share_of_steps_with_drafts']:.0%} | {r['acceptance_rate']:.0%} | "
+                  f"{r['identical']}/{r['num_prompts']} | {r['wall_ratio_spec_over_plain']:.2f} |")
     return {"rows": rows}, md
 
 
@@ -277,7 +427,7 @@ def step_cost(args, log):
     del plain_runner
     log(f"plain decode step: {plain['async'] * 1e3:.3f} ms back to back, {plain['sync'] * 1e3:.3f} ms one at a time "
         f"({plain['async'] * 1e3 / roofline_ms:.2f}x roofline)")
-    acceptance_rows = [row for path in args.acceptance or [] for row in json.loads(Path(path).read_text())["rows"]]
+    acceptance_rows = load_acceptance(args)
     rows = []
     for k in range(1, 9):
         runner = runner_for(k)
@@ -378,14 +528,15 @@ def engine_steps(args, log):
     plain_step, _, plain_tpot, _ = best_of(plain_engine, "plain")
     log(f"plain async decode: {plain_step * 1e3:.3f} ms per step (engine built in {seconds:.1f} s)")
     del plain_engine
-    acceptance_rows = [row for path in args.acceptance or [] for row in json.loads(Path(path).read_text())["rows"]]
+    acceptance_rows = load_acceptance(args)
     rows = []
     for k in args.ks:
         row = dict(k=k)
-        for mode in ("async", "sync"):
+        for mode in args.modes:
             config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": args.lookup_max,
                       "prompt_lookup_min": args.lookup_min, "async_verify": mode == "async"}
             engine, seconds = build(config)
+            row[f"{mode}_build_s"] = seconds
             if mode == "async":  # the low-gain switch on: what speculating costs where it does not help
                 row["judged_tpot_ms"] = best_of(engine, "judged")[2] * 1e3
             # Every step verifies: random weights would otherwise be judged low and run plain.
@@ -398,14 +549,16 @@ def engine_steps(args, log):
             del engine
         for acc in acceptance_rows:
             if acc["k"] == k:
-                row[f"effective_ms_{acc['set']}"] = row["async_step_ms"] / acc["tokens_per_step"]
-                row[f"effective_sync_ms_{acc['set']}"] = row["sync_step_ms"] / acc["tokens_per_step"]
+                for mode in args.modes:
+                    label = "effective_ms" if mode == "async" else "effective_sync_ms"
+                    row[f"{label}_{acc['set']}"] = row[f"{mode}_step_ms"] / acc["tokens_per_step"]
+        if "judged_tpot_ms" in row:
+            row["judged_ratio_to_plain"] = row["judged_tpot_ms"] / (plain_tpot * 1e3)
         rows.append(row)
-        log(f"k={k}: async verify step {row['async_step_ms']:.3f} ms ({row['async_ratio_to_plain']:.3f}x plain), "
-            f"sync {row['sync_step_ms']:.3f} ms ({row['sync_ratio_to_plain']:.3f}x); steps verifying drafts "
-            f"{row['async_share_of_steps_verifying']:.0%} / {row['sync_share_of_steps_verifying']:.0%}; low-gain switch on: "
-            f"{row['judged_tpot_ms']:.3f} ms/token ({row['judged_tpot_ms'] / (plain_tpot * 1e3):.3f}x plain)"
-            + "".join(f"; {key} {v:.3f}" for key, v in row.items() if key.startswith("effective")))
+        log(f"k={k}: " + ", ".join(f"{mode} verify step {row[mode + '_step_ms']:.3f} ms "
+                                   f"({row[mode + '_ratio_to_plain']:.3f}x plain, verifying drafts in "
+                                   f"{row[mode + '_share_of_steps_verifying']:.0%} of steps)" for mode in args.modes)
+            + "".join(f"; {key} {v:.3f}" for key, v in row.items() if key.startswith(("effective", "judged"))))
     md = [f"# Speculative decoding through the engine loop, {args.shape}, batch 1, prompt {args.context}", "",
           f"Command: `{header_command()}`  ",
           f"plain async decode {plain_step * 1e3:.3f} ms per step", "",
@@ -413,11 +566,13 @@ def engine_steps(args, log):
           "| k | async step ms | x plain | sync step ms | x plain | effective async (copy-heavy) | (chat) | "
           "effective sync (copy-heavy) | judged-low run ms/token | x plain |",
           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    nan = float("nan")
     for r in rows:
-        md.append(f"| {r['k']} | {r['async_step_ms']:.3f} | {r['async_ratio_to_plain']:.3f} | {r['sync_step_ms']:.3f} | "
-                  f"{r['sync_ratio_to_plain']:.3f} | {r.get('effective_ms_copy-heavy', float('nan')):.3f} | "
-                  f"{r.get('effective_ms_chat', float('nan')):.3f} | {r.get('effective_sync_ms_copy-heavy', float('nan')):.3f} | "
-                  f"{r['judged_tpot_ms']:.3f} | {r['judged_tpot_ms'] / (plain_tpot * 1e3):.3f} |")
+        md.append(f"| {r['k']} | {r.get('async_step_ms', nan):.3f} | {r.get('async_ratio_to_plain', nan):.3f} | "
+                  f"{r.get('sync_step_ms', nan):.3f} | {r.get('sync_ratio_to_plain', nan):.3f} | "
+                  f"{r.get('effective_ms_copy-heavy', nan):.3f} | {r.get('effective_ms_chat', nan):.3f} | "
+                  f"{r.get('effective_sync_ms_copy-heavy', nan):.3f} | {r.get('judged_tpot_ms', nan):.3f} | "
+                  f"{r.get('judged_ratio_to_plain', nan):.3f} |")
     return {"plain_step_ms": plain_step * 1e3, "plain_tpot_ms": plain_tpot * 1e3, "rows": rows}, md
 
 
@@ -683,13 +838,23 @@ def eagle3_engine(args, log):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=("acceptance", "step-cost", "engine", "eagle3", "eagle3-engine"))
+    parser.add_argument("mode", choices=("outputs", "replay", "acceptance", "step-cost", "engine", "eagle3",
+                                         "eagle3-engine"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--lookup-max", type=int, default=4)
-    parser.add_argument("--lookup-min", type=int, default=2)
+    parser.add_argument("--lookup-min", type=int, default=1)
+    parser.add_argument("--num-prompts", type=int, help="acceptance: the first N prompts of each set (default: all)")
+    parser.add_argument("--async-verify", choices=("on", "off"), default="on", help="acceptance: speculative_config.async_verify")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--outputs", help="replay: a spec_greedy_outputs.json of the outputs mode")
+    parser.add_argument("--variants", nargs="+", default=["latest"],
+                        help="replay: how a match is picked (latest, earliest, prompt-only, overlap)")
+    parser.add_argument("--lookup-mins", type=int, nargs="+", default=[1, 2], help="replay: prompt_lookup_min values")
+    parser.add_argument("--judges", nargs="+", default=["0.1,0.1", "off"],
+                        help="replay: low-gain switches, 'RATE,PER_STEP' (min_acceptance_rate, min_accepted_per_step) or off")
+    parser.add_argument("--lookup-maxes", type=int, nargs="+", default=[4], help="replay: prompt_lookup_max values")
     parser.add_argument("--shape", default="llama-3.1-8b")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=1)
@@ -697,6 +862,8 @@ def main():
     parser.add_argument("--draft-vocab", type=int, default=32000, help="eagle3: the head's draft vocabulary")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="eagle3, eagle3-engine: start no new k after this many seconds")
+    parser.add_argument("--modes", nargs="+", choices=("async", "sync"), default=["async", "sync"],
+                        help="engine: verify steps to time (async_verify on, off)")
     parser.add_argument("--acceptance", nargs="+",
                         help="spec_acceptance.json files of acceptance runs, for the effective time per token")
     args = parser.parse_args()
@@ -704,11 +871,12 @@ def main():
         _DEADLINE[0] = time.perf_counter() + args.budget_s
     log = Log()
     info = header(log)
-    run = {"acceptance": acceptance, "step-cost": step_cost, "engine": engine_steps, "eagle3": eagle3_cost,
-           "eagle3-engine": eagle3_engine}[args.mode]
+    run = {"outputs": greedy_outputs, "replay": replay_acceptance, "acceptance": acceptance, "step-cost": step_cost,
+           "engine": engine_steps, "eagle3": eagle3_cost, "eagle3-engine": eagle3_engine}[args.mode]
     results, md = run(args, log)
-    name = {"acceptance": "spec_acceptance", "step-cost": "spec_step_cost", "engine": "spec_engine",
-            "eagle3": "spec_eagle3", "eagle3-engine": "spec_eagle3_engine"}[args.mode]
+    name = {"outputs": "spec_greedy_outputs", "replay": "spec_replay", "acceptance": "spec_acceptance",
+            "step-cost": "spec_step_cost", "engine": "spec_engine", "eagle3": "spec_eagle3",
+            "eagle3-engine": "spec_eagle3_engine"}[args.mode]
     write_results(args.out, name, {"info": info, "args": vars(args) | {"out": str(args.out)}, **results},
                   "\n".join(md) + "\n", log)
 

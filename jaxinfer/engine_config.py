@@ -56,8 +56,8 @@ Why:
   because it costs some accuracy (``benchmarks/results/kv_cache_accuracy.md``). A device
   without FP8 refuses it when the config is resolved, before the cache is allocated.
 - ``speculative_config``: speculative decoding (``jaxinfer.spec_decode``, docs/SPECULATIVE.md) is
-  opt-in: it pays at small batches on text that repeats its context, and a request's drafts need
-  its tokens on the host before the next step is prepared.
+  opt-in: it pays at small batches on text that repeats its context, and it changes what a seeded
+  sampled request returns (the target's distribution is kept, not a plain run's samples).
 - ``quantization``: the weights are quantized when the model is loaded (``load_model(...,
   quantization=)``); the engine serves what was loaded, and a value given here must match it.
 

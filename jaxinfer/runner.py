@@ -485,7 +485,9 @@ def _forward_step(weights, cache, token_pages, packed, last_sampled, device_draf
     if device_drafts is not None:
         prev_slots, draft_rows = unpacked[2:]
         batch = continue_batch(batch, prev_slots, draft_rows, device_drafts)
-    token_pages = write_tokens(token_pages, token_ids, batch)
+    # The batch's tokens, device drafts included: the history the next lookup reads must hold an
+    # accepted draft itself, not the placeholder the host scheduled in its place.
+    token_pages = write_tokens(token_pages, batch.token_ids, batch)
     if aux_layers:
         logits, aux, cache = forward_with_aux(weights, cache, batch, config, attention_impl, aux_layers)
         return (logits, token_pages, write_aux_hidden(aux_pages, aux, batch)), cache

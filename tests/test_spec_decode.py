@@ -19,6 +19,7 @@ from jaxinfer.checkpoint import load_model
 from jaxinfer.errors import RequestError
 from jaxinfer.page_allocator import PageAllocator
 from jaxinfer.sampling import SamplingFlags, SamplingTensors
+from jaxinfer.sampling_params import SequenceSampling
 from jaxinfer.sequence import Sequence
 from jaxinfer.spec_decode import speculator as speculator_module
 from jaxinfer.spec_decode.config import SpeculativeConfig
@@ -31,7 +32,8 @@ from .test_page_allocator import check_allocator_invariants
 K = 3
 OPTIONS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, num_pages=96, page_size=16,
                use_tqdm=False, max_wait_s=0.0)
-SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3}
+# Synchronous verify steps, host drafts (the oracle below); test_spec_decode_lagged runs the default, async_verify.
+SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "async_verify": False}
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
@@ -102,6 +104,26 @@ def test_config_validation_names_the_field():
         with pytest.raises(RequestError) as error:
             SpeculativeConfig.from_value(bad)
         assert error.value.field == field
+
+
+def test_config_defaults_async_verify_for_ngram_and_limits_verify_rows_on_accelerators():
+    ngram = SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": 5})
+    assert ngram.async_verify is True  # the device drafts: no host turnaround between verify steps
+    assert SpeculativeConfig(method="draft_model", model="d").async_verify is False
+    assert SpeculativeConfig(async_verify=False).async_verify is False
+    # "auto": no limit on the CPU; on an accelerator batch * (k + 1) verify rows stay within 64.
+    assert ngram.batch_size_limit("cpu") is None
+    assert ngram.batch_size_limit("gpu") == 10 and SpeculativeConfig(num_speculative_tokens=16).batch_size_limit("tpu") == 3
+    assert SpeculativeConfig(disable_by_batch_size=None).batch_size_limit("gpu") is None
+    assert SpeculativeConfig(disable_by_batch_size=4).batch_size_limit("cpu") == 4
+    for bad in (0, "always", 2.5, True):
+        with pytest.raises(RequestError) as error:
+            SpeculativeConfig(disable_by_batch_size=bad)
+        assert error.value.field == "speculative_config.disable_by_batch_size"
+    speculator = speculator_module.Speculator(ngram, 128, platform="gpu")
+    params = SamplingParams(temperature=0)
+    seqs = [Sequence(i, str(i), [1, 2, 3], sampling=SequenceSampling(params, 0, 16, i)) for i in range(11)]
+    assert speculator.may_speculate(seqs[:10]) and not speculator.may_speculate(seqs)
 
 
 def _rows(num_seqs, k, temperature, seeds, top_k=0):

@@ -16,6 +16,14 @@ METHODS = ("ngram", "draft_model", "eagle3")
 # More drafts than this cost a wider verify step for tokens that are rarely all accepted; it
 # also bounds the verify programs compiled at start-up (k + 1 logits rows per sequence).
 MAX_SPECULATIVE_TOKENS = 16
+# disable_by_batch_size "auto" on an accelerator: speculate while a step's verify rows,
+# batch * (k + 1), stay at most this many. A decode step reads every weight once whatever its
+# row count until the matmuls turn compute-bound (an H200 in bf16: ~1 FLOP per weight byte per
+# row against ~160-200 FLOP/byte of compute per byte of HBM bandwidth), and an n-gram gains
+# 1.3-2.5 tokens a step: rows must stay well under that ridge to pay. Measured on the H200
+# (benchmarks/results/spec_step_cost.h200.md, batch 1): 2-8 rows cost 1.00x a plain step, 9 rows
+# (the 16-token bucket) 1.03x. docs/SPECULATIVE.md, "Who speculates".
+MAX_VERIFY_ROWS_ON_ACCELERATORS = 64
 
 
 class SpeculativeConfigError(RequestError):
@@ -27,28 +35,32 @@ class SpeculativeConfig:
     """What to speculate with. ``None`` limits mean "no limit" (module docstring of speculator)."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    # 7: k + 1 = 8 rows fill a batch-1 step's smallest token bucket, where verifying costs 1.00x a
+    # plain step on the H200 (k = 8 crosses into the 16-token bucket: 1.03x); replayed on SmolLM2,
+    # copy-heavy prompts gain 2.70 tokens a step at k = 7, 2.53 at 5, 2.87 at 10 (docs/SPECULATIVE.md).
+    num_speculative_tokens: int = 7
     prompt_lookup_max: int = 4  # longest suffix n-gram looked up in the context
     prompt_lookup_min: int = 1  # shortest one tried before giving up this step
     # "draft_model": a built-in name or directory sharing the tokenizer; "eagle3": the head's
     # directory (jaxinfer.spec_decode.eagle3_checkpoint)
     model: str | None = None
     # A step with more running sequences than this does not speculate (vLLM's key). None:
-    # every batch size speculates, as an explicit config asks.
-    disable_by_batch_size: int | None = None
+    # every batch size speculates. "auto": batch_size_limit() picks by platform.
+    disable_by_batch_size: int | str | None = "auto"
     # A sequence whose accepted/drafted ratio is below this after judge_after_drafts drafted
     # tokens stops speculating: its verify rows would cost work for nothing.
-    min_acceptance_rate: float = 0.1
+    min_acceptance_rate: float | None = None
     judge_after_drafts: int = 32
     # A sequence that gains fewer accepted tokens than this per step it could draft in (the
     # n-gram finding no match counts as a step without gain), once it has had judge_after_steps
     # of them, stops speculating: its steps then run asynchronously again.
-    min_accepted_per_step: float = 0.1
+    min_accepted_per_step: float | None = None
     judge_after_steps: int = 32
     # n-gram only: draft on the device from the previous verify step's output, so the host
     # dispatches each verify step without waiting for the one before (docs/SPECULATIVE.md).
-    # Needs the engine's async scheduling; with it off, steps are synchronous anyway.
-    async_verify: bool = False
+    # Needs the engine's async scheduling; with it off, steps are synchronous anyway. None: on
+    # for n-gram (on the H200 a verify step then costs 1.01x a plain step, 1.64x synchronously).
+    async_verify: bool | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -66,15 +78,39 @@ class SpeculativeConfig:
             raise SpeculativeConfigError(
                 f"speculative_config needs 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
                 f"({self.prompt_lookup_max})", field="speculative_config.prompt_lookup_min", limit=self.prompt_lookup_max)
-        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
-            raise SpeculativeConfigError("speculative_config.disable_by_batch_size must be positive",
-                                         field="speculative_config.disable_by_batch_size", limit=1)
+        limit = self.disable_by_batch_size
+        if limit is not None and limit != "auto" and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise SpeculativeConfigError(
+                f"speculative_config.disable_by_batch_size must be a positive integer, \"auto\" or null, got {limit!r}",
+                field="speculative_config.disable_by_batch_size", limit=1)
+        if self.async_verify is None:
+            object.__setattr__(self, "async_verify", self.method == "ngram")
+        # Judge by what a step without gain costs. An asynchronous verify step costs 1.01x a plain
+        # one whatever it drafts (H200, batch 1): a sequence pays for itself from 0.01 accepted
+        # tokens a step, and the drafted tokens' acceptance rate costs nothing. A synchronous one
+        # costs 1.6x (the host waits for it): judge drafts and gain.
+        defaults = (0.0, 0.02) if self.async_verify else (0.1, 0.1)
+        for name, default in zip(("min_acceptance_rate", "min_accepted_per_step"), defaults):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
         if self.async_verify and self.method != "ngram":
             raise SpeculativeConfigError("speculative_config.async_verify drafts by prompt lookup on the device: "
                                          "it needs method \"ngram\"", field="speculative_config.async_verify")
         if not 0 <= self.min_acceptance_rate <= 1:
             raise SpeculativeConfigError("speculative_config.min_acceptance_rate must be in [0, 1]",
                                          field="speculative_config.min_acceptance_rate")
+
+    def batch_size_limit(self, platform: str) -> int | None:
+        """The most running sequences a step may have and still carry drafts (None: no limit).
+
+        ``"auto"``: none on the CPU (where the project tests and a verify row costs its arithmetic
+        at any batch), else as many sequences as keep ``batch * (k + 1)`` verify rows within
+        ``MAX_VERIFY_ROWS_ON_ACCELERATORS``."""
+        if self.disable_by_batch_size != "auto":
+            return self.disable_by_batch_size
+        if platform == "cpu":
+            return None
+        return max(1, MAX_VERIFY_ROWS_ON_ACCELERATORS // (self.num_speculative_tokens + 1))
 
     @classmethod
     def from_value(cls, value) -> SpeculativeConfig | None:

@@ -7,9 +7,10 @@ accepted counts reach the host the engine applies the kept tokens and calls :fun
 
 Who speculates (a sequence gets no drafts otherwise):
 
-- only with a ``speculative_config``; then every platform (CPU included) and, unless
-  ``disable_by_batch_size`` is set, every batch size: a large batch makes a step compute-bound,
-  where verify rows cost real work, so a deployment that serves large batches sets the limit;
+- only with a ``speculative_config``; then every platform (CPU included), in steps of at most
+  ``disable_by_batch_size`` running sequences: a large batch makes a step compute-bound, where
+  verify rows cost real work. Its default, ``"auto"``, limits the verify rows on an accelerator
+  and sets no limit on the CPU (``SpeculativeConfig.batch_size_limit``);
 - a step with a sequence whose sampling the verifier does not reproduce row by row
   (structured outputs, logit_bias, bad_words: applied outside ``sampling.sample``) carries no drafts;
 - a sequence with repetition/presence/frequency penalties (its later rows would need the
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 
+import jax
 import numpy as np
 
 from jaxinfer.page_allocator import PageAllocator
@@ -64,10 +66,12 @@ class NgramProposer:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer=None):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer=None, platform: str | None = None):
         """``proposer``: an object with ``propose(seqs, rooms)``, ``accept``, ``forget``, ``warm_up``
-        (``NgramProposer`` or ``draft_model.DraftModelProposer``); default: n-gram."""
+        (``NgramProposer`` or ``draft_model.DraftModelProposer``); default: n-gram. ``platform``:
+        where the steps run (``jax.default_backend()`` if None), for ``disable_by_batch_size="auto"``."""
         self.config = config
+        self.batch_size_limit = config.batch_size_limit(platform or jax.default_backend())
         self.proposer = proposer or NgramProposer(config)
         self.max_model_len = max_model_len
         self._drafted: dict[int, int] = {}  # seq_id -> draft tokens verified so far
@@ -160,7 +164,7 @@ class Speculator:
         return False
 
     def _step_allows(self, running: list[Sequence], waiting=()) -> bool:
-        limit = self.config.disable_by_batch_size
+        limit = self.batch_size_limit
         if limit is not None and len(running) > limit:
             return False
         # A waiting sequence the step admits counts too: drafts would make its step a verify step,
