@@ -39,11 +39,12 @@ from tqdm.auto import tqdm
 
 from jaxinfer.bad_words import gather_output_tail
 from jaxinfer.compile_options import PhasedJit, graph_options
-from jaxinfer.input_batch import PackedStep, StepInputs, empty_step_inputs, pack_step
+from jaxinfer.input_batch import PackedStep, StepInputs, empty_step_inputs, is_full_path, pack_step
 from jaxinfer.kv_cache import create_kv_cache
 from jaxinfer.kv_cache_dtype import storage_dtype
 from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.model import forward
+from jaxinfer.page_table_rows import PageTableRows
 from jaxinfer.sampling import SamplerOutput, SamplingFlags, sample
 from jaxinfer.sampling_params import MAX_TOP_LOGPROBS
 from jaxinfer.scheduler import Schedule
@@ -193,6 +194,7 @@ class ModelRunner:
             raise ValueError("lagged_ngram needs num_speculative_tokens > 0")
         self.lagged_ngram = lagged_ngram
         self.placement = StepPlacement(self.config, mesh)
+        self.page_table_rows = PageTableRows()  # decode steps' page tables, kept between steps
         self._input_observer: Callable[[StepInputs], None] | None = None
         self.cache = create_kv_cache(
             self.config, num_pages, page_size, storage_dtype(kv_cache_dtype, model.weights.embed.dtype),
@@ -337,7 +339,7 @@ class ModelRunner:
         """Pack ``schedule``'s step into the smallest bucket that fits; ``previous`` is the step
         still on the device, whose sampled tokens fill this one's placeholders."""
         return pack_step(schedule, self.buckets, previous, self.config.vocab_size, self.num_speculative_tokens,
-                         lagged=self.lagged_ngram is not None)
+                         lagged=self.lagged_ngram is not None, page_table_rows=self.page_table_rows)
 
     def observe_inputs(self, observer: Callable[[StepInputs], None] | None) -> None:
         """Have ``observer`` see every step's inputs before the step is dispatched (``None``: stop).
@@ -405,6 +407,10 @@ def _sampler_tree(inputs: StepInputs):
     if inputs.is_verify:
         tree = inputs.sampling, inputs.batch.page_tables, inputs.batch.kv_lens, inputs.draft_ids, inputs.num_drafts
         return tree + (inputs.prev_slots,) if inputs.prev_slots is not None else tree
+    if not is_full_path(inputs.sampler_path):
+        # The basic paths read no history: the page tables (the step's largest input, [B, pages]
+        # int32) are not sent twice.
+        return (inputs.sampling,)
     return inputs.sampling, inputs.batch.page_tables, inputs.batch.kv_lens
 
 
@@ -476,8 +482,10 @@ def _forward_step(weights, cache, token_pages, packed, last_sampled, device_draf
 def _sample_step(logits, token_pages, packed, token_bitmask, *, packing, sampler_path, num_padded):
     """One token per row of ``logits`` on the ``sampler_path`` path; every path returns the same shapes.
     ``token_bitmask``: [B, ceil(V/32)] int32 on a "_masked" path, else None."""
-    sampling, page_tables, kv_lens = unpack_device_arrays(packed, packing)
+    sampling, *history_inputs = unpack_device_arrays(packed, packing)  # page tables and kv_lens on the full paths
     flags = SAMPLER_PATHS[sampler_path]
+    if flags.any_penalties or flags.any_bad_words:
+        page_tables, kv_lens = history_inputs
     if flags.any_penalties:
         # The penalties' history comes from the device's token pages, not the host.
         history_ids, history_is_output = gather_history(token_pages, page_tables, kv_lens, sampling.num_prompt_tokens)

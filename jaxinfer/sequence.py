@@ -59,12 +59,10 @@ class Sequence:
         self.num_cached_tokens = 0  # prefix-cache hit at the latest admission (metrics)
         self.num_preemptions = 0
         # Physical page of each logical page. Only ever grown in place (``extend``) or replaced by
-        # a new list, never shrunk or overwritten in place: the step packer caches each sequence's
-        # row of the page-table array (``page_table_row``) and copies only what was appended.
+        # a new list, never shrunk or overwritten in place: the runner keeps each running
+        # sequence's row of the page-table array between steps (``jaxinfer.page_table_rows``) and
+        # writes only rows whose list was replaced or grew.
         self.page_table: list[int] = []
-        # Owned by jaxinfer.input_batch: (the page_table list it mirrors, its numpy row, how many
-        # entries of that list the row holds), or None.
-        self.page_table_row: tuple | None = None
         # Owned by the allocator: chained hashes of leading full pages (a memo, a pure function
         # of the tokens, so it survives preemption) and how many leading pages of page_table
         # it has already offered to the prefix cache.
