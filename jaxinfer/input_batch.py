@@ -18,7 +18,9 @@ decided how many drafts it accepted (``PackedStep.verify``).
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import itertools
 import operator
 
 import numpy as np
@@ -74,12 +76,16 @@ class PackedStep:
 
     inputs: StepInputs
     # (sequence, row of the sampler output) per token the step samples, in row order; in a
-    # verify step, (sequence, slot): its rows are ``verify.rows_of(slot, num_accepted)``.
-    sampled: list[tuple[Sequence, int]]
+    # verify step, (sequence, slot): its rows are ``verify.rows_of(slot, num_accepted)``. A list,
+    # or a ``SampledInOrder`` (steady decode).
+    sampled: collections.abc.Sequence[tuple[Sequence, int]]
     verify: VerifyRows | None = None
-    # When every entry of ``sampled`` is ``(sampled_in_order[b], b)``: those sequences, so that the
-    # next step finds each one's row without a lookup (None: look it up in ``sampled``).
-    sampled_in_order: list[Sequence] | None = None
+
+    @property
+    def sampled_in_order(self) -> list[Sequence] | None:
+        """When every entry of ``sampled`` is ``(sampled_in_order[b], b)``: those sequences, so that
+        the next step finds each one's row without a lookup (None: look it up in ``sampled``)."""
+        return self.sampled.seqs if isinstance(self.sampled, SampledInOrder) else None
 
     @property
     def wants_logprobs(self) -> bool:
@@ -91,6 +97,29 @@ class PackedStep:
     def last_row_of_each_seq(self) -> dict[int, int]:
         """``seq_id -> row`` of each sequence's last sampled token: what its next placeholder reads."""
         return {seq.seq_id: row for seq, row in self.sampled}
+
+
+class SampledInOrder(collections.abc.Sequence):
+    """``sampled`` of a step where sequence ``b`` samples row ``b``: the pairs ``(seqs[b], b)``,
+    made as they are read. A steady decode step's ~1000 pairs, kept as tuples until the next
+    step read them, were most of the objects the garbage collector promoted each step."""
+
+    def __init__(self, seqs: list[Sequence]):
+        self.seqs = seqs
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return list(self)[index]
+        return self.seqs[index], range(len(self.seqs))[index]
+
+    def __iter__(self):
+        return zip(self.seqs, itertools.count())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, collections.abc.Sequence) and list(self) == list(other)
 
 
 def pack_step(schedule: Schedule, buckets, previous: PackedStep | None, vocab_size: int,
@@ -123,10 +152,9 @@ def pack_step(schedule: Schedule, buckets, previous: PackedStep | None, vocab_si
     draft_rows = np.full(t_bucket, -1, np.int32)
     follows_verify = lagged and previous is not None and previous.verify is not None
     drafts = list(map(_drafts_of, items))
-    sampled_in_order = None
     if num_tokens == num_items >= MIN_ITEMS_FOR_WHOLE_LIST_PACKING:
         # One token each (every steady decode step): whole-list passes instead of the loop below.
-        batch, sampled, sampled_in_order = _pack_one_token_each(
+        batch, sampled = _pack_one_token_each(
             items, seqs, previous, prev_rows, prev_slots if follows_verify else None, sampling,
             page_table_rows if page_table_rows is not None else PageTableRows(), (t_bucket, b_bucket, p_bucket))
         if is_full:
@@ -192,14 +220,13 @@ def pack_step(schedule: Schedule, buckets, previous: PackedStep | None, vocab_si
         drafts = [item.draft_token_ids for item in items]
     lagged_inputs = dict(prev_slots=prev_slots, draft_rows=draft_rows) if lagged else {}
     if not any(drafts) and not (follows_verify and (prev_slots >= 0).any()):
-        return PackedStep(StepInputs(batch, sampling, prev_rows, sampler_path, **lagged_inputs), sampled,
-                          sampled_in_order=sampled_in_order)
+        return PackedStep(StepInputs(batch, sampling, prev_rows, sampler_path, **lagged_inputs), sampled)
     # The speculator drafts for no step with a constrained row (and the engine reads a verify step
     # in flight before such a step), so a verify step is never masked.
     batch, sampling, draft_ids, num_drafts = expand_to_rows(batch, sampling, drafts, num_speculative_tokens)
     verify = VerifyRows(num_speculative_tokens, tuple(len(d) for d in drafts))
     return PackedStep(StepInputs(batch, sampling, prev_rows, sampler_path, draft_ids, num_drafts, **lagged_inputs),
-                      sampled, verify, sampled_in_order)
+                      sampled, verify)
 
 
 _seq_of = operator.itemgetter(0)  # of a ScheduledSeq (a NamedTuple)
@@ -221,9 +248,8 @@ def _pack_one_token_each(items, seqs: list[Sequence], previous: PackedStep | Non
                          prev_slots: np.ndarray | None, sampling: SamplingTensors, page_table_rows: PageTableRows,
                          bucket: tuple[int, int, int]):
     """``pack_step`` for a step whose items compute one token each (so none carries drafts, and
-    item ``b`` is token row ``b`` and slot ``b``), by whole-array operations: the batch, the
-    sampled (sequence, row) pairs, and the sequences in row order when every item samples (else
-    None). Fills ``prev_rows`` (and ``prev_slots`` after a verify step) where the input is a
+    item ``b`` is token row ``b`` and slot ``b``), by whole-array operations: the batch and the
+    sampled (sequence, row) pairs (a ``SampledInOrder`` when every item samples). Fills ``prev_rows`` (and ``prev_slots`` after a verify step) where the input is a
     placeholder, and the basic sampling rows."""
     num_tokens, num_seqs, width = bucket
     n = len(items)
@@ -250,14 +276,12 @@ def _pack_one_token_each(items, seqs: list[Sequence], previous: PackedStep | Non
     samples = list(map(_samples_token, items))
     if samples.count(True) == n:
         sampled_seqs, rows = seqs, slice(0, n)
-        sampled = list(zip(seqs, range(n)))
-        sampled_in_order = seqs
+        sampled = SampledInOrder(seqs)
     else:  # a prompt of one token whose chunk ends before its last: rare
         rows = [b for b, samples_token in enumerate(samples) if samples_token]
         sampled_seqs = [seqs[b] for b in rows]
         token_lists = [token_lists[b] for b in rows]
         sampled = list(zip(sampled_seqs, rows))
-        sampled_in_order = None
     num_sampled = len(sampled_seqs)
     sampled_settings = list(map(_sampling_of, sampled_seqs))
     sampling.temperature[rows] = np.fromiter(map(_temperature_of, sampled_settings), np.float32, num_sampled)
@@ -265,7 +289,7 @@ def _pack_one_token_each(items, seqs: list[Sequence], previous: PackedStep | Non
     # Tokens generated before this one.
     sampling.step[rows] = (np.fromiter(map(len, token_lists), np.int32, num_sampled)
                            - np.fromiter(map(_num_prompt_tokens_of, sampled_seqs), np.int32, num_sampled))
-    return batch, sampled, sampled_in_order
+    return batch, sampled
 
 
 def _padded(values: np.ndarray, size: int, fill: int) -> np.ndarray:

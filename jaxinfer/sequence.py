@@ -115,6 +115,12 @@ class Sequence:
         if token_id == PLACEHOLDER_TOKEN:
             self._num_placeholders += 1
 
+    def append_placeholder(self) -> None:
+        """Append ``PLACEHOLDER_TOKEN`` for a token being sampled on the device (``append_token``'s
+        case at every launch, without its test)."""
+        self.token_ids.append(PLACEHOLDER_TOKEN)
+        self._num_placeholders += 1
+
     def set_token(self, index: int, token_id: int) -> None:
         """Fill in the placeholder at ``index`` once the device's sampled token arrives."""
         if self.token_ids[index] != PLACEHOLDER_TOKEN:
@@ -123,6 +129,18 @@ class Sequence:
             raise ValueError("cannot fill a placeholder with a placeholder")
         self.token_ids[index] = token_id
         self._num_placeholders -= 1
+
+    def fill_next_token(self, token_id: int) -> None:
+        """Fill the earliest placeholder with a sampled token or, with none left (the later tokens
+        of a verify step's accepted run), append it. The output processor's call for every token."""
+        if token_id < 0:
+            raise ValueError(f"sampled token ids are >= 0, got {token_id}")
+        num_placeholders = self._num_placeholders
+        if num_placeholders:  # placeholders trail: the earliest is num_placeholders from the end
+            self.token_ids[-num_placeholders] = token_id
+            self._num_placeholders = num_placeholders - 1
+        else:
+            self.token_ids.append(token_id)
 
     def insert_placeholders(self, index: int, count: int) -> None:
         """Insert ``count`` placeholders before ``index``: the accepted drafts of an asynchronous

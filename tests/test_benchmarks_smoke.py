@@ -322,3 +322,15 @@ def test_host_step_cost_splits_each_step_into_phases(tmp_path):
         assert row["host_us_per_seq"] == pytest.approx(row["host_us_per_step"] / row["batch"])
     assert "pack_step" in next(iter(results["profiles"].values()))  # the cProfile of B=4
     assert "| 4 |" in (out / "host_step_cost.md").read_text()
+
+
+def test_step_dispatch_times_every_variant(tmp_path):
+    """The dispatch benchmark completes on CPU: every variant (the XLA GPU options are accepted
+    and ignored there) has a dispatch time and a back-to-back wall time, none failed."""
+    run_script([BENCHMARKS / "step_dispatch.py", "--shape", "tiny", "--quantization", "none", "--kv-cache-dtype",
+                "auto", "--dtype", "float32", "--batch", "8", "--context", "40", "--iters", "2", "--rounds", "1",
+                "--out", tmp_path], tmp_path)
+    results = json.loads((tmp_path / "step_dispatch.json").read_text())
+    assert results["failed"] == {}
+    assert set(results["variants"]) == {"fresh", "same-inputs", "skip-temp", "skip-profiled", "no-graphs"}
+    assert all(row["dispatch_ms"] > 0 and row["pipelined_ms_per_step"] > 0 for row in results["variants"].values())
