@@ -13,12 +13,15 @@ every step. This benchmark dispatches the same decode forward (the engine's own
 placeholder read from the previous step, as in steady decode) under variants, interleaved
 round by round:
 
-- ``fresh``: ``ModelRunner.execute`` as the engine calls it (forward and sampler): host inputs
-  packed and sent (``device_put``) every call
-- ``same-inputs``: the same, with the same device input buffers every call (no input address
-  changes): what stable input addresses would save
+- ``fresh``: ``ModelRunner.execute`` as the engine called it before the input slot (forward
+  and sampler): host inputs packed and sent (``device_put``) every call, read where they land
+- ``staged``: the engine's way now on a GPU: the same, but the forward first copies the inputs
+  into the runner's donated ``input_slot`` and reads them there (one command reads the new
+  buffer, not every one that uses an input)
+- ``same-inputs``: ``fresh`` with the same device input buffers every call (no input address
+  changes): the most a stable input address can save
 - ``skip-temp``, ``skip-profiled``: ``fresh`` compiled with ``xla_gpu_command_buffer_update_mode``
-  SKIP_TEMP / SKIP_PROFILED (XLA's stable-VA modes for command buffers)
+  SKIP_TEMP / SKIP_PROFILED (XLA's stable-VA modes for command buffers); ``staged+skip-temp``
 - ``no-graphs``: ``fresh`` compiled with ``xla_gpu_enable_command_buffer=""`` (every kernel
   launched by the host)
 
@@ -43,12 +46,16 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Log, header, random_model, write_results  # noqa: E402
 
+SKIP_TEMP = {"xla_gpu_command_buffer_update_mode": "SKIP_TEMP"}
+# name: (extra XLA options, inputs through the runner's stable input slot, the same device inputs every call)
 VARIANTS = {
-    "fresh": {},
-    "same-inputs": {},
-    "skip-temp": {"xla_gpu_command_buffer_update_mode": "SKIP_TEMP"},
-    "skip-profiled": {"xla_gpu_command_buffer_update_mode": "SKIP_PROFILED"},
-    "no-graphs": {"xla_gpu_enable_command_buffer": ""},
+    "fresh": ({}, False, False),
+    "staged": ({}, True, False),
+    "same-inputs": ({}, False, True),
+    "skip-temp": (SKIP_TEMP, False, False),
+    "staged+skip-temp": (SKIP_TEMP, True, False),
+    "skip-profiled": ({"xla_gpu_command_buffer_update_mode": "SKIP_PROFILED"}, False, False),
+    "no-graphs": ({"xla_gpu_enable_command_buffer": ""}, False, False),
 }
 
 
@@ -86,9 +93,9 @@ def execute_same_inputs(runner, inputs, device_inputs):
     (the same buffers every call: no address of an input changes)."""
     fn, forward_packing, (sampler_packed, sampler_packing), packed = device_inputs
     with runner.placement.context():
-        (logits, runner.token_pages), runner.cache = fn(
+        (logits, runner.token_pages, runner.input_slot), runner.cache = fn(
             runner.model.weights, runner.cache, runner.token_pages, packed, runner.last_sampled,
-            runner.device_drafts, packing=forward_packing)
+            runner.device_drafts, runner.input_slot, packing=forward_packing)
         out = runner._sampler(logits, runner.token_pages, sampler_packed, None, packing=sampler_packing,
                               sampler_path=inputs.sampler_path)
     runner.last_sampled = out.token_ids_padded
@@ -149,7 +156,8 @@ def main() -> None:
     pages_per_seq = -(-(args.context + 1) // args.page_size)
     runner = ModelRunner(model, num_pages=args.batch * pages_per_seq + 2, page_size=args.page_size,
                          max_model_len=pages_per_seq * args.page_size, max_num_seqs=args.batch,
-                         max_num_batched_tokens=max(8192, args.batch), kv_cache_dtype=args.kv_cache_dtype)
+                         max_num_batched_tokens=max(8192, args.batch), kv_cache_dtype=args.kv_cache_dtype,
+                         stable_input_address=True)
     inputs = decode_inputs(runner, args.batch, args.context, np.random.default_rng(0))
     log(f"bucket: {inputs.batch.num_tokens} tokens, {inputs.batch.num_seqs} sequences, "
         f"{inputs.batch.page_tables.shape[1]} pages each; compiler options of the engine's decode step: "
@@ -157,17 +165,25 @@ def main() -> None:
     variants = args.variants.split(",")
     failed = {}
     engine_programs = runner._step
-    programs = {name: with_options(runner, VARIANTS[name]) if VARIANTS[name] else engine_programs for name in variants}
+    programs = {name: with_options(runner, VARIANTS[name][0]) if VARIANTS[name][0] else engine_programs
+                for name in variants}
     runs: dict[str, list[dict]] = {name: [] for name in programs}
+    slot = runner.input_slot
     for round_index in range(args.rounds):
         for name, program in list(programs.items()):
+            _, staged, same_inputs = VARIANTS[name]
             runner._step = program
+            runner.input_slot = slot if staged else None
             try:
-                row = measure(runner, inputs, same_inputs=name == "same-inputs", iters=args.iters)
+                row = measure(runner, inputs, same_inputs=same_inputs, iters=args.iters)
             except Exception as error:  # e.g. an option this jaxlib does not know (compiled on first call)
                 failed[name] = f"{type(error).__name__}: {str(error)[:500]}"
                 del programs[name]
+                if staged:  # the slot may have been donated to the call that failed
+                    slot = jax.numpy.zeros(slot.shape, slot.dtype)
                 continue
+            if staged:
+                slot = runner.input_slot  # the donated slot comes back from each call
             runs[name].append(row)
             log(f"round {round_index} {name}: dispatch {row['dispatch_ms']:.2f} ms, "
                 f"pipelined {row['pipelined_ms_per_step']:.2f} ms/step")

@@ -172,13 +172,16 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         num_speculative_tokens: int = 0,
         lagged_ngram: tuple[int, int] | None = None,
+        stable_input_address: bool | None = None,
     ):
         """``mesh``: a ``sharding.make_mesh`` mesh the model was laid out on (``sharding.shard_model``);
         ``overlap``: a ``jaxinfer.compile_options.OverlapConfig`` (communication overlap per phase);
         ``num_speculative_tokens``: k > 0 compiles verify steps (k + 1 logits rows per sequence
         slot, ``jaxinfer.spec_decode``) beside the plain ones at warm-up; ``lagged_ngram``
         (``(prompt_lookup_min, prompt_lookup_max)``): verify steps are asynchronous, their next
-        drafts made on the device by prompt lookup (``jaxinfer.spec_decode.lagged``)."""
+        drafts made on the device by prompt lookup (``jaxinfer.spec_decode.lagged``);
+        ``stable_input_address`` (default: on a GPU): the forward copies its packed inputs into a
+        donated device buffer first (:attr:`input_slot`) and reads them from there."""
         self.model = model
         self.config = model.config
         self.page_size = page_size
@@ -215,6 +218,22 @@ class ModelRunner:
         self.token_pages = jax.jit(
             lambda: jnp.full((num_pages, page_size), -1, jnp.int32), **self.placement.jit_kwargs()
         )()
+        # On a GPU the step runs as a CUDA graph (XLA's command buffers), which records device
+        # addresses: a command reading a buffer whose address changed since the last run is
+        # updated before the launch (command_buffer::update took ~3.4 ms of host time per decode
+        # step of the 8B model at throughput-1k in session 9's profile). The packed inputs are a
+        # new buffer every step, so the forward first copies them into this buffer, donated and
+        # returned (its address never changes), and every other command reads them there. How
+        # much of the update that saves: benchmarks/step_dispatch.py ("fresh" vs "staged").
+        if stable_input_address is None:
+            stable_input_address = jax.default_backend() == "gpu"
+        self.input_slot = None
+        if stable_input_address:
+            size = max(pack_host_arrays(_forward_tree(self.empty_inputs(t, b, p, verify=verify)))[0].size
+                       for t, b, p in self.buckets.all() for verify in ((False, True) if num_speculative_tokens
+                                                                         else (False,)))
+            # One element more than the largest step: a copy over the whole slot would be folded away.
+            self.input_slot = jax.jit(lambda: jnp.zeros((size + 1,), jnp.int32), **self.placement.jit_kwargs())()
         # Programs may compile with different options per token count: overlap per phase, no
         # Triton GEMMs for FP8 W8A8 steps on GPU (jaxinfer.compile_options).
         self._step = PhasedJit(
@@ -223,7 +242,7 @@ class ModelRunner:
             base_compiler_options=graph_options(1 if mesh is None else mesh.size),
             quantization=model.quantization,
             static_argnames=("packing",),
-            donate_argnames=("cache", "token_pages"),
+            donate_argnames=("cache", "token_pages", "input_slot"),
             **self.placement.jit_kwargs(with_cache=True),
         )
         self._sampler = jax.jit(
@@ -365,7 +384,7 @@ class ModelRunner:
             self._input_observer(inputs)
         fn, args, kwargs, (sampler_packed, sampler_packing) = self._calls(inputs)
         with self.placement.context():
-            (logits, self.token_pages), self.cache = fn(*args, **kwargs)
+            (logits, self.token_pages, self.input_slot), self.cache = fn(*args, **kwargs)
             if inputs.is_verify:
                 out = self._verifier(logits, self.token_pages, sampler_packed, self.device_drafts,
                                      packing=sampler_packing, sampler_path=inputs.sampler_path)
@@ -391,14 +410,20 @@ class ModelRunner:
         arrays of both programs go to the device in one transfer."""
         if inputs.sampler_path not in SAMPLER_PATHS:
             raise ValueError(f"unknown sampler path {inputs.sampler_path!r}; one of {sorted(SAMPLER_PATHS)}")
-        forward_tree = (inputs.batch, inputs.prev_rows)
-        if self.lagged_ngram is not None:
-            forward_tree += (inputs.prev_slots, inputs.draft_rows)
-        packed, packing = pack_host_arrays(forward_tree)
+        packed, packing = pack_host_arrays(_forward_tree(inputs))
         sampler_packed, sampler_packing = pack_host_arrays(_sampler_tree(inputs))
         packed, sampler_packed = jax.device_put((packed, sampler_packed), self.placement.replicated)
-        args = (self.model.weights, self.cache, self.token_pages, packed, self.last_sampled, self.device_drafts)
+        args = (self.model.weights, self.cache, self.token_pages, packed, self.last_sampled, self.device_drafts,
+                self.input_slot)
         return self._step.for_tokens(inputs.batch.num_tokens), args, {"packing": packing}, (sampler_packed, sampler_packing)
+
+
+def _forward_tree(inputs: StepInputs):
+    """What the forward program reads from the host: the batch, ``prev_rows`` and, on a runner of
+    asynchronous verify steps, ``prev_slots`` and ``draft_rows``."""
+    if inputs.prev_slots is not None:
+        return inputs.batch, inputs.prev_rows, inputs.prev_slots, inputs.draft_rows
+    return inputs.batch, inputs.prev_rows
 
 
 def _sampler_tree(inputs: StepInputs):
@@ -463,12 +488,20 @@ class _SamplerStepOutput:
     device_drafts: DeviceDrafts | None = None  # an asynchronous verify step's: what the next step continues
 
 
-def _forward_step(weights, cache, token_pages, packed, last_sampled, device_drafts, *, config, attention_impl,
-                  packing):
-    """Logits [B, V] at each sequence's last new token, the token pages with this step's inputs, and the cache.
+def _forward_step(weights, cache, token_pages, packed, last_sampled, device_drafts, input_slot, *, config,
+                  attention_impl, packing):
+    """Logits [B, V] at each sequence's last new token, the token pages with this step's inputs, the
+    input slot, and the cache.
 
     ``device_drafts``: None, or the last verify step's ``DeviceDrafts`` (asynchronous verify steps):
-    the batch is then shifted to the sequences' true lengths and reads its drafts from there."""
+    the batch is then shifted to the sequences' true lengths and reads its drafts from there.
+    ``input_slot``: None, or the runner's donated buffer that the packed inputs are copied into
+    and read from (``ModelRunner.input_slot``: a device address that never changes)."""
+    if input_slot is not None:
+        input_slot = jax.lax.dynamic_update_slice(input_slot, packed, (0,))
+        # Else XLA folds the slices below into slices of ``packed`` and reads it directly again.
+        input_slot = jax.lax.optimization_barrier(input_slot)
+        packed = input_slot[: packed.shape[0]]
     unpacked = unpack_device_arrays(packed, packing)
     batch, prev_rows = unpacked[:2]
     # A placeholder input is the token this sequence sampled in the previous step.
@@ -480,7 +513,7 @@ def _forward_step(weights, cache, token_pages, packed, last_sampled, device_draf
         batch = continue_batch(batch, prev_slots, draft_rows, device_drafts)
     token_pages = write_tokens(token_pages, token_ids, batch)
     logits, cache = forward(weights, cache, batch, config, attention_impl)
-    return (logits, token_pages), cache
+    return (logits, token_pages, input_slot), cache
 
 
 def _sample_step(logits, token_pages, packed, token_bitmask, *, packing, sampler_path, num_padded):

@@ -332,5 +332,6 @@ def test_step_dispatch_times_every_variant(tmp_path):
                 "--out", tmp_path], tmp_path)
     results = json.loads((tmp_path / "step_dispatch.json").read_text())
     assert results["failed"] == {}
-    assert set(results["variants"]) == {"fresh", "same-inputs", "skip-temp", "skip-profiled", "no-graphs"}
+    assert set(results["variants"]) == {"fresh", "staged", "same-inputs", "skip-temp", "staged+skip-temp",
+                                        "skip-profiled", "no-graphs"}
     assert all(row["dispatch_ms"] > 0 and row["pipelined_ms_per_step"] > 0 for row in results["variants"].values())
