@@ -102,7 +102,8 @@ class PackedStep:
 class SampledInOrder(collections.abc.Sequence):
     """``sampled`` of a step where sequence ``b`` samples row ``b``: the pairs ``(seqs[b], b)``,
     made as they are read. A steady decode step's ~1000 pairs, kept as tuples until the next
-    step read them, were most of the objects the garbage collector promoted each step."""
+    step reads them, would outlive collections of the youngest generation and be promoted, to
+    be found dead only by a full collection (~0.1 s over the engine's objects)."""
 
     def __init__(self, seqs: list[Sequence]):
         self.seqs = seqs

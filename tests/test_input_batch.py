@@ -207,3 +207,16 @@ def test_steady_decode_reads_placeholders_from_the_same_rows_or_looks_them_up(mo
     third = pack_step(schedule_of(decode(seqs[0]), decode(seqs[2])), BUCKETS, second, VOCAB, page_table_rows=rows)
     assert third.inputs.prev_rows[:3].tolist() == [0, 2, -1]
     assert third.inputs.batch.page_tables[:2, 0].tolist() == [10, 12]
+
+
+def test_sampled_in_order_reads_as_the_list_of_pairs():
+    from jaxinfer.input_batch import SampledInOrder
+
+    seqs = [make_seq(i, [1, 2]) for i in range(3)]
+    sampled = SampledInOrder(seqs)
+    pairs = [(seq, b) for b, seq in enumerate(seqs)]
+    assert list(sampled) == pairs and sampled == pairs and len(sampled) == 3
+    assert sampled[1] == pairs[1] and sampled[-1] == pairs[-1] and sampled[1:] == pairs[1:]
+    assert sampled != pairs[:2] and PackedStep(None, sampled).sampled_in_order is seqs
+    assert PackedStep(None, pairs).sampled_in_order is None
+    assert PackedStep(None, sampled).last_row_of_each_seq() == {0: 0, 1: 1, 2: 2}
