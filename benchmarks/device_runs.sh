@@ -53,8 +53,17 @@
 #           throughput-1k at 1024 sequences with a trace), then the GEMV sweep at M = 8 and 1, its
 #           table adopted in place for engine latency in bf16 and fp8, then prefill_peers with the
 #           time left.
+#   s9a     one GPU, session 9 (carry .whl): fp8 throughput-1k at 1024 sequences with a trace of 6
+#           steady decode steps (kernel and host tables) and a cProfile of 24 more, then latency_lab.
+#   s9b     one GPU, session 9 (carry .whl): s8spec's engine run, then the fp8-page tile sweep.
+#   s9c     one GPU, session 9 (carry .whl and .gpu/fp8mma, a helper's tree): the FP8-dot decode
+#           modes, the fresh-prefill path in the engine, EAGLE-3's cost at batch 1.
+#   s9eagle one GPU (carry .whl), session 9: EAGLE-3 at batch 1 (8B shapes, a random head of the
+#           Llama-3.1-8B heads' shapes): the verify step with and without the target's features,
+#           the head's round and the synchronous cycle for k = 1/3/5 (spec_decode.py eagle3),
+#           then the engine loop with a random head checkpoint at k = 3/5 (eagle3-engine).
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2 or s8final}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c or s9eagle}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -304,6 +313,45 @@ s8final)
     left=$(( 530 - SECONDS ))
     (( left > 60 )) && on_gpu 0 prefill.log "$left" python3 benchmarks/prefill_peers.py --out "$R/prefill_peers" \
         --budget-s $(( left - 30 )) ;;
+s9a)
+    # Session 9, first call: where the host's time goes at ~1000 sequences (fp8 throughput-1k with a
+    # trace of 6 steady decode steps and then a cProfile of 24), then the batch-1 step's per-kernel
+    # breakdown (bf16 and fp8 weights).
+    wheels
+    on_gpu 0 fp8.log 270 python3 benchmarks/engine_throughput.py --out "$R/fp8" --quantization fp8 \
+        --kv-cache-dtype fp8 --workloads throughput-1k --max-num-seqs 1024 --profile-steps 6 --host-profile-steps 24
+    python3 benchmarks/profile_collectives.py "$R/fp8" --steps 6 --top 25 \
+        --json "$R/fp8/throughput-1k_decode_kernels.json" >>"$R/fp8.log" 2>&1
+    python3 benchmarks/profile_host.py "$R/fp8" --steps 6 --top 40 \
+        --json "$R/fp8/throughput-1k_decode_host.json" >>"$R/fp8.log" 2>&1
+    left=$(( 560 - SECONDS ))
+    (( left > 60 )) && on_gpu 0 lab.log "$left" python3 benchmarks/latency_lab.py --out "$R/lab" --steps 16 --repeats 5 ;;
+s9b)
+    # Session 9, second call: asynchronous verify steps through the engine at batch 1, then the
+    # fp8-page tile sweep (adopt with adopt_frontier_run.py).
+    wheels
+    on_gpu 0 spec_engine.log 230 python3 benchmarks/spec_decode.py engine --out "$R/spec_engine" --ks 5 \
+        --acceptance benchmarks/results/spec_acceptance_cpu.json
+    left=$(( 570 - SECONDS ))
+    (( left > 90 )) && on_gpu 0 ka.log "$left" python3 benchmarks/kernel_frontier.py --out "$R/ka" \
+        --only ceilings,fp8 --budget-s $(( left - 50 )) ;;
+s9eagle)
+    wheels
+    on_gpu 0 eagle3.log 300 python3 benchmarks/spec_decode.py eagle3 --out "$R/eagle3" --ks 1 3 5 --budget-s 200
+    # The random head (~0.85 GB) is written under $R: removed before packing.
+    on_gpu 0 eagle3_engine.log 240 python3 benchmarks/spec_decode.py eagle3-engine --out "$R/eagle3_engine" --ks 3 5 --budget-s 150
+    rm -rf "$R/eagle3_engine/eagle3-head" ;;
+s9c)
+    # Session 9, third call: the FP8-dot modes of the fp8-page decode kernel (from the helper's tree,
+    # carried as .gpu/fp8mma: not merged, it conflicts with gpu_tile's refactor), the fresh-prefill
+    # path inside the engine (compile time, TTFT, a prefill-heavy mix), EAGLE-3's cost at batch 1.
+    wheels
+    (cd .gpu/fp8mma && on_gpu 0 fp8mma.log 200 python3 benchmarks/fp8_mma_decode.py --out "$R/fp8mma" \
+        --modes off,qk,swap,swap_qk --repeats 8)
+    on_gpu 0 prefill_engine.log 230 python3 benchmarks/prefill_engine.py --out "$R/pe" --budget-s 170
+    left=$(( 575 - SECONDS ))
+    (( left > 60 )) && on_gpu 0 eagle3.log "$left" python3 benchmarks/spec_decode.py eagle3 --out "$R/eagle3" \
+        --ks 3 5 --budget-s $(( left - 40 )) ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac

@@ -18,7 +18,8 @@ then ``step`` until done), timed on the host's wall clock.
 - ``decode256``: 256 requests in steady decode: the host time on the critical path, as the
   step's wall time against the device time of the same step replayed back to back.
 - ``throughput-1k``: 1000 requests x 1000 in / 1000 out, all submitted at once (``--profile-steps N``:
-  also a ``jax.profiler`` trace of N of its steady decode steps).
+  also a ``jax.profiler`` trace of N of its steady decode steps; ``--host-profile-steps N``: a
+  ``cProfile`` of the engine loop over N steady decode steps).
 - ``throughput-nano``: Qwen3-0.6B, 256 requests, lengths uniform in [100, 1024], seed 0.
 - ``throughput-1k-structured`` (``--structured-fraction F``): ``throughput-1k`` with a fraction
   F of the requests (spread evenly) under a JSON schema (``structured_output_host.LONG_OUTPUT_SCHEMA``:
@@ -64,7 +65,7 @@ NAME = "engine_throughput"
 
 
 def build_engine(model, *, max_model_len, max_num_seqs, max_num_batched_tokens, page_size, memory_utilization, log,
-                 num_pages=None, kv_cache_dtype="auto"):
+                 num_pages=None, kv_cache_dtype="auto", attention_impl=None):
     num_pages = num_pages or num_pages_for_device(
         model.config, page_size=page_size,
         bytes_per_element=storage_dtype(kv_cache_dtype, model.weights.embed.dtype).itemsize,
@@ -74,7 +75,7 @@ def build_engine(model, *, max_model_len, max_num_seqs, max_num_batched_tokens, 
         num_pages = max(num_pages, 4 * pages_for(max_model_len, page_size) + 1)
     config = EngineConfig(
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        page_size=page_size, num_pages=num_pages, kv_cache_dtype=kv_cache_dtype,
+        page_size=page_size, num_pages=num_pages, kv_cache_dtype=kv_cache_dtype, attention_impl=attention_impl,
     )
     start = time.perf_counter()
     engine = Engine(model, config, warm_up=True, use_tqdm=False)
@@ -85,7 +86,8 @@ def build_engine(model, *, max_model_len, max_num_seqs, max_num_batched_tokens, 
         f"token budget {max_num_batched_tokens}; compiled {programs} programs in {seconds:.1f} s")
     return engine, {"num_pages": num_pages, "page_size": page_size, "max_num_seqs": max_num_seqs,
                     "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
-                    "num_programs": programs, "compile_seconds": seconds, "kv_cache_dtype": kv_cache_dtype}
+                    "num_programs": programs, "compile_seconds": seconds, "kv_cache_dtype": kv_cache_dtype,
+                    "attention_impl": attention_impl or "auto"}
 
 
 def run_requests(engine, prompts, output_lens, tag, capture=None, structured_fraction=0.0):
@@ -281,14 +283,73 @@ class DecodeProfiler:
                 "trace_files": traces}
 
 
+class HostProfiler:
+    """A ``run_requests`` capture that runs ``cProfile`` over ``num_steps`` steady decode steps.
+
+    It starts after the device trace (if any) is done and ``settle_steps`` decode-only steps in a
+    row with at least ``min_running`` sequences, so it profiles the engine loop's Python (and the
+    C calls it makes: dispatch, transfers, waits) in the state ``throughput-1k`` spends its time in,
+    without the tracer's overhead. Writes ``out_dir/host.pstats`` and the top functions by own
+    and by cumulative time to ``out_dir/host_profile.txt``.
+    """
+
+    def __init__(self, out_dir: Path, num_steps: int, min_running: int, after=None, settle_steps: int = 4, log=print):
+        self.out_dir, self.num_steps, self.min_running, self.settle_steps = out_dir, num_steps, min_running, settle_steps
+        self.after, self.log = after, log
+        self.profiler, self.decode_run, self.num_profiled, self.done = None, 0, 0, False
+
+    def __call__(self, engine) -> None:
+        if self.done or (self.after is not None and not self.after.is_done):
+            return
+        if self.profiler is not None:
+            self.num_profiled += 1
+            if self.num_profiled == self.num_steps:
+                self.stop()
+            return
+        running = engine.scheduler.num_running
+        is_decode_only = running > 0 and engine.last_step_num_tokens == running
+        self.decode_run = self.decode_run + 1 if is_decode_only else 0
+        if self.decode_run >= self.settle_steps and running >= self.min_running:
+            import cProfile
+
+            self.profiler = cProfile.Profile()
+            self.log(f"host profile: cProfile over {self.num_steps} decode steps ({running} running)")
+            self.profiler.enable()
+
+    def stop(self) -> None:
+        if self.profiler is None or self.done:
+            return
+        import io
+        import pstats
+
+        self.profiler.disable()
+        self.done = True
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.profiler.dump_stats(str(self.out_dir / "host.pstats"))
+        text = io.StringIO()
+        text.write(f"cProfile over {self.num_profiled} steady decode steps (times are totals over them)\n")
+        for key in ("tottime", "cumulative"):
+            text.write(f"\n## by {key}\n")
+            pstats.Stats(self.profiler, stream=text).sort_stats(key).print_stats(45)
+        (self.out_dir / "host_profile.txt").write_text(text.getvalue())
+        self.log(f"host profile: {self.num_profiled} steps written to {self.out_dir / 'host_profile.txt'}")
+
+
 def throughput(engine, prompt_lens, output_lens, tag, log, profile: DecodeProfiler | None = None,
-               structured_fraction: float = 0.0):
+               structured_fraction: float = 0.0, host_profile: HostProfiler | None = None):
     # Its own prompts per run: a second run over the same prompts would find their pages in the
     # prefix cache and skip the prefill (the first structured comparison did: 122% of unconstrained).
     rng = np.random.default_rng(1 if structured_fraction else 0)
     mask_before = engine.grammar_mask_seconds
+    captures = [c for c in (profile, host_profile) if c is not None]
+
+    def capture(engine_):
+        for c in captures:
+            c(engine_)
+
     summary, _, steps = run_requests(engine, random_prompts(rng, prompt_lens, engine.model_config.vocab_size),
-                                     output_lens, tag, capture=profile, structured_fraction=structured_fraction)
+                                     output_lens, tag, capture=capture if captures else None,
+                                     structured_fraction=structured_fraction)
     summary["grammar_mask_seconds"] = engine.grammar_mask_seconds - mask_before
     if structured_fraction:
         summary["structured_fraction"] = structured_fraction
@@ -297,6 +358,8 @@ def throughput(engine, prompt_lens, output_lens, tag, log, profile: DecodeProfil
         if masked_steps:
             summary["mask_fill_ms_p50"] = 1e3 * float(np.percentile([s["mask"] for s in masked_steps], 50))
             summary["mask_fill_ms_p99"] = 1e3 * float(np.percentile([s["mask"] for s in masked_steps], 99))
+    if host_profile is not None:
+        host_profile.stop()
     if profile is not None:
         profile.stop(engine)  # when the run ended first
         summary["profile"] = profile.report()
@@ -374,6 +437,8 @@ def main():
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages of every engine the run builds (default: sized from free memory)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="KV page storage of every engine the run builds (fp8: e4m3, twice the pool)")
+    parser.add_argument("--attention-impl", default=None,
+                        help="every engine's attention_impl (jaxinfer.attention.IMPLEMENTATIONS; default: auto)")
     parser.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (CPU smoke runs)")
     parser.add_argument("--resume", action="store_true", help="add to an existing results JSON in --out")
     parser.add_argument("--structured-fraction", type=float, default=0.0,
@@ -382,6 +447,9 @@ def main():
                         help="the grammar's tokenizer: a model name, GGUF or HF directory (structured_output_host.py --export-tokenizer)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="trace this many steady decode steps of throughput-1k (DIR/profile_throughput-1k_decode)")
+    parser.add_argument("--host-profile-steps", type=int, default=0,
+                        help="cProfile this many steady decode steps of throughput-1k, after the trace if any "
+                             "(DIR/host_profile_throughput-1k/host_profile.txt)")
     args = parser.parse_args()
 
     log = Log()
@@ -412,7 +480,7 @@ def main():
         engine, engine_info = build_engine(
             model, max_model_len=2048, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             page_size=args.page_size, memory_utilization=args.memory_utilization, log=log, num_pages=args.num_pages,
-            kv_cache_dtype=args.kv_cache_dtype,
+            kv_cache_dtype=args.kv_cache_dtype, attention_impl=args.attention_impl,
         )
         results["engines"][args.shape] = engine_info
         if "startup" in workloads:
@@ -449,7 +517,10 @@ def main():
             profile = (DecodeProfiler(args.out / "profile_throughput-1k_decode", args.profile_steps,
                                       min_running=max(1, min(n, args.max_num_seqs) // 2), log=log)
                        if args.profile_steps else None)
-            w = throughput(engine, [length] * n, [length] * n, "throughput-1k", log, profile)
+            host_profile = (HostProfiler(args.out / "host_profile_throughput-1k", args.host_profile_steps,
+                                         min_running=max(1, min(n, args.max_num_seqs) // 2), after=profile, log=log)
+                            if args.host_profile_steps else None)
+            w = throughput(engine, [length] * n, [length] * n, "throughput-1k", log, profile, host_profile=host_profile)
             results["workloads"]["throughput-1k"] = {"shape": args.shape, **w}
             save()
         if args.structured_fraction:
@@ -472,7 +543,7 @@ def main():
             model, max_model_len=2048, max_num_seqs=min(256, args.max_num_seqs),
             max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
             memory_utilization=args.memory_utilization, log=log, num_pages=args.num_pages,
-            kv_cache_dtype=args.kv_cache_dtype,
+            kv_cache_dtype=args.kv_cache_dtype, attention_impl=args.attention_impl,
         )
         results["engines"][args.nano_shape] = engine_info
         rng = np.random.default_rng(0)

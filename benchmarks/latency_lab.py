@@ -2,6 +2,9 @@
 
     python3 benchmarks/latency_lab.py --out DIR [--weights bf16,fp8] [--steps 16] [--top 30]
     python3 benchmarks/latency_lab.py --out DIR --shape tiny --steps 2   # CPU smoke run
+    python3 benchmarks/latency_lab.py --out DIR --weights bf16 \
+        --xla-options xla_gpu_unsupported_enable_triton_multi_output_fusion=true   # a fusion choice, same run
+    python3 benchmarks/latency_lab.py --out DIR --attention pallas_gpu_fused   # the fused-write kernel at batch 1
 
 For each weight format (``fp8``: the projections quantized per channel, as
 ``--quantization fp8`` does; embedding and lm_head stay bf16), one sequence at a 384-token
@@ -100,6 +103,18 @@ def event_text(event: dict, scopes: dict[str, str]) -> str:
     return " ".join(strings).lower()
 
 
+def kernel_op(event: dict, scopes: dict[str, str]) -> str:
+    """The JAX op a kernel event came from (its HLO name stack), shortened to what follows the
+    layer scope ("layer_*/mlp/add") or to its last three parts; "" when the HLO does not name it.
+
+    With identical fusions XLA reuses one compiled kernel, named after the first (layer 0's)."""
+    args = event.get("args", {})
+    names = [event["name"].split("(")[0]] + [str(args[key]) for key in ("hlo_op", "name") if key in args]
+    op_name = next((scopes[n] for n in names if n in scopes), str(args.get("tf_op", "")))
+    layer = re.search(r"/layer_\d+/(.*)", op_name)
+    return f"layer_*/{layer.group(1)}" if layer else "/".join(op_name.split("/")[-3:])
+
+
 def breakdown(trace_path: Path, steps: int, top: int, scopes: dict[str, str] | None = None) -> dict:
     """µs per step by kind and by kernel, busy vs the span (the rest are gaps), from the GPU's kernel events.
 
@@ -116,11 +131,14 @@ def breakdown(trace_path: Path, steps: int, top: int, scopes: dict[str, str] | N
     span = max(end for _, end in intervals) - min(start for start, _ in intervals)
     busy = busy_time(intervals)
     by_kind, by_name, counts = collections.Counter(), collections.Counter(), collections.Counter()
+    launches, ops = collections.Counter(), {}
     for e in kernels:
         kind = kernel_kind(event_text(e, scopes))
         by_kind[kind] += e["dur"] / steps
         name = e["name"].split("(")[0][:90]
         by_name[f"{kind}: {name}"] += e["dur"] / steps
+        launches[f"{kind}: {name}"] += 1 / steps
+        ops.setdefault(f"{kind}: {name}", kernel_op(e, scopes))
         counts[kind] += 1 / steps
     by_kind["gaps between kernels"] = (span - busy) / steps
     step_us = span / steps
@@ -129,6 +147,10 @@ def breakdown(trace_path: Path, steps: int, top: int, scopes: dict[str, str] | N
         "by_kind_us": dict(by_kind.most_common()), "kernels_per_step_by_kind": dict(counts),
         "share": {k: v / step_us for k, v in by_kind.items()},
         "top_kernels_us": dict(by_name.most_common(top)),
+        # Per top kernel: launches a step (32 for one kernel per layer of Llama-3.1-8B, 64 for two)
+        # and the JAX op it came from, which says what a generic name ("fusion_1305") does.
+        "top_kernels": {key: {"us": us, "launches_per_step": launches[key], "jax_op": ops[key]}
+                        for key, us in by_name.most_common(top)},
         # What the trace annotates kernels with, so the classification can be checked against it.
         "sample_event_args": [e.get("args", {}) for e in kernels[:3]],
     }
@@ -184,9 +206,21 @@ def static_loop(body, steps: int):
     return run
 
 
-def compile_loop(run, carry, weights):
+def parse_xla_options(text: str) -> dict:
+    """``"name=value,name=value"`` -> compiler options: true/false as booleans, integers as ints."""
+    options = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith("xla_"):
+            raise SystemExit(f"--xla-options: {item!r} is not xla_<name>=<value>")
+        options[name] = {"true": True, "false": False}.get(value.lower(), int(value) if value.lstrip("-").isdigit()
+                                                            else value)
+    return options
+
+
+def compile_loop(run, carry, weights, compiler_options: dict | None = None):
     """The loop compiled ahead of time (one compile), and its HLO's name stacks per instruction."""
-    compiled = run.lower(carry, weights).compile()
+    compiled = run.lower(carry, weights).compile(compiler_options or None)
     return compiled, op_scopes(compiled.as_text() or "")
 
 
@@ -210,15 +244,23 @@ def measure_format(log: Log, args, fmt: str, ceiling_tbs: float) -> dict:
     per_token = decode_weight_bytes(weights)
     roofline = per_token / (ceiling_tbs * 1e12)
     log(f"[{fmt}] roofline: {per_token / 1e9:.2f} GB / {ceiling_tbs:.2f} TB/s = {roofline * 1e3:.3f} ms")
-    impl = "pallas_gpu" if jax.default_backend() == "gpu" else "reference"
+    on_gpu = jax.default_backend() == "gpu"
+    impl = "pallas_gpu" if on_gpu else "reference"
     max_pages = 2048 // PAGE_SIZE
     rows = []
-    variants = [("decode step, bucket 8x8 (engine's)", 8, 8), ("decode step, bucket 1x1", 1, 1),
-                ("weight layer only (projections + lm_head), 8 rows", 8, None)]
-    for label, t, b in variants:
+    variants = [("decode step, bucket 8x8 (engine's)", 8, 8, {}, impl), ("decode step, bucket 1x1", 1, 1, {}, impl),
+                ("weight layer only (projections + lm_head), 8 rows", 8, None, {}, impl)]
+    # The engine's step again with another attention kernel, or under other XLA compiler options
+    # (fusion choices), in the same run. Off a GPU the kernels run the reference (smoke runs).
+    extra = [(f"decode step, bucket 8x8, attention {other}", 8, 8, {}, other if on_gpu else impl)
+             for other in args.attention if other != "pallas_gpu"]
+    extra += [(f"decode step, bucket 8x8, XLA {text}", 8, 8, parse_xla_options(text), impl)
+              for text in args.xla_options]
+    variants[1:1] = extra
+    for i, (label, t, b, options, step_impl) in enumerate(variants):
         trace_dir = None
         if not args.no_trace and b is not None:
-            trace_dir = args.out / f"profile_{fmt}_{t}x{b}"
+            trace_dir = args.out / (f"profile_{fmt}_{t}x{b}" + (f"_v{i}" if 0 < i <= len(extra) else ""))
         try:
             if b is None:
                 carry = jnp.ones((t, config.hidden_size), jnp.bfloat16) * 0.01
@@ -226,8 +268,8 @@ def measure_format(log: Log, args, fmt: str, ceiling_tbs: float) -> dict:
             else:
                 cache = create_kv_cache(config, 64, PAGE_SIZE, jnp.bfloat16)
                 carry = (cache, jax.tree.map(jnp.asarray, decode_batch(t, b, max_pages)))
-                run = static_loop(step_body(model, impl, b), args.steps)
-            run, scopes = compile_loop(run, carry, weights)
+                run = static_loop(step_body(model, step_impl, b), args.steps)
+            run, scopes = compile_loop(run, carry, weights, options)
             seconds = time_and_trace(log, run, carry, weights, args.steps, args.repeats, trace_dir)
         except Exception as error:  # noqa: BLE001  (reported, not hidden)
             log(f"[{fmt}] {label}: failed: {type(error).__name__}: {str(error)[:300]}")
@@ -255,7 +297,8 @@ def log_breakdown(log: Log, label: str, b: dict) -> None:
     for kind, us in b["by_kind_us"].items():
         log(f"    {us:8.1f} us  {b['share'][kind]:6.1%}  {kind}")
     for name, us in list(b["top_kernels_us"].items())[:12]:
-        log(f"    {us:8.1f} us  {name}")
+        about = b.get("top_kernels", {}).get(name, {})
+        log(f"    {us:8.1f} us  {name}  ({about.get('launches_per_step', 0):.0f} a step: {about.get('jax_op', '')})")
 
 
 def markdown(results: dict, args) -> str:
@@ -278,8 +321,11 @@ def markdown(results: dict, args) -> str:
                    "| --- | --- | --- | --- |"]
             md += [f"| {kind} | {us:.1f} | {b['share'][kind]:.1%} | {b['kernels_per_step_by_kind'].get(kind, 0):.0f} |"
                    for kind, us in b["by_kind_us"].items()]
-            md += ["", "| top kernels | µs per step |", "| --- | --- |"]
-            md += [f"| `{re.sub(r'[|`]', ' ', name)}` | {us:.1f} |" for name, us in b["top_kernels_us"].items()]
+            md += ["", "| top kernels | µs per step | launches per step | JAX op |", "| --- | --- | --- | --- |"]
+            about = b.get("top_kernels", {})
+            md += [f"| `{re.sub(r'[|`]', ' ', name)}` | {us:.1f} | {about.get(name, {}).get('launches_per_step', 0):.0f} "
+                   f"| `{re.sub(r'[|`]', ' ', about.get(name, {}).get('jax_op', ''))}` |"
+                   for name, us in b["top_kernels_us"].items()]
     return "\n".join(md) + "\n"
 
 
@@ -292,6 +338,11 @@ def main():
     parser.add_argument("--no-trace", action="store_true", help="time only: no profiler traces, no breakdown")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls of the loop (median)")
     parser.add_argument("--top", type=int, default=30, help="kernels listed by time per step")
+    parser.add_argument("--attention", type=lambda text: [x for x in text.split(",") if x], default=[],
+                        help="also time and trace the 8x8 step with these attention kernels (pallas_gpu_fused, ...)")
+    parser.add_argument("--xla-options", action="append", default=[], metavar="NAME=VALUE,...",
+                        help="time and trace the 8x8 step again compiled with these XLA options "
+                             "(repeatable; values without commas)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = Log()
@@ -299,6 +350,11 @@ def main():
     results["ceilings"] = ceilings = measure_ceilings(log)
     results["formats"] = {}
     formats = [f for f in args.weights.split(",") if f]
+    from jaxinfer.attention import IMPLEMENTATIONS
+
+    for impl in args.attention:
+        if impl not in IMPLEMENTATIONS:
+            raise SystemExit(f"--attention: {impl!r} is not one of {IMPLEMENTATIONS}")
     for fmt in formats:
         if fmt not in ("bf16", "fp8", "int8"):
             raise SystemExit(f"--weights: {fmt!r} is not one of bf16, fp8, int8")

@@ -43,16 +43,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.paged_attention import work_tiles as wt
+from pallas_kernels.paged_attention.gpu_fresh_window import smem_transforms as _smem_transforms
 
 _ROWS = 64  # wgmma M for one warpgroup
 _MASK_VALUE = -1e30  # finite: an empty split keeps a finite max and a zero output
 _LOG2E = math.log2(math.e)
-
-
-def _smem_transforms(minor_dim: int, dtype) -> tuple:
-    """wgmma-ready shared-memory tiling: rows of up to 128 bytes, swizzled by their width."""
-    swizzle = min(128, minor_dim * jnp.dtype(dtype).itemsize)
-    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
 def _decode_kernel(

@@ -13,6 +13,8 @@ error is printed and recorded, the run goes on):
 - ``fresh_path``: the opt-in engine path ``gpu_fresh_prefill.ragged_paged_attention_gpu_fresh_prefill``
   (the longest fresh prefill through jax's bundled Mosaic GPU kernel, float16 window, the rest
   through Triton), full call with its scatter: the number that decides the dispatcher's default;
+- ``fresh_branchless``: the same path with our bf16 window kernel (``gpu_fresh_window.py``, the
+  ``proto`` kernel with a dynamic block count) and no device conditional (``branchless=True``);
 - ``bundled_Q_KV_S``: jax's bundled FA3-style kernel (``jax.experimental.pallas.ops.gpu.attention_mgpu``,
   two consumer warpgroups + a TMA warpgroup) alone, on float16 inputs (in jax 0.11.2 it stages
   through float16 shared memory and refuses bf16), block_q Q, block_kv KV, S pipeline steps;
@@ -29,7 +31,8 @@ Each implementation's output is checked in the same run against the XLA referenc
 unrolled in one jit, median of 3); a time budget skips what is left, results are written after
 every implementation.
 
-    python3 benchmarks/prefill_peers.py --out DIR [--budget-s 270] [--shapes 4096,8192,...,ragged]
+    python3 benchmarks/prefill_peers.py --out DIR [--budget-s 270] [--shapes 4096,8192,...,ragged] \
+        [--impls cudnn,ours,fresh_path,bundled_64_128_2]   # a subset: names, or families (bundled, proto)
     python3 benchmarks/prefill_peers.py --out /tmp/pp --smoke   # CPU: interpreter, tiny shapes
 
 Writes DIR/prefill_peers.json and .md.
@@ -64,17 +67,24 @@ RAGGED = (1024, 1536, 2560, 4096, 7168)  # fresh sequences of the ragged batch (
 BUNDLED_CONFIGS = ((64, 128, 2), (64, 64, 4), (64, 128, 3))  # (block_q, block_kv, steps); 3 x 128 may not fit smem
 PROTO_STEPS = (2, 3, 4)
 XLA_MAX_TOKENS = 8192
+FRESH_MAX_REPEATS = 8  # chained calls of the fresh paths (>= 3 ms a timed program at 4k)
 CHECK_AGAINST_XLA_MAX = 4096
 
 
 class Setup:
     """Heads, page size and mode of one run (the smoke run shrinks them)."""
 
-    def __init__(self, smoke: bool, page_size: int):
+    def __init__(self, smoke: bool, page_size: int, impls: str | None = None):
         self.smoke = smoke
+        self.impls = set(impls.split(",")) if impls else None
         self.num_q_heads, self.num_kv_heads, self.head_dim = (4, 2, 64) if smoke else (32, 8, 128)
         self.sm_scale = self.head_dim**-0.5
         self.page_size = page_size
+
+    def is_wanted(self, impl: str) -> bool:
+        """Every implementation, or those named in ``--impls`` (a family name selects its variants)."""
+        family = impl.split("_")[0] if impl.startswith(("bundled_", "proto_")) else None
+        return self.impls is None or impl == "reference-for-check" or impl in self.impls or family in self.impls
 
     def repeats(self, num_tokens: int) -> int:
         """Chained calls per timed program: fewer for long chunks (a 32k chunk is tens of ms)."""
@@ -135,6 +145,8 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
         return [out_packed[a:b][None] for a, b in zip(starts[:-1], starts[1:])]
 
     def attempt(impl, fn):
+        if not setup.is_wanted(impl):
+            return
         start = time.time()
         try:
             budget.check(5)
@@ -187,13 +199,20 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
                           sm_scale=setup.sm_scale, interpret=interpret, **options)
         return step
 
-    def time_full(impl, kernel, **options):
+    def time_full(impl, kernel, max_repeats=None, **options):
         nonlocal k_pages, v_pages
         out = kernel(q, k_new, v_new, jnp.copy(k_pages), jnp.copy(v_pages), page_tables, cu_q_lens, kv_lens,
                      sm_scale=setup.sm_scale, interpret=interpret, **options)[0]
-        # The carry is donated: a copy of q rides in it, so q itself stays for the next implementation.
-        seconds, (_, k_pages, v_pages) = time_chain(full_step(kernel, **options), (jnp.copy(q), k_pages, v_pages),
-                                                    k_new, v_new, page_tables, cu_q_lens, kv_lens, donate=True)
+        repeats = kf.REPEATS
+        if max_repeats:  # fewer chained calls: session 8 compiled the fresh path's chain of 8-32 in 30-44 s
+            kf.REPEATS = row.setdefault("repeats_by_impl", {})[impl] = min(repeats, max_repeats)
+        try:
+            # The carry is donated: a copy of q rides in it, so q itself stays for the next implementation.
+            seconds, (_, k_pages, v_pages) = time_chain(full_step(kernel, **options),
+                                                        (jnp.copy(q), k_pages, v_pages), k_new, v_new, page_tables,
+                                                        cu_q_lens, kv_lens, donate=True)
+        finally:
+            kf.REPEATS = repeats
         record(impl, seconds, out)
 
     def time_attend():
@@ -215,8 +234,10 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
         record("ours_prefix", seconds, flops_done=flops_prefix)
 
     fresh_attend = gpu_fresh_prefill.causal_attention_mgpu
+    window_attend = None  # the branchless path's own kernel
     if setup.smoke:  # no Mosaic GPU kernel runs on a CPU: the prototype, interpreted, stands in for the check
         fresh_attend = functools.partial(causal_prefill_attention_mosaic_gpu, interpret=True)
+        window_attend = functools.partial(causal_prefill_attention_mosaic_gpu, interpret=True)
     min_fresh = 64 if setup.smoke else 1024
 
     def time_bundled(config):
@@ -244,7 +265,11 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
     attempt("cudnn", time_cudnn)
     attempt("ours", lambda: time_full("ours", gpu.ragged_paged_attention_gpu))
     attempt("fresh_path", lambda: time_full("fresh_path", gpu_fresh_prefill.ragged_paged_attention_gpu_fresh_prefill,
-                                            min_fresh_tokens=min_fresh, fresh_attend=fresh_attend))
+                                            max_repeats=FRESH_MAX_REPEATS, min_fresh_tokens=min_fresh,
+                                            fresh_attend=fresh_attend))
+    attempt("fresh_branchless", lambda: time_full(
+        "fresh_branchless", gpu_fresh_prefill.ragged_paged_attention_gpu_fresh_prefill, max_repeats=FRESH_MAX_REPEATS,
+        min_fresh_tokens=min_fresh, fresh_attend=window_attend, branchless=True))
     for block_q, block_kv, steps in BUNDLED_CONFIGS:
         if setup.smoke and block_kv > min(lens):
             continue
@@ -263,11 +288,13 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
         say(f"{name} RESULT: best {best} {row['tflops'][best]:.0f} TFLOP/s ({row['tflops'][best] / matmul:.0%} of "
             f"matmul {matmul:.0f})" + (f", {row['tflops'][best] / cud:.2f}x cuDNN" if cud else "")
             + (f"; ours {row['tflops']['ours']:.0f}" if "ours" in row["tflops"] else "")
-            + (f"; fresh_path {row['tflops']['fresh_path']:.0f}" if "fresh_path" in row["tflops"] else ""))
+            + (f"; fresh_path {row['tflops']['fresh_path']:.0f}" if "fresh_path" in row["tflops"] else "")
+            + (f"; fresh_branchless {row['tflops']['fresh_branchless']:.0f}" if "fresh_branchless" in row["tflops"]
+               else ""))
     del q, k_pages, v_pages, k_new, v_new, chunks, qs, ks, vs, want
 
 
-IMPLS = ("ours", "ours_attend", "ours_prefix", "fresh_path", "cudnn", "xla")
+IMPLS = ("ours", "ours_attend", "ours_prefix", "fresh_path", "fresh_branchless", "cudnn", "xla")
 
 
 def write_outputs(out_dir: str, report: dict):
@@ -308,9 +335,10 @@ def main():
     parser.add_argument("--shapes", default="4096,8192,16384,32768,ragged,2048",
                         help="single-sequence chunk lengths and/or 'ragged', in the order run")
     parser.add_argument("--page-size", type=int, default=32)
+    parser.add_argument("--impls", default=None, help="comma-separated implementations or families (default: all)")
     parser.add_argument("--smoke", action="store_true", help="CPU check of this script: interpreter, tiny shapes")
     args = parser.parse_args()
-    setup = Setup(args.smoke, args.page_size)
+    setup = Setup(args.smoke, args.page_size, args.impls)
     if args.smoke:
         args.shapes = "256,ragged"
     budget = Budget(args.budget_s)

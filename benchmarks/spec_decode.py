@@ -3,6 +3,8 @@
     python benchmarks/spec_decode.py acceptance --out DIR [--model smollm2-135m-instruct] [--ks 2 4 8]
     python3 benchmarks/spec_decode.py step-cost --out DIR [--shape llama-3.1-8b] [--acceptance DIR/spec_acceptance.json ...]
     python3 benchmarks/spec_decode.py engine --out DIR [--shape llama-3.1-8b] [--ks 5] [--acceptance ...]
+    python3 benchmarks/spec_decode.py eagle3 --out DIR [--shape llama-3.1-8b] [--ks 1 3 5 7] [--draft-vocab 32000]
+    python3 benchmarks/spec_decode.py eagle3-engine --out DIR [--shape llama-3.1-8b] [--ks 3 5]
 
 ``acceptance`` (the ``latency-spec`` workload of shared/BENCHMARKS.md; CPU is fine): the default
 model with real weights, greedy, one request at a time (batch 1), 128 output tokens, on two
@@ -44,12 +46,38 @@ with ``L(k)`` the tokens per target step measured on real weights (``--acceptanc
 keeps the low-gain switch on, as a deployment would: on random weights (no useful drafts, like
 a chat the n-gram cannot predict) it measures what speculating costs a sequence it does not help
 (goal: <= 3% over plain). Writes DIR/spec_engine.{json,md,log}.
+
+``eagle3`` (the GPU; same shapes, batch 1, a 1,024-token context): what an EAGLE-3 head costs
+per target step, with a random head of the Llama-3.1-8B EAGLE-3 checkpoints' shapes (one
+decoder layer of the target's sizes with 2E-wide q/k/v, ``fc`` 3E -> E, a ``--draft-vocab``
+lm_head). Random weights give meaningless acceptance, so only costs are measured, all in one
+process: a plain decode step (back to back and one at a time), the verify step of ``k`` drafts
+with and without the auxiliary hidden states written (the target's extra work), the head's
+drafting round (``eagle3.draft_round``: a catch-up of ``k`` positions, as after a fully
+accepted run, then ``k - 1`` one-row steps; its drafts read by the host, as the engine reads
+them), and the synchronous cycle the engine runs per target step (draft round, drafts read,
+verify step, accepted counts read). The acceptance length a head must reach to pay off is
+
+    L_break_even(k) = t_cycle(k) / t_plain        (and t_cycle(k) / 2.3 ms for the issue's goal)
+
+to be set against the acceptance a trained head measures on real weights (vLLM's anchor:
+7.07 -> 4.05 ms/token for Llama-3.1-8B on an H100). The head's weights are also read once per
+drafting round: its roofline is printed beside it. Writes DIR/spec_eagle3.{json,md,log}.
+
+``eagle3-engine`` (the GPU; same shapes, batch 1, a 1,024-token prompt, 256 greedy output
+tokens): the whole engine loop with ``{"method": "eagle3", ...}``, host included (the head's
+catch-up batch, the drafts read, the verify step read), per target step, against plain async
+decode in the same process, like ``engine``. The head is a random bf16 checkpoint of the
+Llama-3.1-8B heads' shapes written in the ``speculators`` layout under DIR (so the loader runs
+at full size too); the low-gain switch is off so every step verifies. Writes
+DIR/spec_eagle3_engine.{json,md,log}.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -393,9 +421,269 @@ def engine_steps(args, log):
     return {"plain_step_ms": plain_step * 1e3, "plain_tpot_ms": plain_tpot * 1e3, "rows": rows}, md
 
 
+def eagle3_cost(args, log):
+    import jax.numpy as jnp
+
+    from common import measure_ceilings, random_model
+    from jaxinfer.batch import build_step_batch
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.input_batch import StepInputs
+    from jaxinfer.kv_cache import create_kv_cache
+    from jaxinfer.memory import weight_bytes
+    from jaxinfer.runner import ModelRunner
+    from jaxinfer.sampling import SamplingTensors
+    from jaxinfer.spec_decode.eagle3 import Eagle3Config, draft_round, init_random_head
+    from jaxinfer.spec_decode.eagle3_checkpoint import default_aux_layer_ids
+    from jaxinfer.spec_decode.layout import expand_to_rows
+    from model_shapes import SHAPES
+
+    ceilings = measure_ceilings(log)
+    model = random_model(args.shape)
+    config = model.config
+    num_layers = config.num_layers
+    # vLLM's layers; a model too shallow for them (the CPU smoke shape) takes first, middle, last.
+    aux_ids = default_aux_layer_ids(num_layers) if num_layers >= 6 else (0, num_layers // 2, num_layers - 1)
+    draft_vocab = min(args.draft_vocab, config.vocab_size)
+    head_config = Eagle3Config(
+        layer=ModelConfig.from_hf({**SHAPES[args.shape], "num_hidden_layers": 1, "vocab_size": draft_vocab}),
+        target_hidden_size=config.hidden_size, target_vocab_size=config.vocab_size, aux_layer_ids=aux_ids)
+    head = init_random_head(head_config, jax.random.key(1), jnp.bfloat16)
+    head_bytes = sum(x.nbytes for x in jax.tree.leaves(head))
+    roofline_ms = weight_bytes(config, 2) / (ceilings["hbm_read_tbs"] * 1e12) * 1e3
+    head_roofline_ms = head_bytes / (ceilings["hbm_read_tbs"] * 1e12) * 1e3
+    log(f"target roofline {roofline_ms:.3f} ms; head {head_bytes / 1e9:.3f} GB -> {head_roofline_ms:.3f} ms per "
+        f"read; aux layers {aux_ids}, draft vocabulary {draft_vocab}")
+    page_size, context = 32, args.context
+    pages = list(range(1, context // page_size + 3))
+
+    def runner_for(k, aux):
+        return ModelRunner(model, num_pages=len(pages) + 2, page_size=page_size, max_model_len=context + 64 * page_size,
+                           max_num_seqs=1, max_num_batched_tokens=16, num_speculative_tokens=k,
+                           aux_hidden_layers=aux_ids if aux else ())
+
+    def inputs_for(runner, num_drafts):
+        tokens = [7] * (1 + num_drafts)
+        t, b, p = runner.buckets.pick(len(tokens), 1, len(pages))
+        batch = build_step_batch([(tokens, context, pages)], num_tokens=t, num_seqs=b, pages_per_seq=p)
+        inputs = StepInputs(batch, SamplingTensors.neutral(b, 0, 16), np.full(t, -1, np.int32), "basic")
+        if runner.num_speculative_tokens == 0:
+            return inputs
+        batch, sampling, draft_ids, counts = expand_to_rows(batch, inputs.sampling, [tuple(tokens[1:])],
+                                                            runner.num_speculative_tokens)
+        return dataclasses.replace(inputs, batch=batch, sampling=sampling, draft_ids=draft_ids, num_drafts=counts)
+
+    def best_time(one):
+        for _ in range(3):
+            jax.block_until_ready(one())
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                out = one()
+            jax.block_until_ready(out)
+            best = min(best, (time.perf_counter() - start) / args.steps)
+        return best
+
+    def step(runner, inputs, synchronous):
+        def one():
+            out = runner.execute(inputs)
+            if synchronous:  # what the host reads before it can draft the next step
+                np.asarray(out.num_accepted if inputs.is_verify else out.token_ids)
+            return out
+        return one
+
+    plain_runner = runner_for(0, aux=False)
+    plain_inputs = inputs_for(plain_runner, 0)
+    plain = {mode: best_time(step(plain_runner, plain_inputs, mode == "sync")) for mode in ("async", "sync")}
+    del plain_runner
+    log(f"plain decode step: {plain['async'] * 1e3:.3f} ms back to back, {plain['sync'] * 1e3:.3f} ms one at a time")
+    rows = []
+    for k in args.ks:
+        if not _time_left(log):
+            break
+        row = dict(k=k)
+        runner = runner_for(k, aux=False)
+        row["verify_ms"] = best_time(step(runner, inputs_for(runner, k), False)) * 1e3
+        del runner
+        runner = runner_for(k, aux=True)
+        verify_inputs = inputs_for(runner, k)
+        row["verify_aux_ms"] = best_time(step(runner, verify_inputs, False)) * 1e3
+        row["verify_aux_sync_ms"] = best_time(step(runner, verify_inputs, True)) * 1e3
+        head_cache = create_kv_cache(head_config.layer, len(pages) + 2, page_size, jnp.bfloat16)
+        round_fn = jax.jit(functools.partial(draft_round, config=head_config, attention_impl="auto", num_drafts=k),
+                           donate_argnames=("cache",))
+        # The catch-up after a fully accepted run: k positions whose target features are known.
+        t, b, p = runner.buckets.pick(k, 1, len(pages))  # the shapes the engine's proposer would use
+        catch_up = build_step_batch([([7] * k, context - k, pages)], num_tokens=t, num_seqs=b, pages_per_seq=p)
+        catch_up = jax.tree.map(jnp.asarray, catch_up)
+        state = {"cache": head_cache}
+
+        def draft(read=True):
+            drafts, state["cache"] = round_fn(head, state["cache"], model.weights.embed, runner.aux_pages, catch_up)
+            if read:
+                np.asarray(drafts)
+            return drafts
+
+        row["draft_round_ms"] = best_time(lambda: draft(read=False)) * 1e3
+        row["draft_round_sync_ms"] = best_time(draft) * 1e3
+        verify_one = step(runner, verify_inputs, True)
+
+        def cycle():
+            draft()
+            return verify_one()
+
+        row["cycle_ms"] = best_time(cycle) * 1e3
+        row["cycle_ratio_to_plain"] = row["cycle_ms"] / (plain["async"] * 1e3)
+        row["aux_overhead"] = row["verify_aux_ms"] / row["verify_ms"] - 1
+        row["break_even_tokens_per_step"] = row["cycle_ratio_to_plain"]
+        row["tokens_per_step_for_2_3_ms"] = row["cycle_ms"] / 2.3
+        row["tokens_per_step_for_vllm_4_05_ms"] = row["cycle_ms"] / 4.05
+        del runner, round_fn, state
+        rows.append(row)
+        log(f"k={k}: verify {row['verify_ms']:.3f} ms, with aux states {row['verify_aux_ms']:.3f} ms "
+            f"({row['aux_overhead']:+.1%}); head round {row['draft_round_ms']:.3f} ms back to back, "
+            f"{row['draft_round_sync_ms']:.3f} ms read; cycle {row['cycle_ms']:.3f} ms = "
+            f"{row['cycle_ratio_to_plain']:.2f}x plain: pays off above {row['break_even_tokens_per_step']:.2f} "
+            f"tokens/step, 2.3 ms/token needs {row['tokens_per_step_for_2_3_ms']:.2f}")
+    md = [f"# EAGLE-3 step cost, {args.shape}, batch 1, context {context} (random head: costs only)", "",
+          f"Command: `{header_command()}`  ",
+          f"target roofline {roofline_ms:.3f} ms; head {head_bytes / 1e9:.3f} GB ({head_roofline_ms:.3f} ms per read); "
+          f"plain decode {plain['async'] * 1e3:.3f} ms back to back, {plain['sync'] * 1e3:.3f} ms one at a time; "
+          f"aux layers {list(aux_ids)}, draft vocabulary {draft_vocab}", "",
+          "cycle = head round + drafts read + verify step with aux states + accepted counts read (the engine's "
+          "synchronous step); break-even = cycle / plain back to back: the tokens per target step (accepted + 1) "
+          "the head must give to beat plain decode.", "",
+          "| k | verify ms | + aux states ms | aux overhead | head round ms | (read) | cycle ms | x plain = break-even "
+          "tokens/step | tokens/step for 2.3 ms | for vLLM's 4.05 ms |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        md.append(f"| {r['k']} | {r['verify_ms']:.3f} | {r['verify_aux_ms']:.3f} | {r['aux_overhead']:+.1%} | "
+                  f"{r['draft_round_ms']:.3f} | {r['draft_round_sync_ms']:.3f} | {r['cycle_ms']:.3f} | "
+                  f"{r['break_even_tokens_per_step']:.2f} | {r['tokens_per_step_for_2_3_ms']:.2f} | "
+                  f"{r['tokens_per_step_for_vllm_4_05_ms']:.2f} |")
+    return {"ceilings": ceilings, "roofline_ms": roofline_ms, "head_bytes": head_bytes,
+            "head_roofline_ms": head_roofline_ms, "plain_ms": plain["async"] * 1e3, "plain_sync_ms": plain["sync"] * 1e3,
+            "aux_layer_ids": list(aux_ids), "draft_vocab": draft_vocab, "rows": rows}, md
+
+
+_DEADLINE = [None]  # (--budget-s) the time after which no new k starts: results of finished ones are written
+
+
+def _time_left(log) -> bool:
+    if _DEADLINE[0] is not None and time.perf_counter() > _DEADLINE[0]:
+        log("budget spent: no more k")
+        return False
+    return True
+
+
+def write_random_eagle3_head(path: Path, shape: str, draft_vocab: int, seed: int = 0) -> Path:
+    """A random bf16 EAGLE-3 head for ``shape`` in the ``speculators`` layout (d2t: the first
+    ``draft_vocab`` target ids), written a tensor at a time."""
+    from loader_memory import write_safetensors
+    from model_shapes import SHAPES
+
+    hf = SHAPES[shape]
+    e, f, hq, hkv = hf["hidden_size"], hf["intermediate_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
+    d = hf.get("head_dim") or e // hq
+    draft_vocab = min(draft_vocab, hf["vocab_size"])
+    layers = hf["num_hidden_layers"]
+    aux = [2, layers // 2, layers - 3] if layers >= 6 else [0, layers // 2, layers - 1]
+    path.mkdir(parents=True, exist_ok=True)
+    layer = "layers.0."
+    tensors = [("fc.weight", (e, 3 * e)), (f"{layer}hidden_norm.weight", (e,)), (f"{layer}input_layernorm.weight", (e,)),
+               (f"{layer}post_attention_layernorm.weight", (e,)), (f"{layer}self_attn.q_proj.weight", (hq * d, 2 * e)),
+               (f"{layer}self_attn.k_proj.weight", (hkv * d, 2 * e)), (f"{layer}self_attn.v_proj.weight", (hkv * d, 2 * e)),
+               (f"{layer}self_attn.o_proj.weight", (e, hq * d)), (f"{layer}mlp.gate_proj.weight", (f, e)),
+               (f"{layer}mlp.up_proj.weight", (f, e)), (f"{layer}mlp.down_proj.weight", (e, f)), ("norm.weight", (e,)),
+               ("lm_head.weight", (draft_vocab, e))]
+    write_safetensors(path / "model.safetensors", tensors, np.random.default_rng(seed))
+    d2t = np.zeros(draft_vocab, "<i8")  # draft id j is target id j
+    header = json.dumps({"d2t": {"dtype": "I64", "shape": [draft_vocab], "data_offsets": [0, d2t.nbytes]}}).encode()
+    header += b" " * (-len(header) % 8)
+    with open(path / "d2t.safetensors", "wb") as out:
+        out.write(len(header).to_bytes(8, "little") + header + d2t.tobytes())
+    layer_config = {key: hf[key] for key in ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+                                             "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "rope_theta",
+                                             "max_position_embeddings") if key in hf}
+    layer_config.update(head_dim=d, num_hidden_layers=1, rope_scaling=hf.get("rope_scaling"))
+    config = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+              "transformer_layer_config": layer_config, "draft_vocab_size": draft_vocab, "norm_before_residual": False,
+              "target_hidden_size": e, "eagle_aux_hidden_state_layer_ids": aux}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def eagle3_engine(args, log):
+    from common import random_model, random_prompts
+    from jaxinfer import SamplingParams
+    from jaxinfer.engine import Engine
+    from jaxinfer.engine_config import EngineConfig
+
+    model = random_model(args.shape)
+    vocab = model.config.vocab_size
+    start = time.perf_counter()
+    head_dir = write_random_eagle3_head(args.out / "eagle3-head", args.shape, args.draft_vocab)
+    log(f"random head written to {head_dir} in {time.perf_counter() - start:.1f} s")
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    length = args.context + args.max_tokens + 64
+    base = dict(max_model_len=length, max_num_seqs=1, max_num_batched_tokens=256, page_size=32,
+                num_pages=length // 32 * 2 + 8)
+
+    def per_step(engine, tag):
+        """Wall seconds per target step of one request alone, and its decode steps' share that verified."""
+        before = engine.stats()
+        engine.add_request(tag, random_prompts(rng, [args.context], vocab)[0], params, final_only=True)
+        first = last = None
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                first, last = output.metrics.first_token_time, output.metrics.last_token_time
+        after = engine.stats()
+        accepted = after.get("spec_decode_num_accepted_tokens", 0) - before.get("spec_decode_num_accepted_tokens", 0)
+        decode_steps = args.max_tokens - 1 - accepted
+        verified = after.get("spec_decode_num_drafts", 0) - before.get("spec_decode_num_drafts", 0)
+        return (last - first) / decode_steps, verified / decode_steps
+
+    def best_of(engine, tag, repeats=3):
+        per_step(engine, f"{tag}-warm")
+        return min(per_step(engine, f"{tag}-{r}") for r in range(repeats))
+
+    plain = Engine(model, EngineConfig(**base), warm_up=False, use_tqdm=False)
+    plain_step, _ = best_of(plain, "plain")
+    del plain
+    log(f"plain async decode: {plain_step * 1e3:.3f} ms per step")
+    rows = []
+    for k in args.ks:
+        if not _time_left(log):
+            break
+        start = time.perf_counter()
+        engine = Engine(model, EngineConfig(**base, speculative_config={"method": "eagle3", "model": str(head_dir),
+                                                                        "num_speculative_tokens": k}),
+                        warm_up=False, use_tqdm=False)
+        built = time.perf_counter() - start
+        # Every step verifies: random drafts would otherwise be judged low and the sequence run plain.
+        engine.speculator.config = dataclasses.replace(engine.speculator.config, min_acceptance_rate=0.0,
+                                                       min_accepted_per_step=0.0)
+        step, verified = best_of(engine, f"eagle3-{k}")
+        del engine
+        row = dict(k=k, step_ms=step * 1e3, ratio_to_plain=step / plain_step, share_of_steps_verifying=verified,
+                   tokens_per_step_for_2_3_ms=step * 1e3 / 2.3, built_s=built)
+        rows.append(row)
+        log(f"k={k}: {row['step_ms']:.3f} ms per target step ({row['ratio_to_plain']:.3f}x plain; verifying "
+            f"{verified:.0%} of steps): pays off above {row['ratio_to_plain']:.2f} tokens/step, 2.3 ms/token needs "
+            f"{row['tokens_per_step_for_2_3_ms']:.2f} (engine with head loaded in {built:.1f} s)")
+    md = [f"# EAGLE-3 through the engine loop, {args.shape}, batch 1, prompt {args.context} (random head)", "",
+          f"Command: `{header_command()}`  ", f"plain async decode {plain_step * 1e3:.3f} ms per step", "",
+          "| k | ms per target step | x plain = break-even tokens/step | tokens/step for 2.3 ms | steps verifying |",
+          "| --- | --- | --- | --- | --- |"]
+    md += [f"| {r['k']} | {r['step_ms']:.3f} | {r['ratio_to_plain']:.3f} | {r['tokens_per_step_for_2_3_ms']:.2f} | "
+           f"{r['share_of_steps_verifying']:.0%} |" for r in rows]
+    return {"plain_step_ms": plain_step * 1e3, "rows": rows}, md
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=("acceptance", "step-cost", "engine"))
+    parser.add_argument("mode", choices=("acceptance", "step-cost", "engine", "eagle3", "eagle3-engine"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
@@ -406,14 +694,21 @@ def main():
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=1)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--draft-vocab", type=int, default=32000, help="eagle3: the head's draft vocabulary")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="eagle3, eagle3-engine: start no new k after this many seconds")
     parser.add_argument("--acceptance", nargs="+",
                         help="spec_acceptance.json files of acceptance runs, for the effective time per token")
     args = parser.parse_args()
+    if args.budget_s is not None:
+        _DEADLINE[0] = time.perf_counter() + args.budget_s
     log = Log()
     info = header(log)
-    run = {"acceptance": acceptance, "step-cost": step_cost, "engine": engine_steps}[args.mode]
+    run = {"acceptance": acceptance, "step-cost": step_cost, "engine": engine_steps, "eagle3": eagle3_cost,
+           "eagle3-engine": eagle3_engine}[args.mode]
     results, md = run(args, log)
-    name = {"acceptance": "spec_acceptance", "step-cost": "spec_step_cost", "engine": "spec_engine"}[args.mode]
+    name = {"acceptance": "spec_acceptance", "step-cost": "spec_step_cost", "engine": "spec_engine",
+            "eagle3": "spec_eagle3", "eagle3-engine": "spec_eagle3_engine"}[args.mode]
     write_results(args.out, name, {"info": info, "args": vars(args) | {"out": str(args.out)}, **results},
                   "\n".join(md) + "\n", log)
 

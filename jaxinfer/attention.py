@@ -9,6 +9,11 @@ benchmark: GPU run 2 measured it slower than ``"pallas_gpu"`` at large batches (
 ``"pallas_gpu_fresh_prefill"`` (opt-in until measured, issue 21) is ``"pallas_gpu"`` with the step's
 longest fresh prefill (no cached prefix, >= 1024 tokens) sent through jax's bundled Mosaic GPU flash
 attention (``pallas_kernels.paged_attention.gpu_fresh_prefill``); on other platforms it is ``"auto"``.
+``"pallas_gpu_fresh_prefill_branchless"`` is the same with our bf16 Mosaic GPU window kernel
+(``gpu_fresh_window``), which needs no device conditional.
+What ``"auto"`` runs on a Hopper GPU is ``HOPPER_AUTO_IMPL``: the fresh path, since
+``benchmarks/prefill_engine.py`` measured it faster in the engine (below); ``attention_impl="pallas_gpu"``
+keeps the Triton kernel for every step.
 
 FP8 pages (``kv_cache_dtype="fp8"``) are scaled here, so that every kernel only converts the
 tiles it loads: the new K/V are quantized before the kernel writes them, ``k_scale`` is folded
@@ -28,23 +33,33 @@ from pallas_kernels.paged_attention.reference import ragged_paged_attention_refe
 from sharding.rules import shard_over_heads
 
 IMPLEMENTATIONS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret",
-                   "pallas_gpu_fused", "pallas_gpu_fused_interpret", "pallas_gpu_fresh_prefill")
+                   "pallas_gpu_fused", "pallas_gpu_fused_interpret", "pallas_gpu_fresh_prefill",
+                   "pallas_gpu_fresh_prefill_branchless")
+_FRESH_PREFILL = ("pallas_gpu_fresh_prefill", "pallas_gpu_fresh_prefill_branchless")
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+# "auto" on a Hopper GPU (sm_90): each prefill-heavy step's longest fresh prompt (>= MIN_FRESH_TOKENS)
+# goes through the Mosaic GPU kernel. Measured in the engine on an H200 (session 9,
+# benchmarks/results/prefill_engine.session9.md): TTFT 104.7 -> 101.5 ms at 4k, 556 -> 470 ms at 16k,
+# 1604 -> 1209 ms at 32k, the same prompt tok/s on a 1k-8k mix, identical first tokens; its cost is
+# compile time (29 programs in 69 s instead of 47 s at a 32k token budget). "pallas_gpu" turns it off.
+HOPPER_AUTO_IMPL = "pallas_gpu_fresh_prefill"
 
 
 def resolve_impl(impl: str, platform: str | None = None, head_dim: int | None = None) -> str:
     """Turn ``"auto"`` into a concrete implementation for ``platform`` (default: JAX's backend).
 
     The GPU kernel tiles head_dim in powers of two; other head sizes take the reference.
-    ``"pallas_gpu_fresh_prefill"`` needs a Hopper GPU (its Mosaic GPU kernel issues wgmma and TMA);
+    ``"pallas_gpu_fresh_prefill"`` and ``"pallas_gpu_fresh_prefill_branchless"`` need a Hopper GPU (their
+    Mosaic GPU kernels issue wgmma and TMA);
     elsewhere it is ``"auto"``. With ``platform`` given, the device is not asked (tests).
     """
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention impl {impl!r} is not one of {IMPLEMENTATIONS}")
     gpu_head_dim_ok = head_dim is None or (head_dim & (head_dim - 1)) == 0
-    if impl == "pallas_gpu_fresh_prefill":
-        is_hopper = platform in ("gpu", "cuda") if platform else _is_hopper_gpu()
-        return impl if is_hopper and gpu_head_dim_ok else resolve_impl("auto", platform, head_dim)
+    if impl in _FRESH_PREFILL:
+        return impl if gpu_head_dim_ok and _is_hopper(platform) else resolve_impl("auto", platform, head_dim)
+    if impl == "auto" and HOPPER_AUTO_IMPL != "pallas_gpu" and gpu_head_dim_ok and _is_hopper(platform):
+        return resolve_impl(HOPPER_AUTO_IMPL, platform, head_dim)
     platform = platform or jax.default_backend()
     if impl != "auto":
         return impl
@@ -55,6 +70,11 @@ def resolve_impl(impl: str, platform: str | None = None, head_dim: int | None = 
     if platform == "cpu":
         return "cpu"
     return "reference"
+
+
+def _is_hopper(platform: str | None) -> bool:
+    """A given platform is taken at its word ("gpu"/"cuda": Hopper; tests); else the device is asked."""
+    return platform in ("gpu", "cuda") if platform else _is_hopper_gpu()
 
 
 def _is_hopper_gpu() -> bool:
@@ -95,8 +115,8 @@ def _attend(*args, impl, sm_scale, sliding_window):
         return ragged_paged_attention_cpu(*args, **kwargs)
     import pallas_kernels.paged_attention as pa
 
-    if impl == "pallas_gpu_fresh_prefill":
-        return pa.ragged_paged_attention_gpu_fresh_prefill(*args, **kwargs)
+    if impl in _FRESH_PREFILL:
+        return pa.ragged_paged_attention_gpu_fresh_prefill(*args, **kwargs, branchless=impl.endswith("_branchless"))
     if impl.startswith("pallas_gpu_fused"):
         return pa.ragged_paged_attention_gpu_fused(*args, **kwargs, interpret=impl.endswith("_interpret"))
     if impl.startswith("pallas_gpu"):

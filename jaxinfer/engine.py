@@ -89,6 +89,11 @@ class Engine:
         speculative = SpeculativeConfig.from_value(config.speculative_config)
         # Asynchronous verify steps: drafts made on the device a step ahead (jaxinfer.spec_decode.lagged).
         self.is_verify_lagged = bool(speculative is not None and speculative.async_verify and config.async_scheduling)
+        eagle3_head = None  # (Eagle3Config, Eagle3Weights): its target steps also keep the head's features
+        if speculative is not None and speculative.method == "eagle3":
+            from jaxinfer.spec_decode.eagle3_proposer import load_head_for
+
+            eagle3_head = load_head_for(speculative, model, mesh)
         self.runner = ModelRunner(
             model, num_pages=config.num_pages, page_size=config.page_size, max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -97,11 +102,12 @@ class Engine:
             num_speculative_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
             lagged_ngram=((speculative.prompt_lookup_min, speculative.prompt_lookup_max)
                           if self.is_verify_lagged else None),
+            aux_hidden_layers=eagle3_head[0].aux_layer_ids if eagle3_head is not None else (),
         )
         self.speculator = None
         if speculative is not None:
-            self.speculator = Speculator(speculative, config.max_model_len,
-                                         self._draft_proposer(speculative, mesh) if speculative.model else None)
+            proposer = self._draft_proposer(speculative, mesh, eagle3_head) if speculative.model else None
+            self.speculator = Speculator(speculative, config.max_model_len, proposer)
         # Prompt logprobs run as their own program over the runner's (possibly sharded) weights,
         # never through the step programs: see jaxinfer.prompt_logprobs.
         self.prompt_scorer = PromptScorer(
@@ -143,8 +149,18 @@ class Engine:
             self.warmup_seconds = time.perf_counter() - start
         return self.warmup_seconds
 
-    def _draft_proposer(self, speculative: SpeculativeConfig, mesh):
-        """The draft model named by ``speculative.model``, in the target's dtype, with its own cache."""
+    def _draft_proposer(self, speculative: SpeculativeConfig, mesh, eagle3_head=None):
+        """The draft model named by ``speculative.model``, in the target's dtype, with its own cache
+        (or, with ``eagle3_head``, that head reading the runner's auxiliary hidden states)."""
+        if eagle3_head is not None:
+            from jaxinfer.spec_decode.eagle3_proposer import Eagle3Proposer
+
+            return Eagle3Proposer(
+                *eagle3_head, target_embed=lambda: self.runner.model.weights.embed,
+                aux_pages=lambda: self.runner.aux_pages, num_pages=self.config.num_pages,
+                page_size=self.config.page_size, buckets=self.runner.buckets,
+                num_speculative_tokens=speculative.num_speculative_tokens, allocator=self.allocator,
+                attention_impl=self.config.attention_impl)
         from jaxinfer.checkpoint import load_model
         from jaxinfer.spec_decode.draft_model import DraftModelProposer
 

@@ -62,14 +62,33 @@ def rope_inverse_frequencies(config: ModelConfig) -> np.ndarray:
     return np.where(is_medium, blended, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE (the Hugging Face convention). x: [T, H, D]; positions: [T]."""
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """The step's RoPE factors, made once and shared by every layer: (cos [T, 1, 1, D/2],
+    signed sin [T, 1, 2, D/2]) in float32, for :func:`apply_rope`. positions: [T].
+
+    The sin is stored as (-sin, +sin) for the two halves of the head, so that the rotation is a
+    multiply-add over x and its halves swapped, with no split or concatenate per layer.
+    """
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
-    cos = jnp.cos(angles)[:, None, :]
-    sin = jnp.sin(angles)[:, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x.dtype)
+    cos = jnp.cos(angles)[:, None, None, :]
+    sin = jnp.sin(angles)[:, None, None, :]
+    return cos, jnp.concatenate([-sin, sin], axis=2)
+
+
+def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotate-half RoPE (the Hugging Face convention) with :func:`rope_tables`' factors. x: [T, H, D].
+
+    With x = (x1, x2) by halves of D: (x1 cos - x2 sin, x2 cos + x1 sin). Written as
+    x * cos + swap_halves(x) * (-sin, sin): the same products and sums (x2 * -sin is -(x2 sin)
+    exactly, so the result is bit for bit the split form's), but one elementwise expression with
+    no slice or concatenate, which XLA fuses like any other (the split form showed up in the
+    H200 batch-1 traces as its own ``input_concatenate_fusion`` kernel per layer).
+    """
+    cos, signed_sin = rope
+    t, h, d = x.shape
+    halves = x.astype(jnp.float32).reshape(t, h, 2, d // 2)  # [T, H, 2, D/2]
+    rotated = halves * cos + jnp.flip(halves, axis=2) * signed_sin
+    return rotated.reshape(t, h, d).astype(x.dtype)
 
 
 def attention_block(
@@ -81,7 +100,12 @@ def attention_block(
     config: ModelConfig,
     attention_impl: str,
     kv_scales: tuple[jax.Array | None, jax.Array | None] = (None, None),
+    rope: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer's attention: norm, q/k/v, RoPE, paged attention (writing this step's K/V), o.
+
+    ``rope``: :func:`rope_tables` of the step's positions, made once for all layers (None: made here).
+    """
     h = rms_norm(x, layer.attn_norm, config.rms_norm_eps)  # [T, E]
     # q [T, Hq, D], k and v [T, Hkv, D]; one input, quantized once when it runs FP8 W8A8
     q, k, v = linear_many("te,ehd->thd", h, (layer.q, layer.k, layer.v))
@@ -90,9 +114,8 @@ def attention_block(
     if config.qk_norm:
         q = rms_norm(q, layer.q_norm, config.rms_norm_eps)
         k = rms_norm(k, layer.k_norm, config.rms_norm_eps)
-    inv_freq = rope_inverse_frequencies(config)
-    q = apply_rope(q, batch.positions, inv_freq)
-    k = apply_rope(k, batch.positions, inv_freq)
+    rope = rope if rope is not None else rope_tables(batch.positions, rope_inverse_frequencies(config))
+    q, k = apply_rope(q, rope), apply_rope(k, rope)
     out, k_pages, v_pages = paged_attention(
         q, k, v, k_pages, v_pages, batch,
         sm_scale=config.head_dim**-0.5, sliding_window=config.sliding_window, impl=attention_impl,
@@ -122,20 +145,37 @@ def hidden_states(
     weights: Weights, cache: KVCache, batch: StepBatch, config: ModelConfig, attention_impl: str = "auto"
 ) -> tuple[jax.Array, KVCache]:
     """Run every layer over the step's tokens; returns the final-normed hidden states [T, E]."""
+    x, _, cache = hidden_states_and_aux(weights, cache, batch, config, attention_impl, ())
+    return x, cache
+
+
+def hidden_states_and_aux(
+    weights: Weights, cache: KVCache, batch: StepBatch, config: ModelConfig, attention_impl: str,
+    aux_layers: tuple[int, ...],
+) -> tuple[jax.Array, jax.Array | None, KVCache]:
+    """:func:`hidden_states`, and the residual stream entering each layer of ``aux_layers`` (an
+    EAGLE-3 head's input, ``jaxinfer.spec_decode.eagle3``), concatenated in that order: [T, len * E];
+    None when ``aux_layers`` is empty, whose program is exactly :func:`hidden_states`'s."""
     x = weights.embed[batch.token_ids]  # [T, E]
+    aux = {}
     new_k, new_v = [], []
+    rope = rope_tables(batch.positions, rope_inverse_frequencies(config))  # once per step, not per layer
     for i, layer in enumerate(weights.layers):
+        if i in aux_layers:
+            aux[i] = x  # HF's hidden_states[i], vLLM's aux hidden state of layer i
         with jax.named_scope(f"layer_{i}"):
             with jax.named_scope("attention"):
                 attn, k_pages, v_pages = attention_block(
-                    layer, x, cache.k[i], cache.v[i], batch, config, attention_impl, cache.layer_scales(i)
+                    layer, x, cache.k[i], cache.v[i], batch, config, attention_impl, cache.layer_scales(i), rope
                 )
             x = x + attn
             with jax.named_scope("mlp"):
                 x = x + mlp_block(layer, x, config)
         new_k.append(k_pages)
         new_v.append(v_pages)
-    return rms_norm(x, weights.final_norm, config.rms_norm_eps), dataclasses.replace(cache, k=new_k, v=new_v)
+    aux_states = jnp.concatenate([aux[i] for i in aux_layers], axis=-1) if aux_layers else None
+    cache = dataclasses.replace(cache, k=new_k, v=new_v)
+    return rms_norm(x, weights.final_norm, config.rms_norm_eps), aux_states, cache
 
 
 def compute_logits(weights: Weights, x: jax.Array) -> jax.Array:
@@ -156,3 +196,13 @@ def forward(
     """
     x, cache = hidden_states(weights, cache, batch, config, attention_impl)
     return compute_logits(weights, x[batch.logits_indices]), cache
+
+
+def forward_with_aux(
+    weights: Weights, cache: KVCache, batch: StepBatch, config: ModelConfig, attention_impl: str,
+    aux_layers: tuple[int, ...],
+) -> tuple[jax.Array, jax.Array, KVCache]:
+    """:func:`forward` that also returns every token's auxiliary hidden states [T, len(aux_layers) * E]
+    (:func:`hidden_states_and_aux`): only the programs of an engine with an EAGLE-3 head call it."""
+    x, aux, cache = hidden_states_and_aux(weights, cache, batch, config, attention_impl, aux_layers)
+    return compute_logits(weights, x[batch.logits_indices]), aux, cache

@@ -43,12 +43,13 @@ from jaxinfer.input_batch import PackedStep, StepInputs, empty_step_inputs, is_f
 from jaxinfer.kv_cache import create_kv_cache
 from jaxinfer.kv_cache_dtype import storage_dtype
 from jaxinfer.loaded_model import LoadedModel
-from jaxinfer.model import forward
+from jaxinfer.model import forward, forward_with_aux
 from jaxinfer.page_table_rows import PageTableRows
 from jaxinfer.sampling import SamplerOutput, SamplingFlags, sample
 from jaxinfer.sampling_params import MAX_TOP_LOGPROBS
 from jaxinfer.scheduler import Schedule
 from jaxinfer.structured_output.bitmask import allocate_bitmask, bitmask_width
+from jaxinfer.spec_decode.aux_hidden import create_aux_pages, write_aux_hidden
 from jaxinfer.spec_decode.lagged import DeviceDrafts, continue_batch, continue_verify_inputs, drafts_for_next_step
 from jaxinfer.spec_decode.layout import expand_to_rows
 from jaxinfer.spec_decode.rejection import VerifyOutput, verify
@@ -173,6 +174,7 @@ class ModelRunner:
         num_speculative_tokens: int = 0,
         lagged_ngram: tuple[int, int] | None = None,
         stable_input_address: bool | None = None,
+        aux_hidden_layers: tuple[int, ...] = (),
     ):
         """``mesh``: a ``sharding.make_mesh`` mesh the model was laid out on (``sharding.shard_model``);
         ``overlap``: a ``jaxinfer.compile_options.OverlapConfig`` (communication overlap per phase);
@@ -181,7 +183,10 @@ class ModelRunner:
         (``(prompt_lookup_min, prompt_lookup_max)``): verify steps are asynchronous, their next
         drafts made on the device by prompt lookup (``jaxinfer.spec_decode.lagged``);
         ``stable_input_address`` (default: on a GPU): the forward copies its packed inputs into a
-        donated device buffer first (:attr:`input_slot`) and reads them from there."""
+        donated device buffer first (:attr:`input_slot`) and reads them from there;
+        ``aux_hidden_layers``: every step also stores the residual stream entering these layers, per
+        token, in ``aux_pages`` (an EAGLE-3 head's input, ``jaxinfer.spec_decode.aux_hidden``); empty:
+        the step programs are exactly those of an engine without one."""
         self.model = model
         self.config = model.config
         self.page_size = page_size
@@ -234,15 +239,21 @@ class ModelRunner:
                                                                          else (False,)))
             # One element more than the largest step: a copy over the whole slot would be folded away.
             self.input_slot = jax.jit(lambda: jnp.zeros((size + 1,), jnp.int32), **self.placement.jit_kwargs())()
+        self.aux_hidden_layers = tuple(aux_hidden_layers)
+        self.aux_pages = None
+        if self.aux_hidden_layers:
+            width = len(self.aux_hidden_layers) * self.config.hidden_size
+            self.aux_pages = create_aux_pages(num_pages, page_size, width, model.weights.embed.dtype)
         # Programs may compile with different options per token count: overlap per phase, no
         # Triton GEMMs for FP8 W8A8 steps on GPU (jaxinfer.compile_options).
         self._step = PhasedJit(
-            functools.partial(_forward_step, config=self.config, attention_impl=attention_impl),
+            functools.partial(_forward_step, config=self.config, attention_impl=attention_impl,
+                              aux_layers=self.aux_hidden_layers),
             overlap, self.buckets.num_seqs[-1],
             base_compiler_options=graph_options(1 if mesh is None else mesh.size),
             quantization=model.quantization,
             static_argnames=("packing",),
-            donate_argnames=("cache", "token_pages", "input_slot"),
+            donate_argnames=("cache", "token_pages", "input_slot") + (("aux_pages",) if self.aux_hidden_layers else ()),
             **self.placement.jit_kwargs(with_cache=True),
         )
         self._sampler = jax.jit(
@@ -384,7 +395,10 @@ class ModelRunner:
             self._input_observer(inputs)
         fn, args, kwargs, (sampler_packed, sampler_packing) = self._calls(inputs)
         with self.placement.context():
-            (logits, self.token_pages, self.input_slot), self.cache = fn(*args, **kwargs)
+            step_out, self.cache = fn(*args, **kwargs)
+            logits, self.token_pages, self.input_slot = step_out[:3]
+            if self.aux_hidden_layers:
+                self.aux_pages = step_out[3]
             if inputs.is_verify:
                 out = self._verifier(logits, self.token_pages, sampler_packed, self.device_drafts,
                                      packing=sampler_packing, sampler_path=inputs.sampler_path)
@@ -415,6 +429,8 @@ class ModelRunner:
         packed, sampler_packed = jax.device_put((packed, sampler_packed), self.placement.replicated)
         args = (self.model.weights, self.cache, self.token_pages, packed, self.last_sampled, self.device_drafts,
                 self.input_slot)
+        if self.aux_hidden_layers:
+            args += (self.aux_pages,)
         return self._step.for_tokens(inputs.batch.num_tokens), args, {"packing": packing}, (sampler_packed, sampler_packing)
 
 
@@ -488,15 +504,16 @@ class _SamplerStepOutput:
     device_drafts: DeviceDrafts | None = None  # an asynchronous verify step's: what the next step continues
 
 
-def _forward_step(weights, cache, token_pages, packed, last_sampled, device_drafts, input_slot, *, config,
-                  attention_impl, packing):
+def _forward_step(weights, cache, token_pages, packed, last_sampled, device_drafts, input_slot, aux_pages=None, *,
+                  config, attention_impl, packing, aux_layers=()):
     """Logits [B, V] at each sequence's last new token, the token pages with this step's inputs, the
     input slot, and the cache.
 
     ``device_drafts``: None, or the last verify step's ``DeviceDrafts`` (asynchronous verify steps):
     the batch is then shifted to the sequences' true lengths and reads its drafts from there.
     ``input_slot``: None, or the runner's donated buffer that the packed inputs are copied into
-    and read from (``ModelRunner.input_slot``: a device address that never changes)."""
+    and read from (``ModelRunner.input_slot``: a device address that never changes).
+    ``aux_layers`` (an EAGLE-3 head): also the ``aux_pages`` with this step's auxiliary hidden states."""
     if input_slot is not None:
         input_slot = jax.lax.dynamic_update_slice(input_slot, packed, (0,))
         # Else XLA folds the slices below into slices of ``packed`` and reads it directly again.
@@ -512,6 +529,9 @@ def _forward_step(weights, cache, token_pages, packed, last_sampled, device_draf
         prev_slots, draft_rows = unpacked[2:]
         batch = continue_batch(batch, prev_slots, draft_rows, device_drafts)
     token_pages = write_tokens(token_pages, token_ids, batch)
+    if aux_layers:
+        logits, aux, cache = forward_with_aux(weights, cache, batch, config, attention_impl, aux_layers)
+        return (logits, token_pages, input_slot, write_aux_hidden(aux_pages, aux, batch)), cache
     logits, cache = forward(weights, cache, batch, config, attention_impl)
     return (logits, token_pages, input_slot), cache
 

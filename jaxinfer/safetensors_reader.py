@@ -24,6 +24,10 @@ DTYPES = {
     # Pre-quantized FP8 checkpoints (compressed-tensors, fbgemm-fp8); safetensors' own numpy
     # reader refuses this dtype, the raw bytes are read and viewed as e4m3.
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    # Integer and boolean buffers: an EAGLE-3 head's draft-vocabulary maps (d2t, t2d).
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "BOOL": np.dtype(np.bool_),
 }
 
 

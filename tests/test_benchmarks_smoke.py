@@ -211,6 +211,22 @@ def test_spec_decode_step_cost_completes(tmp_path):
     assert [row["k"] for row in rows] == list(range(1, 9))
 
 
+def test_spec_decode_eagle3_cost_completes(tmp_path):
+    run_script([BENCHMARKS / "spec_decode.py", "eagle3", "--out", tmp_path, "--shape", "tiny", "--steps", "2",
+                "--context", "128", "--ks", "1", "3"], tmp_path)
+    results = json.loads((tmp_path / "spec_eagle3.json").read_text())
+    assert [row["k"] for row in results["rows"]] == [1, 3]
+    assert all(row["cycle_ms"] > row["draft_round_ms"] > 0 for row in results["rows"])
+
+
+def test_spec_decode_eagle3_engine_completes(tmp_path):
+    """The engine loop with a random head the benchmark writes in the speculators layout."""
+    run_script([BENCHMARKS / "spec_decode.py", "eagle3-engine", "--out", tmp_path, "--shape", "tiny", "--context", "64",
+                "--max-tokens", "24", "--ks", "2"], tmp_path)
+    rows = json.loads((tmp_path / "spec_eagle3_engine.json").read_text())["rows"]
+    assert rows[0]["k"] == 2 and rows[0]["share_of_steps_verifying"] > 0.5
+
+
 @pytest.mark.slow
 def test_kernel_frontier_fp8_stage_writes_an_adoptable_table(tmp_path):
     # The fp8 stage the lead runs on the H200 (bf16 vs fp8 pages, the fp8 sweep, the table), in the

@@ -71,6 +71,7 @@ def run_against_reference(seqs, fresh_attend, min_fresh_tokens=64, scale=1.0, **
     case.v_new = case.v_new * scale
     ref = ragged_paged_attention_reference(*case.args(), sm_scale=case.sm_scale)
     args = [jnp.array(a) for a in case.args()]  # the cache is donated
+    kw.setdefault("max_window_waste", 4.0)  # tiny steps: a 150-row prompt in a 256-row window still takes it
     out, k_pages, v_pages = fp.ragged_paged_attention_gpu_fresh_prefill(
         *args, sm_scale=case.sm_scale, min_fresh_tokens=min_fresh_tokens, fresh_attend=fresh_attend,
         interpret=True, **kw)
@@ -102,7 +103,7 @@ def test_fresh_kernel_output_is_used_for_the_taken_sequence_only():
                      pad_tokens=5)
     out, _, _ = fp.ragged_paged_attention_gpu_fresh_prefill(
         *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=seven,
-        interpret=True)
+        interpret=True, max_window_waste=4.0)
     is_seven = np.all(np.asarray(out, np.float32) == 7, axis=(1, 2))
     np.testing.assert_array_equal(np.flatnonzero(is_seven), np.arange(1, 151))
 
@@ -132,6 +133,121 @@ def test_mixed_step_with_the_mosaic_gpu_prototype_interpreted():
     run_against_reference(MIXED, proto)
 
 
+def test_window_rows_and_merge_touch_only_the_taken_sequence_even_past_the_step_end():
+    x = jnp.arange(10, dtype=jnp.float32)[:, None, None] + 1  # [T=10, 1, 1], row t holds t + 1
+    fresh = fp.FreshPrefill(is_taken=jnp.bool_(True), seq=jnp.int32(2), token_start=jnp.int32(6),
+                            num_tokens=jnp.int32(3))
+    window = fp.window_rows(x, fresh, 8)  # rows 6, 7, 8, then zeros (rows 9.. are not the sequence's)
+    np.testing.assert_array_equal(np.asarray(window)[:, 0, 0], [7, 8, 9, 0, 0, 0, 0, 0])
+    merged = fp.merge_window(x, -window, fresh)  # a window running 4 rows past the step's end
+    np.testing.assert_array_equal(np.asarray(merged)[:, 0, 0], [1, 2, 3, 4, 5, 6, -7, -8, -9, 10])
+
+
+def test_a_window_much_longer_than_its_sequence_stays_on_triton():
+    seven = lambda q, k, v, *, sm_scale: jnp.full(q.shape, 7, q.dtype)  # noqa: E731
+    for q_len, is_taken in ((150, False), (240, True)):  # windows 128, 256, 384: 256 rows for 150 too long
+        seqs = [(1, 40), (q_len, q_len), (40, 100)]
+        case = make_case(7, seqs, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                         pad_tokens=296 - 41 - q_len)
+        out, _, _ = fp.ragged_paged_attention_gpu_fresh_prefill(
+            *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=seven,
+            interpret=True)  # the default MAX_WINDOW_WASTE
+        assert fp.fresh_prefill_lengths(296, 64) == (128, 256, 384)
+        assert bool(np.all(np.asarray(out[1:1 + q_len], np.float32) == 7)) is is_taken
+
+
+def test_decode_like_step_never_takes_the_fresh_path():
+    def never(q, k, v, *, sm_scale):
+        raise AssertionError("a decode-like step must compile without the fresh branch")
+
+    # A fresh prompt long enough, but 150 token rows for 160 sequence slots: decode-like.
+    seqs = [(1, 40), (140, 140), (1, 7)] + [(0, 0)] * 157
+    case = make_case(7, seqs, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                     pad_tokens=8)
+    assert case.q.shape[0] <= case.kv_lens.shape[0]
+    ref = ragged_paged_attention_reference(*case.args(), sm_scale=case.sm_scale)[0]
+    out, _, _ = fp.ragged_paged_attention_gpu_fresh_prefill(
+        *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=never,
+        interpret=True)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=3e-2, atol=3e-2)
+
+
+def test_lowered_step_has_one_conditional_and_no_loop():
+    # On the GPU every conditional (and every loop iteration) waits for the host: one switch, no while.
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
+    case = make_case(7, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                     pad_tokens=5)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = fp.ragged_paged_attention_gpu_fresh_prefill.trace(
+            *case.args(), sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=dense_causal).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text
+    assert text.count("stablehlo.case") == 1
+    assert "stablehlo.while" not in text
+
+
+def dense_window(q, k, v, num_blocks, *, sm_scale):  # the branchless path's window attention, on a CPU
+    return dense_causal(q, k, v, sm_scale=sm_scale)
+
+
+def test_branchless_path_matches_reference_with_whole_blocks_in_the_window_kernel():
+    run_against_reference(MIXED, dense_window, branchless=True)
+    # A window kernel that answers 7: it serves the fresh prompt's first 128 rows (whole 64-row
+    # blocks), Triton its last 22 and every other sequence.
+    seven = lambda q, k, v, num_blocks, *, sm_scale: jnp.full(q.shape, 7, q.dtype)  # noqa: E731
+    case = make_case(7, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                     pad_tokens=5)
+    out, _, _ = fp.ragged_paged_attention_gpu_fresh_prefill(
+        *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=seven,
+        interpret=True, branchless=True)
+    is_seven = np.all(np.asarray(out, np.float32) == 7, axis=(1, 2))
+    np.testing.assert_array_equal(np.flatnonzero(is_seven), np.arange(1, 129))
+
+
+def test_branchless_path_with_nothing_to_serve_is_the_triton_kernel():
+    seqs = [(1, 40), (40, 100), (30, 30), (0, 0)]  # a cached prefix and a fresh prompt under the minimum
+    case = make_case(7, seqs, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                     pad_tokens=60)
+    blocks = []
+
+    def recording(q, k, v, num_blocks, *, sm_scale):
+        blocks.append(num_blocks)
+        return jnp.full(q.shape, 7, q.dtype)
+
+    ref = ragged_paged_attention_reference(*case.args(), sm_scale=case.sm_scale)[0]
+    out, _, _ = fp.ragged_paged_attention_gpu_fresh_prefill(
+        *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=recording,
+        interpret=True, branchless=True)
+    assert len(blocks) == 1  # traced: the kernel is in the step whatever the batch holds
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=3e-2, atol=3e-2)
+
+
+def test_branchless_path_with_the_window_kernel_interpreted():
+    from pallas_kernels.paged_attention.gpu_fresh_window import causal_window_attention_mosaic_gpu
+
+    kernel = lambda q, k, v, num_blocks, *, sm_scale: causal_window_attention_mosaic_gpu(  # noqa: E731
+        q, k, v, num_blocks, sm_scale=sm_scale, interpret=True)
+    run_against_reference(MIXED, kernel, branchless=True)
+
+
+def test_branchless_path_lowers_for_hopper_with_no_conditional():
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
+    case = make_case(7, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                     pad_tokens=5)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = fp.ragged_paged_attention_gpu_fresh_prefill.trace(
+            *case.args(), sm_scale=case.sm_scale, min_fresh_tokens=64, branchless=True).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text and "mosaic_gpu" in text
+    assert "stablehlo.case" not in text and "stablehlo.while" not in text
+
+
 def test_bundled_kernel_call_lowers_for_hopper_from_cpu(monkeypatch):
     from jax.experimental.pallas.ops.gpu import attention_mgpu
 
@@ -148,11 +264,29 @@ def test_dispatcher_takes_the_fresh_prefill_path_only_by_name_and_only_on_a_gpu(
     from jaxinfer.attention import resolve_impl
 
     assert resolve_impl("pallas_gpu_fresh_prefill", "gpu", head_dim=128) == "pallas_gpu_fresh_prefill"
-    assert resolve_impl("auto", "gpu", head_dim=128) == "pallas_gpu"  # opt-in until the lead measures it
+    assert resolve_impl("auto", "gpu", head_dim=128) == "pallas_gpu_fresh_prefill"  # Hopper's default
+    assert resolve_impl("pallas_gpu", "gpu", head_dim=128) == "pallas_gpu"  # the Triton kernel alone, by name
     assert resolve_impl("pallas_gpu_fresh_prefill", "cpu") == "cpu"
     assert resolve_impl("pallas_gpu_fresh_prefill", "tpu") == "pallas_tpu"
     assert resolve_impl("pallas_gpu_fresh_prefill", "gpu", head_dim=96) == "reference"  # as "auto" would
     assert resolve_impl("pallas_gpu_fresh_prefill") == "cpu"  # this machine: no Hopper GPU
+    assert resolve_impl("pallas_gpu_fresh_prefill_branchless", "gpu", head_dim=128) == \
+        "pallas_gpu_fresh_prefill_branchless"
+    assert resolve_impl("pallas_gpu_fresh_prefill_branchless", "cpu") == "cpu"
+
+
+def test_the_hopper_default_changes_auto_on_hopper_only(monkeypatch):
+    import jaxinfer.attention as attention
+
+    assert attention.HOPPER_AUTO_IMPL == "pallas_gpu_fresh_prefill"
+    assert attention.resolve_impl("auto", "gpu", head_dim=128) == "pallas_gpu_fresh_prefill"
+    assert attention.resolve_impl("auto", "rocm", head_dim=128) == "pallas_gpu"
+    assert attention.resolve_impl("auto", "gpu", head_dim=96) == "reference"
+    assert attention.resolve_impl("auto", "tpu") == "pallas_tpu"
+    assert attention.resolve_impl("auto") == "cpu"  # this machine
+    assert attention.resolve_impl("pallas_gpu", "gpu", head_dim=128) == "pallas_gpu"  # a name is kept
+    monkeypatch.setattr(attention, "HOPPER_AUTO_IMPL", "pallas_gpu")  # the one line that turns it off
+    assert attention.resolve_impl("auto", "gpu", head_dim=128) == "pallas_gpu"
 
 
 def test_model_step_with_the_fresh_prefill_impl_runs_on_cpu_as_auto():
@@ -163,6 +297,31 @@ def test_model_step_with_the_fresh_prefill_impl_runs_on_cpu_as_auto():
     batch = StepBatch(token_ids=None, positions=None, cu_q_lens=case.cu_q_lens, kv_lens=case.kv_lens,
                       page_tables=case.page_tables, logits_indices=None)
     args = (case.q, case.k_new, case.v_new, case.k_pages, case.v_pages, batch)
-    got = paged_attention(*args, sm_scale=case.sm_scale, impl="pallas_gpu_fresh_prefill")[0]
     want = paged_attention(*args, sm_scale=case.sm_scale, impl="auto")[0]
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for impl in ("pallas_gpu_fresh_prefill", "pallas_gpu_fresh_prefill_branchless"):
+        got = paged_attention(*args, sm_scale=case.sm_scale, impl=impl)[0]
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_fp8_pages_keep_the_paged_kernel_under_the_hopper_default():
+    # The Hopper default also serves kv_cache_dtype="fp8" engines: their steps never take the
+    # window (can_take_fresh_prefill wants 16-bit pages) and stay exact on the Triton kernel.
+    case = make_case(11, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                     pad_tokens=5, nan_fill=False)
+    fp8 = jnp.float8_e4m3fn
+    case.k_new, case.v_new = case.k_new.astype(fp8), case.v_new.astype(fp8)
+    case.k_pages, case.v_pages = case.k_pages.astype(fp8), case.v_pages.astype(fp8)
+    ref = ragged_paged_attention_reference(*case.args(), sm_scale=case.sm_scale)
+    calls = []
+
+    def recording(q, k, v, *, sm_scale):
+        calls.append(q.shape)
+        return dense_causal(q, k, v, sm_scale=sm_scale)
+
+    out, k_pages, v_pages = fp.ragged_paged_attention_gpu_fresh_prefill(
+        *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=recording,
+        interpret=True, max_window_waste=4.0)
+    assert calls == []  # not even traced: the window's branch is not built for fp8 pages
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref[0], np.float32), rtol=3e-2, atol=3e-2)
+    np.testing.assert_array_equal(np.asarray(k_pages, np.float32), np.asarray(ref[1], np.float32))
+    np.testing.assert_array_equal(np.asarray(v_pages, np.float32), np.asarray(ref[2], np.float32))

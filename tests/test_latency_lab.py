@@ -46,6 +46,28 @@ def test_breakdown_sorts_kernels_by_what_they_do_and_counts_the_gaps(tmp_path):
     assert list(b["top_kernels_us"]) == ["weight GEMV (XLA): gemm_fusion_dot_3",
                                          "weight GEMV (ours): weight_only_matmul_float8_e4m3fn_nk",
                                          "lm_head: fusion_12"]
+    # Each top kernel ran once a step; the lm_head's op comes from its trace annotation.
+    assert {k: v["launches_per_step"] for k, v in b["top_kernels"].items()} == pytest.approx(
+        {k: 1 for k in b["top_kernels_us"]})
+    assert b["top_kernels"]["lm_head: fusion_12"]["jax_op"] == "body/lm_head/dot_general"
+
+
+def test_breakdown_names_each_kernels_jax_op_and_launches_per_step(tmp_path):
+    """Two layers' add fusions share one kernel (XLA's kernel reuse): 2 launches a step, named by the HLO's op."""
+    from latency_lab import breakdown, op_scopes
+
+    hlo = ('  %loop_add_fusion.1 = bf16[8,64]{1,0} fusion(%a, %b), kind=kLoop, calls=%f, '
+           'metadata={op_name="jit(run)/while/body/layer_0/mlp/add" stack_frame_id=3}\n'
+           '  %fusion.7 = bf16[8,64]{1,0} fusion(%c), kind=kCustom, calls=%g, '
+           'metadata={op_name="jit(run)/while/body/layer_0/attention/mul" stack_frame_id=4}\n')
+    step = [("loop_add_fusion_1", 0, 4, {}), ("fusion_7", 4, 2, {}), ("loop_add_fusion_1", 6, 4, {})]
+    path = tmp_path / "vm.trace.json.gz"
+    write_trace(path, [(name, ts + offset, dur, args) for offset in (0, 10) for name, ts, dur, args in step])
+    b = breakdown(path, steps=2, top=2, scopes=op_scopes(hlo))
+    add = b["top_kernels"]["fusions (norms, rope, residual, convert): loop_add_fusion_1"]
+    assert add == {"us": pytest.approx(8), "launches_per_step": pytest.approx(2), "jax_op": "layer_*/mlp/add"}
+    norm = b["top_kernels"]["fusions (norms, rope, residual, convert): fusion_7"]
+    assert norm["launches_per_step"] == pytest.approx(1) and norm["jax_op"] == "layer_*/attention/mul"
 
 
 def test_breakdown_says_when_the_trace_has_no_gpu(tmp_path):
@@ -97,3 +119,22 @@ def test_kernels_take_their_named_scope_from_the_compiled_hlo(tmp_path):
     write_trace(path, [(kernel, 0, 4, {}), ("unknown_kernel", 4, 6, {})])
     b = breakdown(path, steps=1, top=2, scopes=scopes)
     assert b["by_kind_us"]["sampler"] == pytest.approx(4)
+
+
+def test_xla_options_parse_and_reach_the_compiler():
+    import jax
+    import jax.numpy as jnp
+
+    from latency_lab import compile_loop, parse_xla_options
+
+    options = parse_xla_options("xla_gpu_enable_command_buffer=FUSION,xla_gpu_graph_min_graph_size=5,"
+                                "xla_gpu_unsupported_enable_triton_multi_output_fusion=true")
+    assert options == {"xla_gpu_enable_command_buffer": "FUSION", "xla_gpu_graph_min_graph_size": 5,
+                       "xla_gpu_unsupported_enable_triton_multi_output_fusion": True}
+    with pytest.raises(SystemExit, match="not xla_<name>=<value>"):
+        parse_xla_options("enable_everything")
+    compiled, _ = compile_loop(jax.jit(lambda x, w: x @ w), jnp.ones((2, 2)), jnp.ones((2, 2)), options)
+    assert float(compiled(jnp.ones((2, 2)), jnp.ones((2, 2)))[0, 0]) == 2.0
+    # An option XLA does not know is refused, not ignored: the variant's row says so.
+    with pytest.raises(Exception, match="No such compile option"):
+        compile_loop(jax.jit(lambda x, w: x @ w), jnp.ones((2, 2)), jnp.ones((2, 2)), {"xla_gpu_no_such_option": True})

@@ -12,7 +12,7 @@ import json
 
 from jaxinfer.errors import RequestError
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle3")
 # More drafts than this cost a wider verify step for tokens that are rarely all accepted; it
 # also bounds the verify programs compiled at start-up (k + 1 logits rows per sequence).
 MAX_SPECULATIVE_TOKENS = 16
@@ -30,7 +30,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4  # longest suffix n-gram looked up in the context
     prompt_lookup_min: int = 1  # shortest one tried before giving up this step
-    model: str | None = None  # the draft model ("draft_model"): a built-in name or directory sharing the tokenizer
+    # "draft_model": a built-in name or directory sharing the tokenizer; "eagle3": the head's
+    # directory (jaxinfer.spec_decode.eagle3_checkpoint)
+    model: str | None = None
     # A step with more running sequences than this does not speculate (vLLM's key). None:
     # every batch size speculates, as an explicit config asks.
     disable_by_batch_size: int | None = None
@@ -52,8 +54,8 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise SpeculativeConfigError(f"speculative_config.method must be one of {METHODS}, got {self.method!r}",
                                          field="speculative_config.method")
-        if self.method == "draft_model" and not self.model:
-            raise SpeculativeConfigError("speculative_config.model is required with a draft model",
+        if self.method in ("draft_model", "eagle3") and not self.model:
+            raise SpeculativeConfigError(f"speculative_config.model is required with method {self.method!r}",
                                          field="speculative_config.model")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:

@@ -3,7 +3,8 @@
 The GPU has two kernels: ``ragged_paged_attention_gpu`` (the default: XLA scatter, then
 attention), ``ragged_paged_attention_gpu_fused`` (opt-in: the write fused into the kernel) and
 ``ragged_paged_attention_gpu_fresh_prefill`` (opt-in: a step's longest fresh prefill through jax's
-bundled Mosaic GPU flash attention, the rest as the default).
+bundled Mosaic GPU flash attention behind a device branch, or with ``branchless=True`` through our
+own Mosaic GPU window kernel, ``gpu_fresh_window``; the rest as the default).
 All share one signature (``ragged_paged_attention_reference``'s) and return
 ``(out, k_pages, v_pages)``; the kernels take extra keyword-only tile sizes and an
 interpret switch. The cache layout and the ragged-batch metadata are documented in

@@ -17,6 +17,8 @@ position's physical page, K and V rows are gathered through it (each row is
 accumulates in f32. Causality bounds the walk: a tile never reads past its last query's
 position, and a sliding window starts it late. Positions past the sequence are masked
 loads, so pages past the end, and the NaN that unused pages may hold, are never read.
+The pieces of that walk that the fused-write kernel (``gpu_fused.py``) shares live in
+``gpu_tile.py``.
 
 Decode-like batches split each sequence's KV range across ``num_splits`` programs
 (flash-decoding) and merge the partial results with their log-sum-exps in a small XLA
@@ -70,34 +72,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.paged_attention import gpu_tile as tile_lib
 from pallas_kernels.paged_attention import work_tiles as wt
 from pallas_kernels.paged_attention.block_sizes import BlockSizes, gpu_block_sizes
 from pallas_kernels.paged_attention.reference import write_kv_reference
 from pallas_kernels.paged_attention.validation import check_inputs
+# Re-exported: callers and tests know them from here.
+from pallas_kernels.paged_attention.gpu_tile import F16_MAX, FP8_WIDEN_CHOICES, fp8_tile_dtype  # noqa: F401
 from pallas_kernels.precision import matmul_precision
-
-# Finite, so that max() over a fully masked row stays finite and exp() never sees inf - inf.
-_MASK_VALUE = -1e30
-_LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
-F16_MAX = 65504.0
-FP8_WIDEN_CHOICES = ("float16", "query")
-
-
-def fp8_tile_dtype(q_dtype, kv_dtype, fp8_widen_to: str = "float16"):
-    """The dtype K/V tiles are widened to and the dots run in: q's, except fp8 pages with 16-bit queries.
-
-    ``fp8_widen_to="float16"`` (default): e4m3 pages with bf16/f16 queries compute in float16 (one
-    conversion instruction per two values on sm_90, see the module docstring). ``"query"``: widen
-    to q's dtype, the kernel as it was before (kept for the benchmark's same-run comparison).
-    """
-    if fp8_widen_to not in FP8_WIDEN_CHOICES:
-        raise ValueError(f"fp8_widen_to must be one of {FP8_WIDEN_CHOICES}, got {fp8_widen_to!r}")
-    q_dtype, kv_dtype = jnp.dtype(q_dtype), jnp.dtype(kv_dtype)
-    if kv_dtype.itemsize == 1 and q_dtype.itemsize == 2 and fp8_widen_to == "float16":
-        return jnp.dtype(jnp.float16)
-    return q_dtype
-
 
 def _attention_kernel(
     meta_ref,  # [W, NUM_META] int32
@@ -114,37 +96,16 @@ def _attention_kernel(
     seq = meta_ref[tile, wt.SEQ]
     first_pos = meta_ref[tile, wt.FIRST_POS]
     tile_q_len = meta_ref[tile, wt.TILE_Q_LEN]
-    kv_end = first_pos + tile_q_len  # causal: nothing past the tile's last query is read
-    kv_start = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
-    step_lo = kv_start // block_kv
-    step_hi = pl.cdiv(kv_end, block_kv)
-    steps_per_split = pl.cdiv(step_hi - step_lo, num_splits)
-    my_lo = step_lo + split * steps_per_split
-    my_hi = jnp.minimum(my_lo + steps_per_split, step_hi)
-
-    rows, head_dim = block_q * group_padded, q_ref.shape[-1]
-    # Row r is query head (kv_head * group + r % Gp) of token (token_start + r // Gp).
-    row = jnp.arange(rows, dtype=jnp.int32)
-    row_token, row_head = row // group_padded, row % group_padded
-    is_row = (row_token < tile_q_len) & (row_head < group)
-    row_pos = first_pos + row_token  # [rows]
-    dummy_token = q_ref.shape[0]  # masked rows point at out's extra row, so no two rows alias
-    row_token_index = jnp.where(is_row, meta_ref[tile, wt.TOKEN_START] + row_token, dummy_token)  # [rows]
-    row_head_index = jnp.where(is_row, kv_head * group + row_head, 0)  # [rows]
-    token_2d = jnp.broadcast_to(row_token_index[:, None], (rows, head_dim))
-    head_2d = jnp.broadcast_to(row_head_index[:, None], (rows, head_dim))
-    lane_2d = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32)[None, :], (rows, head_dim))
-    row_mask = jnp.broadcast_to(is_row[:, None], (rows, head_dim))
-    q = plgpu.load(q_ref.at[jnp.minimum(token_2d, dummy_token - 1), head_2d, lane_2d], mask=row_mask, other=0.0)
-    if q.dtype != tile_dtype:  # fp8 pages, f16 tiles: once per program, clipped so no row becomes inf
-        q = jnp.clip(q.astype(jnp.float32), -F16_MAX, F16_MAX).astype(tile_dtype)
-
-    # Scores are kept in log2 units (scaled by log2(e)) so the softmax uses exp2, one
-    # instruction, instead of exp's extra range reduction.
-    score_scale = sm_scale if soft_cap is not None else sm_scale * _LOG2E
+    kv_end, my_lo, my_hi = tile_lib.split_block_range(
+        first_pos, tile_q_len, split, block_kv=block_kv, num_splits=num_splits, sliding_window=sliding_window)
+    head_dim = q_ref.shape[-1]
+    rows = tile_lib.query_rows(meta_ref[tile, wt.TOKEN_START], first_pos, tile_q_len, kv_head,
+                               block_q=block_q, group=group, group_padded=group_padded, head_dim=head_dim,
+                               num_tokens=q_ref.shape[0])
+    q = tile_lib.load_queries(q_ref, rows, tile_dtype)  # fp8 pages, f16 tiles: clipped once per program
+    scale = tile_lib.score_scale(sm_scale, soft_cap)
 
     def step(i, carry, masked: bool):
-        acc, row_max, denom = carry  # [rows, D], [rows], [rows] (max in log2 units)
         kv_pos = i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # [BK]
         in_seq = kv_pos < kv_end
         page = plgpu.load(page_tables_ref.at[seq, kv_pos // page_size], mask=in_seq if masked else None,
@@ -155,49 +116,21 @@ def _attention_kernel(
         lane_2d = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32)[None, :], (block_kv, head_dim))
         load_mask = jnp.broadcast_to(in_seq[:, None], (block_kv, head_dim)) if masked else None
         other = 0.0 if masked else None
-        k = plgpu.load(k_ref.at[slot_2d, lane_2d], mask=load_mask, other=other).astype(tile_dtype)  # [BK, D]
-        scores = plgpu.dot(q, k, trans_b=True, precision=precision) * score_scale  # [rows, BK]
-        if soft_cap is not None:
-            scores = (soft_cap * _LOG2E) * jnp.tanh(scores / soft_cap)
-        if masked:
-            visible = (kv_pos[None, :] <= row_pos[:, None]) & in_seq[None, :]
-            if sliding_window is not None:
-                visible &= kv_pos[None, :] > row_pos[:, None] - sliding_window
-            scores = jnp.where(visible, scores, _MASK_VALUE)
-        new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
-        correction = jnp.exp2(row_max - new_max)
-        weights = jnp.exp2(scores - new_max[:, None])
-        if masked:
-            weights = jnp.where(visible, weights, 0.0)
-        denom = denom * correction + jnp.sum(weights, axis=1)
-        v = plgpu.load(v_ref.at[slot_2d, lane_2d], mask=load_mask, other=other).astype(tile_dtype)  # [BK, D]
-        acc = acc * correction[:, None] + plgpu.dot(weights.astype(tile_dtype), v, precision=precision)
-        return acc, new_max, denom
 
-    # Only blocks at the edges need masks: one holding a position past the tile's first query
-    # (causal, or past the sequence's end), and with a sliding window one starting before the
-    # last query's window. Every block between is visible to every row, so it skips the
-    # bounds masks on its loads and the mask arithmetic on its scores, the bulk of a prefill.
-    full_lo = my_lo
-    if sliding_window is not None:
-        full_lo = jnp.maximum(my_lo, pl.cdiv(kv_end - sliding_window, block_kv))
-    full_lo = jnp.minimum(full_lo, my_hi)
-    full_hi = jnp.clip((first_pos + 1) // block_kv, full_lo, my_hi)
-    carry = (
-        jnp.zeros((rows, head_dim), jnp.float32),
-        jnp.full((rows,), _MASK_VALUE, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
+        def load(ref):  # [BK, D] in the tile dtype
+            return plgpu.load(ref.at[slot_2d, lane_2d], mask=load_mask, other=other).astype(tile_dtype)
+
+        return tile_lib.softmax_step(
+            q, load(k_ref), lambda: load(v_ref), kv_pos, rows.row_pos, lambda: in_seq, carry, masked=masked,
+            scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, precision=precision)
+
+    full_lo, full_hi = tile_lib.unmasked_block_range(my_lo, my_hi, first_pos, kv_end, block_kv=block_kv,
+                                                     sliding_window=sliding_window)
+    carry = tile_lib.initial_carry(block_q * group_padded, head_dim)
     carry = lax.fori_loop(my_lo, full_lo, functools.partial(step, masked=True), carry)
     carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
     acc, row_max, denom = lax.fori_loop(full_hi, my_hi, functools.partial(step, masked=True), carry)
-    safe_denom = jnp.where(denom > 0, denom, 1.0)
-    out = acc / safe_denom[:, None]
-    out_ref = out_refs[0]
-    plgpu.store(out_ref.at[token_2d, head_2d, lane_2d], out.astype(out_ref.dtype), mask=row_mask)
-    if num_splits > 1:
-        lse = jnp.where(denom > 0, (row_max + jnp.log2(safe_denom)) * _LN2, -jnp.inf)  # natural log
-        plgpu.store(out_refs[1].at[row_token_index, row_head_index], lse, mask=is_row)
+    tile_lib.store_outputs(out_refs, rows, acc, row_max, denom, num_splits=num_splits)
 
 
 def attend_gpu(

@@ -7,16 +7,9 @@ Not the engine's default: GPU run 2 (H200) measured it 17-32% slower than the de
 from ``gpu_block_sizes(..., fused=True)`` (the measured table, whose entries were timed on this
 kernel).
 
-One program serves one work tile (up to ``block_q`` queries of one sequence, all query
-heads of one KV head stacked as rows, see ``work_tiles``), for one KV head and one KV
-split. It gathers its query rows straight from ``q [T, Hq, D]`` and scatters its output
-rows straight into ``out``; tiles never overlap, so no two programs write one row. It
-walks the sequence's KV positions ``block_kv`` at a time: the page table gives each
-position's physical page, K and V rows are gathered through it (each row is
-``head_dim`` contiguous elements, so the gather is coalesced), and an online softmax
-accumulates in f32. Causality bounds the walk: a tile never reads past its last query's
-position, and a sliding window starts it late. Positions past the sequence are masked
-loads, so pages past the end, and the NaN that unused pages may hold, are never read.
+The tile walk (one program per work tile, KV head and split; K/V rows gathered through the
+page table; online softmax in f32; masked loads past the sequence) is the default kernel's,
+described in ``gpu.py``; the code both kernels share is in ``gpu_tile.py``.
 
 Decode-like batches split each sequence's KV range across ``num_splits`` programs
 (flash-decoding) and merge the partial results with their log-sum-exps in a second small
@@ -45,18 +38,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.paged_attention import gpu_tile as tile_lib
 from pallas_kernels.paged_attention import work_tiles as wt
 from pallas_kernels.paged_attention.block_sizes import BlockSizes, gpu_block_sizes
-from pallas_kernels.paged_attention.gpu import F16_MAX, fp8_tile_dtype
 from pallas_kernels.paged_attention.gpu_merge import merge_splits_gpu
 from pallas_kernels.paged_attention.validation import check_inputs
 from pallas_kernels.precision import matmul_precision
-
-# Finite, so that max() over a fully masked row stays finite and exp() never sees inf - inf.
-_MASK_VALUE = -1e30
-_LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
-
 
 def _tile_scalars(sched_refs, tile, *, block_q: int, plan_in_kernel: bool):
     """(sequence, first query position, queries in the tile, first token, first new position) of a tile.
@@ -115,35 +102,19 @@ def _attention_kernel(
     kv_head, split = pl.program_id(1), pl.program_id(2)
     seq, first_pos, tile_q_len, token_start, new_start = _tile_scalars(
         sched_refs, tile, block_q=block_q, plan_in_kernel=plan_in_kernel)
-    kv_end = first_pos + tile_q_len  # causal: nothing past the tile's last query is read
-    kv_start = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
-    step_lo = kv_start // block_kv
-    step_hi = pl.cdiv(kv_end, block_kv)
-    steps_per_split = pl.cdiv(step_hi - step_lo, num_splits)
-    my_lo = step_lo + split * steps_per_split
-    my_hi = jnp.minimum(my_lo + steps_per_split, step_hi)
+    kv_end, my_lo, my_hi = tile_lib.split_block_range(
+        first_pos, tile_q_len, split, block_kv=block_kv, num_splits=num_splits, sliding_window=sliding_window)
 
     num_tokens, _, head_dim = q_ref.shape
     pages_per_seq = page_tables_ref.shape[1]
     cache_rows = k_cache_ref.shape[0]
     # bf16 queries over fp8 pages compute in f16: e4m3 widens to it in one instruction (gpu.py's docstring).
-    compute_dtype = fp8_tile_dtype(q_ref.dtype, k_cache_ref.dtype)
-    rows = block_q * group_padded
-    # Row r is query head (kv_head * group + r % Gp) of token (token_start + r // Gp).
-    row = jnp.arange(rows, dtype=jnp.int32)
-    row_token, row_head = row // group_padded, row % group_padded
-    is_row = (row_token < tile_q_len) & (row_head < group)
-    row_pos = first_pos + row_token  # [rows]
-    dummy_token = num_tokens  # masked rows point at out's extra row, so no two rows alias
-    row_token_index = jnp.where(is_row, token_start + row_token, dummy_token)  # [rows]
-    row_head_index = jnp.where(is_row, kv_head * group + row_head, 0)  # [rows]
-    token_2d = jnp.broadcast_to(row_token_index[:, None], (rows, head_dim))
-    head_2d = jnp.broadcast_to(row_head_index[:, None], (rows, head_dim))
-    lane_2d = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32)[None, :], (rows, head_dim))
-    row_mask = jnp.broadcast_to(is_row[:, None], (rows, head_dim))
-    q = plgpu.load(q_ref.at[jnp.minimum(token_2d, dummy_token - 1), head_2d, lane_2d], mask=row_mask, other=0.0)
-    if q.dtype != compute_dtype:  # clipped to f16's range, so no row becomes inf
-        q = jnp.clip(q.astype(jnp.float32), -F16_MAX, F16_MAX).astype(compute_dtype)
+    compute_dtype = tile_lib.fp8_tile_dtype(q_ref.dtype, k_cache_ref.dtype)
+    rows = tile_lib.query_rows(token_start, first_pos, tile_q_len, kv_head, block_q=block_q, group=group,
+                               group_padded=group_padded, head_dim=head_dim, num_tokens=num_tokens)
+    num_rows = block_q * group_padded
+    row, row_token, row_head, lane_2d = rows.row, rows.row_token, rows.row_head, rows.lane_2d
+    q = tile_lib.load_queries(q_ref, rows, compute_dtype)  # clipped to f16's range, so no row becomes inf
 
     # The K/V write, fused: split 0 of each tile stores its own queries' new rows (tiles never
     # share a token, so each row is written once). Nothing in this call reads those cache rows:
@@ -154,16 +125,15 @@ def _attention_kernel(
     write_page = plgpu.load(page_tables_ref.at[seq, jnp.minimum(write_pos // page_size, pages_per_seq - 1)])
     # Masked lanes get distinct out-of-range rows: never stored (and dropped by the interpreter's scatter).
     write_slot = jnp.where(writes, write_page * page_size + write_pos % page_size, cache_rows + row)
-    write_slot_2d = jnp.broadcast_to(write_slot[:, None], (rows, head_dim))
-    write_token_2d = jnp.broadcast_to(jnp.minimum(token_start + row_token, num_tokens - 1)[:, None], (rows, head_dim))
-    write_mask = jnp.broadcast_to(writes[:, None], (rows, head_dim))
+    write_slot_2d = jnp.broadcast_to(write_slot[:, None], (num_rows, head_dim))
+    write_token = jnp.minimum(token_start + row_token, num_tokens - 1)
+    write_token_2d = jnp.broadcast_to(write_token[:, None], (num_rows, head_dim))
+    write_mask = jnp.broadcast_to(writes[:, None], (num_rows, head_dim))
     for new_ref, out_cache_ref in ((k_new_ref, k_out_ref), (v_new_ref, v_out_ref)):
         new_rows = plgpu.load(new_ref.at[write_token_2d, lane_2d], mask=write_mask, other=0.0)
         plgpu.store(out_cache_ref.at[write_slot_2d, lane_2d], new_rows.astype(out_cache_ref.dtype), mask=write_mask)
 
-    # Scores are kept in log2 units (scaled by log2(e)) so the softmax uses exp2, one
-    # instruction, instead of exp's extra range reduction.
-    score_scale = sm_scale if soft_cap is not None else sm_scale * _LOG2E
+    scale = tile_lib.score_scale(sm_scale, soft_cap)
     new_token_base = token_start - first_pos  # token index of position p among the new rows: base + p
     kv_lane_2d = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32)[None, :], (block_kv, head_dim))
 
@@ -199,55 +169,32 @@ def _attention_kernel(
         else:
             pages, next_pages = page_ids(i), pages
         kv_pos = i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # [BK]
-        masked = source == "mixed"
         k = load_block(k_cache_ref, k_new_ref, kv_pos, pages, source)  # [BK, D]
-        scores = plgpu.dot(q, k, trans_b=True, precision=precision) * score_scale  # [rows, BK]
-        if soft_cap is not None:
-            scores = (soft_cap * _LOG2E) * jnp.tanh(scores / soft_cap)
-        if masked:
-            visible = (kv_pos[None, :] <= row_pos[:, None]) & (kv_pos < kv_end)[None, :]
-            if sliding_window is not None:
-                visible &= kv_pos[None, :] > row_pos[:, None] - sliding_window
-            scores = jnp.where(visible, scores, _MASK_VALUE)
-        new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
-        correction = jnp.exp2(row_max - new_max)
-        weights = jnp.exp2(scores - new_max[:, None])
-        if masked:
-            weights = jnp.where(visible, weights, 0.0)
-        denom = denom * correction + jnp.sum(weights, axis=1)
-        v = load_block(v_cache_ref, v_new_ref, kv_pos, pages, source)  # [BK, D]
-        acc = acc * correction[:, None] + plgpu.dot(weights.astype(v.dtype), v, precision=precision)
-        return acc, new_max, denom, next_pages
+        acc, row_max, denom = tile_lib.softmax_step(
+            q, k, lambda: load_block(v_cache_ref, v_new_ref, kv_pos, pages, source), kv_pos, rows.row_pos,
+            lambda: kv_pos < kv_end,
+            (acc, row_max, denom), masked=source == "mixed", scale=scale, soft_cap=soft_cap,
+            sliding_window=sliding_window, precision=precision)
+        return acc, row_max, denom, next_pages
 
     # Blocks by kind, in walk order: masked edges (a sliding window's start; the block holding
     # the first new position, which mixes cached and new rows; the causal end) and, between them,
     # blocks every row sees in full, read unmasked either from the cache (before the new
     # positions) or from k_new/v_new (a prefill's own earlier tokens). Unmasked blocks skip the
     # bounds masks on their loads and all mask arithmetic: the bulk of any long walk.
-    full_lo = my_lo
-    if sliding_window is not None:
-        full_lo = jnp.maximum(my_lo, pl.cdiv(kv_end - sliding_window, block_kv))
-    full_lo = jnp.minimum(full_lo, my_hi)
-    full_hi = jnp.clip((first_pos + 1) // block_kv, full_lo, my_hi)
+    full_lo, full_hi = tile_lib.unmasked_block_range(my_lo, my_hi, first_pos, kv_end, block_kv=block_kv,
+                                                     sliding_window=sliding_window)
     cache_hi = jnp.clip(new_start // block_kv, full_lo, full_hi)
     new_lo = jnp.clip(pl.cdiv(new_start, block_kv), cache_hi, full_hi)
     carry = (
-        jnp.zeros((rows, head_dim), jnp.float32),
-        jnp.full((rows,), _MASK_VALUE, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
+        *tile_lib.initial_carry(num_rows, head_dim),
         page_ids(my_lo) if prefetch_pages else jnp.zeros((block_kv,), jnp.int32),
     )
     for lo, hi, source in ((my_lo, full_lo, "mixed"), (full_lo, cache_hi, "cache"), (cache_hi, new_lo, "mixed"),
                            (new_lo, full_hi, "new"), (full_hi, my_hi, "mixed")):
         carry = lax.fori_loop(lo, hi, functools.partial(step, source=source), carry)
     acc, row_max, denom, _ = carry
-    safe_denom = jnp.where(denom > 0, denom, 1.0)
-    out = acc / safe_denom[:, None]
-    out_ref = out_refs[0]
-    plgpu.store(out_ref.at[token_2d, head_2d, lane_2d], out.astype(out_ref.dtype), mask=row_mask)
-    if num_splits > 1:
-        lse = jnp.where(denom > 0, (row_max + jnp.log2(safe_denom)) * _LN2, -jnp.inf)  # natural log
-        plgpu.store(out_refs[1].at[row_token_index, row_head_index], lse, mask=is_row)
+    tile_lib.store_outputs(out_refs, rows, acc, row_max, denom, num_splits=num_splits)
 
 
 def attend_and_write_gpu(

@@ -1,0 +1,38 @@
+"""The issue-21 prefill benchmarks run end to end on CPU (tiny shapes; their numbers mean nothing).
+
+``prefill_engine.py`` builds one engine per attention impl and measures compile, TTFT and a
+prefill-heavy mix; ``prefill_peers.py --impls`` runs only the named implementations.
+"""
+
+import json
+
+import pytest
+
+from tests.test_benchmarks_smoke import BENCHMARKS, run_script
+
+
+@pytest.mark.slow
+def test_prefill_engine_measures_every_impl_and_compiles_nothing_after_warmup(tmp_path):
+    out = tmp_path / "pe"
+    run_script([BENCHMARKS / "prefill_engine.py", "--out", out, "--smoke"], tmp_path)
+    results = json.loads((out / "prefill_engine.json").read_text())
+    assert list(results["impls"]) == ["reference", "cpu"]
+    for r in results["impls"].values():
+        assert r["engine"]["num_programs"] > 0 and r["engine"]["compile_seconds"] > 0
+        assert set(r["ttft"]) == {"48", "96"} and all(t["ttft_ms"] > 0 for t in r["ttft"].values())
+        assert r["mix"]["input_tokens"] > 0 and r["mix"]["compilations_after_warmup"] == 0
+        assert 0 <= r["agreement"] <= 1 and not r["skipped"]
+    assert "TTFT 96 tokens" in (out / "prefill_engine.md").read_text()
+
+
+@pytest.mark.slow
+def test_prefill_peers_runs_only_the_named_impls(tmp_path):
+    out = tmp_path / "pp"
+    impls = "ours,fresh_path,fresh_branchless,proto"
+    run_script([BENCHMARKS / "prefill_peers.py", "--out", out, "--smoke", "--impls", impls, "--budget-s", "1500"],
+               tmp_path)
+    rows = json.loads((out / "prefill_peers.json").read_text())["results"]
+    assert [r["shape"] for r in rows] == ["1x256", "ragged"]
+    for r in rows:
+        assert set(r["tflops"]) == {"ours", "fresh_path", "fresh_branchless", "proto_2"}, r["errors"]
+        assert r["rel_err"]["fresh_path"] < 1e-2 and r["rel_err"]["fresh_branchless"] < 1e-2
