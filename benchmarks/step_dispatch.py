@@ -93,9 +93,9 @@ def execute_same_inputs(runner, inputs, device_inputs):
     (the same buffers every call: no address of an input changes)."""
     fn, forward_packing, (sampler_packed, sampler_packing), packed = device_inputs
     with runner.placement.context():
-        (logits, runner.token_pages, runner.input_slot), runner.cache = fn(
+        (logits, runner.token_pages), runner.cache = fn(  # "same-inputs" runs without the input slot
             runner.model.weights, runner.cache, runner.token_pages, packed, runner.last_sampled,
-            runner.device_drafts, runner.input_slot, packing=forward_packing)
+            runner.device_drafts, None, packing=forward_packing)
         out = runner._sampler(logits, runner.token_pages, sampler_packed, None, packing=sampler_packing,
                               sampler_path=inputs.sampler_path)
     runner.last_sampled = out.token_ids_padded

@@ -396,9 +396,11 @@ class ModelRunner:
         fn, args, kwargs, (sampler_packed, sampler_packing) = self._calls(inputs)
         with self.placement.context():
             step_out, self.cache = fn(*args, **kwargs)
-            logits, self.token_pages, self.input_slot = step_out[:3]
+            logits, self.token_pages, *more = step_out
+            if self.input_slot is not None:
+                self.input_slot, *more = more
             if self.aux_hidden_layers:
-                self.aux_pages = step_out[3]
+                (self.aux_pages,) = more
             if inputs.is_verify:
                 out = self._verifier(logits, self.token_pages, sampler_packed, self.device_drafts,
                                      packing=sampler_packing, sampler_path=inputs.sampler_path)
@@ -507,7 +509,7 @@ class _SamplerStepOutput:
 def _forward_step(weights, cache, token_pages, packed, last_sampled, device_drafts, input_slot, aux_pages=None, *,
                   config, attention_impl, packing, aux_layers=()):
     """Logits [B, V] at each sequence's last new token, the token pages with this step's inputs, the
-    input slot, and the cache.
+    input slot (when given), and the cache.
 
     ``device_drafts``: None, or the last verify step's ``DeviceDrafts`` (asynchronous verify steps):
     the batch is then shifted to the sequences' true lengths and reads its drafts from there.
@@ -529,11 +531,13 @@ def _forward_step(weights, cache, token_pages, packed, last_sampled, device_draf
         prev_slots, draft_rows = unpacked[2:]
         batch = continue_batch(batch, prev_slots, draft_rows, device_drafts)
     token_pages = write_tokens(token_pages, token_ids, batch)
+    # Outputs: logits and token pages, then the input slot and the aux pages where there are.
+    outputs = (token_pages,) if input_slot is None else (token_pages, input_slot)
     if aux_layers:
         logits, aux, cache = forward_with_aux(weights, cache, batch, config, attention_impl, aux_layers)
-        return (logits, token_pages, input_slot, write_aux_hidden(aux_pages, aux, batch)), cache
+        return (logits, *outputs, write_aux_hidden(aux_pages, aux, batch)), cache
     logits, cache = forward(weights, cache, batch, config, attention_impl)
-    return (logits, token_pages, input_slot), cache
+    return (logits, *outputs), cache
 
 
 def _sample_step(logits, token_pages, packed, token_bitmask, *, packing, sampler_path, num_padded):
