@@ -96,7 +96,34 @@ class PhaseTimers:
             self.seconds[phase] = 0.0
 
 
-def build_engine(max_num_seqs: int, max_model_len: int):
+def fake_device(engine) -> None:
+    """Replace the device step by a host function that "samples" token 5 on every row at once:
+    no program runs, so a step's time is the engine's own host work (``dispatch`` is then the
+    runner's input packing into host buffers and nothing else), and 1000-token prompts take no
+    compute to prefill. What the host does per step is unchanged: the same scheduler, packing,
+    placeholders, output processing and collection."""
+    import numpy as np
+
+    from jaxinfer.runner import _sampler_tree, pack_host_arrays
+    from jaxinfer.sampling import SamplerOutput
+
+    try:
+        from jaxinfer.runner import _forward_tree
+    except ImportError:  # a tree from before it (this benchmark runs no asynchronous verify steps)
+        def _forward_tree(inputs):
+            return inputs.batch, inputs.prev_rows
+
+    def execute(inputs, token_bitmask=None):
+        pack_host_arrays(_forward_tree(inputs))  # the host side of a real dispatch
+        pack_host_arrays(_sampler_tree(inputs))
+        rows = inputs.batch.logits_indices.shape[0]
+        return SamplerOutput(np.full(rows, 5, np.int32), np.zeros(rows, np.float32),
+                             np.zeros((rows, 20), np.int32), np.zeros((rows, 20), np.float32))
+
+    engine.runner.execute = execute
+
+
+def build_engine(max_num_seqs: int, max_model_len: int, warm_up: bool = True):
     import jax.numpy as jnp
 
     sys.path.insert(0, str(HERE))
@@ -111,7 +138,7 @@ def build_engine(max_num_seqs: int, max_model_len: int):
                           max_num_batched_tokens=max(2048, max_num_seqs), page_size=page_size,
                           num_pages=max_num_seqs * pages_per_seq + 2, enable_prefix_caching=True,
                           async_scheduling=True, max_wait_s=0.0)
-    return Engine(model, config, use_tqdm=False)
+    return Engine(model, config, use_tqdm=False, warm_up=warm_up)
 
 
 def _settle_steps(batch: int, prompt_len: int) -> int:
@@ -167,10 +194,13 @@ def measure_batch(engine, timers: PhaseTimers, batch: int, steps: int, tag: str,
             raise RuntimeError(f"batch {batch}: a step of {engine.last_step_num_tokens} tokens in steady decode")
     phases = {phase: seconds / steps for phase, seconds in timers.seconds.items()}
     host = (sum(walls) - sum(waits)) / steps
+    # The median step too: on a shared machine a few steps stall for much longer than the rest.
+    host_median = statistics.median(wall - wait for wall, wait in zip(walls, waits))
     phases["other"] = host - sum(v for k, v in phases.items() if k not in ("other", "detokenize", "gc"))
     result = {"batch": batch, "steps": steps, "host_us_per_step": 1e6 * host,
               "host_us_per_seq": 1e6 * host / batch,
-              "host_us_per_seq_without_dispatch": 1e6 * (host - phases["dispatch"]) / batch, "wall_us_per_step": 1e6 * sum(walls) / steps,
+              "host_us_per_seq_without_dispatch": 1e6 * (host - phases["dispatch"]) / batch,
+              "host_us_per_seq_median_step": 1e6 * host_median / batch, "wall_us_per_step": 1e6 * sum(walls) / steps,
               "device_wait_us_per_step": 1e6 * sum(waits) / steps,
               "phases_us_per_step": {k: 1e6 * v for k, v in phases.items()}}
     if profiler is not None:
@@ -191,7 +221,9 @@ def worker(args) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     start = time.perf_counter()
     engine = build_engine(max(batches), max_model_len=args.prompt_len + args.steps
-                          + _settle_steps(max(batches), args.prompt_len) + 64)
+                          + _settle_steps(max(batches), args.prompt_len) + 64, warm_up=not args.fake_device)
+    if args.fake_device:
+        fake_device(engine)
     build_seconds = time.perf_counter() - start
     timers = PhaseTimers()
     timers.wrap(engine.scheduler, "schedule", "schedule")
@@ -222,7 +254,8 @@ def markdown(info: dict, per_tree: dict) -> str:
              f"python {info['python']}, jax {info['jax']}, {info['date']}  ",
              f"Load average before / after: {info['load_before']} / {info['load_after']}  ",
              f"Median over {info['rounds']} interleaved rounds of {info['steps']} steady decode steps, "
-             f"{info['prompt_len']}-token prompts.", "",
+             f"{info['prompt_len']}-token prompts" + (", fake device (host work only)" if info.get("fake_device") else "")
+             + ".", "",
              "| tree | B | host µs/step | µs/seq | µs/seq without dispatch | " + " | ".join(PHASES) + " |",
              "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in PHASES) + " |"]
     for label, rows in per_tree.items():
@@ -232,7 +265,8 @@ def markdown(info: dict, per_tree: dict) -> str:
                          f"{row['host_us_per_seq']:.1f} | {row['host_us_per_seq_without_dispatch']:.1f} | {phases} |")
     if len(per_tree) > 1:
         labels = list(per_tree)
-        for key, what in (("host_us_per_seq", "all host time"), ("host_us_per_seq_without_dispatch", "without dispatch")):
+        for key, what in (("host_us_per_seq", "all host time"), ("host_us_per_seq_without_dispatch", "without dispatch"),
+                          ("host_us_per_seq_median_step", "the median step, all host time")):
             lines += ["", f"Host µs per running sequence per step ({what}), each tree beside the first "
                           "(median; every round in brackets):", "",
                       "| B | " + " | ".join(labels) + " | " + " | ".join(f"{l} ÷ {labels[0]}" for l in labels[1:]) + " |",
@@ -251,8 +285,8 @@ def median_rows(runs: list[list[dict]]) -> list[dict]:
     out = []
     for rows in zip(*runs):
         row = {"batch": rows[0]["batch"], "steps": rows[0]["steps"], "rounds": len(rows)}
-        for key in ("host_us_per_step", "host_us_per_seq", "host_us_per_seq_without_dispatch", "wall_us_per_step",
-                    "device_wait_us_per_step"):
+        for key in ("host_us_per_step", "host_us_per_seq", "host_us_per_seq_without_dispatch",
+                    "host_us_per_seq_median_step", "wall_us_per_step", "device_wait_us_per_step"):
             row[key] = statistics.median(r[key] for r in rows)
             row[key + "_all"] = [r[key] for r in rows]
         row["phases_us_per_step"] = {p: statistics.median(r["phases_us_per_step"][p] for r in rows) for p in PHASES}
@@ -268,6 +302,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=8,
                         help="prompt tokens per request: longer ones mean wider page tables (throughput-1k: 1000)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--fake-device", action="store_true",
+                        help="no device programs: the step 'samples' on the host (see fake_device): the engine's "
+                             "host work alone, and long prompts prefilled in no time")
     parser.add_argument("--profile", type=int, default=0, help="an extra round, cProfiling the steps of this batch")
     parser.add_argument("--out", type=Path, default=Path("host_step_cost_out"))
     parser.add_argument("--worker-json", help=argparse.SUPPRESS)
@@ -278,7 +315,7 @@ def main() -> None:
     info = {"command": "python3 " + shlex.join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "host": platform.node(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
             "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg()), "rounds": args.rounds,
-            "steps": args.steps, "batches": args.batches, "prompt_len": args.prompt_len}
+            "steps": args.steps, "batches": args.batches, "prompt_len": args.prompt_len, "fake_device": args.fake_device}
     for key in ("command", "host", "cpu_count", "python", "load_before"):
         print(f"{key}: {info[key]}", flush=True)
     trees = [Path(t).resolve() for t in args.trees.split(",")]
@@ -293,7 +330,7 @@ def main() -> None:
             profile = args.profile if round_index == args.rounds else 0
             command = [sys.executable, str(Path(__file__).resolve()), "--worker-json", str(path),
                        "--batches", args.batches, "--steps", str(args.steps), "--prompt-len", str(args.prompt_len),
-                       "--profile", str(profile), "--round", str(round_index)]
+                       "--profile", str(profile), "--round", str(round_index)] + (["--fake-device"] if args.fake_device else [])
             env = {**os.environ, "PYTHONPATH": str(tree), "JAX_PLATFORMS": "cpu"}
             subprocess.run(command, env=env, check=True, cwd=tree)
             run = json.loads(path.read_text())

@@ -38,7 +38,11 @@ class Detokenizer:
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
         defer: bool = False,
+        token_source: list[int] | None = None,
     ):
+        """``defer``: with no stop strings, feed tokens to the stream only when the text is read.
+        ``token_source`` (with ``defer``, no stop strings): the list the caller appends the
+        sample's tokens to, read from when the text is; ``add_token`` is then not called."""
         self.tokenizer = tokenizer
         self.stop = list(stop)
         self.include_stop_str_in_output = include_stop_str_in_output
@@ -48,13 +52,19 @@ class Detokenizer:
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._pending: list[int] = []  # tokens since the last piece of text (an unfinished character)
         self._hold_back = max((len(s) for s in self.stop), default=1) - 1
-        # Tokens not yet fed to the stream; None when every token is fed as it comes.
-        self._deferred: list[int] | None = [] if defer and not self.stop else None
+        # Deferred tokens (those from _num_fed on are not yet fed to the stream); None when every
+        # token is fed as it comes.
+        self._deferred: list[int] | None = None
+        if defer and not self.stop:
+            self._deferred = token_source if token_source is not None else []
+        elif token_source is not None:
+            raise ValueError("token_source needs defer=True and no stop strings")
+        self._num_fed = 0
 
     @property
     def text(self) -> str:
         """The output text so far (stop string cut once found)."""
-        if self._deferred:
+        if self._deferred is not None and len(self._deferred) > self._num_fed:
             self._feed_deferred()
         return self._text
 
@@ -87,7 +97,7 @@ class Detokenizer:
 
         Returns the stop string if that tail completes one (the text is then cut there too,
         so no stop string ever reaches the final text)."""
-        if self._deferred:
+        if self._deferred is not None and len(self._deferred) > self._num_fed:
             self._feed_deferred()
         pending, self._pending = self._pending, []
         if not pending or self.stopped_by is not None:
@@ -98,7 +108,8 @@ class Detokenizer:
 
     def _feed_deferred(self) -> None:
         """Feed the deferred tokens through the stream, as ``add_token`` would have one by one."""
-        tokens, self._deferred = self._deferred, []
+        tokens = self._deferred[self._num_fed :]
+        self._num_fed = len(self._deferred)
         stream, tokenizer, pending = self._stream, self.tokenizer.tokenizer, self._pending
         pieces = []
         for token_id in tokens:

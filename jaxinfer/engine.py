@@ -52,7 +52,7 @@ from jaxinfer.runner import MASKED_SAMPLER_PATHS, ModelRunner, enable_persistent
 from jaxinfer.sampling import SamplerOutput
 from jaxinfer.sampling_params import SamplingParams, SequenceSampling, banned_before_min_tokens
 from jaxinfer.scheduler import Schedule, Scheduler, SchedulerConfig
-from jaxinfer.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+from jaxinfer.sequence import Sequence, SequenceStatus
 from jaxinfer.spec_decode.config import SpeculativeConfig
 from jaxinfer.spec_decode.rejection import VerifyOutput
 from jaxinfer.spec_decode.speculator import Speculator, roll_back
@@ -429,7 +429,7 @@ class Engine:
         finished = SequenceStatus.FINISHED
         for seq, _ in packed.sampled:
             if seq.status is not finished:
-                seq.append_token(PLACEHOLDER_TOKEN)
+                seq.append_placeholder()
         if self.is_verify_lagged:
             # The next step may find these sequences up to their drafts further on than the host counts.
             for item in schedule.items:
@@ -450,8 +450,12 @@ class Engine:
         if self.grammars.num_constrained:
             stopping = {seq.seq_id for seq, _ in stops}
             # A grammar that consumed EOS ends its sequence even under ignore_eos: nothing may follow.
-            stops += [(seq, "stop") for seq, _ in launched.packed.sampled
-                      if seq.seq_id not in stopping and not seq.is_finished and self.grammars.is_done(seq)]
+            done = [(seq, "stop") for seq, _ in launched.packed.sampled
+                    if seq.seq_id not in stopping and not seq.is_finished and self.grammars.is_done(seq)]
+            for seq, _ in done:  # a final-only request is in ``changed`` only once a sample stops
+                request = self._seq_request[seq.seq_id]
+                changed[request.request_id] = request
+            stops += done
         for seq, reason in stops:
             self.scheduler.finish(seq, reason)
 

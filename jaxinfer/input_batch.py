@@ -18,7 +18,10 @@ decided how many drafts it accepted (``PackedStep.verify``).
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import itertools
+import operator
 
 import numpy as np
 
@@ -26,6 +29,7 @@ from jaxinfer.bad_words import MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS, fill
 from jaxinfer.batch import StepBatch, build_step_batch
 from jaxinfer.logit_bias import MAX_LOGIT_BIAS_IDS, fill_logit_bias_row
 from jaxinfer.page_allocator import SCRATCH_PAGE
+from jaxinfer.page_table_rows import PageTableRows
 from jaxinfer.sampling import SamplingTensors
 from jaxinfer.scheduler import Schedule
 from jaxinfer.sequence import PLACEHOLDER_TOKEN, Sequence
@@ -72,9 +76,16 @@ class PackedStep:
 
     inputs: StepInputs
     # (sequence, row of the sampler output) per token the step samples, in row order; in a
-    # verify step, (sequence, slot): its rows are ``verify.rows_of(slot, num_accepted)``.
-    sampled: list[tuple[Sequence, int]]
+    # verify step, (sequence, slot): its rows are ``verify.rows_of(slot, num_accepted)``. A list,
+    # or a ``SampledInOrder`` (steady decode).
+    sampled: collections.abc.Sequence[tuple[Sequence, int]]
     verify: VerifyRows | None = None
+
+    @property
+    def sampled_in_order(self) -> list[Sequence] | None:
+        """When every entry of ``sampled`` is ``(sampled_in_order[b], b)``: those sequences, so that
+        the next step finds each one's row without a lookup (None: look it up in ``sampled``)."""
+        return self.sampled.seqs if isinstance(self.sampled, SampledInOrder) else None
 
     @property
     def wants_logprobs(self) -> bool:
@@ -88,43 +99,70 @@ class PackedStep:
         return {seq.seq_id: row for seq, row in self.sampled}
 
 
+class SampledInOrder(collections.abc.Sequence):
+    """``sampled`` of a step where sequence ``b`` samples row ``b``: the pairs ``(seqs[b], b)``,
+    made as they are read. A steady decode step's ~1000 pairs, kept as tuples until the next
+    step reads them, would outlive collections of the youngest generation and be promoted, to
+    be found dead only by a full collection (~0.1 s over the engine's objects)."""
+
+    def __init__(self, seqs: list[Sequence]):
+        self.seqs = seqs
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return list(self)[index]
+        return self.seqs[index], range(len(self.seqs))[index]
+
+    def __iter__(self):
+        return zip(self.seqs, itertools.count())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, collections.abc.Sequence) and list(self) == list(other)
+
+
 def pack_step(schedule: Schedule, buckets, previous: PackedStep | None, vocab_size: int,
-              num_speculative_tokens: int = 0, lagged: bool = False) -> PackedStep:
+              num_speculative_tokens: int = 0, lagged: bool = False,
+              page_table_rows: PageTableRows | None = None) -> PackedStep:
     """The inputs of ``schedule``'s step, padded to the smallest of ``buckets`` (a ``runner.Buckets``)
     that fits; ``previous`` is the step still on the device, whose samples fill placeholders.
     A schedule whose items carry drafts becomes a verify step of ``num_speculative_tokens + 1``
     rows per slot. ``lagged``: the runner runs asynchronous verify steps (``spec_decode.lagged``):
     placeholder drafts are read from the previous verify step's device drafts, and a step that
-    continues a verify step is a verify step too (its slots shift by what that step accepted)."""
+    continues a verify step is a verify step too (its slots shift by what that step accepted).
+    ``page_table_rows``: the runner's page-table rows kept between decode steps (a fresh one if
+    None)."""
     items = schedule.items
-    seqs = [item.seq for item in items]
-    num_tokens = sum(item.num_new_tokens for item in items)
-    max_pages = max(len(seq.page_table) for seq in seqs)
-    t_bucket, b_bucket, p_bucket = buckets.pick(num_tokens, len(items), max_pages)
-    is_full = any(seq.sampling.needs_full_sampler for seq in seqs)
+    num_items = len(items)
+    # Whole-list passes through C-level getters: this runs for every running sequence every step.
+    seqs = list(map(_seq_of, items))
+    samplings = list(map(_sampling_of, seqs))
+    num_tokens = sum(map(_num_new_tokens_of, items))
+    max_pages = max(map(len, map(_page_table_of, seqs)))
+    t_bucket, b_bucket, p_bucket = buckets.pick(num_tokens, num_items, max_pages)
+    is_full = any(map(_needs_full_sampler, samplings))
     # A constrained row needs the grammar's bitmask, which only the "_masked" paths take.
-    is_masked = any(seq.sampling.params.structured_outputs is not None for seq in seqs)
+    is_masked = list(map(_structured_outputs_of, samplings)).count(None) != num_items
     sampler_path = ("full" if is_full else "basic") + ("_masked" if is_masked else "")
     sampling = neutral_sampling(b_bucket, sampler_path)
     # A placeholder input is read on the device from the previous step's sample (prev_rows).
     prev_rows = np.full(t_bucket, -1, np.int32)
-    previous_rows = previous.last_row_of_each_seq() if previous is not None else {}
     prev_slots = np.full(b_bucket, -1, np.int32)
     draft_rows = np.full(t_bucket, -1, np.int32)
     follows_verify = lagged and previous is not None and previous.verify is not None
-    if num_tokens == len(items) >= MIN_ITEMS_FOR_WHOLE_LIST_PACKING:
+    drafts = list(map(_drafts_of, items))
+    if num_tokens == num_items >= MIN_ITEMS_FOR_WHOLE_LIST_PACKING:
         # One token each (every steady decode step): whole-list passes instead of the loop below.
-        chunks, sampled, sample_rows = _pack_one_token_each(items, previous_rows, prev_rows,
-                                                            prev_slots if follows_verify else None)
-        page_tables = _page_table_rows(seqs, p_bucket)
-        temperatures = [seq.sampling.params.temperature for seq, _ in sampled]
-        seeds = [seq.sampling.seed for seq, _ in sampled]
-        steps = [len(seq.token_ids) - seq.num_prompt_tokens for seq, _ in sampled]
+        batch, sampled = _pack_one_token_each(
+            items, seqs, previous, prev_rows, prev_slots if follows_verify else None, sampling,
+            page_table_rows if page_table_rows is not None else PageTableRows(), (t_bucket, b_bucket, p_bucket))
         if is_full:
             for seq, b in sampled:
                 _fill_full_sampling_row(sampling, b, seq, vocab_size)
     else:
-        page_tables = None
+        previous_rows = previous.last_row_of_each_seq() if previous is not None else {}
         chunks, sampled, token_row = [], [], 0
         sample_rows, temperatures, seeds, steps = [], [], [], []
         # Rows of prev_rows to set and their values, written at once after the loop: the loop runs
@@ -174,15 +212,13 @@ def pack_step(schedule: Schedule, buckets, previous: PackedStep | None, vocab_si
                     _fill_full_sampling_row(sampling, b, seq, vocab_size)
         if prev_indices:
             prev_rows[prev_indices] = prev_values
-    sampling.temperature[sample_rows] = temperatures
-    sampling.seed[sample_rows] = seeds
-    sampling.step[sample_rows] = steps
-    batch = build_step_batch(
-        chunks, num_tokens=t_bucket, num_seqs=b_bucket, pages_per_seq=p_bucket, padding_page=SCRATCH_PAGE
-    )
-    if page_tables is not None:  # the chunks carry no pages: the cached rows hold them
-        batch.page_tables[: len(seqs)] = page_tables
-    drafts = [item.draft_token_ids for item in items]
+        sampling.temperature[sample_rows] = temperatures
+        sampling.seed[sample_rows] = seeds
+        sampling.step[sample_rows] = steps
+        batch = build_step_batch(
+            chunks, num_tokens=t_bucket, num_seqs=b_bucket, pages_per_seq=p_bucket, padding_page=SCRATCH_PAGE
+        )
+        drafts = [item.draft_token_ids for item in items]
     lagged_inputs = dict(prev_slots=prev_slots, draft_rows=draft_rows) if lagged else {}
     if not any(drafts) and not (follows_verify and (prev_slots >= 0).any()):
         return PackedStep(StepInputs(batch, sampling, prev_rows, sampler_path, **lagged_inputs), sampled)
@@ -194,53 +230,83 @@ def pack_step(schedule: Schedule, buckets, previous: PackedStep | None, vocab_si
                       sampled, verify)
 
 
-def _pack_one_token_each(items, previous_rows: dict[int, int], prev_rows: np.ndarray,
-                         prev_slots: np.ndarray | None):
-    """``pack_step``'s per-item work for a step whose items compute one token each (so none
-    carries drafts, and item ``b`` is token row ``b``): the chunks (without pages:
-    :func:`_page_table_rows` has them), the sampled (sequence, row) pairs and their rows. Fills
-    ``prev_rows`` (and ``prev_slots`` after a verify step) where the input is a placeholder."""
-    tokens = [item.seq.token_ids[item.start_position] for item in items]
-    placeholder_rows = [b for b, token in enumerate(tokens) if token == PLACEHOLDER_TOKEN]
-    if placeholder_rows:
-        rows = [previous_rows[items[b].seq.seq_id] for b in placeholder_rows]
+_seq_of = operator.itemgetter(0)  # of a ScheduledSeq (a NamedTuple)
+_num_new_tokens_of = operator.itemgetter(1)
+_start_of = operator.itemgetter(2)
+_samples_token = operator.itemgetter(3)
+_drafts_of = operator.itemgetter(4)
+_sampling_of = operator.attrgetter("sampling")
+_page_table_of = operator.attrgetter("page_table")
+_token_ids_of = operator.attrgetter("token_ids")
+_num_prompt_tokens_of = operator.attrgetter("num_prompt_tokens")
+_needs_full_sampler = operator.attrgetter("needs_full_sampler")
+_structured_outputs_of = operator.attrgetter("params.structured_outputs")
+_temperature_of = operator.attrgetter("params.temperature")
+_seed_of = operator.attrgetter("seed")
+
+
+def _pack_one_token_each(items, seqs: list[Sequence], previous: PackedStep | None, prev_rows: np.ndarray,
+                         prev_slots: np.ndarray | None, sampling: SamplingTensors, page_table_rows: PageTableRows,
+                         bucket: tuple[int, int, int]):
+    """``pack_step`` for a step whose items compute one token each (so none carries drafts, and
+    item ``b`` is token row ``b`` and slot ``b``), by whole-array operations: the batch and the
+    sampled (sequence, row) pairs (a ``SampledInOrder`` when every item samples). Fills ``prev_rows`` (and ``prev_slots`` after a verify step) where the input is a
+    placeholder, and the basic sampling rows."""
+    num_tokens, num_seqs, width = bucket
+    n = len(items)
+    starts = list(map(_start_of, items))
+    token_lists = list(map(_token_ids_of, seqs))
+    tokens = np.fromiter(map(operator.getitem, token_lists, starts), np.int32, n)
+    placeholder_rows = np.flatnonzero(tokens == PLACEHOLDER_TOKEN)
+    if placeholder_rows.size:
+        rows = _rows_in_previous_step(previous, seqs, placeholder_rows)
         prev_rows[placeholder_rows] = rows
         if prev_slots is not None:
             prev_slots[placeholder_rows] = rows  # a verify step's sampled entry names the slot
-        for b in placeholder_rows:
-            tokens[b] = 0
-    chunks = [((token,), item.start_position, ()) for token, item in zip(tokens, items)]
-    sample_rows = [b for b, item in enumerate(items) if item.samples_token]
-    sampled = [(items[b].seq, b) for b in sample_rows]
-    return chunks, sampled, sample_rows
+        tokens[placeholder_rows] = 0
+    positions = np.asarray(starts, np.int32)
+    batch = StepBatch(
+        token_ids=_padded(tokens, num_tokens, 0),
+        positions=_padded(positions, num_tokens, 0),
+        cu_q_lens=np.concatenate([np.arange(n + 1, dtype=np.int32), np.full(num_seqs - n, n, np.int32)]),
+        kv_lens=_padded(positions + 1, num_seqs, 0),
+        page_tables=np.full((num_seqs, width), SCRATCH_PAGE, np.int32),
+        logits_indices=_padded(np.arange(n, dtype=np.int32), num_seqs, 0),
+    )
+    batch.page_tables[:n] = page_table_rows.rows(seqs, width)
+    samples = list(map(_samples_token, items))
+    if samples.count(True) == n:
+        sampled_seqs, rows = seqs, slice(0, n)
+        sampled = SampledInOrder(seqs)
+    else:  # a prompt of one token whose chunk ends before its last: rare
+        rows = [b for b, samples_token in enumerate(samples) if samples_token]
+        sampled_seqs = [seqs[b] for b in rows]
+        token_lists = [token_lists[b] for b in rows]
+        sampled = list(zip(sampled_seqs, rows))
+    num_sampled = len(sampled_seqs)
+    sampled_settings = list(map(_sampling_of, sampled_seqs))
+    sampling.temperature[rows] = np.fromiter(map(_temperature_of, sampled_settings), np.float32, num_sampled)
+    sampling.seed[rows] = np.fromiter(map(_seed_of, sampled_settings), np.uint32, num_sampled)
+    # Tokens generated before this one.
+    sampling.step[rows] = (np.fromiter(map(len, token_lists), np.int32, num_sampled)
+                           - np.fromiter(map(_num_prompt_tokens_of, sampled_seqs), np.int32, num_sampled))
+    return batch, sampled
 
 
-def _page_table_rows(seqs: list[Sequence], width: int) -> np.ndarray:
-    """[len(seqs), width] int32: each sequence's page table, padded with ``SCRATCH_PAGE``.
+def _padded(values: np.ndarray, size: int, fill: int) -> np.ndarray:
+    out = np.full(size, fill, np.int32)
+    out[: values.shape[0]] = values
+    return out
 
-    Rebuilding it from the Python lists cost 3 ms a step at 1000 sequences of 125 pages; a
-    sequence's table only grows in place or is replaced (``Sequence.page_table``), so each keeps
-    its row (``Sequence.page_table_row``) and only appended pages are copied into it."""
-    rows = []
-    for seq in seqs:
-        pages = seq.page_table
-        cached = seq.page_table_row
-        num_pages = len(pages)
-        if cached is None or cached[0] is not pages or cached[2] > num_pages or cached[1].shape[0] != width:
-            if num_pages > width:
-                raise ValueError(f"sequence {seq.seq_id} needs {num_pages} pages; the page table holds {width}")
-            row = np.full(width, SCRATCH_PAGE, np.int32)
-            row[:num_pages] = pages
-            seq.page_table_row = (pages, row, num_pages)
-        else:
-            row = cached[1]
-            if cached[2] < num_pages:
-                if num_pages > width:
-                    raise ValueError(f"sequence {seq.seq_id} needs {num_pages} pages; the page table holds {width}")
-                row[cached[2] : num_pages] = pages[cached[2] :]
-                seq.page_table_row = (pages, row, num_pages)
-        rows.append(row)
-    return np.stack(rows)
+
+def _rows_in_previous_step(previous: PackedStep | None, seqs: list[Sequence], indices: np.ndarray):
+    """Row (or a verify step's slot) of ``previous``'s sample of each ``seqs[b]``, ``b`` in ``indices``."""
+    if previous is None:
+        raise ValueError(f"sequence {seqs[int(indices[0])].seq_id} waits for a sample, but no step is in flight")
+    if previous.sampled_in_order is not None and previous.sampled_in_order == seqs:
+        return indices  # the same sequences in the same rows: the steady decode step
+    rows = previous.last_row_of_each_seq()
+    return [rows[seqs[b].seq_id] for b in indices.tolist()]
 
 
 def empty_step_inputs(num_tokens: int, num_seqs: int, pages_per_seq: int, sampler_path: str = "basic") -> StepInputs:

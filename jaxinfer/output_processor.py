@@ -36,15 +36,21 @@ class RequestState:
         self.prompt_ids = prompt_ids
         self.params = params
         self.seqs = seqs
+        # Tokens each sample has produced, filled as they arrive from the device (no placeholders).
+        self.output_token_ids: list[list[int]] = [[] for _ in seqs]
+        # A plain request needs nothing per token but its ids: it outputs once, when it finishes
+        # (final_only), with no logprobs and no stop strings to search its text for. Its text is
+        # decoded from output_token_ids when first read, and only a token that may stop it (a stop
+        # id or EOS, or its max_tokens) takes the full stop check (OutputProcessor.process).
+        self.is_plain = final_only and not params.stop and params.logprobs is None
+        self.plain_stop_ids: frozenset[int] | None = None  # set by the output processor on first use
         # A final-only sample's text is read once it ends: its tokens are detokenized then (unless
         # stop strings must be searched for as they come).
         self.detokenizers = [
             Detokenizer(tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output,
-                        defer=final_only)
-            for _ in seqs
+                        defer=final_only, token_source=tokens if self.is_plain else None)
+            for tokens in self.output_token_ids
         ]
-        # Tokens each sample has produced, filled as they arrive from the device (no placeholders).
-        self.output_token_ids: list[list[int]] = [[] for _ in seqs]
         self.logprobs: list[list[dict[int, float]]] = [[] for _ in seqs]
         self.cumulative_logprob = [0.0 for _ in seqs]
         self.stop_reasons: list[int | str | None] = [None for _ in seqs]
@@ -105,7 +111,8 @@ class OutputProcessor:
     def process(self, sampled: list[tuple[Sequence, int]], fetched: FetchedSamples,
                 request_of_seq: dict[int, RequestState], changed: dict[str, RequestState]) -> list[tuple[Sequence, str]]:
         """Apply the token of each ``(sequence, row)`` of a step; adds the requests it changes to
-        ``changed`` and returns the sequences that stop, with their finish reasons."""
+        ``changed`` (a final-only request only when a sample stops: it outputs nothing before it
+        finishes) and returns the sequences that stop, with their finish reasons."""
         now = time.monotonic()
         token_ids, out = fetched.token_ids, fetched.logprobs
         stops = []
@@ -114,40 +121,52 @@ class OutputProcessor:
         request_of = request_of_seq.get
         num_applied = 0
         # Runs for every sampled row of every step (1000 at a time): locals, no per-row helpers
-        # beyond the stop check.
+        # beyond the stop check, and for plain requests not even that unless the token may stop.
         for seq, row in sampled:
             request = request_of(seq.seq_id)
             if request is None or seq.status is finished or seq.seq_id in stopped:
                 continue  # aborted or already stopped: this sample (and the rest of its run) is dropped
             token = token_ids[row]
-            if seq.has_placeholder:
-                # The earliest placeholder is this step's; later ones (the step now running, the
-                # rest of an asynchronous verify step's run) may follow.
-                seq.set_token(seq.first_placeholder_index, token)
-            else:  # a later token of a verify step's accepted run (jaxinfer.spec_decode)
-                seq.append_token(token)
+            # The earliest placeholder is this step's; later ones (the step now running, the rest
+            # of an asynchronous verify step's run) may follow. Without one: a later token of a
+            # verify step's accepted run (jaxinfer.spec_decode), appended.
+            seq.fill_next_token(token)
             num_applied += 1
             i = seq.sampling.index
             request.output_token_ids[i].append(token)
-            num_top = request.params.logprobs
-            if num_top is not None:
-                entry = {token: float(out.logprobs[row])}
-                for tid, value in zip(out.top_logprob_ids[row][:num_top], out.top_logprob_values[row]):
-                    entry.setdefault(int(tid), float(value))
-                request.logprobs[i].append(entry)
-                request.cumulative_logprob[i] += float(out.logprobs[row])
             metrics = request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
             metrics.num_generation_tokens += 1
+            if request.is_plain:
+                stop_ids = request.plain_stop_ids
+                if stop_ids is None:
+                    stop_ids = request.plain_stop_ids = self._plain_stop_ids(request.params)
+                if token not in stop_ids and len(seq.token_ids) - seq.num_prompt_tokens - seq.num_placeholders \
+                        < seq.sampling.max_tokens:
+                    continue  # cannot stop here (the full check below agrees): nothing else to do
+            else:
+                num_top = request.params.logprobs
+                if num_top is not None:
+                    entry = {token: float(out.logprobs[row])}
+                    for tid, value in zip(out.top_logprob_ids[row][:num_top], out.top_logprob_values[row]):
+                        entry.setdefault(int(tid), float(value))
+                    request.logprobs[i].append(entry)
+                    request.cumulative_logprob[i] += float(out.logprobs[row])
+                changed[request.request_id] = request
             reason = self._stop_reason(request, i, seq, token)
             if reason is not None:
                 stops.append((seq, reason))
                 stopped.add(seq.seq_id)
-            changed[request.request_id] = request
+                changed[request.request_id] = request
         self.num_generation_tokens += num_applied
         return stops
+
+    def _plain_stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The token ids that may stop a plain request's sample: its stop ids and, unless it
+        ignores EOS, the EOS ids (whether one does depends on min_tokens: ``_stop_reason``)."""
+        return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
 
     def _stop_reason(self, request: RequestState, i: int, seq: Sequence, token: int) -> str | None:
         """Detokenize sample ``i``'s new ``token``; why the sample stops with it, or None."""
@@ -156,7 +175,8 @@ class OutputProcessor:
         # min_tokens holds back every stop condition, stop strings included (vLLM's semantics):
         # before this, a stop string in the first min_tokens tokens ended the sample early.
         check_stop = num_generated >= params.min_tokens
-        stop_string = request.detokenizers[i].add_token(token, check_stop=check_stop)
+        # A plain request's detokenizer reads its tokens from output_token_ids, and has no stop strings.
+        stop_string = None if request.is_plain else request.detokenizers[i].add_token(token, check_stop=check_stop)
         reason = None
         if stop_string is not None:
             reason, request.stop_reasons[i] = "stop", stop_string

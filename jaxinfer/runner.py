@@ -39,11 +39,12 @@ from tqdm.auto import tqdm
 
 from jaxinfer.bad_words import gather_output_tail
 from jaxinfer.compile_options import PhasedJit, graph_options
-from jaxinfer.input_batch import PackedStep, StepInputs, empty_step_inputs, pack_step
+from jaxinfer.input_batch import PackedStep, StepInputs, empty_step_inputs, is_full_path, pack_step
 from jaxinfer.kv_cache import create_kv_cache
 from jaxinfer.kv_cache_dtype import storage_dtype
 from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.model import forward, forward_with_aux
+from jaxinfer.page_table_rows import PageTableRows
 from jaxinfer.sampling import SamplerOutput, SamplingFlags, sample
 from jaxinfer.sampling_params import MAX_TOP_LOGPROBS
 from jaxinfer.scheduler import Schedule
@@ -172,6 +173,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         num_speculative_tokens: int = 0,
         lagged_ngram: tuple[int, int] | None = None,
+        stable_input_address: bool | None = None,
         aux_hidden_layers: tuple[int, ...] = (),
     ):
         """``mesh``: a ``sharding.make_mesh`` mesh the model was laid out on (``sharding.shard_model``);
@@ -180,6 +182,8 @@ class ModelRunner:
         slot, ``jaxinfer.spec_decode``) beside the plain ones at warm-up; ``lagged_ngram``
         (``(prompt_lookup_min, prompt_lookup_max)``): verify steps are asynchronous, their next
         drafts made on the device by prompt lookup (``jaxinfer.spec_decode.lagged``);
+        ``stable_input_address`` (default: on a GPU): the forward copies its packed inputs into a
+        donated device buffer first (:attr:`input_slot`) and reads them from there;
         ``aux_hidden_layers``: every step also stores the residual stream entering these layers, per
         token, in ``aux_pages`` (an EAGLE-3 head's input, ``jaxinfer.spec_decode.aux_hidden``); empty:
         the step programs are exactly those of an engine without one."""
@@ -198,6 +202,7 @@ class ModelRunner:
             raise ValueError("lagged_ngram needs num_speculative_tokens > 0")
         self.lagged_ngram = lagged_ngram
         self.placement = StepPlacement(self.config, mesh)
+        self.page_table_rows = PageTableRows()  # decode steps' page tables, kept between steps
         self._input_observer: Callable[[StepInputs], None] | None = None
         self.cache = create_kv_cache(
             self.config, num_pages, page_size, storage_dtype(kv_cache_dtype, model.weights.embed.dtype),
@@ -218,6 +223,22 @@ class ModelRunner:
         self.token_pages = jax.jit(
             lambda: jnp.full((num_pages, page_size), -1, jnp.int32), **self.placement.jit_kwargs()
         )()
+        # On a GPU the step runs as a CUDA graph (XLA's command buffers), which records device
+        # addresses: a command reading a buffer whose address changed since the last run is
+        # updated before the launch (command_buffer::update took ~3.4 ms of host time per decode
+        # step of the 8B model at throughput-1k in session 9's profile). The packed inputs are a
+        # new buffer every step, so the forward first copies them into this buffer, donated and
+        # returned (its address never changes), and every other command reads them there. How
+        # much of the update that saves: benchmarks/step_dispatch.py ("fresh" vs "staged").
+        if stable_input_address is None:
+            stable_input_address = jax.default_backend() == "gpu"
+        self.input_slot = None
+        if stable_input_address:
+            size = max(pack_host_arrays(_forward_tree(self.empty_inputs(t, b, p, verify=verify)))[0].size
+                       for t, b, p in self.buckets.all() for verify in ((False, True) if num_speculative_tokens
+                                                                         else (False,)))
+            # One element more than the largest step: a copy over the whole slot would be folded away.
+            self.input_slot = jax.jit(lambda: jnp.zeros((size + 1,), jnp.int32), **self.placement.jit_kwargs())()
         self.aux_hidden_layers = tuple(aux_hidden_layers)
         self.aux_pages = None
         if self.aux_hidden_layers:
@@ -232,7 +253,7 @@ class ModelRunner:
             base_compiler_options=graph_options(1 if mesh is None else mesh.size),
             quantization=model.quantization,
             static_argnames=("packing",),
-            donate_argnames=("cache", "token_pages") + (("aux_pages",) if self.aux_hidden_layers else ()),
+            donate_argnames=("cache", "token_pages", "input_slot") + (("aux_pages",) if self.aux_hidden_layers else ()),
             **self.placement.jit_kwargs(with_cache=True),
         )
         self._sampler = jax.jit(
@@ -348,7 +369,7 @@ class ModelRunner:
         """Pack ``schedule``'s step into the smallest bucket that fits; ``previous`` is the step
         still on the device, whose sampled tokens fill this one's placeholders."""
         return pack_step(schedule, self.buckets, previous, self.config.vocab_size, self.num_speculative_tokens,
-                         lagged=self.lagged_ngram is not None)
+                         lagged=self.lagged_ngram is not None, page_table_rows=self.page_table_rows)
 
     def observe_inputs(self, observer: Callable[[StepInputs], None] | None) -> None:
         """Have ``observer`` see every step's inputs before the step is dispatched (``None``: stop).
@@ -375,9 +396,11 @@ class ModelRunner:
         fn, args, kwargs, (sampler_packed, sampler_packing) = self._calls(inputs)
         with self.placement.context():
             step_out, self.cache = fn(*args, **kwargs)
-            logits, self.token_pages = step_out[:2]
+            logits, self.token_pages, *more = step_out
+            if self.input_slot is not None:
+                self.input_slot, *more = more
             if self.aux_hidden_layers:
-                self.aux_pages = step_out[2]
+                (self.aux_pages,) = more
             if inputs.is_verify:
                 out = self._verifier(logits, self.token_pages, sampler_packed, self.device_drafts,
                                      packing=sampler_packing, sampler_path=inputs.sampler_path)
@@ -403,16 +426,22 @@ class ModelRunner:
         arrays of both programs go to the device in one transfer."""
         if inputs.sampler_path not in SAMPLER_PATHS:
             raise ValueError(f"unknown sampler path {inputs.sampler_path!r}; one of {sorted(SAMPLER_PATHS)}")
-        forward_tree = (inputs.batch, inputs.prev_rows)
-        if self.lagged_ngram is not None:
-            forward_tree += (inputs.prev_slots, inputs.draft_rows)
-        packed, packing = pack_host_arrays(forward_tree)
+        packed, packing = pack_host_arrays(_forward_tree(inputs))
         sampler_packed, sampler_packing = pack_host_arrays(_sampler_tree(inputs))
         packed, sampler_packed = jax.device_put((packed, sampler_packed), self.placement.replicated)
-        args = (self.model.weights, self.cache, self.token_pages, packed, self.last_sampled, self.device_drafts)
+        args = (self.model.weights, self.cache, self.token_pages, packed, self.last_sampled, self.device_drafts,
+                self.input_slot)
         if self.aux_hidden_layers:
             args += (self.aux_pages,)
         return self._step.for_tokens(inputs.batch.num_tokens), args, {"packing": packing}, (sampler_packed, sampler_packing)
+
+
+def _forward_tree(inputs: StepInputs):
+    """What the forward program reads from the host: the batch, ``prev_rows`` and, on a runner of
+    asynchronous verify steps, ``prev_slots`` and ``draft_rows``."""
+    if inputs.prev_slots is not None:
+        return inputs.batch, inputs.prev_rows, inputs.prev_slots, inputs.draft_rows
+    return inputs.batch, inputs.prev_rows
 
 
 def _sampler_tree(inputs: StepInputs):
@@ -421,6 +450,10 @@ def _sampler_tree(inputs: StepInputs):
     if inputs.is_verify:
         tree = inputs.sampling, inputs.batch.page_tables, inputs.batch.kv_lens, inputs.draft_ids, inputs.num_drafts
         return tree + (inputs.prev_slots,) if inputs.prev_slots is not None else tree
+    if not is_full_path(inputs.sampler_path):
+        # The basic paths read no history: the page tables (the step's largest input, [B, pages]
+        # int32) are not sent twice.
+        return (inputs.sampling,)
     return inputs.sampling, inputs.batch.page_tables, inputs.batch.kv_lens
 
 
@@ -429,19 +462,23 @@ def pack_host_arrays(tree) -> tuple[np.ndarray, tuple]:
     tree's structure and each array's (shape, dtype), static for the jitted program.
 
     A step's inputs are a dozen small arrays; sending them as one buffer makes one
-    host-to-device transfer instead of a dozen. :func:`unpack_device_arrays` undoes it.
+    host-to-device transfer instead of a dozen. :func:`unpack_device_arrays` undoes it. Each
+    array is copied once, straight into its place in the buffer.
     """
     leaves, treedef = jax.tree.flatten(tree)
-    parts, shapes = [], []
-    for leaf in leaves:
-        array = np.asarray(leaf)
-        if array.dtype == np.bool_:
-            array = array.astype(np.int32)
-        elif array.dtype.itemsize != 4:
+    arrays = [np.asarray(leaf) for leaf in leaves]
+    for array in arrays:
+        if array.dtype.itemsize != 4 and array.dtype != np.bool_:
             raise TypeError(f"step inputs must be 4-byte or bool arrays, not {array.dtype}")
-        shapes.append((array.shape, np.asarray(leaf).dtype.str))
-        parts.append(np.ascontiguousarray(array).view(np.int32).ravel())
-    return np.concatenate(parts), (treedef, tuple(shapes))
+    sizes = [array.size for array in arrays]
+    packed = np.empty(sum(sizes), np.int32)
+    offset = 0
+    for array, size in zip(arrays, sizes):
+        flat = array.reshape(-1)
+        # bool is cast to 0/1; the 4-byte types are copied bit for bit.
+        packed[offset : offset + size] = flat if array.dtype == np.bool_ else flat.view(np.int32)
+        offset += size
+    return packed, (treedef, tuple((array.shape, array.dtype.str) for array in arrays))
 
 
 def unpack_device_arrays(packed: jax.Array, packing: tuple):
@@ -469,13 +506,21 @@ class _SamplerStepOutput:
     device_drafts: DeviceDrafts | None = None  # an asynchronous verify step's: what the next step continues
 
 
-def _forward_step(weights, cache, token_pages, packed, last_sampled, device_drafts, aux_pages=None, *, config,
-                  attention_impl, packing, aux_layers=()):
-    """Logits [B, V] at each sequence's last new token, the token pages with this step's inputs, and the cache.
+def _forward_step(weights, cache, token_pages, packed, last_sampled, device_drafts, input_slot, aux_pages=None, *,
+                  config, attention_impl, packing, aux_layers=()):
+    """Logits [B, V] at each sequence's last new token, the token pages with this step's inputs, the
+    input slot (when given), and the cache.
 
     ``device_drafts``: None, or the last verify step's ``DeviceDrafts`` (asynchronous verify steps):
     the batch is then shifted to the sequences' true lengths and reads its drafts from there.
+    ``input_slot``: None, or the runner's donated buffer that the packed inputs are copied into
+    and read from (``ModelRunner.input_slot``: a device address that never changes).
     ``aux_layers`` (an EAGLE-3 head): also the ``aux_pages`` with this step's auxiliary hidden states."""
+    if input_slot is not None:
+        input_slot = jax.lax.dynamic_update_slice(input_slot, packed, (0,))
+        # Else XLA folds the slices below into slices of ``packed`` and reads it directly again.
+        input_slot = jax.lax.optimization_barrier(input_slot)
+        packed = input_slot[: packed.shape[0]]
     unpacked = unpack_device_arrays(packed, packing)
     batch, prev_rows = unpacked[:2]
     # A placeholder input is the token this sequence sampled in the previous step.
@@ -488,18 +533,22 @@ def _forward_step(weights, cache, token_pages, packed, last_sampled, device_draf
     # The batch's tokens, device drafts included: the history the next lookup reads must hold an
     # accepted draft itself, not the placeholder the host scheduled in its place.
     token_pages = write_tokens(token_pages, batch.token_ids, batch)
+    # Outputs: logits and token pages, then the input slot and the aux pages where there are.
+    outputs = (token_pages,) if input_slot is None else (token_pages, input_slot)
     if aux_layers:
         logits, aux, cache = forward_with_aux(weights, cache, batch, config, attention_impl, aux_layers)
-        return (logits, token_pages, write_aux_hidden(aux_pages, aux, batch)), cache
+        return (logits, *outputs, write_aux_hidden(aux_pages, aux, batch)), cache
     logits, cache = forward(weights, cache, batch, config, attention_impl)
-    return (logits, token_pages), cache
+    return (logits, *outputs), cache
 
 
 def _sample_step(logits, token_pages, packed, token_bitmask, *, packing, sampler_path, num_padded):
     """One token per row of ``logits`` on the ``sampler_path`` path; every path returns the same shapes.
     ``token_bitmask``: [B, ceil(V/32)] int32 on a "_masked" path, else None."""
-    sampling, page_tables, kv_lens = unpack_device_arrays(packed, packing)
+    sampling, *history_inputs = unpack_device_arrays(packed, packing)  # page tables and kv_lens on the full paths
     flags = SAMPLER_PATHS[sampler_path]
+    if flags.any_penalties or flags.any_bad_words:
+        page_tables, kv_lens = history_inputs
     if flags.any_penalties:
         # The penalties' history comes from the device's token pages, not the host.
         history_ids, history_is_output = gather_history(token_pages, page_tables, kv_lens, sampling.num_prompt_tokens)

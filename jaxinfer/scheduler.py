@@ -33,10 +33,20 @@ import collections
 import dataclasses
 import itertools
 import time
+import operator
 import typing
 
+import numpy as np
+
 from jaxinfer.page_allocator import PageAllocator
-from jaxinfer.sequence import Sequence, SequenceStatus
+from jaxinfer.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+
+
+_token_ids_of = operator.attrgetter("token_ids")
+_num_computed_tokens_of = operator.attrgetter("num_computed_tokens")
+_page_table_of = operator.attrgetter("page_table")
+_draft_token_ids_of = operator.attrgetter("draft_token_ids")
+_num_lookahead_slots_of = operator.attrgetter("num_lookahead_slots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,8 +190,10 @@ class Scheduler:
             # step, or a step later with asynchronous verify steps) and rolls the sequence forward.
             seq.num_computed_tokens += item.num_new_tokens - len(item.draft_token_ids)
             # Only a step that fills a page (or follows one skipped for a placeholder) has pages to
-            # register: the others skip the call.
-            if seq.num_computed_tokens >= (seq.num_registered_pages + 1) * page_size:
+            # register: the others skip the call. So does a page whose last token is still on the
+            # device (async scheduling: the decode that fills a page): the next step registers it.
+            next_page_end = (seq.num_registered_pages + 1) * page_size
+            if seq.num_computed_tokens >= next_page_end and seq.token_ids[next_page_end - 1] != PLACEHOLDER_TOKEN:
                 register_computed(seq)
         self._is_postprocess_due = False
 
@@ -197,18 +209,64 @@ class Scheduler:
         return deadline if now < deadline else None
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], list[Sequence], int]:
-        # Runs over every running sequence each step (1000 at a time): counts are read from the
-        # sequence's fields directly, not through its properties.
-        decodes, prefills = [], []
-        for seq in self.running:
-            (decodes if len(seq.token_ids) - seq.num_computed_tokens == 1 else prefills).append(seq)
-        items: list[ScheduledSeq] = []
+        running = self.running
+        n = len(running)
+        if not n:
+            return [], [], budget
+        # Runs over every running sequence each step (1000 at a time): counts are read by
+        # whole-list passes, and the plain decodes (most of every step) are scheduled in bulk.
+        num_tokens = np.fromiter(map(len, map(_token_ids_of, running)), np.int64, n)
+        num_computed = np.fromiter(map(_num_computed_tokens_of, running), np.int64, n)
+        is_decode = num_tokens - num_computed == 1
+        decodes = self._bulk_decodes(is_decode, num_tokens, num_computed, budget)
+        if decodes is not None:
+            items = decodes
+            budget -= len(decodes)
+            rest = [running[b] for b in np.flatnonzero(~is_decode).tolist()]  # prefill chunks
+        else:
+            items = []
+            is_decode = is_decode.tolist()
+            rest = [seq for seq, decode in zip(running, is_decode) if decode]
+            rest += [seq for seq, decode in zip(running, is_decode) if not decode]
         preempted: list[Sequence] = []
-        scheduled_ids: set[int] = set()
+        budget = self._schedule_one_by_one(rest, items, preempted, budget)
+        return items, preempted, budget
+
+    def _bulk_decodes(self, is_decode: np.ndarray, num_tokens: np.ndarray, num_computed: np.ndarray,
+                      budget: int) -> list[ScheduledSeq] | None:
+        """The running decodes' items, in order, when each is a plain decode (no drafts, no
+        lookahead slots) that the budget and the free pages cover without a preemption: the
+        one-by-one loop's result, without its Python per sequence. None when some may not."""
+        running = self.running
+        decode_rows = np.flatnonzero(is_decode)
+        num_decodes = len(decode_rows)
+        if num_decodes > budget or (num_tokens > self.config.max_model_len).any():
+            return None
+        seqs = running if num_decodes == len(running) else [running[b] for b in decode_rows.tolist()]
+        if any(map(_draft_token_ids_of, seqs)) or any(map(_num_lookahead_slots_of, seqs)):
+            return None
+        page_size = self.config.page_size
+        num_pages = np.fromiter(map(len, map(_page_table_of, seqs)), np.int64, num_decodes)
+        starts = num_computed[decode_rows]
+        num_missing = np.maximum(-(-(starts + 1) // page_size) - num_pages, 0)
+        if int(num_missing.sum()) > self.allocator.num_free_pages:
+            return None  # someone may be preempted: the loop decides who
+        allocate_slots = self.allocator.allocate_slots
+        for b in np.flatnonzero(num_missing).tolist():
+            if not allocate_slots(seqs[b], 1):
+                raise AssertionError(f"the free pages were counted, yet {seqs[b]} got none")
+        starts = starts.tolist()
+        return list(map(ScheduledSeq, seqs, itertools.repeat(1, num_decodes), starts,
+                        itertools.repeat(True, num_decodes)))
+
+    def _schedule_one_by_one(self, seqs: list[Sequence], items: list[ScheduledSeq], preempted: list[Sequence],
+                             budget: int) -> int:
+        """Schedule ``seqs`` in order after ``items`` (appended to it), preempting when pages run
+        out; returns the budget left."""
         max_model_len = self.config.max_model_len
         allocate_slots = self.allocator.allocate_slots
         running = SequenceStatus.RUNNING
-        for seq in itertools.chain(decodes, prefills):
+        for seq in seqs:
             if budget == 0:
                 break
             if seq.status is not running:
@@ -224,6 +282,8 @@ class Scheduler:
             # num_lookahead_slots later than the host counts (never past max_model_len).
             num_slots = min(num_new + seq.num_lookahead_slots, max_model_len - num_computed)
             while not allocate_slots(seq, num_slots):
+                # The victim: the most recently admitted sequence not scheduled this step (or seq).
+                scheduled_ids = {item.seq.seq_id for item in items}
                 victim = next(s for s in reversed(self.running) if s is seq or s.seq_id not in scheduled_ids)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -234,9 +294,8 @@ class Scheduler:
                 items.append(ScheduledSeq(seq, num_new, num_computed,
                                           num_computed + num_new - len(scheduled_drafts) == num_tokens,
                                           scheduled_drafts))
-                scheduled_ids.add(seq.seq_id)
                 budget -= num_new
-        return items, preempted, budget
+        return budget
 
     def _schedule_waiting(self, budget: int) -> tuple[list[ScheduledSeq], int]:
         items: list[ScheduledSeq] = []

@@ -59,12 +59,10 @@ class Sequence:
         self.num_cached_tokens = 0  # prefix-cache hit at the latest admission (metrics)
         self.num_preemptions = 0
         # Physical page of each logical page. Only ever grown in place (``extend``) or replaced by
-        # a new list, never shrunk or overwritten in place: the step packer caches each sequence's
-        # row of the page-table array (``page_table_row``) and copies only what was appended.
+        # a new list, never shrunk or overwritten in place: the runner keeps each running
+        # sequence's row of the page-table array between steps (``jaxinfer.page_table_rows``) and
+        # writes only rows whose list was replaced or grew.
         self.page_table: list[int] = []
-        # Owned by jaxinfer.input_batch: (the page_table list it mirrors, its numpy row, how many
-        # entries of that list the row holds), or None.
-        self.page_table_row: tuple | None = None
         # Owned by the allocator: chained hashes of leading full pages (a memo, a pure function
         # of the tokens, so it survives preemption) and how many leading pages of page_table
         # it has already offered to the prefix cache.
@@ -117,6 +115,12 @@ class Sequence:
         if token_id == PLACEHOLDER_TOKEN:
             self._num_placeholders += 1
 
+    def append_placeholder(self) -> None:
+        """Append ``PLACEHOLDER_TOKEN`` for a token being sampled on the device (``append_token``'s
+        case at every launch, without its test)."""
+        self.token_ids.append(PLACEHOLDER_TOKEN)
+        self._num_placeholders += 1
+
     def set_token(self, index: int, token_id: int) -> None:
         """Fill in the placeholder at ``index`` once the device's sampled token arrives."""
         if self.token_ids[index] != PLACEHOLDER_TOKEN:
@@ -125,6 +129,18 @@ class Sequence:
             raise ValueError("cannot fill a placeholder with a placeholder")
         self.token_ids[index] = token_id
         self._num_placeholders -= 1
+
+    def fill_next_token(self, token_id: int) -> None:
+        """Fill the earliest placeholder with a sampled token or, with none left (the later tokens
+        of a verify step's accepted run), append it. The output processor's call for every token."""
+        if token_id < 0:
+            raise ValueError(f"sampled token ids are >= 0, got {token_id}")
+        num_placeholders = self._num_placeholders
+        if num_placeholders:  # placeholders trail: the earliest is num_placeholders from the end
+            self.token_ids[-num_placeholders] = token_id
+            self._num_placeholders = num_placeholders - 1
+        else:
+            self.token_ids.append(token_id)
 
     def insert_placeholders(self, index: int, count: int) -> None:
         """Insert ``count`` placeholders before ``index``: the accepted drafts of an asynchronous

@@ -338,3 +338,31 @@ def test_host_step_cost_splits_each_step_into_phases(tmp_path):
         assert row["host_us_per_seq"] == pytest.approx(row["host_us_per_step"] / row["batch"])
     assert "pack_step" in next(iter(results["profiles"].values()))  # the cProfile of B=4
     assert "| 4 |" in (out / "host_step_cost.md").read_text()
+
+
+def test_step_dispatch_times_every_variant(tmp_path):
+    """The dispatch benchmark completes on CPU: every variant (the XLA GPU options are accepted
+    and ignored there) has a dispatch time and a back-to-back wall time, none failed."""
+    run_script([BENCHMARKS / "step_dispatch.py", "--shape", "tiny", "--quantization", "none", "--kv-cache-dtype",
+                "auto", "--dtype", "float32", "--batch", "8", "--context", "40", "--iters", "2", "--rounds", "1",
+                "--out", tmp_path], tmp_path)
+    results = json.loads((tmp_path / "step_dispatch.json").read_text())
+    assert results["failed"] == {}
+    assert set(results["variants"]) == {"fresh", "staged", "same-inputs", "skip-temp", "staged+skip-temp",
+                                        "skip-profiled", "no-graphs"}
+    assert all(row["dispatch_ms"] > 0 and row["pipelined_ms_per_step"] > 0 for row in results["variants"].values())
+
+
+def test_host_step_cost_with_a_fake_device_times_host_work_only(tmp_path):
+    """``--fake-device``: no program runs (no warm-up, nothing waited for), the phases still add up,
+    and the median step is reported beside the mean."""
+    out = tmp_path / "host"
+    run_script([BENCHMARKS / "host_step_cost.py", "--trees", REPO, "--batches", "8", "--steps", "4", "--rounds", "1",
+                "--prompt-len", "40", "--fake-device", "--out", out], tmp_path)
+    results = json.loads((out / "host_step_cost.json").read_text())
+    assert results["info"]["fake_device"] is True
+    ((row,),) = results["results"].values()
+    assert row["device_wait_us_per_step"] < 0.05 * row["host_us_per_step"]
+    outer = sum(v for k, v in row["phases_us_per_step"].items() if k not in ("detokenize", "gc"))
+    assert abs(outer - row["host_us_per_step"]) < 1e-6 * row["host_us_per_step"] + 1e-3
+    assert row["host_us_per_seq_median_step"] > 0 and "fake device" in (out / "host_step_cost.md").read_text()

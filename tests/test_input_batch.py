@@ -1,8 +1,10 @@
 """Packing a Schedule into step inputs, checked by hand on small schedules (no model, no device)."""
 
 import numpy as np
+import pytest
 
 from jaxinfer.input_batch import MAX_BANNED, PackedStep, pack_step
+from jaxinfer.page_table_rows import PageTableRows
 from jaxinfer.runner import Buckets
 from jaxinfer.sampling_params import SamplingParams, SequenceSampling
 from jaxinfer.scheduler import Schedule, ScheduledSeq
@@ -102,7 +104,7 @@ def test_a_full_decode_step_has_a_gpu_bucket_of_its_own():
 
 
 def test_decode_steps_keep_page_table_rows_in_step_with_the_allocator(monkeypatch):
-    """The one-token-per-item path caches each sequence's page-table row: pages appended in
+    """The one-token-per-item path keeps the page-table rows between steps: pages appended in
     place, a table replaced (preemption, admission) and one cut by a rollback and regrown to
     the same length must all show in the next step's array, as the general path packs them."""
     from jaxinfer import input_batch
@@ -118,8 +120,10 @@ def test_decode_steps_keep_page_table_rows_in_step_with_the_allocator(monkeypatc
         assert allocator.allocate_prompt(seq, seq.num_tokens)
         seq.num_computed_tokens = seq.num_tokens - 1
 
+    rows = PageTableRows()  # kept between steps, as the runner keeps it
+
     def pack_decodes():
-        packed = pack_step(schedule_of(decode(a), decode(b)), BUCKETS, None, VOCAB)
+        packed = pack_step(schedule_of(decode(a), decode(b)), BUCKETS, None, VOCAB, page_table_rows=rows)
         expected = pack_step(schedule_of(decode(a), chunk(b, b.num_tokens - 2, 2)), BUCKETS, None, VOCAB)
         assert packed.inputs.batch.page_tables[:2].tolist() == expected.inputs.batch.page_tables[:2].tolist()
         return packed.inputs.batch.page_tables[:2].tolist()
@@ -148,3 +152,71 @@ def test_decode_steps_keep_page_table_rows_in_step_with_the_allocator(monkeypatc
     assert allocator.allocate_prompt(a, a.num_tokens)
     a.num_computed_tokens = a.num_tokens - 1
     assert pack_decodes()[0][:1] == a.page_table
+
+
+def test_page_table_rows_follow_sequences_that_leave_join_and_move():
+    """Rows move with their sequences when the batch's order changes, a new sequence gets its
+    own row, a wider table starts afresh, and each result equals the tables padded by hand."""
+    seqs = [make_seq(i, [1, 2, 3]) for i in range(4)]
+    for i, seq in enumerate(seqs):
+        seq.page_table = [100 + i, 200 + i][: 1 + i % 2]
+    rows = PageTableRows()
+
+    def expected(order, width):
+        return [seq.page_table + [0] * (width - len(seq.page_table)) for seq in order]
+
+    for order, width in [(seqs, 8), (seqs, 8), (seqs[1:], 8), ([seqs[3], seqs[0], seqs[1]], 8),
+                         ([seqs[2], seqs[3]], 8), ([seqs[2], seqs[3]], 16)]:
+        seqs[3].page_table.append(300 + width)  # grown in place between steps
+        seqs[0].page_table = seqs[0].page_table + [400]  # replaced by a longer list
+        if len(seqs[0].page_table) > 3:
+            seqs[0].page_table = [7]  # replaced by a shorter one
+        assert rows.rows(list(order), width).tolist() == expected(order, width)
+    with pytest.raises(ValueError, match="sequence 2 needs 17 pages; the page table holds 16"):
+        seqs[2].page_table.extend(range(500, 516))
+        rows.rows([seqs[3], seqs[2]], 16)
+
+
+def test_steady_decode_reads_placeholders_from_the_same_rows_or_looks_them_up(monkeypatch):
+    """A decode step of the same sequences as the step in flight reads each placeholder from the
+    sequence's own row; after one left, the rest are looked up where that step sampled them."""
+    from jaxinfer import input_batch
+
+    monkeypatch.setattr(input_batch, "MIN_ITEMS_FOR_WHOLE_LIST_PACKING", 2)
+    seqs = [make_seq(i, [1, 2, 3], generated=[4, PLACEHOLDER_TOKEN], params=SamplingParams(temperature=0.7),
+                     seed=30 + i) for i in range(3)]
+    rows = PageTableRows()
+    first = pack_step(schedule_of(*map(decode, seqs)), BUCKETS,
+                      PackedStep(None, [(s, b) for b, s in enumerate(seqs)]), VOCAB, page_table_rows=rows)
+    assert first.sampled_in_order == seqs and first.inputs.prev_rows[:4].tolist() == [0, 1, 2, -1]
+    for seq in seqs:
+        seq.set_token(seq.first_placeholder_index, 5)
+        seq.append_token(PLACEHOLDER_TOKEN)
+    second = pack_step(schedule_of(*map(decode, seqs)), BUCKETS, first, VOCAB, page_table_rows=rows)
+    assert second.inputs.prev_rows[:4].tolist() == [0, 1, 2, -1]
+    assert second.inputs.batch.positions[:4].tolist() == [5, 5, 5, 0]
+    assert second.inputs.batch.kv_lens.tolist() == [6, 6, 6, 0]
+    assert second.inputs.batch.cu_q_lens.tolist() == [0, 1, 2, 3, 3]
+    assert second.inputs.batch.logits_indices.tolist() == [0, 1, 2, 0]
+    assert second.inputs.sampling.step.tolist() == [3, 3, 3, 0]
+    assert second.inputs.sampling.seed.tolist() == [30, 31, 32, 0]
+    assert second.inputs.sampling.temperature.tolist() == [np.float32(0.7)] * 3 + [0]
+    for seq in seqs:
+        seq.set_token(seq.first_placeholder_index, 6)
+        seq.append_token(PLACEHOLDER_TOKEN)
+    third = pack_step(schedule_of(decode(seqs[0]), decode(seqs[2])), BUCKETS, second, VOCAB, page_table_rows=rows)
+    assert third.inputs.prev_rows[:3].tolist() == [0, 2, -1]
+    assert third.inputs.batch.page_tables[:2, 0].tolist() == [10, 12]
+
+
+def test_sampled_in_order_reads_as_the_list_of_pairs():
+    from jaxinfer.input_batch import SampledInOrder
+
+    seqs = [make_seq(i, [1, 2]) for i in range(3)]
+    sampled = SampledInOrder(seqs)
+    pairs = [(seq, b) for b, seq in enumerate(seqs)]
+    assert list(sampled) == pairs and sampled == pairs and len(sampled) == 3
+    assert sampled[1] == pairs[1] and sampled[-1] == pairs[-1] and sampled[1:] == pairs[1:]
+    assert sampled != pairs[:2] and PackedStep(None, sampled).sampled_in_order is seqs
+    assert PackedStep(None, pairs).sampled_in_order is None
+    assert PackedStep(None, sampled).last_row_of_each_seq() == {0: 0, 1: 1, 2: 2}

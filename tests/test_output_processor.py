@@ -6,7 +6,7 @@ import pytest
 from jaxinfer.output_processor import FetchedSamples, OutputProcessor, RequestState
 from jaxinfer.sampling import SamplerOutput
 from jaxinfer.sampling_params import SamplingParams, SequenceSampling
-from jaxinfer.sequence import PLACEHOLDER_TOKEN, Sequence
+from jaxinfer.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from jaxinfer.tokenizer import Tokenizer
 
 from .conftest import FIXTURES
@@ -84,3 +84,51 @@ def test_logprobs_entries_and_final_only_outputs(tokenizer):
     assert [o.request_id for o in outputs] == ["streamed"]  # "final" waits until it finishes
     assert outputs[0].outputs[0].token_ids == [11] and outputs[0].outputs[0].logprobs is not None
     assert final.output(is_finished=False).outputs[1].logprobs is None  # not asked for
+
+
+def test_plain_final_only_requests_stop_by_the_same_rules_and_decode_the_same_text(tokenizer):
+    """Final-only requests without logprobs or stop strings skip the per-token work: they stop
+    exactly where a streamed twin does, enter ``changed`` only when a sample stops, and their
+    text is the decode of their tokens."""
+    processor = OutputProcessor(frozenset({EOS}))
+    cases = [SamplingParams(max_tokens=3, ignore_eos=True), SamplingParams(max_tokens=9, stop_token_ids=[40], min_tokens=2),
+             SamplingParams(max_tokens=9), SamplingParams(max_tokens=9, min_tokens=3)]
+    plain = [make_request(tokenizer, f"plain{i}", params, i, final_only=True) for i, params in enumerate(cases)]
+    streamed = [make_request(tokenizer, f"streamed{i}", params, 10 + i) for i, params in enumerate(cases)]
+    assert all(r.is_plain for r in plain) and not any(r.is_plain for r in streamed)
+    requests = plain + streamed
+    by_seq = {r.seqs[0].seq_id: r for r in requests}
+    seqs = [r.seqs[0] for r in requests]
+    sampled = [(seq, row) for row, seq in enumerate(seqs)]
+    stopped_at = {}
+    for step, tokens in enumerate([[EOS, 40, 300, EOS], [400, 40, 301, 302], [EOS, 41, EOS, EOS], [5, 6, 7, EOS]]):
+        launch([seq for seq in seqs if not seq.is_finished])
+        live_streamed = {r.request_id for r in streamed if not r.seqs[0].is_finished}
+        changed = {}
+        stops = processor.process(sampled, fetched(tokens * 2), by_seq, changed)
+        for seq, reason in stops:
+            stopped_at[seq.request_id] = (step, reason)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = reason
+            seq.drop_placeholders()
+        assert set(changed) == {seq.request_id for seq, _ in stops} | live_streamed
+    assert stopped_at == {"plain0": (2, "length"), "plain1": (1, "stop"), "plain2": (2, "stop"), "plain3": (2, "stop"),
+                          "streamed0": (2, "length"), "streamed1": (1, "stop"), "streamed2": (2, "stop"),
+                          "streamed3": (2, "stop")}
+    for p, s in zip(plain, streamed):
+        assert p.output_token_ids == s.output_token_ids
+        assert p.output(True).outputs[0].text == s.output(True).outputs[0].text == tokenizer.decode(p.output_token_ids[0])
+    assert plain[1].stop_reasons == [40]
+
+
+def test_fill_next_token_fills_the_earliest_placeholder_or_appends():
+    seq = Sequence(0, "r", [1, 2])
+    seq.append_token(PLACEHOLDER_TOKEN)
+    seq.append_token(PLACEHOLDER_TOKEN)
+    seq.fill_next_token(7)
+    assert seq.token_ids == [1, 2, 7, PLACEHOLDER_TOKEN] and seq.num_placeholders == 1
+    seq.fill_next_token(8)
+    seq.fill_next_token(9)  # none left: a later token of an accepted run
+    assert seq.token_ids == [1, 2, 7, 8, 9] and not seq.has_placeholder
+    with pytest.raises(ValueError, match="sampled token ids are >= 0"):
+        seq.fill_next_token(PLACEHOLDER_TOKEN)

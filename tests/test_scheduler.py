@@ -330,3 +330,40 @@ def test_random_workload_keeps_invariants_and_outputs(seed, is_async, caching):
         assert seq.is_finished
         if seq.seq_id in expected:
             assert seq.token_ids == expected[seq.seq_id], seq
+
+
+@pytest.mark.parametrize("num_pages", [6, 7, 16])
+def test_decodes_scheduled_in_bulk_match_the_one_by_one_loop(num_pages):
+    """Plain decodes are scheduled by whole-list passes when the free pages cover them; the
+    items, page tables, preemptions and free pages must be those of the one-by-one loop, also
+    when the pool is one page short (the loop preempts) or a prefill runs beside them."""
+    import copy
+
+    def build():
+        scheduler = make_scheduler(num_pages=num_pages, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=16)
+        engine = FakeEngine(scheduler)
+        for i, prompt_len in enumerate((4, 8, 3)):
+            engine.add(make_seq(i, range(1, prompt_len + 1)), max_tokens=20)
+        engine.step()  # prefills; the first two sample a token whose decode needs a new page
+        engine.add(make_seq(3, range(1, 13)), max_tokens=20)
+        return scheduler
+
+    bulk, reference = build(), build()
+    decodes = [seq for seq in reference.running if seq.num_tokens - seq.num_computed_tokens == 1]
+    assert len(decodes) == 3
+    schedule = bulk.schedule(1e9)
+    items, preempted = [], []
+    budget = reference._schedule_one_by_one(decodes, items, preempted, 16)
+    admitted, _ = reference._schedule_waiting(budget) if not preempted else ([], budget)
+    items += admitted
+
+    def view(scheduler, items, preempted):
+        return ([(i.seq.seq_id, i.num_new_tokens, i.start_position, i.samples_token) for i in items],
+                [s.seq_id for s in preempted], {s.seq_id: s.page_table for s in scheduler.running},
+                scheduler.allocator.num_free_pages)
+
+    assert view(bulk, schedule.items, schedule.preempted) == view(reference, items, preempted)
+    # The prompts hold 4 pages and the decodes need 2 more: with 6 pages (5 usable) one is
+    # missing and the loop preempts; with 7 they fit and no prefill does; with 16 one does.
+    assert bool(schedule.preempted) == (num_pages == 6)
+    assert any(item.seq.seq_id == 3 for item in schedule.items) == (num_pages == 16)
