@@ -58,12 +58,14 @@
 #   s9b     one GPU, session 9 (carry .whl): s8spec's engine run, then the fp8-page tile sweep.
 #   s9c     one GPU, session 9 (carry .whl and .gpu/fp8mma, a helper's tree): the FP8-dot decode
 #           modes, the fresh-prefill path in the engine, EAGLE-3's cost at batch 1.
+#   s9d     one GPU, session 9's last call (carry .whl): fp8 throughput-1k (trace + cProfile), async
+#           verify at k = 7/15, engine latency bf16/fp8, then bf16 throughput-1k with the time left.
 #   s9eagle one GPU (carry .whl), session 9: EAGLE-3 at batch 1 (8B shapes, a random head of the
 #           Llama-3.1-8B heads' shapes): the verify step with and without the target's features,
 #           the head's round and the synchronous cycle for k = 1/3/5 (spec_decode.py eagle3),
 #           then the engine loop with a random head checkpoint at k = 3/5 (eagle3-engine).
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c or s9eagle}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d or s9eagle}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -352,6 +354,28 @@ s9c)
     left=$(( 575 - SECONDS ))
     (( left > 60 )) && on_gpu 0 eagle3.log "$left" python3 benchmarks/spec_decode.py eagle3 --out "$R/eagle3" \
         --ks 3 5 --budget-s $(( left - 40 )) ;;
+s9d)
+    # Session 9's last call, in priority order: fp8 throughput-1k on the merged tree (host path in
+    # bulk, the forward's inputs through a donated slot, Hopper's fresh-prefill default) with its
+    # trace and cProfile; async verify steps at the new default k = 7 (and 15); engine latency in
+    # bf16 and fp8 (RoPE tables made once a step); bf16 throughput-1k with the time left.
+    wheels
+    on_gpu 0 fp8.log 200 python3 benchmarks/engine_throughput.py --out "$R/fp8" --quantization fp8 \
+        --kv-cache-dtype fp8 --workloads startup,throughput-1k --max-num-seqs 1024 --profile-steps 6 --host-profile-steps 24
+    python3 benchmarks/profile_collectives.py "$R/fp8" --steps 6 --top 25 \
+        --json "$R/fp8/throughput-1k_decode_kernels.json" >>"$R/fp8.log" 2>&1
+    python3 benchmarks/profile_host.py "$R/fp8" --steps 6 --top 40 \
+        --json "$R/fp8/throughput-1k_decode_host.json" >>"$R/fp8.log" 2>&1
+    on_gpu 0 spec_engine.log 110 python3 benchmarks/spec_decode.py engine --out "$R/spec_engine" --ks 7 15 \
+        --modes async --acceptance benchmarks/results/spec_replay.smollm2.json
+    for q in bf16 fp8; do
+        flags=(); [[ $q == fp8 ]] && flags=(--quantization fp8 --kv-cache-dtype fp8)
+        on_gpu 0 "latency_$q.log" 70 python3 benchmarks/engine_throughput.py --out "$R/latency_$q" \
+            --workloads latency --max-num-seqs 8 --max-num-batched-tokens 64 "${flags[@]}"
+    done
+    left=$(( 585 - SECONDS ))
+    (( left > 100 )) && on_gpu 0 bf16.log "$left" python3 benchmarks/engine_throughput.py --out "$R/bf16" \
+        --workloads startup,throughput-1k --max-num-seqs 1024 ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac
