@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--pool-elements", default="1048576,16777216,134217728",
                         help="elements of one layer's K pool (and of its V pool), comma-separated")
     parser.add_argument("--tokens", type=int, default=16, help="new rows a step writes: a decode batch")
-    parser.add_argument("--context", type=int, default=512, help="context of each sequence in the attend rows")
+    parser.add_argument("--context", type=int, default=256, help="context of each sequence in the attend rows")
     parser.add_argument("--iters", type=int, default=64, help="steps per timed loop (the slow rows take fewer)")
     parser.add_argument("--repeats", type=int, default=3, help="timed loops per row, interleaved; the median")
     parser.add_argument("--smoke", action="store_true", help="tiny pools and loops: checks the code only")
