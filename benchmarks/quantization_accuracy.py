@@ -210,7 +210,8 @@ def markdown(results: dict) -> str:
         "# Quantized weights: accuracy against float32 (CPU, SmolLM2-135M-Instruct)",
         "",
         f"`{info['command']}` · {info['date']} · {info['cpu']} ({info['cores']} cores) · jax {info['jax']}"
-        + (f" (rows not run here kept from `{info['resumed_rows_from']}`)" if "resumed_rows_from" in info else ""),
+        + (" (rows not run here kept from " + "; ".join(f"`{run}`" for run in info["resumed_rows_from"]) + ")"
+           if info.get("resumed_rows_from") else ""),
         "",
         f"Baseline: the default model's Q4_1 GGUF dequantized to float32 (no bf16/f32 safetensors of it are "
         f"on this machine), so each quantized row re-quantizes already-Q4_1 values. Teacher-forced over "
@@ -293,7 +294,9 @@ def main() -> None:
             raise SystemExit(f"--resume: the earlier run used --greedy-tokens {earlier['greedy_max_tokens']}")
         redo = {c["name"] for c in wanted}
         rows += [r for r in earlier["configs"][1:] if r["name"] not in redo]
-        info["resumed_rows_from"] = earlier["info"]["command"] + " · " + earlier["info"]["date"]
+        # Every earlier run whose rows are kept, the oldest first (a run resumed from one resumed before).
+        info["resumed_rows_from"] = [*earlier["info"].get("resumed_rows_from", []),
+                                     earlier["info"]["command"] + " · " + earlier["info"]["date"]]
     for config in wanted:
         row = evaluate(config, args.model, texts, baseline, args.greedy_tokens)
         print(f"{row['name']}: top-1 {row['top1_agreement']:.4f} KL {row['kl_mean']:.5f} "
