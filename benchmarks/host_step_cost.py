@@ -27,7 +27,11 @@ decode steps are timed, each phase by a timer around the engine's parts:
 - ``other``: the rest of ``Engine.step`` (placeholders, bookkeeping)
 
 and, across the phases, ``gc``: Python's cyclic garbage collector, timed through ``gc.callbacks``
-(it runs inside whichever phase allocates when a generation fills up).
+(it runs inside whichever phase allocates when a generation fills up). A step's tail is reported
+beside the means: the 99th percentile and the largest host time of one step, and the longest
+collector pause with the number of full (generation 2) collections. ``--gc-modes default,freeze``
+runs every tree twice, the second time with the start-up heap frozen out of the collector after
+the engine is built and warm, as ``jaxinfer serve`` does (``jaxinfer/gc_freeze.py``).
 
 Each tree in ``--trees`` runs in its own process with ``PYTHONPATH`` set to it, the trees
 interleaved round by round (the machine may be shared: each round gives every tree the same
@@ -63,6 +67,7 @@ class PhaseTimers:
 
     def __init__(self):
         self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.gc_pauses: list[tuple[int, float]] = []  # (generation, seconds) of each collection
 
     def wrap(self, owner, attribute: str, phase: str) -> None:
         original = getattr(owner, attribute)
@@ -81,19 +86,22 @@ class PhaseTimers:
     def time_garbage_collection(self) -> None:
         """Add the collector's pauses to ``gc`` (they also count in the phase they interrupt)."""
         started = []
-        seconds = self.seconds
+        seconds, pauses = self.seconds, self.gc_pauses
 
         def callback(phase, info):
             if phase == "start":
                 started.append(time.perf_counter())
             elif started:
-                seconds["gc"] += time.perf_counter() - started.pop()
+                pause = time.perf_counter() - started.pop()
+                seconds["gc"] += pause
+                pauses.append((info["generation"], pause))
 
         gc.callbacks.append(callback)
 
     def reset(self) -> None:
         for phase in self.seconds:
             self.seconds[phase] = 0.0
+        self.gc_pauses.clear()
 
 
 def fake_device(engine) -> None:
@@ -197,11 +205,16 @@ def measure_batch(engine, timers: PhaseTimers, batch: int, steps: int, tag: str,
     # The median step too: on a shared machine a few steps stall for much longer than the rest.
     host_median = statistics.median(wall - wait for wall, wait in zip(walls, waits))
     phases["other"] = host - sum(v for k, v in phases.items() if k not in ("other", "detokenize", "gc"))
+    host_per_step = np.asarray(walls) - np.asarray(waits)
     result = {"batch": batch, "steps": steps, "host_us_per_step": 1e6 * host,
               "host_us_per_seq": 1e6 * host / batch,
               "host_us_per_seq_without_dispatch": 1e6 * (host - phases["dispatch"]) / batch,
               "host_us_per_seq_median_step": 1e6 * host_median / batch, "wall_us_per_step": 1e6 * sum(walls) / steps,
               "device_wait_us_per_step": 1e6 * sum(waits) / steps,
+              "host_us_per_step_p99": 1e6 * float(np.percentile(host_per_step, 99)),
+              "host_us_per_step_max": 1e6 * float(host_per_step.max()),
+              "gc_max_pause_us": 1e6 * max((pause for _, pause in timers.gc_pauses), default=0.0),
+              "gc_full_collections": sum(generation == 2 for generation, _ in timers.gc_pauses),
               "phases_us_per_step": {k: 1e6 * v for k, v in phases.items()}}
     if profiler is not None:
         text = io.StringIO()
@@ -225,6 +238,10 @@ def worker(args) -> None:
     if args.fake_device:
         fake_device(engine)
     build_seconds = time.perf_counter() - start
+    if args.gc_mode == "freeze":
+        # What jaxinfer.gc_freeze.freeze_startup_heap does (spelt out: older trees lack the module).
+        gc.collect()
+        gc.freeze()
     timers = PhaseTimers()
     timers.wrap(engine.scheduler, "schedule", "schedule")
     timers.wrap(engine.scheduler, "postprocess", "postprocess")
@@ -239,6 +256,7 @@ def worker(args) -> None:
     results = [measure_batch(engine, timers, b, args.steps, f"r{args.round}", b == args.profile, args.prompt_len)
                for b in batches]
     Path(args.worker_json).write_text(json.dumps({"jax": jax.__version__, "build_seconds": build_seconds,
+                                                  "gc_frozen_objects": gc.get_freeze_count(),
                                                   "jaxinfer": str(Path(sys.modules["jaxinfer"].__file__).parent),
                                                   "batches": results}))
 
@@ -256,13 +274,16 @@ def markdown(info: dict, per_tree: dict) -> str:
              f"Median over {info['rounds']} interleaved rounds of {info['steps']} steady decode steps, "
              f"{info['prompt_len']}-token prompts" + (", fake device (host work only)" if info.get("fake_device") else "")
              + ".", "",
-             "| tree | B | host µs/step | µs/seq | µs/seq without dispatch | " + " | ".join(PHASES) + " |",
-             "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in PHASES) + " |"]
+             "| tree | B | host µs/step | µs/seq | µs/seq without dispatch | " + " | ".join(PHASES)
+             + " | p99 µs/step | max µs/step | longest gc pause µs | full collections |",
+             "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in PHASES) + " | ---: | ---: | ---: | ---: |"]
     for label, rows in per_tree.items():
         for row in rows:
             phases = " | ".join(f"{row['phases_us_per_step'][p]:.0f}" for p in PHASES)
             lines.append(f"| {label} | {row['batch']} | {row['host_us_per_step']:.0f} | "
-                         f"{row['host_us_per_seq']:.1f} | {row['host_us_per_seq_without_dispatch']:.1f} | {phases} |")
+                         f"{row['host_us_per_seq']:.1f} | {row['host_us_per_seq_without_dispatch']:.1f} | {phases} | "
+                         f"{row['host_us_per_step_p99']:.0f} | {row['host_us_per_step_max']:.0f} | "
+                         f"{row['gc_max_pause_us']:.0f} | {row['gc_full_collections']:.1f} |")
     if len(per_tree) > 1:
         labels = list(per_tree)
         for key, what in (("host_us_per_seq", "all host time"), ("host_us_per_seq_without_dispatch", "without dispatch"),
@@ -286,7 +307,8 @@ def median_rows(runs: list[list[dict]]) -> list[dict]:
     for rows in zip(*runs):
         row = {"batch": rows[0]["batch"], "steps": rows[0]["steps"], "rounds": len(rows)}
         for key in ("host_us_per_step", "host_us_per_seq", "host_us_per_seq_without_dispatch",
-                    "host_us_per_seq_median_step", "wall_us_per_step", "device_wait_us_per_step"):
+                    "host_us_per_seq_median_step", "wall_us_per_step", "device_wait_us_per_step",
+                    "host_us_per_step_p99", "host_us_per_step_max", "gc_max_pause_us", "gc_full_collections"):
             row[key] = statistics.median(r[key] for r in rows)
             row[key + "_all"] = [r[key] for r in rows]
         row["phases_us_per_step"] = {p: statistics.median(r["phases_us_per_step"][p] for r in rows) for p in PHASES}
@@ -305,10 +327,13 @@ def main() -> None:
     parser.add_argument("--fake-device", action="store_true",
                         help="no device programs: the step 'samples' on the host (see fake_device): the engine's "
                              "host work alone, and long prompts prefilled in no time")
+    parser.add_argument("--gc-modes", default="default",
+                        help="comma-separated: default (the collector as is), freeze (gc.freeze() after warm-up)")
     parser.add_argument("--profile", type=int, default=0, help="an extra round, cProfiling the steps of this batch")
     parser.add_argument("--out", type=Path, default=Path("host_step_cost_out"))
     parser.add_argument("--worker-json", help=argparse.SUPPRESS)
     parser.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--gc-mode", default="default", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker_json:
         return worker(args)
@@ -318,35 +343,41 @@ def main() -> None:
             "steps": args.steps, "batches": args.batches, "prompt_len": args.prompt_len, "fake_device": args.fake_device}
     for key in ("command", "host", "cpu_count", "python", "load_before"):
         print(f"{key}: {info[key]}", flush=True)
-    trees = [Path(t).resolve() for t in args.trees.split(",")]
-    labels = {tree: tree_label(tree) for tree in trees}
+    modes = args.gc_modes.split(",")
+    if not set(modes) <= {"default", "freeze"}:
+        raise SystemExit(f"--gc-modes takes default and/or freeze, got {args.gc_modes!r}")
+    # A variant is a tree run with one gc mode; each runs in its own processes, interleaved.
+    trees = [(Path(t).resolve(), mode) for t in args.trees.split(",") for mode in modes]
+    labels = {(tree, mode): tree_label(tree) + (f" gc={mode}" if len(modes) > 1 else "") for tree, mode in trees}
     args.out.mkdir(parents=True, exist_ok=True)
-    runs: dict[Path, list] = {tree: [] for tree in trees}
+    runs: dict[tuple, list] = {variant: [] for variant in trees}
     profiles = {}
     # With --profile, one more round under cProfile, whose (slower) times are left out of the medians.
     for round_index in range(args.rounds + bool(args.profile)):
-        for tree in trees:
-            path = args.out / f"worker_{round_index}_{tree.name}.json"
+        for variant in trees:
+            tree, mode = variant
+            path = args.out / f"worker_{round_index}_{tree.name}_{mode}.json"
             profile = args.profile if round_index == args.rounds else 0
-            command = [sys.executable, str(Path(__file__).resolve()), "--worker-json", str(path),
-                       "--batches", args.batches, "--steps", str(args.steps), "--prompt-len", str(args.prompt_len),
-                       "--profile", str(profile), "--round", str(round_index)] + (["--fake-device"] if args.fake_device else [])
+            command = ([sys.executable, str(Path(__file__).resolve()), "--worker-json", str(path),
+                        "--batches", args.batches, "--steps", str(args.steps), "--prompt-len", str(args.prompt_len),
+                        "--profile", str(profile), "--round", str(round_index), "--gc-mode", mode]
+                       + (["--fake-device"] if args.fake_device else []))
             env = {**os.environ, "PYTHONPATH": str(tree), "JAX_PLATFORMS": "cpu"}
             subprocess.run(command, env=env, check=True, cwd=tree)
             run = json.loads(path.read_text())
             info["jax"] = run["jax"]
             if not profile:
-                runs[tree].append(run["batches"])
+                runs[variant].append(run["batches"])
             for row in run["batches"]:
-                print(f"round {round_index} {labels[tree]} B={row['batch']}: host {row['host_us_per_step']:.0f} µs/step, "
+                print(f"round {round_index} {labels[variant]} B={row['batch']}: host {row['host_us_per_step']:.0f} µs/step, "
                       f"{row['host_us_per_seq']:.1f} µs/seq, " + ", ".join(
                           f"{p} {row['phases_us_per_step'][p]:.0f}" for p in PHASES), flush=True)
                 if "profile_tottime" in row:
-                    profiles[labels[tree]] = row["profile_tottime"]
+                    profiles[labels[variant]] = row["profile_tottime"]
     info["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"load_after: {info['load_after']}")
-    per_tree = {labels[tree]: median_rows(runs[tree]) for tree in trees}
-    results = {"info": info, "trees": {labels[t]: str(t) for t in trees}, "results": per_tree, "profiles": profiles}
+    per_tree = {labels[v]: median_rows(runs[v]) for v in trees}
+    results = {"info": info, "trees": {labels[v]: str(v[0]) for v in trees}, "results": per_tree, "profiles": profiles}
     (args.out / "host_step_cost.json").write_text(json.dumps(results, indent=2))
     text = markdown(info, per_tree)
     if profiles:

@@ -17,10 +17,14 @@ every token instead of the top 20; on the first passage the public path (``LLM.g
 - the mean negative log-likelihood of the text (the baseline's perplexity beside each);
 - **greedy continuations** of a prompt set: how many leading tokens match the baseline's.
 
-A configuration is a row of ``LLM`` arguments (``quantization``, and ``kv_cache_dtype`` once the
-FP8 KV cache lands: add a row); ``fp8_w8a8_min_tokens`` overrides
+A configuration is a row of ``LLM`` arguments (``quantization``, ``kv_cache_dtype``, ``dtype``:
+float32 unless the row says otherwise); ``fp8_w8a8_min_tokens`` overrides
 ``jaxinfer.linear.FP8_W8A8_MIN_TOKENS`` for that row (the passages are scored in buckets of 256-512
-tokens, so fp8 rows run W8A8 unless told otherwise; decode steps run weight-only).
+tokens, so fp8 rows run W8A8 unless told otherwise; decode steps run weight-only). The bfloat16
+row is the same model served in bfloat16 (weights, activations and KV cache, as ``dtype="bfloat16"``
+serves it): how much of a quantized row's gap any 16-bit rounding already costs this model.
+``--resume`` keeps the rows of an earlier run's JSON in ``--out`` that this run does not redo
+(the baseline always runs; it is deterministic, so kept rows compare against the same logits).
 
 The default model's only checkpoint is a Q4_1 GGUF: the baseline is those Q4_1 weights
 dequantized to float32, and every quantized row re-quantizes that baseline (with the default
@@ -54,6 +58,9 @@ CONFIGS = [
     {"name": "fp8 weights (weight-only everywhere)", "llm": {"quantization": "fp8"}, "fp8_w8a8_min_tokens": NO_W8A8,
      "optional": True},
     {"name": "int8 weights (weight-only)", "llm": {"quantization": "int8"}},
+    {"name": "bfloat16 weights, activations and KV", "llm": {"dtype": "bfloat16"}},
+    {"name": "fp8 KV cache (float32 weights)", "llm": {"kv_cache_dtype": "fp8"}},
+    {"name": "fp8 weights (W8A8 when scoring) + fp8 KV cache", "llm": {"quantization": "fp8", "kv_cache_dtype": "fp8"}},
 ]
 
 GREEDY_PROMPTS = [
@@ -129,8 +136,8 @@ def evaluate(config: dict, model: str, texts: list[dict], baseline: dict | None,
     linear_module.FP8_W8A8_MIN_TOKENS = config.get("fp8_w8a8_min_tokens", threshold)
     start = time.perf_counter()
     try:
-        with LLM(model, dtype="float32", use_tqdm=False, warm_up=False, max_model_len=1024, max_num_seqs=8,
-                 enable_prefix_caching=False, **config["llm"]) as llm:
+        with LLM(model, use_tqdm=False, warm_up=False, max_model_len=1024, max_num_seqs=8,
+                 enable_prefix_caching=False, **{"dtype": "float32", **config["llm"]}) as llm:
             loaded_s = time.perf_counter() - start
             tokenizer = llm.tokenizer
             result = {"name": config["name"], "llm": config["llm"], "load_s": loaded_s, "passages": {},
@@ -202,15 +209,19 @@ def markdown(results: dict) -> str:
     lines = [
         "# Quantized weights: accuracy against float32 (CPU, SmolLM2-135M-Instruct)",
         "",
-        f"`{info['command']}` · {info['date']} · {info['cpu']} ({info['cores']} cores) · jax {info['jax']}",
+        f"`{info['command']}` · {info['date']} · {info['cpu']} ({info['cores']} cores) · jax {info['jax']}"
+        + (" (rows not run here kept from " + "; ".join(f"`{run}`" for run in info["resumed_rows_from"]) + ")"
+           if info.get("resumed_rows_from") else ""),
         "",
         f"Baseline: the default model's Q4_1 GGUF dequantized to float32 (no bf16/f32 safetensors of it are "
         f"on this machine), so each quantized row re-quantizes already-Q4_1 values. Teacher-forced over "
         f"{len(base['passages'])} passages ({n_tokens} scored positions) of "
         f"`benchmarks/data/quantization_accuracy_texts.jsonl`; activations float32 (fp8 emulated on CPU). "
         f"Per-channel weight scales: {_scale_methods(rows)}. "
-        f"Targets (issue 18): fp8 weights top-1 ≥ 97%, mean KL ≤ 0.02. Which projections cost the "
-        f"agreement, and absmax against searched scales: `quantization_sensitivity.md`.",
+        f"Targets (issue 18): fp8 weights top-1 ≥ 97%, mean KL ≤ 0.02. The bfloat16 row serves the same "
+        f"model in bfloat16 (weights, activations, KV cache): what 16-bit rounding alone costs it, for scale. "
+        f"Which projections and layers cost the agreement, and absmax against searched scales: "
+        f"`quantization_sensitivity.md`.",
         "",
         "| configuration | top-1 agreement | mean KL (nats) | KL p99 | NLL (baseline "
         f"{_mean_nll(base):.3f}) | greedy: identical leading tokens of {max_tokens} (mean; per prompt) |",
@@ -263,6 +274,8 @@ def main() -> None:
                         "(the baseline always runs); default: every row not marked optional")
     parser.add_argument("--greedy-tokens", type=int, default=32)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--resume", action="store_true", help="keep the rows of --out's earlier JSON that this "
+                        "run does not redo (a row takes ~15 min on a shared 2-core machine)")
     args = parser.parse_args()
 
     info = run_info()
@@ -274,6 +287,16 @@ def main() -> None:
     rows = [baseline]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    saved = out / "quantization_accuracy.json"
+    if args.resume and saved.exists():
+        earlier = json.loads(saved.read_text())
+        if earlier["greedy_max_tokens"] != args.greedy_tokens:
+            raise SystemExit(f"--resume: the earlier run used --greedy-tokens {earlier['greedy_max_tokens']}")
+        redo = {c["name"] for c in wanted}
+        rows += [r for r in earlier["configs"][1:] if r["name"] not in redo]
+        # Every earlier run whose rows are kept, the oldest first (a run resumed from one resumed before).
+        info["resumed_rows_from"] = [*earlier["info"].get("resumed_rows_from", []),
+                                     earlier["info"]["command"] + " · " + earlier["info"]["date"]]
     for config in wanted:
         row = evaluate(config, args.model, texts, baseline, args.greedy_tokens)
         print(f"{row['name']}: top-1 {row['top1_agreement']:.4f} KL {row['kl_mean']:.5f} "

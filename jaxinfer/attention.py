@@ -18,6 +18,8 @@ keeps the Triton kernel for every step.
 FP8 pages (``kv_cache_dtype="fp8"``) are scaled here, so that every kernel only converts the
 tiles it loads: the new K/V are quantized before the kernel writes them, ``k_scale`` is folded
 into q, and the output is multiplied by ``v_scale`` (the algebra is in ``jaxinfer.kv_cache_dtype``).
+On a CPU those pages are ``uint8`` arrays of e4m3 bits, which ``"cpu"`` and ``"reference"`` read as
+such; a Pallas kernel run there in interpret mode is handed the pool bitcast to e4m3 (a copy, in tests only).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 
 from jaxinfer.kv_cache_dtype import is_fp8, quantize_to_fp8
 from pallas_kernels.paged_attention.cpu import ragged_paged_attention_cpu
+from pallas_kernels.paged_attention.page_storage import E4M3, E4M3_BITS, holds_e4m3_bits
 from pallas_kernels.paged_attention.reference import ragged_paged_attention_reference
 from sharding.rules import shard_over_heads
 
@@ -98,10 +101,16 @@ def paged_attention(q, k_new, v_new, k_pages, v_pages, batch, *, sm_scale, slidi
         k_new, v_new = quantize_to_fp8(k_new, k_scale), quantize_to_fp8(v_new, v_scale)  # [T, Hkv, D] e4m3
         # q . (k_scale k_page) = (q k_scale) . k_page: the kernel reads the pages as stored.
         q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
+    # The Pallas kernels read e4m3 pages as such; only the plain-JAX paths read a CPU's bit pages.
+    as_bits = holds_e4m3_bits(k_pages.dtype) and impl not in ("cpu", "reference")
+    if as_bits:
+        k_pages, v_pages = (jax.lax.bitcast_convert_type(p, E4M3) for p in (k_pages, v_pages))
     # Under a tensor-parallel mesh each shard runs the kernel on its own heads (sharding.rules).
     out, k_pages, v_pages = shard_over_heads(attend)(
         q, k_new, v_new, k_pages, v_pages, batch.page_tables, batch.cu_q_lens, batch.kv_lens
     )
+    if as_bits:
+        k_pages, v_pages = (jax.lax.bitcast_convert_type(p, E4M3_BITS) for p in (k_pages, v_pages))
     if fp8:
         out = (out.astype(jnp.float32) * v_scale).astype(out.dtype)  # softmax weights are linear in V
     return out, k_pages, v_pages

@@ -8,7 +8,8 @@ cache is donated to every jitted step, which writes the new tokens' K/V in place
 Pages are stored in the serving dtype or, with ``kv_cache_dtype="fp8"``, as ``float8_e4m3fn``
 beside one float32 scale per layer for K and one for V (``jaxinfer.kv_cache_dtype``). The
 scales ride in the cache pytree, replicated under a mesh, so they travel through every jitted
-step with the pages; they are 1.0 and unused for pages that are not FP8.
+step with the pages; they are 1.0 and unused for pages that are not FP8. On a CPU the FP8
+pages' arrays are ``uint8``, holding the e4m3 bit patterns (``kv_cache_dtype.page_array_dtype``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache_dtype import is_fp8
+from jaxinfer.kv_cache_dtype import is_fp8, page_array_dtype
 
 
 @jax.tree_util.register_dataclass
@@ -58,10 +59,12 @@ def create_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=j
                     scales: tuple[np.ndarray, np.ndarray] | None = None) -> KVCache:
     """Allocate a zeroed cache of ``num_pages`` pages per layer, laid out by ``sharding`` if given.
 
-    ``dtype`` is the pages' storage dtype (``jaxinfer.kv_cache_dtype.storage_dtype``);
+    ``dtype`` is the pages' storage dtype (``jaxinfer.kv_cache_dtype.storage_dtype``); the arrays
+    take ``page_array_dtype(dtype)`` (``uint8`` bit patterns for e4m3 pages on a CPU);
     ``scales``: per-layer (K, V) float32 scales of FP8 pages (default 1.0; ignored otherwise).
     """
     shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
+    dtype = page_array_dtype(dtype)
     k_scale, v_scale = kv_scale_arrays(config.num_layers, scales if is_fp8(dtype) else None)
 
     def make():

@@ -14,7 +14,10 @@ How a scaled FP8 page is used (``jaxinfer.attention`` does it, so the kernels st
   Each kernel only converts the FP8 tiles it loads to its compute dtype.
 
 Scales are 1.0 unless the checkpoint carries them (``LoadedModel.kv_cache_scales``) or they are
-calibrated (:func:`kv_scales_from_amax`). On a CPU FP8 is emulated by XLA, exact to the format.
+calibrated (:func:`kv_scales_from_amax`). On a CPU FP8 is emulated by XLA, exact to the format,
+and the pool's arrays hold the e4m3 values' bit patterns as ``uint8`` (:func:`page_array_dtype`):
+XLA:CPU would otherwise convert the whole pool to float16 and back around every K/V write and
+page gather (``pallas_kernels.paged_attention.page_storage`` has the measurements).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.paged_attention.page_storage import E4M3_BITS, holds_e4m3_bits
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 FP8_KV_DTYPE = jnp.float8_e4m3fn
@@ -49,8 +54,21 @@ def storage_dtype(kv_cache_dtype: str, serving_dtype) -> jnp.dtype:
     return jnp.dtype(FP8_KV_DTYPE if normalize_kv_cache_dtype(kv_cache_dtype) == "fp8" else serving_dtype)
 
 
+def page_array_dtype(dtype, platform: str | None = None) -> jnp.dtype:
+    """The dtype of the arrays that hold pages of ``dtype`` (a :func:`storage_dtype`) on ``platform``.
+
+    e4m3 pages on a CPU are held as their bit patterns (``uint8``); everything else as itself.
+    ``platform`` defaults to JAX's backend, where the engine's arrays live.
+    """
+    platform = platform or jax.default_backend()
+    if jnp.dtype(dtype) == jnp.dtype(FP8_KV_DTYPE) and platform == "cpu":
+        return E4M3_BITS
+    return jnp.dtype(dtype)
+
+
 def is_fp8(dtype) -> bool:
-    return jnp.dtype(dtype) == jnp.dtype(FP8_KV_DTYPE)
+    """Whether pages of this array dtype hold e4m3 values (as themselves, or as bits on a CPU)."""
+    return jnp.dtype(dtype) == jnp.dtype(FP8_KV_DTYPE) or holds_e4m3_bits(dtype)
 
 
 def fp8_unsupported_reason(device) -> str | None:

@@ -31,7 +31,7 @@ from jaxinfer.batch import StepBatch
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import RequestError
 from jaxinfer.kv_cache import KVCache, kv_scale_arrays
-from jaxinfer.kv_cache_dtype import storage_dtype
+from jaxinfer.kv_cache_dtype import page_array_dtype, storage_dtype
 from jaxinfer.model import compute_logits, hidden_states
 from jaxinfer.params import Weights
 from jaxinfer.sampling_params import MAX_TOP_LOGPROBS
@@ -85,7 +85,8 @@ def score_tokens(
         logits_indices=jnp.asarray([num_tokens - 1], jnp.int32),
     )
     shape = (config.num_kv_heads, num_pages + 1, page_size, config.head_dim)
-    dtype = weights.embed.dtype if kv_dtype is None else kv_dtype
+    # As the engine's cache holds it: e4m3 pages on a CPU are uint8 bit patterns (kv_cache_dtype).
+    dtype = page_array_dtype(weights.embed.dtype if kv_dtype is None else kv_dtype)
     k_scale, v_scale = (None, None) if kv_scales is None else kv_scales
     cache = KVCache(k=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)],
                     v=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)], k_scale=k_scale, v_scale=v_scale)

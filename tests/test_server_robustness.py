@@ -185,6 +185,8 @@ def test_sigterm_drains_then_exits_0():
             assert proc.poll() is None, logs
             time.sleep(0.05)
         assert any(e.get("message") == "ready" for e in logs), f"server not ready after 180 s: {logs}"
+        # A serving process freezes its start-up heap out of the collector (jaxinfer/gc_freeze.py).
+        assert next(e for e in logs if e.get("message") == "ready")["gc_frozen_objects"] > 0
         port = next(e["port"] for e in logs if e.get("message", "").startswith("listening"))
         base = f"http://127.0.0.1:{port}"
         results = {}

@@ -27,6 +27,7 @@ from typing import Callable
 from ray import serve
 
 from jaxinfer.engine_client import EngineRequest, ServiceUnavailable
+from jaxinfer.gc_freeze import freeze_startup_heap
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.ray_serve import wire
 from jaxinfer.ray_serve.autoscaling import KV_CACHE_USAGE, NUM_REQUESTS_WAITING
@@ -47,6 +48,7 @@ class EngineReplica:
         self.metrics.registry.register(DeviceCollector())
         self.loop = EngineLoop(admission, self.metrics)
         self.loop.start(engine, warmup=True)
+        freeze_startup_heap()  # a replica's process lives to serve this engine (jaxinfer/gc_freeze.py)
         self._replica_id = serve.get_replica_context().replica_tag
 
     def describe(self) -> dict:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from jaxinfer.engine_args import add_engine_arguments, engine_options_from_args
 from jaxinfer.engine_config import EngineConfig
+from jaxinfer.gc_freeze import freeze_startup_heap
 from jaxinfer.server.admission import (DEFAULT_MAX_WAITING_PROMPT_TOKENS, DEFAULT_MAX_WAITING_REQUESTS,
                                        DEFAULT_RETRY_AFTER_S, AdmissionConfig)
 from jaxinfer.batch_api import open_batch_store
@@ -157,8 +158,12 @@ def run_server(args: argparse.Namespace, engine_factory=build_engine) -> int:
         return 1
     if not stop.is_set():
         http.start(engine)
+        # This process lives to serve this engine: keep the start-up heap out of full collections,
+        # whose ~100 ms pauses would land inside engine steps (jaxinfer/gc_freeze.py).
+        frozen = freeze_startup_heap()
         logger.info("ready", extra={"max_model_len": engine.max_model_len, "threads": threads,
-                                  "quantization": getattr(getattr(engine, "config", None), "quantization", None)})
+                                  "quantization": getattr(getattr(engine, "config", None), "quantization", None),
+                                  "gc_frozen_objects": frozen})
     while not stop.wait(0.5):
         pass
     logger.info("draining", extra={"in_flight": loop.num_in_flight(), "timeout_s": args.drain_timeout})

@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.paged_attention.page_storage import page_values
 from pallas_kernels.paged_attention.reference import token_positions, write_kv_reference
 from pallas_kernels.precision import matmul_precision
 
@@ -63,8 +64,9 @@ def attend_chunked(
         def chunk(c, carry):
             row_max, denom, acc = carry  # [Hkv, G, 1], [Hkv, G, 1], [Hkv, G, D]
             pages = jax.lax.dynamic_slice_in_dim(table, c * pages_per_chunk, pages_per_chunk)
-            k = k_pages[:, pages].reshape(num_kv_heads, chunk_len, head_dim).astype(jnp.float32)
-            v = v_pages[:, pages].reshape(num_kv_heads, chunk_len, head_dim).astype(jnp.float32)
+            # Bit pages (FP8 on a CPU) are bitcast here, a chunk at a time, never as a whole pool.
+            k = page_values(k_pages[:, pages]).reshape(num_kv_heads, chunk_len, head_dim).astype(jnp.float32)
+            v = page_values(v_pages[:, pages]).reshape(num_kv_heads, chunk_len, head_dim).astype(jnp.float32)
             scores = jnp.einsum("hgd,hld->hgl", qg, k, precision=precision) * sm_scale
             if soft_cap is not None:
                 scores = soft_cap * jnp.tanh(scores / soft_cap)

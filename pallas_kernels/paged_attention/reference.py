@@ -12,6 +12,8 @@ each page as one contiguous tile. Sequence ``b``'s token at position ``p`` lives
 ``page_tables[b, p // page_size]`` at row ``p % page_size``. Page tables map logical pages
 to physical ones, as an OS maps virtual memory; two sequences sharing a prefix point at
 the same physical pages. Splitting the cache across devices splits axis 0 (KV heads).
+Pages hold K/V values in their dtype, except ``uint8`` pages, which hold ``float8_e4m3fn``
+bit patterns (how a CPU keeps FP8 pages: ``page_storage.py`` says why).
 
 Ragged batch
 ------------
@@ -36,6 +38,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.paged_attention.page_storage import page_values, to_page_storage
 from pallas_kernels.precision import matmul_precision
 
 
@@ -87,7 +90,8 @@ def write_kv_reference(
 
     def scatter(pages, new):
         flat = pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
-        flat = flat.at[:, slot].set(new.swapaxes(0, 1).astype(pages.dtype), mode="drop", unique_indices=True)
+        new = to_page_storage(new.swapaxes(0, 1), pages.dtype)  # [Hkv, T, D]
+        flat = flat.at[:, slot].set(new, mode="drop", unique_indices=True)
         return flat.reshape(pages.shape)
 
     return scatter(k_pages, k_new), scatter(v_pages, v_new)
@@ -124,8 +128,8 @@ def attend_reference(
     def one_token(args):
         q_t, seq_t, position_t = args  # [Hq, D], (), ()
         pages = page_tables[seq_t]  # [pages_per_seq]
-        k = k_pages[:, pages].reshape(num_kv_heads, max_kv_len, head_dim).astype(jnp.float32)
-        v = v_pages[:, pages].reshape(num_kv_heads, max_kv_len, head_dim).astype(jnp.float32)
+        k = page_values(k_pages[:, pages]).reshape(num_kv_heads, max_kv_len, head_dim).astype(jnp.float32)
+        v = page_values(v_pages[:, pages]).reshape(num_kv_heads, max_kv_len, head_dim).astype(jnp.float32)
         qg = q_t.reshape(num_kv_heads, group, head_dim).astype(jnp.float32)
         scores = jnp.einsum("hgd,hld->hgl", qg, k, precision=precision) * sm_scale
         if soft_cap is not None:
