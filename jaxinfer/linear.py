@@ -33,7 +33,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.cpu_int8_matmul import int8_matmul_cpu
+from jaxinfer.cpu_int8_matmul import int8_matmul_cpu, int8_matmul_many_cpu
 from jaxinfer.cpu_int8_matmul import is_available as cpu_int8_kernel_is_available
 from jaxinfer.decode_gemv import dense_gemv_shape, dense_pallas_matmul, use_pallas_gemv
 from jaxinfer.quantization import FP8_MAX, QuantizedWeight
@@ -84,6 +84,9 @@ def linear_many(subscripts: str, x: jax.Array, weights, preferred_element_type=N
     quantized once for all of them: quantizing is a pass over ``x`` (absmax reduce, scale,
     convert) that would otherwise repeat per weight (XLA may merge the copies, or not).
     """
+    if len(weights) > 1 and all(isinstance(w, QuantizedWeight) and w.quantization == "int8" for w in weights) \
+            and _use_cpu_int8_kernel():
+        return int8_linear_many_cpu(subscripts, x, weights, preferred_element_type)
     prequantized = None
     if any(isinstance(w, QuantizedWeight) and w.quantization == "fp8" for w in weights):
         n_in, _ = split_subscripts(subscripts)
@@ -93,6 +96,23 @@ def linear_many(subscripts: str, x: jax.Array, weights, preferred_element_type=N
     return [quantized_linear(subscripts, x, w, preferred_element_type, prequantized)
             if isinstance(w, QuantizedWeight) else linear(subscripts, x, w, preferred_element_type)
             for w in weights]
+
+
+def int8_linear_many_cpu(subscripts: str, x: jax.Array, weights, preferred_element_type=None) -> list[jax.Array]:
+    """:func:`linear_many` over int8 weights on XLA:CPU: one native kernel call for all of them
+    (one hand-off to the thread pool, the output rows of all split over its threads together)."""
+    n_in, n_out = split_subscripts(subscripts)
+    lead_shape, in_shape = x.shape[:x.ndim - n_in], x.shape[x.ndim - n_in:]
+    m, k = math.prod(lead_shape), math.prod(in_shape)
+    flat = []
+    for w in weights:
+        if w.num_out_axes != n_out or tuple(w.payload.shape[w.num_out_axes:]) != tuple(in_shape):
+            raise ValueError(f"linear_many({subscripts!r}): x {x.shape} does not fit the payload {w.payload.shape}")
+        n = math.prod(w.scale.shape)
+        flat.append((w.payload.reshape(n, k), w.scale.reshape(n)))
+    ys = int8_matmul_many_cpu(x.reshape(m, k), flat, max_threads=CPU_INT8_MAX_THREADS)
+    out_dtype = preferred_element_type or x.dtype
+    return [y.astype(out_dtype).reshape(lead_shape + tuple(w.scale.shape)) for y, w in zip(ys, weights)]
 
 
 def split_subscripts(subscripts: str) -> tuple[int, int]:
