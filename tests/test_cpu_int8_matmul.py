@@ -83,7 +83,7 @@ def test_linear_runs_int8_weights_through_the_kernel_on_cpu(dtype):
 
 
 def test_linear_keeps_xla_weight_only_path_when_the_kernel_is_off(monkeypatch):
-    monkeypatch.setattr(linear_module, "_use_cpu_int8_kernel", lambda: False)
+    monkeypatch.setattr(linear_module, "_use_cpu_int8_kernel", lambda num_tokens: False)
     q = quantized_from_dense(jnp.ones((32, 48)), 1, "int8")
     jaxpr = str(jax.make_jaxpr(lambda x, q: linear("te,ef->tf", x, q))(jnp.ones((2, 32)), q))
     assert "dot_general" in jaxpr and "ffi_call" not in jaxpr
@@ -97,3 +97,11 @@ def test_loading_the_kernel_leaves_the_process_floating_point_state_alone():
     jax.block_until_ready(cpu_int8_matmul.int8_matmul_cpu(x, payload, scale))
     smallest = np.float64(5e-324)  # the smallest subnormal double
     assert smallest * 1.0 > 0 and np.nextafter(np.float32(0), np.float32(1)) * np.float32(1) > 0
+
+
+def test_large_steps_take_xla_convert_and_dot():
+    q = quantized_from_dense(jnp.ones((32, 48)), 1, "int8")
+    rows = linear_module.CPU_INT8_KERNEL_MAX_TOKENS
+    for m, kernel in ((rows - 1, True), (rows, False)):
+        jaxpr = str(jax.make_jaxpr(lambda x, q: linear_many("te,ef->tf", x, (q, q)))(jnp.ones((m, 32)), q))
+        assert ("ffi_call" in jaxpr) == kernel and ("dot_general" in jaxpr) == (not kernel)
