@@ -17,12 +17,13 @@
 // hide the fused multiply-add's latency. The K tail (K not a multiple of 16) uses masked loads.
 //
 // Work is split over the output rows of all projections together (so three small projections
-// balance as one) across at most `max_threads` threads of XLA's intra-op pool; the caller thread
-// takes one share and waits for the others.
+// balance as one), in chunks claimed by at most `max_threads` threads of XLA's intra-op pool
+// (the calling thread among them) as each becomes free.
 
 #include <algorithm>
 #include <cstdint>
-#include <latch>
+#include <atomic>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -43,7 +44,9 @@ struct Projection {
   int64_t n;
 };
 
-constexpr int64_t kMaxTileRows = 4;  // rows of x per register tile
+// Rows a thread claims at a time: ~64 KiB of int8 weight (whole groups of 8 rows), long enough
+// that claiming costs nothing, short enough that a late helper still finds work.
+constexpr int64_t kChunkBytes = 64 << 10;
 
 #ifdef JAXINFER_AVX512
 
@@ -161,22 +164,37 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Re
   }
   const float* xp = x.typed_data();
 
-  // Below ~64 KiB of weight the hand-off costs more than it saves. Shares are whole groups of 8
-  // rows, so no share splits a register group.
+  // Below ~64 KiB of weight the hand-off costs more than it saves.
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), max_threads));
-  const int64_t groups = (total_rows + 7) / 8;
-  const int64_t shares = (total_rows * k < (64 << 10)) ? 1 : std::min<int64_t>(threads, groups);
-  const int64_t per_share = 8 * ((groups + shares - 1) / shares);
-  std::latch done(shares - 1);
-  for (int64_t s = 1; s < shares; ++s) {
-    const int64_t begin = std::min(total_rows, s * per_share), end = std::min(total_rows, begin + per_share);
-    pool.Schedule([=, &projections, &done] {
-      Share(xp, m, k, projections, begin, end);
-      done.count_down();
-    });
+  if (threads == 1 || total_rows * k < (64 << 10)) {
+    Share(xp, m, k, projections, 0, total_rows);
+    return ffi::Error::Success();
   }
-  Share(xp, m, k, projections, 0, std::min(total_rows, per_share));
-  done.wait();
+  // Chunks of rows claimed from a shared counter: the calling thread starts at once, and a
+  // helper that the pool runs late (its core busy with another process: the machine may be
+  // shared) takes what is left when it starts, or nothing. A static split would make the caller
+  // wait for the helper's whole share. The caller waits only for chunks a helper has claimed.
+  // The state lives on the heap: a helper that starts after the call returned touches nothing else.
+  struct Chunks {
+    std::atomic<int64_t> next{0}, done{0};
+    int64_t count = 0;
+  };
+  const int64_t chunk_rows = std::max<int64_t>(8, 8 * ((kChunkBytes / std::max<int64_t>(k, 1)) / 8));
+  auto chunks = std::make_shared<Chunks>();
+  chunks->count = (total_rows + chunk_rows - 1) / chunk_rows;
+  auto work = [=](const std::vector<Projection>& ps) {
+    for (int64_t c = chunks->next.fetch_add(1); c < chunks->count; c = chunks->next.fetch_add(1)) {
+      Share(xp, m, k, ps, c * chunk_rows, std::min(total_rows, (c + 1) * chunk_rows));
+      if (chunks->done.fetch_add(1) + 1 == chunks->count) chunks->done.notify_all();
+    }
+  };
+  for (int64_t s = 1; s < threads; ++s) {
+    pool.Schedule([work, chunks, projections] { work(projections); });
+  }
+  work(projections);
+  for (int64_t done = chunks->done.load(); done < chunks->count; done = chunks->done.load()) {
+    chunks->done.wait(done);
+  }
   return ffi::Error::Success();
 }
 
