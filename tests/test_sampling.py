@@ -313,3 +313,13 @@ def test_all_greedy_steps_skip_the_random_stage_on_cpu():
     draws = {int(sample(logits, dataclasses.replace(mixed, seed=np.array([0, s], np.uint32)), flags).token_ids[1])
              for s in range(8)}
     assert len(draws) > 1  # the random row was sampled, not argmaxed
+
+
+def test_the_sampler_has_no_conditional_off_cpu(monkeypatch):
+    # On a GPU a conditional copies its predicate to the host and waits: the CPU-only skip of the
+    # random stage must not reach other backends' programs.
+    flags = SamplingFlags(any_random=True, any_truncation=True)
+    logits = jnp.zeros((2, 64), jnp.float32)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    jaxpr = str(jax.make_jaxpr(lambda l, t: sample(l, t, flags))(logits, SamplingTensors.neutral(2)))
+    assert "cond" not in jaxpr and "argmax" in jaxpr
