@@ -64,6 +64,11 @@ inline void Tile(const float* __restrict x, const int8_t* __restrict w, const fl
   for (; k0 + kLanes <= k; k0 += kLanes) {
     __m512 xv[R];
     for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x + r * k + k0);
+    // The group's rows are one contiguous block; fetch the next group's block while this one is
+    // consumed (G rows x 16 bytes a step: G/4 cache lines of the next block per step).
+    for (int l = 0; l < G / 4; ++l) {
+      _mm_prefetch(reinterpret_cast<const char*>(rows + G * k + (k0 / kLanes) * G * 16 + l * 64), _MM_HINT_T0);
+    }
     for (int q = 0; q < G; ++q) {
       const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + q * k + k0));
       const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(packed));
