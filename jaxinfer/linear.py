@@ -50,8 +50,9 @@ FP8_W8A8_MIN_TOKENS = 128
 # Threads of XLA's intra-op pool the native int8 CPU matmul splits a projection over. They claim
 # chunks of rows as they become free, so a helper whose core is busy costs little. On the shared
 # 2-core machine (load average ~9), batch-1 int8 steps interleaved: 23.7 ms on 2 threads, 36.9 ms
-# on 1 (benchmarks/cpu_step_profile.py --variants float32+int8@1,float32+int8@2). With fixed
-# halves (before), 2 threads had been slower than 1 there: 61.5 vs 47.6 ms.
+# on 1 (benchmarks/cpu_step_profile.py --variants float32+int8@1,float32+int8@2); at load ~1.4,
+# 8.7 vs 12.5 ms. With fixed halves (before), 2 threads had been slower than 1 under load:
+# 61.5 vs 47.6 ms.
 CPU_INT8_MAX_THREADS = 2
 # At and above this many token rows an int8 projection on XLA:CPU takes XLA's convert + float32
 # dot instead of the native kernel: the kernel widens each weight group again for every 4 rows
