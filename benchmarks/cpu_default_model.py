@@ -8,7 +8,7 @@ dequantized, llama.cpp runs it quantized):
   ignored: decode time is the time of ``new_tokens`` outputs minus the time of one output
   (the prefill and first token), so it is steady-state decode only;
 - the CPU read roofline of the same run: the bandwidth of a numpy sum over an array larger
-  than the caches (on every core), divided by the f32 (or bf16) weight bytes, is the batch-1
+  than the caches (on every core), divided by the weight bytes a step reads, is the batch-1
   decode rate a step that only reads the weights once would reach;
 - the server's per-token latency at batch 1 (``jaxinfer serve`` in a subprocess on a free
   127.0.0.1 port, one streamed completion, inter-token time) against the offline path's.
@@ -82,6 +82,18 @@ def read_bandwidth(num_bytes: int, repeats: int) -> float:
     return data.nbytes / seconds
 
 
+def step_read_bytes(weights) -> int:
+    """Bytes of weights a batch-1 decode step reads: every leaf, except that a model whose
+    lm_head is its own leaf (untied, or int8 on CPU: ``jaxinfer.cpu_int8_lm_head``) reads one
+    row of the embedding, not all of it."""
+    import jax
+
+    total = sum(leaf.nbytes for leaf in jax.tree.leaves(weights))
+    if weights.lm_head is not None:
+        total -= weights.embed.nbytes - weights.embed[0].nbytes
+    return total
+
+
 def prompt_ids(tokenizer, length: int) -> list[int]:
     ids = tokenizer.encode(PROMPT_TEXT * (length // 8 + 1))
     return list(ids[:length])
@@ -107,7 +119,7 @@ def bench_jaxinfer(model: str, dtypes: list[str], batch_sizes: list[int], prompt
                           enable_prefix_caching=False, quantization=quantization or None)
         ids = prompt_ids(llms[label].tokenizer, prompt_len)
         results[label] = {"startup_s": time.perf_counter() - start, "prompt_ids": ids,
-                          "weight_bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(llms[label].model.weights))}
+                          "weight_bytes": step_read_bytes(llms[label].model.weights)}
 
     def generate(llm, ids: list[int], batch: int, max_tokens: int):
         # Distinct prompts (a different first token each), so prefix caching shares nothing.
@@ -118,13 +130,18 @@ def bench_jaxinfer(model: str, dtypes: list[str], batch_sizes: list[int], prompt
 
     for batch in batch_sizes:
         firsts, fulls = {label: [] for label in dtypes}, {label: [] for label in dtypes}
+        # Process CPU time (every thread of this process) beside wall time: on a shared machine
+        # it counts what the steps computed, not what they waited for a core.
+        cpu_firsts, cpu_fulls = {label: [] for label in dtypes}, {label: [] for label in dtypes}
         for label in dtypes:  # the first run of each shape pays for nothing but itself
             generate(llms[label], results[label]["prompt_ids"], batch, new_tokens)
         for _ in range(repeats):
             for label in dtypes:
                 ids = results[label]["prompt_ids"]
-                firsts[label].append(best_of(1, lambda: generate(llms[label], ids, batch, 1)))
-                fulls[label].append(best_of(1, lambda: generate(llms[label], ids, batch, new_tokens)))
+                for tokens, walls, cpus in ((1, firsts, cpu_firsts), (new_tokens, fulls, cpu_fulls)):
+                    cpu_start = time.process_time()
+                    walls[label].append(best_of(1, lambda: generate(llms[label], ids, batch, tokens)))
+                    cpus[label].append(time.process_time() - cpu_start)
         for label in dtypes:
             first, full = min(firsts[label]), min(fulls[label])
             decode_s = max(full - first, 1e-9)
@@ -132,6 +149,8 @@ def bench_jaxinfer(model: str, dtypes: list[str], batch_sizes: list[int], prompt
                 "prompt_tokens_per_s": batch * len(results[label]["prompt_ids"]) / first,
                 "decode_tokens_per_s": batch * (new_tokens - 1) / decode_s,
                 "decode_ms_per_step": 1000 * decode_s / (new_tokens - 1),
+                "decode_cpu_ms_per_step": 1000 * max(min(cpu_fulls[label]) - min(cpu_firsts[label]), 0.0)
+                                          / (new_tokens - 1),
             }
             print(f"jaxinfer {label} batch {batch}: {results[label][f'batch{batch}']}", flush=True)
     return results
@@ -310,8 +329,8 @@ def markdown(results: dict) -> str:
              f"Load average (1, 5, 15 min) before: {info['load_before']}, after: {info['load_after']}.", ""]
     lines += [f"Read roofline: {results['read_gb_per_s']:.1f} GB/s (numpy sum over "
               f"{results['read_bytes'] / 2**20:.0f} MiB on {info['cores']} threads).", ""]
-    lines += ["| engine | dtype | batch | decode tok/s | ms/step | prompt tok/s | batch-1 roofline tok/s |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["| engine | dtype | batch | decode tok/s | ms/step | CPU ms/step | prompt tok/s | batch-1 roofline tok/s |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, entry in results["engines"].items():
         engine, _, dtype = name.partition(" ")
         for key, row in entry.items():
@@ -319,7 +338,8 @@ def markdown(results: dict) -> str:
                 continue
             roofline = results["roofline_tokens_per_s"].get(dtype, float("nan")) if key == "batch1" else float("nan")
             lines.append(f"| {engine} | {dtype or '-'} | {key[5:]} | {row['decode_tokens_per_s']:.1f} | "
-                         f"{row.get('decode_ms_per_step', float('nan')):.1f} | {row['prompt_tokens_per_s']:.0f} | "
+                         f"{row.get('decode_ms_per_step', float('nan')):.1f} | "
+                         f"{row.get('decode_cpu_ms_per_step', float('nan')):.1f} | {row['prompt_tokens_per_s']:.0f} | "
                          f"{'' if roofline != roofline else f'{roofline:.0f}'} |")
     if "server" in results:
         s = results["server"]

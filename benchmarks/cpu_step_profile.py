@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# The native CPU attention's FFI target (jaxinfer.cpu_paged_attention), told apart from the int8 matmuls.
+ATTENTION_TARGET = "jaxinfer_paged_attention_cpu"
 PROMPT = "Write a long story about a cat who learns to fly over the sea, with many details. "
 
 
@@ -41,6 +43,8 @@ def categorise(hlo_module: str, op: str, result_type: str, op_name: str, vocab: 
     the model's named scopes in ``op_name``."""
     if "sample" in hlo_module:
         return "sampler"
+    if ATTENTION_TARGET in op_name:  # the native attention is an ffi_call too, not a matmul
+        return "attention other (norm, rope, cache write, attention)"
     if op.startswith(("dot", "ffi_call", "ynn_fusion")) or "dot_general" in op_name:
         return "lm_head" if f",{vocab}]" in result_type else "layer matmuls"
     if "/attention" in op_name:
@@ -63,7 +67,8 @@ def op_names_of(dump_dir: Path, variant: str, batch: int, vocab: int) -> dict[st
                 m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\S+) ", line)
                 if m:
                     meta = re.search(r'op_name="([^"]*)"', line)
-                    found[m.group(1)] = (m.group(2), meta.group(1) if meta else "")
+                    target = re.search(r'custom_call_target="([^"]*)"', line)
+                    found[m.group(1)] = (m.group(2), (meta.group(1) if meta else "") + (f"/{target.group(1)}" if target else ""))
             return found
     raise RuntimeError(f"no decode forward program of {variant} in {dump_dir}")
 
@@ -119,18 +124,24 @@ def main() -> None:
         if trace_to is not None:
             jax.profiler.start_trace(str(trace_to))
         times = []
+        cpu_start = time.process_time()
         for _ in range(args.steps):
             start = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - start)
+        cpu_ms[id(llm)].append(1000 * (time.process_time() - cpu_start) / args.steps)
         if trace_to is not None:
             jax.profiler.stop_trace()
         while engine.has_unfinished_requests():
             engine.step()
         return times
 
+    # Process CPU time per step (every thread of this process): on a shared machine it counts
+    # what the steps computed, not what they waited for a core.
+    cpu_ms = collections.defaultdict(list)
     for llm in llms.values():
         decode_steps(llm)  # compiles whatever warmup left
+    cpu_ms.clear()
     wall = collections.defaultdict(list)
     for _ in range(args.rounds):
         for variant, llm in llms.items():
@@ -145,6 +156,7 @@ def main() -> None:
         traced_ms = 1000 * statistics.fmean(traced)
         step_parts["host (step wall time minus XLA ops)"] = traced_ms - sum(step_parts.values())
         results["variants"][variant] = {"wall_ms_per_step": 1000 * statistics.median(wall[variant]),
+                                         "cpu_ms_per_step": statistics.median(cpu_ms[id(llm)][:args.rounds]),
                                          "traced_wall_ms_per_step": traced_ms, "parts_ms_per_step": step_parts}
         print(variant, json.dumps(results["variants"][variant], indent=1), flush=True)
     info["load_after"] = [round(x, 2) for x in os.getloadavg()]

@@ -2,7 +2,8 @@
 
 The model calls :func:`paged_attention` and never names an implementation. ``impl``
 chooses: ``"auto"`` picks the Pallas kernel for the platform being compiled for (GPU or
-TPU) and the context-bounded CPU path on a CPU; tests force ``"reference"``, ``"cpu"``, ``"pallas_gpu"``,
+TPU) and the context-bounded CPU path on a CPU (a native call per layer for float32/bf16 pages,
+``jaxinfer.cpu_paged_attention``; plain JAX otherwise); tests force ``"reference"``, ``"cpu"``, ``"pallas_gpu"``,
 ``"pallas_tpu"``, or their ``_interpret`` variants to run a kernel on the CPU. ``"pallas_gpu_fused"``
 (opt-in, never chosen by ``"auto"``) is the GPU kernel with the K/V write fused in, kept for its
 benchmark: GPU run 2 measured it slower than ``"pallas_gpu"`` at large batches (docs/KERNELS.md).
@@ -29,6 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import cpu_paged_attention
 from jaxinfer.kv_cache_dtype import is_fp8, quantize_to_fp8
 from pallas_kernels.paged_attention.cpu import ragged_paged_attention_cpu
 from pallas_kernels.paged_attention.page_storage import E4M3, E4M3_BITS, holds_e4m3_bits
@@ -121,6 +123,9 @@ def _attend(*args, impl, sm_scale, sliding_window):
     if impl == "reference":
         return ragged_paged_attention_reference(*args, **kwargs)
     if impl == "cpu":
+        k_pages = args[3]
+        if cpu_paged_attention.supports(k_pages.dtype):  # one native call per layer (float32/bf16 pages)
+            return cpu_paged_attention.ragged_paged_attention_native(*args, **kwargs)
         return ragged_paged_attention_cpu(*args, **kwargs)
     import pallas_kernels.paged_attention as pa
 

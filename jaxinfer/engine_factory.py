@@ -4,7 +4,8 @@
 a multi-host run: the leader then attaches ``jaxinfer.distributed.lead``) and data-parallel
 replicas all come through here:
 
-1. for ``tp * dp > 1``, lay the model out on a ``[dp, tp]`` mesh, one copy per replica, its
+1. on one device, an int8 model on XLA:CPU gets an int8 lm_head (``jaxinfer.cpu_int8_lm_head``);
+   for ``tp * dp > 1``, lay the model out on a ``[dp, tp]`` mesh, one copy per replica, its
    heads padded for ``tp`` (``sharding.placement.shard_model``);
 2. resolve the config once (``EngineConfig.resolve``: platform defaults, ``max_model_len``, the
    page pool sized from the memory the weights left), after every replica's weights are in place
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 
+from jaxinfer.cpu_int8_lm_head import with_int8_lm_head
 from jaxinfer.data_parallel import DataParallelEngine
 from jaxinfer.engine import Engine
 from jaxinfer.engine_config import EngineConfig
@@ -37,6 +39,8 @@ def build_engine(model: LoadedModel, config: EngineConfig | None = None, *, tens
     attach its step channel first).
     """
     config = config or EngineConfig()
+    if tensor_parallel_size * data_parallel_size == 1:
+        model = with_int8_lm_head(model)  # int8 on XLA:CPU: the lm_head too (jaxinfer.cpu_int8_lm_head)
     meshes, models = [None], [model]
     if tensor_parallel_size * data_parallel_size > 1:
         from sharding.mesh import make_mesh, replica_meshes

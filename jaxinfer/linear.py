@@ -10,9 +10,11 @@ the contraction) and is the form XLA's GPU compiler rewrites into cuBLASLt's FP8
 
 The path is chosen per step bucket at trace time (``M``, the token count, is static):
 
-- int8 on XLA:CPU: **weight-only through a native kernel** (``jaxinfer.cpu_int8_matmul``, an XLA
-  FFI call), because XLA:CPU writes a converted payload out in full before its dot, which made
-  int8 slower than float32 there. When no C++ compiler is found, the XLA path below.
+- int8 on XLA:CPU with fewer than :data:`CPU_INT8_KERNEL_MAX_TOKENS` tokens: **weight-only
+  through a native kernel** (``jaxinfer.cpu_int8_matmul``, an XLA FFI call; projections of one
+  input in one call), because XLA:CPU writes a converted payload out in full before its dot,
+  which made int8 slower than float32 there. Larger steps (prefill), and any step when no C++
+  compiler is found: the XLA path below.
 - int8 elsewhere, and FP8 with fewer than :data:`FP8_W8A8_MIN_TOKENS` tokens: **weight-only**. The payload
   is converted to the activations' dtype inside the dot's fusion and the activations stay in
   bf16/f32: a decode step is bound by reading the weights, which are half of bf16's bytes.
@@ -33,7 +35,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.cpu_int8_matmul import int8_matmul_cpu
+from jaxinfer.cpu_int8_matmul import int8_matmul_cpu, int8_matmul_many_cpu
 from jaxinfer.cpu_int8_matmul import is_available as cpu_int8_kernel_is_available
 from jaxinfer.decode_gemv import dense_gemv_shape, dense_pallas_matmul, use_pallas_gemv
 from jaxinfer.quantization import FP8_MAX, QuantizedWeight
@@ -45,11 +47,19 @@ from pallas_kernels.precision import matmul_precision
 # M = 90, and step buckets are powers of two, so 64-token steps stay weight-only. To be refined
 # by `benchmarks/fp8_hlo_check.py`'s sweep.
 FP8_W8A8_MIN_TOKENS = 128
-# Threads of XLA's intra-op pool the native int8 CPU matmul splits a projection over. On the
-# shared 2-core machine (load average ~10) a batch-1 step took 47.6 ms on 1 thread, 61.5 ms on 2
-# (float32: 58.8): a share waiting for a busy core costs more than the split saves. A quiet
-# machine may prefer 2 (unmeasured): benchmarks/cpu_step_profile.py --variants float32+int8@1,float32+int8@2.
-CPU_INT8_MAX_THREADS = 1
+# Threads of XLA's intra-op pool the native int8 CPU matmul splits a projection over. They claim
+# chunks of rows as they become free, so a helper whose core is busy costs little. On the shared
+# 2-core machine (load average ~9), batch-1 int8 steps interleaved: 23.7 ms on 2 threads, 36.9 ms
+# on 1 (benchmarks/cpu_step_profile.py --variants float32+int8@1,float32+int8@2); at load ~1.4,
+# 8.7 vs 12.5 ms. With fixed halves (before), 2 threads had been slower than 1 under load:
+# 61.5 vs 47.6 ms.
+CPU_INT8_MAX_THREADS = 2
+# At and above this many token rows an int8 projection on XLA:CPU takes XLA's convert + float32
+# dot instead of the native kernel: the kernel widens each weight group again for every 4 rows
+# of x, while XLA converts the payload once and its dot is blocked for many rows. One
+# 1536 x 576 projection (load average ~14): 16 rows 0.86 ms native vs 6.5 XLA; 256 rows 16.0
+# vs 11.8.
+CPU_INT8_KERNEL_MAX_TOKENS = 128
 # cuBLASLt's FP8 GEMM needs the row count to be a multiple of 16.
 FP8_GEMM_ROW_MULTIPLE = 16
 _CONTRACT_MINOR = (((1,), (1,)), ((), ()))
@@ -84,15 +94,34 @@ def linear_many(subscripts: str, x: jax.Array, weights, preferred_element_type=N
     quantized once for all of them: quantizing is a pass over ``x`` (absmax reduce, scale,
     convert) that would otherwise repeat per weight (XLA may merge the copies, or not).
     """
+    n_in, _ = split_subscripts(subscripts)
+    m = math.prod(x.shape[:x.ndim - n_in])
+    if len(weights) > 1 and all(isinstance(w, QuantizedWeight) and w.quantization == "int8" for w in weights) \
+            and _use_cpu_int8_kernel(m):
+        return int8_linear_many_cpu(subscripts, x, weights, preferred_element_type)
     prequantized = None
-    if any(isinstance(w, QuantizedWeight) and w.quantization == "fp8" for w in weights):
-        n_in, _ = split_subscripts(subscripts)
-        m, k = math.prod(x.shape[:x.ndim - n_in]), math.prod(x.shape[x.ndim - n_in:])
-        if uses_fp8_w8a8(m):
-            prequantized = quantize_activations_fp8(x.reshape(m, k))
+    if any(isinstance(w, QuantizedWeight) and w.quantization == "fp8" for w in weights) and uses_fp8_w8a8(m):
+        prequantized = quantize_activations_fp8(x.reshape(m, math.prod(x.shape[x.ndim - n_in:])))
     return [quantized_linear(subscripts, x, w, preferred_element_type, prequantized)
             if isinstance(w, QuantizedWeight) else linear(subscripts, x, w, preferred_element_type)
             for w in weights]
+
+
+def int8_linear_many_cpu(subscripts: str, x: jax.Array, weights, preferred_element_type=None) -> list[jax.Array]:
+    """:func:`linear_many` over int8 weights on XLA:CPU: one native kernel call for all of them
+    (one hand-off to the thread pool, the output rows of all split over its threads together)."""
+    n_in, n_out = split_subscripts(subscripts)
+    lead_shape, in_shape = x.shape[:x.ndim - n_in], x.shape[x.ndim - n_in:]
+    m, k = math.prod(lead_shape), math.prod(in_shape)
+    flat = []
+    for w in weights:
+        if w.num_out_axes != n_out or tuple(w.payload.shape[w.num_out_axes:]) != tuple(in_shape):
+            raise ValueError(f"linear_many({subscripts!r}): x {x.shape} does not fit the payload {w.payload.shape}")
+        n = math.prod(w.scale.shape)
+        flat.append((w.payload.reshape(n, k), w.scale.reshape(n)))
+    ys = int8_matmul_many_cpu(x.reshape(m, k), flat, max_threads=CPU_INT8_MAX_THREADS)
+    out_dtype = preferred_element_type or x.dtype
+    return [y.astype(out_dtype).reshape(lead_shape + tuple(w.scale.shape)) for y, w in zip(ys, weights)]
 
 
 def split_subscripts(subscripts: str) -> tuple[int, int]:
@@ -131,7 +160,7 @@ def quantized_linear(subscripts: str, x: jax.Array, w: QuantizedWeight, preferre
     out_dtype = preferred_element_type or x.dtype
     if w.quantization == "fp8" and uses_fp8_w8a8(m):
         y = fp8_w8a8_matmul(x2, payload, scale, prequantized)
-    elif w.quantization == "int8" and _use_cpu_int8_kernel():
+    elif w.quantization == "int8" and _use_cpu_int8_kernel(m):
         y = int8_matmul_cpu(x2, payload, scale, max_threads=CPU_INT8_MAX_THREADS)
     elif w.quantization == "fp8" and use_pallas_gemv(m, n, k, payload.dtype, "nk"):
         from pallas_kernels.quantized_matmul import fp8_weight_only_matmul
@@ -172,5 +201,6 @@ def fp8_w8a8_matmul(x: jax.Array, payload: jax.Array, scale: jax.Array,
     return y * x_scale[:, None] * scale[None, :]
 
 
-def _use_cpu_int8_kernel() -> bool:
-    return jax.default_backend() == "cpu" and cpu_int8_kernel_is_available()
+def _use_cpu_int8_kernel(num_tokens: int) -> bool:
+    return (jax.default_backend() == "cpu" and num_tokens < CPU_INT8_KERNEL_MAX_TOKENS
+            and cpu_int8_kernel_is_available())

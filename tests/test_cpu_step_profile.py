@@ -17,6 +17,9 @@ def event(op, ts, dur, module="jit__forward_step", tid=1):
 def test_ops_are_attributed_by_kind_shape_and_scope():
     assert categorise("jit__forward_step", "dot.3", f"f32[1,{VOCAB}]{{1,0}}", "", VOCAB) == "lm_head"
     assert categorise("jit__forward_step", "ffi_call.7", "f32[1,1536]{1,0}", "", VOCAB) == "layer matmuls"
+    assert categorise("jit__forward_step", "ffi_call.8", "(f32[1,9,64]{2,1,0}, f32[3,8,32,64])",
+                      "jit(f)/layer_0/attention/ffi_call/jaxinfer_paged_attention_cpu", VOCAB).startswith("attention other")
+    assert categorise("jit__forward_step", "ffi_call.9", f"f32[1,{VOCAB}]{{1,0}}", "jit(f)/ffi_call", VOCAB) == "lm_head"
     assert categorise("jit__forward_step", "fusion.2", "f32[1,576]", "jit(f)/layer_3/attention/rope/mul",
                       VOCAB).startswith("attention other")
     assert categorise("jit__sample_step", "dot.1", f"f32[1,{VOCAB}]", "", VOCAB) == "sampler"

@@ -5,6 +5,7 @@ roomy page pool, without prefix caching), so any scheduling, paging or sampling 
 changes a token shows up as a mismatch.
 """
 
+import jax
 import numpy as np
 import pytest
 
@@ -231,7 +232,11 @@ def test_no_step_program_branches_on_a_device_value(llm):
             assert "stablehlo.case" not in fn.lower(*args, **kwargs).as_text()
         for path in SAMPLER_PATHS:
             args, kwargs = runner._sampler_call(runner.empty_inputs(num_tokens, num_seqs, pages, path))
-            assert "stablehlo.case" not in runner._sampler.lower(*args, **kwargs).as_text(), path
+            # XLA:CPU only: the random stage sits under one cond that all-greedy steps skip
+            # (jaxinfer.sampling._sample_random_rows); a CPU conditional reads its predicate in
+            # place. Other backends' samplers have none (tests/test_sampling.py checks that).
+            allowed = int(jax.default_backend() == "cpu" and SAMPLER_PATHS[path].any_random)
+            assert runner._sampler.lower(*args, **kwargs).as_text().count("stablehlo.case") <= allowed, path
 
 
 def test_llm_close_frees_weights_and_cache_and_refuses_to_generate():

@@ -157,7 +157,7 @@ def dot_operand_dtypes(fn, *args):
 ])
 def test_each_token_bucket_puts_its_dtypes_into_the_dot(tokens, quantization, want, monkeypatch):
     # The accelerators' program: on CPU int8 goes through a native kernel (test_cpu_int8_matmul).
-    monkeypatch.setattr(linear_module, "_use_cpu_int8_kernel", lambda: False)
+    monkeypatch.setattr(linear_module, "_use_cpu_int8_kernel", lambda num_tokens: False)
     q = quantized_from_dense(weights((32, 48), scale_rows=False), 1, quantization)
     x = jnp.ones((tokens, 32), jnp.bfloat16)
     dtypes, dims = dot_operand_dtypes(lambda x, q: linear("te,ef->tf", x, q), x, q)

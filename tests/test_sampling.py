@@ -281,3 +281,45 @@ def test_output_shapes(num_top):
     out = _sample(np.zeros((3, 32), np.float32), _tensors(3), SamplingFlags(num_top_logprobs=num_top))
     assert out.token_ids.shape == (3,) and out.logprobs.shape == (3,)
     assert out.top_logprob_ids.shape == (3, num_top) and out.top_logprob_values.shape == (3, num_top)
+
+
+def test_argmax_rows_is_jnp_argmax_with_ties_infinities_and_nans():
+    from jaxinfer.sampling import argmax_rows
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 4, (6, 97)).astype(np.float32)  # many ties: the first index must win
+    x[1, :] = -np.inf
+    x[2, 40] = np.inf
+    x[3, 7], x[3, 60] = np.nan, np.nan  # the first NaN wins, as in numpy and jnp.argmax
+    x[4, 90:] = np.inf
+    got = np.asarray(jax.jit(argmax_rows)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=1))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=1)))
+
+
+def test_all_greedy_steps_skip_the_random_stage_on_cpu():
+    # The "basic" path compiles the random stage (any_random); on a CPU it sits under a cond, so
+    # an all-greedy step takes the argmax alone, and a step with a random row still samples it.
+    flags = SamplingFlags(any_random=True)
+    logits = jnp.asarray(np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32))
+    tensors = SamplingTensors.neutral(2)
+    jaxpr = str(jax.make_jaxpr(lambda l, t: sample(l, t, flags))(logits, tensors))
+    assert "cond" in jaxpr
+    greedy = sample(logits, tensors, flags)
+    np.testing.assert_array_equal(np.asarray(greedy.token_ids), np.argmax(np.asarray(logits), axis=1))
+    mixed = dataclasses.replace(tensors, temperature=np.array([0.0, 1.0], np.float32))
+    always = np.asarray(sample(logits, mixed, flags).token_ids)
+    assert always[0] == np.argmax(np.asarray(logits[0]))
+    draws = {int(sample(logits, dataclasses.replace(mixed, seed=np.array([0, s], np.uint32)), flags).token_ids[1])
+             for s in range(8)}
+    assert len(draws) > 1  # the random row was sampled, not argmaxed
+
+
+def test_the_sampler_has_no_conditional_off_cpu(monkeypatch):
+    # On a GPU a conditional copies its predicate to the host and waits: the CPU-only skip of the
+    # random stage must not reach other backends' programs.
+    flags = SamplingFlags(any_random=True, any_truncation=True)
+    logits = jnp.zeros((2, 64), jnp.float32)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    jaxpr = str(jax.make_jaxpr(lambda l, t: sample(l, t, flags))(logits, SamplingTensors.neutral(2)))
+    assert "cond" not in jaxpr and "argmax" in jaxpr
