@@ -34,24 +34,56 @@ from jaxinfer.page_allocator import SCRATCH_PAGE, PageAllocator
 from jaxinfer.sequence import Sequence
 
 
+def draft_decode_batch(batch: StepBatch, token: jax.Array, i: int) -> StepBatch:
+    """The decode batch of draft ``i`` after a catch-up ``batch``: one row per slot, token [B] at position kv_len + i - 1.
+
+    Empty slots (kv_len 0) stay empty; shared by every proposer that drafts on the device
+    (the draft model, EAGLE-3's head).
+    """
+    is_real = batch.kv_lens > 0
+    return StepBatch(
+        token_ids=token,
+        positions=batch.kv_lens + i - 1,
+        cu_q_lens=jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(is_real, dtype=jnp.int32)]),
+        kv_lens=jnp.where(is_real, batch.kv_lens + i, 0),
+        page_tables=batch.page_tables,
+        logits_indices=jnp.arange(batch.kv_lens.shape[0], dtype=jnp.int32),
+    )
+
+
+def catch_up_in_rounds(pending, buckets, *, end_of, run):
+    """Each pending ``(seq, room, start)``'s catch-up over positions ``[start, end_of(seq))``, in rounds.
+
+    A round packs as many sequences' chunks as the largest step bucket holds and calls
+    ``run(chunks)`` (``chunks``: ``(seq, room, start, end)``; it returns one row of drafts per
+    chunk); a sequence whose chunk stops short of ``end_of(seq)`` goes round again from there.
+    Yields ``(seq, room, drafts)`` for each sequence once its catch-up is complete.
+    """
+    max_tokens, max_seqs = buckets.num_tokens[-1], buckets.num_seqs[-1]
+    while pending:
+        chunks, budget, rest = [], max_tokens, []
+        for seq, room, start in pending:
+            if len(chunks) == max_seqs or budget == 0:
+                rest.append((seq, room, start))
+                continue
+            end = min(end_of(seq), start + budget)
+            chunks.append((seq, room, start, end))
+            budget -= end - start
+        for (seq, room, _, end), row in zip(chunks, run(chunks)):
+            if end < end_of(seq):
+                rest.append((seq, room, end))
+            else:
+                yield seq, room, row
+        pending = rest
+
+
 def _draft_round(weights, cache, batch: StepBatch, *, config, attention_impl, num_drafts):
     """Catch-up over ``batch`` then ``num_drafts - 1`` greedy decode steps: drafts [B, num_drafts] and the cache."""
     logits, cache = forward(weights, cache, batch, config, attention_impl)
     token = jnp.argmax(logits, axis=1).astype(jnp.int32)  # [B]
     drafts = [token]
-    num_slots = batch.kv_lens.shape[0]
-    is_real = batch.kv_lens > 0
-    cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(is_real, dtype=jnp.int32)])
     for i in range(1, num_drafts):
-        step = StepBatch(
-            token_ids=token,
-            positions=batch.kv_lens + i - 1,
-            cu_q_lens=cu_q_lens,
-            kv_lens=jnp.where(is_real, batch.kv_lens + i, 0),
-            page_tables=batch.page_tables,
-            logits_indices=jnp.arange(num_slots, dtype=jnp.int32),
-        )
-        logits, cache = forward(weights, cache, step, config, attention_impl)
+        logits, cache = forward(weights, cache, draft_decode_batch(batch, token, i), config, attention_impl)
         token = jnp.argmax(logits, axis=1).astype(jnp.int32)
         drafts.append(token)
     return jnp.stack(drafts, axis=1), cache
@@ -106,27 +138,11 @@ class DraftModelProposer:
             return [[] for _ in seqs]
         drafts_of: dict[int, list[int]] = {}
         pending = [(seq, room, self._start(seq)) for seq, room in chosen]
-        max_tokens, max_seqs = self.buckets.num_tokens[-1], self.buckets.num_seqs[-1]
-        while pending:
-            # One round over as many sequences' catch-up chunks as the largest bucket holds; a
-            # sequence whose chunk does not reach its last token goes round again.
-            chunks, budget, rest = [], max_tokens, []
-            for seq, room, start in pending:
-                if len(chunks) == max_seqs or budget == 0:
-                    rest.append((seq, room, start))
-                    continue
-                end = min(seq.num_tokens, start + budget)
-                chunks.append((seq, room, start, end))
-                budget -= end - start
-            drafts = self._run(chunks)
-            for (seq, room, start, end), row in zip(chunks, drafts):
-                if end < seq.num_tokens:
-                    rest.append((seq, room, end))
-                    continue
-                drafts_of[seq.seq_id] = row[:room].tolist()
-                # The draft K/V of the drafts it fed back is kept; the rollback tells which are right.
-                self._computed[seq.seq_id] = (seq.num_preemptions, seq.num_tokens)
-            pending = rest
+        for seq, room, row in catch_up_in_rounds(pending, self.buckets, end_of=lambda seq: seq.num_tokens,
+                                                 run=self._run):
+            drafts_of[seq.seq_id] = row[:room].tolist()
+            # The draft K/V of the drafts it fed back is kept; the rollback tells which are right.
+            self._computed[seq.seq_id] = (seq.num_preemptions, seq.num_tokens)
         return [drafts_of.get(seq.seq_id, []) for seq in seqs]
 
     def accept(self, seq: Sequence, num_accepted: int, num_drafted: int) -> None:

@@ -41,6 +41,7 @@ from jaxinfer.linear import linear, linear_many
 from jaxinfer.model import apply_rope, mlp_block, output_projection, rms_norm, rope_inverse_frequencies, rope_tables
 from jaxinfer.params import LayerWeights
 from jaxinfer.spec_decode.aux_hidden import gather_aux_hidden
+from jaxinfer.spec_decode.draft_model import draft_decode_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,18 +154,8 @@ def draft_round(head: Eagle3Weights, cache: KVCache, target_embed: jax.Array, au
     token = head.draft_to_target[jnp.argmax(draft_logits(head, normed[batch.logits_indices]), axis=1)]  # [B]
     hidden = prenorm[batch.logits_indices]  # [B, E]
     drafts = [token]
-    num_slots = batch.kv_lens.shape[0]
-    is_real = batch.kv_lens > 0
-    cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(is_real, dtype=jnp.int32)])
     for i in range(1, num_drafts):
-        step = StepBatch(
-            token_ids=token,
-            positions=batch.kv_lens + i - 1,
-            cu_q_lens=cu_q_lens,
-            kv_lens=jnp.where(is_real, batch.kv_lens + i, 0),
-            page_tables=batch.page_tables,
-            logits_indices=jnp.arange(num_slots, dtype=jnp.int32),
-        )
+        step = draft_decode_batch(batch, token, i)
         normed, hidden, cache = head_layer(head, cache, embed[token], hidden, step, config, attention_impl)
         token = head.draft_to_target[jnp.argmax(draft_logits(head, normed), axis=1)]
         drafts.append(token)

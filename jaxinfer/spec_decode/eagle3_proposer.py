@@ -31,6 +31,7 @@ from jaxinfer.kv_cache import create_kv_cache
 from jaxinfer.page_allocator import SCRATCH_PAGE, PageAllocator
 from jaxinfer.sequence import Sequence
 from jaxinfer.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
+from jaxinfer.spec_decode.draft_model import catch_up_in_rounds
 from jaxinfer.spec_decode.eagle3 import Eagle3Config, Eagle3Weights, draft_round
 from jaxinfer.spec_decode.eagle3_checkpoint import load_eagle3_head
 
@@ -99,27 +100,12 @@ class Eagle3Proposer:
             return [[] for _ in seqs]
         drafts_of: dict[int, list[int]] = {}
         pending = [(seq, room, self._start(seq)) for seq, room in chosen]
-        max_tokens, max_seqs = self.buckets.num_tokens[-1], self.buckets.num_seqs[-1]
-        while pending:
-            # One round over as many sequences' catch-up chunks as the largest bucket holds; a
-            # sequence whose chunk does not reach its last known position goes round again.
-            chunks, budget, rest = [], max_tokens, []
-            for seq, room, start in pending:
-                if len(chunks) == max_seqs or budget == 0:
-                    rest.append((seq, room, start))
-                    continue
-                end = min(seq.num_tokens - 1, start + budget)  # head positions [start, end)
-                chunks.append((seq, room, start, end))
-                budget -= end - start
-            drafts = self._run(chunks)
-            for (seq, room, start, end), row in zip(chunks, drafts):
-                if end < seq.num_tokens - 1:
-                    rest.append((seq, room, end))
-                    continue
-                drafts_of[seq.seq_id] = row[:room].tolist()
-                # Positions past n - 2 ran on the head's own output: recomputed after the verify step.
-                self._computed[seq.seq_id] = (seq.num_preemptions, seq.num_tokens - 1)
-            pending = rest
+        # The head's positions [start, n - 1).
+        for seq, room, row in catch_up_in_rounds(pending, self.buckets, end_of=lambda seq: seq.num_tokens - 1,
+                                                 run=self._run):
+            drafts_of[seq.seq_id] = row[:room].tolist()
+            # Positions past n - 2 ran on the head's own output: recomputed after the verify step.
+            self._computed[seq.seq_id] = (seq.num_preemptions, seq.num_tokens - 1)
         return [drafts_of.get(seq.seq_id, []) for seq in seqs]
 
     def accept(self, seq: Sequence, num_accepted: int, num_drafted: int) -> None:
