@@ -367,16 +367,54 @@ def header_command():
     return "python " + " ".join(sys.argv)
 
 
+def one_sequence_step_inputs(runner, num_drafts, context, pages):
+    """The inputs of a batch-1 step at ``context`` tokens: a decode, or a verify of ``num_drafts`` drafts."""
+    from jaxinfer.batch import build_step_batch
+    from jaxinfer.input_batch import StepInputs
+    from jaxinfer.sampling import SamplingTensors
+    from jaxinfer.spec_decode.layout import expand_to_rows
+
+    tokens = [7] * (1 + num_drafts)
+    t, b, p = runner.buckets.pick(len(tokens), 1, len(pages))
+    batch = build_step_batch([(tokens, context, pages)], num_tokens=t, num_seqs=b, pages_per_seq=p)
+    inputs = StepInputs(batch, SamplingTensors.neutral(b, 0, 16), np.full(t, -1, np.int32), "basic")
+    if runner.num_speculative_tokens == 0:
+        return inputs
+    batch, sampling, draft_ids, counts = expand_to_rows(batch, inputs.sampling, [tuple(tokens[1:])],
+                                                        runner.num_speculative_tokens)
+    return dataclasses.replace(inputs, batch=batch, sampling=sampling, draft_ids=draft_ids, num_drafts=counts)
+
+
+def step_call(runner, inputs, synchronous):
+    """One step as a call; ``synchronous``: also read what the host needs before it can draft the next."""
+    def one():
+        out = runner.execute(inputs)
+        if synchronous:
+            np.asarray(out.num_accepted if inputs.is_verify else out.token_ids)
+        return out
+    return one
+
+
+def best_seconds_per_call(one, steps):
+    """Seconds per call of ``one``: the best of 3 runs of ``steps`` calls back to back, after 3 warm-up calls."""
+    for _ in range(3):
+        jax.block_until_ready(one())
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = one()
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) / steps)
+    return best
+
+
 def step_cost(args, log):
     import jax.numpy as jnp
 
     from common import measure_ceilings, random_model
-    from jaxinfer.batch import build_step_batch
-    from jaxinfer.input_batch import StepInputs
     from jaxinfer.memory import weight_bytes
     from jaxinfer.runner import ModelRunner
-    from jaxinfer.sampling import SamplingTensors
-    from jaxinfer.spec_decode.layout import expand_to_rows
 
     ceilings = measure_ceilings(log)
     model = random_model(args.shape)
@@ -388,34 +426,10 @@ def step_cost(args, log):
     pages = list(range(1, context // page_size + 3))
 
     def inputs_for(runner, num_drafts):
-        tokens = [7] * (1 + num_drafts)
-        t, b, p = runner.buckets.pick(len(tokens), 1, len(pages))
-        batch = build_step_batch([(tokens, context, pages)], num_tokens=t, num_seqs=b, pages_per_seq=p)
-        sampling = SamplingTensors.neutral(b, 0, 16)
-        inputs = StepInputs(batch, sampling, np.full(t, -1, np.int32), "basic")
-        if runner.num_speculative_tokens == 0:
-            return inputs
-        batch, sampling, draft_ids, counts = expand_to_rows(batch, sampling, [tuple(tokens[1:])],
-                                                            runner.num_speculative_tokens)
-        return dataclasses.replace(inputs, batch=batch, sampling=sampling, draft_ids=draft_ids, num_drafts=counts)
+        return one_sequence_step_inputs(runner, num_drafts, context, pages)
 
     def time_steps(runner, inputs, synchronous):
-        def one():
-            out = runner.execute(inputs)
-            if synchronous:  # what the host reads before it can draft the next step
-                np.asarray(out.num_accepted if inputs.is_verify else out.token_ids)
-            return out
-
-        for _ in range(3):
-            jax.block_until_ready(one())
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                out = one()
-            jax.block_until_ready(out)
-            best = min(best, (time.perf_counter() - start) / args.steps)
-        return best
+        return best_seconds_per_call(step_call(runner, inputs, synchronous), args.steps)
 
     def runner_for(k):
         return ModelRunner(model, num_pages=len(pages) + 2, page_size=page_size, max_model_len=context + 64 * page_size,
@@ -582,14 +596,11 @@ def eagle3_cost(args, log):
     from common import measure_ceilings, random_model
     from jaxinfer.batch import build_step_batch
     from jaxinfer.config import ModelConfig
-    from jaxinfer.input_batch import StepInputs
     from jaxinfer.kv_cache import create_kv_cache
     from jaxinfer.memory import weight_bytes
     from jaxinfer.runner import ModelRunner
-    from jaxinfer.sampling import SamplingTensors
     from jaxinfer.spec_decode.eagle3 import Eagle3Config, draft_round, init_random_head
     from jaxinfer.spec_decode.eagle3_checkpoint import default_aux_layer_ids
-    from jaxinfer.spec_decode.layout import expand_to_rows
     from model_shapes import SHAPES
 
     ceilings = measure_ceilings(log)
@@ -617,35 +628,12 @@ def eagle3_cost(args, log):
                            aux_hidden_layers=aux_ids if aux else ())
 
     def inputs_for(runner, num_drafts):
-        tokens = [7] * (1 + num_drafts)
-        t, b, p = runner.buckets.pick(len(tokens), 1, len(pages))
-        batch = build_step_batch([(tokens, context, pages)], num_tokens=t, num_seqs=b, pages_per_seq=p)
-        inputs = StepInputs(batch, SamplingTensors.neutral(b, 0, 16), np.full(t, -1, np.int32), "basic")
-        if runner.num_speculative_tokens == 0:
-            return inputs
-        batch, sampling, draft_ids, counts = expand_to_rows(batch, inputs.sampling, [tuple(tokens[1:])],
-                                                            runner.num_speculative_tokens)
-        return dataclasses.replace(inputs, batch=batch, sampling=sampling, draft_ids=draft_ids, num_drafts=counts)
+        return one_sequence_step_inputs(runner, num_drafts, context, pages)
 
     def best_time(one):
-        for _ in range(3):
-            jax.block_until_ready(one())
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                out = one()
-            jax.block_until_ready(out)
-            best = min(best, (time.perf_counter() - start) / args.steps)
-        return best
+        return best_seconds_per_call(one, args.steps)
 
-    def step(runner, inputs, synchronous):
-        def one():
-            out = runner.execute(inputs)
-            if synchronous:  # what the host reads before it can draft the next step
-                np.asarray(out.num_accepted if inputs.is_verify else out.token_ids)
-            return out
-        return one
+    step = step_call
 
     plain_runner = runner_for(0, aux=False)
     plain_inputs = inputs_for(plain_runner, 0)
