@@ -64,8 +64,11 @@
 #           Llama-3.1-8B heads' shapes): the verify step with and without the target's features,
 #           the head's round and the synchronous cycle for k = 1/3/5 (spec_decode.py eagle3),
 #           then the engine loop with a random head checkpoint at k = 3/5 (eagle3-engine).
+#   s10a    one GPU, session 10 (carry .whl): bf16 throughput-1k at 384 sequences (a bf16-sized
+#           batch) with its phase split, the batch-1 breakdown with the fused-write kernel beside
+#           the default, the donated input slot's A/B, prefill attention against cuDNN.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d or s9eagle}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle or s10a}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -376,6 +379,18 @@ s9d)
     left=$(( 585 - SECONDS ))
     (( left > 100 )) && on_gpu 0 bf16.log "$left" python3 benchmarks/engine_throughput.py --out "$R/bf16" \
         --workloads startup,throughput-1k --max-num-seqs 1024 ;;
+s10a)
+    # Session 10, first call: the owed measurements, most wanted first.
+    wheels
+    on_gpu 0 bf16.log 230 python3 benchmarks/engine_throughput.py --out "$R/bf16_384" \
+        --workloads throughput-1k --max-num-seqs 384
+    on_gpu 0 lab.log 190 python3 benchmarks/latency_lab.py --out "$R/lab" --steps 16 --repeats 5 \
+        --attention pallas_gpu_fused
+    on_gpu 0 dispatch.log 80 python3 benchmarks/step_dispatch.py --out "$R/dispatch" \
+        --variants fresh,staged,same-inputs --iters 30 --rounds 3
+    left=$(( 585 - SECONDS ))
+    (( left > 40 )) && on_gpu 0 peers.log "$left" python3 benchmarks/prefill_peers.py --out "$R/peers" \
+        --shapes 4096,16384,32768 --impls cudnn,ours,fresh_path --budget-s $(( left - 20 )) ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac

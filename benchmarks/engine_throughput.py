@@ -335,6 +335,23 @@ class HostProfiler:
         self.log(f"host profile: {self.num_profiled} steps written to {self.out_dir / 'host_profile.txt'}")
 
 
+def step_phases(steps: list[dict]) -> dict:
+    """Wall time by kind of step: steps that computed prompt tokens (prefill chunks, with the
+    running sequences' decodes in the same step) and decode-only steps (one token per running
+    sequence), and calls that dispatched nothing (collecting the last step's outputs, or waiting).
+    Their sum is the run's stepping time; what a faster prefill or a faster decode step would
+    save is read off here, not guessed."""
+    phases = {}
+    for name, chosen in (("with_prefill", [s for s in steps if s["num_tokens"] > s["num_running"]]),
+                         ("decode_only", [s for s in steps if 0 < s["num_tokens"] <= s["num_running"]]),
+                         ("no_tokens", [s for s in steps if s["num_tokens"] == 0])):
+        wall = sum(s["wall"] for s in chosen)
+        phases[name] = {"steps": len(chosen), "seconds": wall, "tokens": sum(s["num_tokens"] for s in chosen),
+                        "mean_step_ms": 1e3 * wall / max(len(chosen), 1),
+                        "mean_running": statistics.mean(s["num_running"] for s in chosen) if chosen else 0.0}
+    return phases
+
+
 def throughput(engine, prompt_lens, output_lens, tag, log, profile: DecodeProfiler | None = None,
                structured_fraction: float = 0.0, host_profile: HostProfiler | None = None):
     # Its own prompts per run: a second run over the same prompts would find their pages in the
@@ -373,6 +390,12 @@ def throughput(engine, prompt_lens, output_lens, tag, log, profile: DecodeProfil
         summary["decode_steps_dispatch_fraction"] = sum(s["dispatch"] for s in decode_steps) / wall
         summary["decode_step_ms"] = 1e3 * statistics.median(s["wall"] for s in decode_steps)
     summary["mean_batch"] = statistics.mean(s["num_running"] for s in steps)
+    summary["phases"] = step_phases(steps)
+    # Every step, compactly: where a run's wall time went, step by step (prefill ramp, steady
+    # decode, drain), for plots and for checking the phase split above.
+    summary["steps"] = {"wall_ms": [round(1e3 * s["wall"], 3) for s in steps],
+                        "num_tokens": [s["num_tokens"] for s in steps],
+                        "num_running": [s["num_running"] for s in steps]}
     log(f"{tag}: {summary['output_tokens_per_s']:.0f} output tok/s, {summary['total_tokens_per_s']:.0f} total tok/s, "
         f"{summary['requests_per_s']:.2f} req/s in {summary['seconds']:.1f} s; {summary['num_steps']} steps, mean batch "
         f"{summary['mean_batch']:.0f}, preemptions {summary['preemptions']}, compilations after warm-up "
@@ -409,6 +432,9 @@ def markdown(results: dict) -> str:
         if key in w:
             s = w[key]
             lines.append(f"| {key} | {s['shape']} | {s['output_tokens_per_s']:.0f} output tok/s, {s['total_tokens_per_s']:.0f} total tok/s, {s['requests_per_s']:.2f} req/s | mean batch {s['mean_batch']:.0f}, {s['preemptions']} preemptions |")
+            for phase, p in s.get("phases", {}).items():
+                lines.append(f"| {key}: {phase.replace('_', ' ')} steps | {s['shape']} | {p['seconds']:.1f} s in {p['steps']} steps "
+                             f"({p['mean_step_ms']:.1f} ms each, {p['tokens']} tokens) | mean running {p['mean_running']:.0f} |")
     if "throughput-1k-structured" in w:
         s = w["throughput-1k-structured"]
         goal = "≥ 90%" if s["structured_fraction"] >= 1.0 else "≥ 97% at 20%"

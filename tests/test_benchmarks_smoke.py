@@ -52,6 +52,11 @@ def test_engine_throughput_workloads_complete(tmp_path):
     for name in ("throughput-1k", "throughput-nano"):
         assert workloads[name]["compilations_after_warmup"] == 0
         assert workloads[name]["output_tokens"] > 0
+        # The phase split covers every step: prefill-carrying steps computed every prompt token.
+        phases, steps = workloads[name]["phases"], workloads[name]["steps"]
+        assert sum(p["steps"] for p in phases.values()) == len(steps["wall_ms"])
+        assert phases["with_prefill"]["tokens"] + phases["decode_only"]["tokens"] == sum(steps["num_tokens"])
+        assert phases["with_prefill"]["tokens"] >= workloads[name]["input_tokens"]
     structured = workloads["throughput-1k-structured"]
     assert structured["compilations_after_warmup"] == 0 and structured["grammar_mask_seconds"] > 0
     assert structured["output_tokens"] == workloads["throughput-1k"]["output_tokens"]
