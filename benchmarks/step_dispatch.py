@@ -44,6 +44,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # jaxinfer, run from anywhere
 from common import Log, header, random_model, write_results  # noqa: E402
 
 SKIP_TEMP = {"xla_gpu_command_buffer_update_mode": "SKIP_TEMP"}

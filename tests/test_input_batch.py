@@ -98,9 +98,22 @@ def test_a_full_decode_step_has_a_gpu_bucket_of_its_own():
     assert buckets.pick(384, 384, 64) == (384, 384, 64)  # not 512 rows for 384 tokens
     assert buckets.pick(330, 330, 64) == (384, 384, 64)
     assert buckets.pick(385, 200, 64) == (512, 384, 64)
-    # A power of two, or fewer sequences than the smallest bucket: nothing to add.
-    assert default_buckets(1024, 8192, 64, "gpu").num_tokens == (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    # Fewer sequences than the smallest bucket: nothing to add.
     assert default_buckets(5, 8192, 64, "gpu").num_tokens[0] == 8
+
+
+def test_decode_steps_above_256_rows_pad_to_the_next_128_not_the_next_power_of_two():
+    from jaxinfer.runner import default_buckets
+
+    buckets = default_buckets(1024, 8192, 64, "gpu")
+    assert buckets.num_tokens == (8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 2048, 4096, 8192)
+    assert buckets.num_seqs == (8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024)
+    assert buckets.pick(811, 811, 64) == (896, 896, 64)  # was (1024, 1024): 26% padded rows
+    assert buckets.pick(257, 257, 64) == (384, 384, 64)
+    assert buckets.pick(1500, 700, 64) == (2048, 1024, 64)  # prefill-sized steps: powers of two as before
+    # At most 256 sequences, and on CPU, nothing changes.
+    assert default_buckets(256, 8192, 64, "gpu").num_tokens == (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    assert 384 not in default_buckets(1024, 8192, 64, "cpu").num_tokens
 
 
 def test_decode_steps_keep_page_table_rows_in_step_with_the_allocator(monkeypatch):
