@@ -5,13 +5,17 @@ Each ``schedule()`` spends one ``max_num_batched_tokens`` budget over, in order:
 1. running sequences that decode (one uncomputed token: the last sampled one), 1 token each,
    plus the drafts the speculator gave them (``seq.draft_token_ids``) to verify;
 2. running sequences part-way through a chunked prefill, as much of the rest as fits;
-3. waiting sequences, first come first served, starting after their cached prefix.
+3. waiting sequences, first come first served, starting after their cached prefix, while the
+   admission policy (``jaxinfer.admission``, ``SchedulerConfig.admission``) finds room for them
+   beside the expected growth of the running ones; the head of the queue that does not fit
+   blocks the rest, and with nothing running it is always admitted.
 
 A chunk may be cut to fit the budget (chunked prefill), so prefill and decode share every step.
-When a running sequence needs a page and none is free, the scheduler preempts by recompute: the
-most recently admitted running sequence not yet scheduled this step (possibly the one asking)
-loses its pages, goes back to the front of the queue, and later recomputes its prompt and
-generated tokens as a prefill. No new sequence is admitted in a step that preempted.
+Admission estimates; it does not promise. When a running sequence needs a page and none is
+free, the scheduler preempts by recompute: the most recently admitted running sequence not yet
+scheduled this step (possibly the one asking) loses its pages, goes back to the front of the
+queue, and later recomputes its prompt and generated tokens as a prefill. No new sequence is admitted in a step that preempted, and the
+admission's ratio returns to its start (``Admission.end_step``).
 
 The engine's step, with async scheduling (step n+1 prepared while the device runs step n):
 
