@@ -14,8 +14,9 @@ A chunk may be cut to fit the budget (chunked prefill), so prefill and decode sh
 Admission estimates; it does not promise. When a running sequence needs a page and none is
 free, the scheduler preempts by recompute: the most recently admitted running sequence not yet
 scheduled this step (possibly the one asking) loses its pages, goes back to the front of the
-queue, and later recomputes its prompt and generated tokens as a prefill. No new sequence is admitted in a step that preempted, and the
-admission's ratio returns to its start (``Admission.end_step``).
+queue, and later recomputes its prompt and generated tokens as a prefill. No new sequence is
+admitted in a step that preempted, and the admission's ratio returns to its start
+(``Admission.end_step``).
 
 The engine's step, with async scheduling (step n+1 prepared while the device runs step n):
 
