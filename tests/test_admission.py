@@ -177,3 +177,13 @@ def test_the_ratio_and_reserved_pages_reach_the_metrics():
     text = generate_latest(metrics.registry).decode()
     assert 'jaxinfer:scheduler_admission_new_token_ratio{model_name="m"} 0.35' in text
     assert 'jaxinfer:scheduler_admission_reserved_pages{model_name="m"} 17.0' in text
+
+
+def test_a_sequences_limit_is_its_prompt_and_max_tokens_within_max_model_len():
+    from jaxinfer.admission import max_num_tokens
+
+    assert max_num_tokens(Sequence(0, "r", [1] * 10, max_tokens=5), max_model_len=64) == 15
+    assert max_num_tokens(Sequence(1, "r", [1] * 10, max_tokens=500), max_model_len=64) == 64
+    assert max_num_tokens(Sequence(2, "r", [1] * 10), max_model_len=64) == 64  # no max_tokens: the context
+    with pytest.raises(ValueError, match="max_tokens"):
+        Sequence(3, "r", [1], max_tokens=-1)
