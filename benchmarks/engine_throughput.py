@@ -65,7 +65,7 @@ NAME = "engine_throughput"
 
 
 def build_engine(model, *, max_model_len, max_num_seqs, max_num_batched_tokens, page_size, memory_utilization, log,
-                 num_pages=None, kv_cache_dtype="auto", attention_impl=None):
+                 num_pages=None, kv_cache_dtype="auto", attention_impl=None, admission=None):
     num_pages = num_pages or num_pages_for_device(
         model.config, page_size=page_size,
         bytes_per_element=storage_dtype(kv_cache_dtype, model.weights.embed.dtype).itemsize,
@@ -76,18 +76,19 @@ def build_engine(model, *, max_model_len, max_num_seqs, max_num_batched_tokens, 
     config = EngineConfig(
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         page_size=page_size, num_pages=num_pages, kv_cache_dtype=kv_cache_dtype, attention_impl=attention_impl,
+        scheduling_admission=admission,
     )
     start = time.perf_counter()
     engine = Engine(model, config, warm_up=True, use_tqdm=False)
     seconds = time.perf_counter() - start
     programs = engine.runner.num_programs
     log(f"engine: {num_pages} pages x {page_size} tokens (kv_cache_dtype {kv_cache_dtype}), "
-        f"max_num_seqs {max_num_seqs}, "
+        f"max_num_seqs {max_num_seqs}, admission {engine.config.scheduling_admission}, "
         f"token budget {max_num_batched_tokens}; compiled {programs} programs in {seconds:.1f} s")
     return engine, {"num_pages": num_pages, "page_size": page_size, "max_num_seqs": max_num_seqs,
                     "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
                     "num_programs": programs, "compile_seconds": seconds, "kv_cache_dtype": kv_cache_dtype,
-                    "attention_impl": attention_impl or "auto"}
+                    "attention_impl": attention_impl or "auto", "admission": engine.config.scheduling_admission}
 
 
 def run_requests(engine, prompts, output_lens, tag, capture=None, structured_fraction=0.0):
@@ -463,6 +464,8 @@ def main():
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages of every engine the run builds (default: sized from free memory)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="KV page storage of every engine the run builds (fp8: e4m3, twice the pool)")
+    parser.add_argument("--admission", choices=["reserve", "greedy"], default=None,
+                        help="the engine's scheduling_admission (default: the engine's, reserve)")
     parser.add_argument("--attention-impl", default=None,
                         help="every engine's attention_impl (jaxinfer.attention.IMPLEMENTATIONS; default: auto)")
     parser.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (CPU smoke runs)")
@@ -506,7 +509,7 @@ def main():
         engine, engine_info = build_engine(
             model, max_model_len=2048, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             page_size=args.page_size, memory_utilization=args.memory_utilization, log=log, num_pages=args.num_pages,
-            kv_cache_dtype=args.kv_cache_dtype, attention_impl=args.attention_impl,
+            kv_cache_dtype=args.kv_cache_dtype, attention_impl=args.attention_impl, admission=args.admission,
         )
         results["engines"][args.shape] = engine_info
         if "startup" in workloads:
@@ -569,7 +572,7 @@ def main():
             model, max_model_len=2048, max_num_seqs=min(256, args.max_num_seqs),
             max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
             memory_utilization=args.memory_utilization, log=log, num_pages=args.num_pages,
-            kv_cache_dtype=args.kv_cache_dtype, attention_impl=args.attention_impl,
+            kv_cache_dtype=args.kv_cache_dtype, attention_impl=args.attention_impl, admission=args.admission,
         )
         results["engines"][args.nano_shape] = engine_info
         rng = np.random.default_rng(0)

@@ -68,7 +68,8 @@ class DataParallelEngine:
     def stats(self) -> dict:
         per_replica = [engine.stats() for engine in self.engines]
         total = {key: sum(s[key] for s in per_replica) for key in per_replica[0]}
-        total["kv_cache_usage"] = sum(s["kv_cache_usage"] for s in per_replica) / len(per_replica)
+        for fraction in ("kv_cache_usage", "admission_new_token_ratio"):  # means, not totals
+            total[fraction] = sum(s[fraction] for s in per_replica) / len(per_replica)
         total["last_step_num_tokens"] = max(s["last_step_num_tokens"] for s in per_replica)
         total["num_replicas"] = len(self.engines)
         if "spec_decode_num_drafts" in total:  # a mean, not a total: from the summed counters

@@ -51,6 +51,7 @@ from jaxinfer.prompt_logprobs import PromptLogprobs, PromptScorer
 from jaxinfer.runner import MASKED_SAMPLER_PATHS, ModelRunner, enable_persistent_compilation_cache
 from jaxinfer.sampling import SamplerOutput
 from jaxinfer.sampling_params import SamplingParams, SequenceSampling, banned_before_min_tokens
+from jaxinfer.admission import AdmissionConfig
 from jaxinfer.scheduler import Schedule, Scheduler, SchedulerConfig
 from jaxinfer.sequence import Sequence, SequenceStatus
 from jaxinfer.spec_decode.config import SpeculativeConfig
@@ -83,6 +84,7 @@ class Engine:
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=config.max_model_len, page_size=config.page_size, max_wait_s=config.max_wait_s,
+                admission=AdmissionConfig(policy=config.scheduling_admission),
             ),
             self.allocator,
         )
@@ -199,7 +201,7 @@ class Engine:
         bad_words = bad_words_token_ids(params.bad_words, self.tokenizer) if params.bad_words else ()
         seqs = [
             Sequence(
-                next(self._seq_ids), request_id, prompt_token_ids, arrival_time=arrival,
+                next(self._seq_ids), request_id, prompt_token_ids, arrival_time=arrival, max_tokens=max_tokens,
                 sampling=SequenceSampling(params, _derive_seed(base_seed, index, params.n), max_tokens, index, banned,
                                           bad_words),
             )
@@ -352,6 +354,10 @@ class Engine:
             prefix_cache_queries=self.allocator.prefix_cache_queries,
             prefix_cache_hits=self.allocator.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            # The admission's estimate (jaxinfer.admission): the fraction of the remaining outputs
+            # it expects, and the pages it held back for the running sequences at its last check.
+            admission_new_token_ratio=self.scheduler.admission.ratio,
+            admission_reserved_pages=self.scheduler.admission.num_reserved_pages,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.output_processor.num_generation_tokens,
             num_tokens_computed=self.num_tokens_computed,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from jaxinfer.admission import ADMISSION_POLICIES
 from jaxinfer.attention import IMPLEMENTATIONS
 from jaxinfer.engine_config import PLATFORM_DEFAULTS, EngineConfig
 from jaxinfer.kv_cache_dtype import KV_CACHE_DTYPES, SUPPORTED_FP8_DEVICES
@@ -45,6 +46,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-wait-s", type=float, default=None,
       help=f"with nothing running, seconds to wait for more arrivals before the first step "
            f"({_by_platform('max_wait_s')})")
+    a("--scheduling-admission", choices=ADMISSION_POLICIES, default=None,
+      help="reserve: admit a request only when the free KV pages also cover the expected growth of the "
+           "running ones (few preemptions; the default); greedy: whenever its prompt fits")
     a("--attention-impl", choices=IMPLEMENTATIONS, default=None,
       help="attention kernel (default auto: Pallas on GPU/TPU, the plain-JAX reference on CPU)")
     a("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,

@@ -17,6 +17,7 @@ Defaults, by ``platform`` (``jax.default_backend()`` unless given):
 | ``num_pages`` | 1 GiB of KV | sized from free device memory | sized from free device memory |
 | ``memory_utilization`` | 0.9 (unused) | 0.9 | 0.9 |
 | ``max_wait_s`` | 0.002 | 0.002 | 0.002 |
+| ``scheduling_admission`` | ``"reserve"`` | ``"reserve"`` | ``"reserve"`` |
 | ``enable_prefix_caching`` | on | on | on |
 | ``async_scheduling`` | on | on | on |
 | ``attention_impl`` | ``"auto"``: reference | ``"auto"``: Pallas-Triton | ``"auto"``: Mosaic |
@@ -44,6 +45,10 @@ Why:
 - ``memory_utilization``: the other 10% holds compiled programs and activations.
 - ``max_wait_s``: with nothing running, batch arrivals into the first step for less time than a
   decode step takes.
+- ``scheduling_admission``: ``"reserve"`` admits a waiting request only when the free pages
+  also cover the expected growth of what runs (``jaxinfer.admission``): few preemptions at high
+  concurrency without sizing ``max_num_seqs`` to the pool, and an adaptive estimate that lets
+  more in when requests stop early. ``"greedy"`` admits whenever the prompt fits.
 - ``enable_prefix_caching``: shared prompt prefixes (system prompts, earlier chat turns) are not
   recomputed.
 - ``async_scheduling``: the host prepares step n+1 while the device runs step n.
@@ -74,6 +79,7 @@ import logging
 
 import jax
 
+from jaxinfer.admission import ADMISSION_POLICIES
 from jaxinfer.attention import IMPLEMENTATIONS
 from jaxinfer.kv_cache_dtype import (KV_CACHE_DTYPES, check_kv_cache_dtype_supported, normalize_kv_cache_dtype,
                                      storage_dtype)
@@ -106,6 +112,7 @@ class EngineConfig:
     memory_utilization: float | None = None
     enable_prefix_caching: bool | None = None
     max_wait_s: float | None = None
+    scheduling_admission: str | None = None  # "reserve" or "greedy" (jaxinfer.admission)
     attention_impl: str | None = None
     async_scheduling: bool | None = None
     overlap: object = None  # jaxinfer.compile_options.OverlapConfig: tp communication overlap per phase
@@ -127,6 +134,9 @@ class EngineConfig:
                                     field="memory_utilization")
         if self.max_wait_s is not None and not self.max_wait_s >= 0:
             raise EngineConfigError(f"max_wait_s must be >= 0, got {self.max_wait_s}", field="max_wait_s")
+        if self.scheduling_admission is not None and self.scheduling_admission not in ADMISSION_POLICIES:
+            raise EngineConfigError(f"scheduling_admission {self.scheduling_admission!r} is not one of "
+                                    f"{ADMISSION_POLICIES}", field="scheduling_admission")
         if self.attention_impl is not None and self.attention_impl not in IMPLEMENTATIONS:
             raise EngineConfigError(f"attention_impl {self.attention_impl!r} is not one of {IMPLEMENTATIONS}",
                                     field="attention_impl")
@@ -235,6 +245,7 @@ def normalize_platform(platform: str | None) -> str:
 
 
 _SHARED_DEFAULTS = dict(page_size=32, memory_utilization=DEFAULT_MEMORY_UTILIZATION, enable_prefix_caching=True, max_wait_s=0.002,
+                        scheduling_admission="reserve",
                         attention_impl="auto", async_scheduling=True, kv_cache_dtype="auto")
 
 # The table in the module docstring; max_model_len and num_pages depend on the model (resolve).

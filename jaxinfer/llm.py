@@ -43,7 +43,7 @@ class LLM:
             pre-quantized FP8 checkpoint stays FP8).
         seed: seeds requests that do not set their own ``seed``.
         max_model_len, max_num_seqs, max_num_batched_tokens, page_size, num_pages,
-            memory_utilization, enable_prefix_caching, max_wait_s, attention_impl,
+            memory_utilization, enable_prefix_caching, max_wait_s, scheduling_admission, attention_impl,
             async_scheduling, overlap, kv_cache_dtype, speculative_config: the ``EngineConfig`` fields; ``None`` (the default) is the
             platform's default, tabled in ``jaxinfer.engine_config`` and shared with
             ``jaxinfer serve``.
@@ -68,6 +68,7 @@ class LLM:
         memory_utilization: float | None = None,
         enable_prefix_caching: bool | None = None,
         max_wait_s: float | None = None,
+        scheduling_admission: str | None = None,
         attention_impl: str | None = None,
         async_scheduling: bool | None = None,
         overlap=None,
@@ -87,7 +88,8 @@ class LLM:
         config = EngineConfig(
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             page_size=page_size, num_pages=num_pages, memory_utilization=memory_utilization,
-            enable_prefix_caching=enable_prefix_caching, max_wait_s=max_wait_s, attention_impl=attention_impl,
+            enable_prefix_caching=enable_prefix_caching, max_wait_s=max_wait_s,
+            scheduling_admission=scheduling_admission, attention_impl=attention_impl,
             async_scheduling=async_scheduling, overlap=overlap, kv_cache_dtype=kv_cache_dtype,
             speculative_config=speculative_config, quantization=quantization,
         )

@@ -84,6 +84,17 @@ class PageAllocator:
         """Tokens of ``seq`` the cache would serve if it were admitted now (no side effects on the pool)."""
         return len(self._find_cached_prefix(seq)) * self.page_size
 
+    def num_pages_to_admit(self, seq: Sequence, num_tokens: int) -> int:
+        """Free pages that ``seq``, admitted now, would take to hold its first ``num_tokens`` tokens.
+
+        As ``allocate_prompt`` counts them: a cached prefix page another sequence holds costs
+        nothing, a cached page with no holder is revived out of the free pages, and the rest are
+        fresh. No side effects on the pool.
+        """
+        cached_pages = self._find_cached_prefix(seq)
+        num_revived = sum(1 for page in cached_pages if self._ref_counts[page] == 0)
+        return max(self.num_pages_for(num_tokens) - len(cached_pages), 0) + num_revived
+
     def allocate_prompt(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Admit ``seq``: attach its longest cached prefix and fresh pages for ``num_new_tokens`` after it.
 

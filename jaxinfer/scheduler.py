@@ -5,13 +5,18 @@ Each ``schedule()`` spends one ``max_num_batched_tokens`` budget over, in order:
 1. running sequences that decode (one uncomputed token: the last sampled one), 1 token each,
    plus the drafts the speculator gave them (``seq.draft_token_ids``) to verify;
 2. running sequences part-way through a chunked prefill, as much of the rest as fits;
-3. waiting sequences, first come first served, starting after their cached prefix.
+3. waiting sequences, first come first served, starting after their cached prefix, while the
+   admission policy (``jaxinfer.admission``, ``SchedulerConfig.admission``) finds room for them
+   beside the expected growth of the running ones; the head of the queue that does not fit
+   blocks the rest, and with nothing running it is always admitted.
 
 A chunk may be cut to fit the budget (chunked prefill), so prefill and decode share every step.
-When a running sequence needs a page and none is free, the scheduler preempts by recompute: the
-most recently admitted running sequence not yet scheduled this step (possibly the one asking)
-loses its pages, goes back to the front of the queue, and later recomputes its prompt and
-generated tokens as a prefill. No new sequence is admitted in a step that preempted.
+Admission estimates; it does not promise. When a running sequence needs a page and none is
+free, the scheduler preempts by recompute: the most recently admitted running sequence not yet
+scheduled this step (possibly the one asking) loses its pages, goes back to the front of the
+queue, and later recomputes its prompt and generated tokens as a prefill. No new sequence is
+admitted in a step that preempted, and the admission's ratio returns to its start
+(``Admission.end_step``).
 
 The engine's step, with async scheduling (step n+1 prepared while the device runs step n):
 
@@ -38,6 +43,7 @@ import typing
 
 import numpy as np
 
+from jaxinfer.admission import Admission, AdmissionConfig, RunningTotals
 from jaxinfer.page_allocator import PageAllocator
 from jaxinfer.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 
@@ -58,6 +64,9 @@ class SchedulerConfig:
     # Nothing running: wait up to this long after the oldest waiting arrival to batch more
     # arrivals into the first step. 0 disables.
     max_wait_s: float = 0.002
+    # Whether a waiting sequence also needs room for the running sequences' growth (and its
+    # own) to be admitted: jaxinfer.admission, where the default is argued.
+    admission: AdmissionConfig = AdmissionConfig()
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
@@ -123,6 +132,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
+        self.admission = Admission(config.admission, config.page_size, config.max_model_len)
         self._is_postprocess_due = False
 
     @property
@@ -153,6 +163,7 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self.admission.on_stop(seq)
         else:
             self.waiting.remove(seq)
         self.allocator.free(seq)
@@ -168,10 +179,16 @@ class Scheduler:
         if wait_until is not None:
             return Schedule(wait_until=wait_until)
         budget = self.config.max_num_batched_tokens
-        items, preempted, budget = self._schedule_running(budget)
+        items, preempted, budget, num_tokens, num_uncomputed = self._schedule_running(budget)
         if not preempted:
-            admitted, budget = self._schedule_waiting(budget)
+            # The chunks scheduled above have their page slots; the rest of their prompts do not
+            # (draft tokens spent budget too, which only makes this smaller by as many).
+            num_pending = max(num_uncomputed - (self.config.max_num_batched_tokens - budget), 0)
+            totals = RunningTotals(len(self.running), num_tokens, num_pending)
+            admitted, budget = self._schedule_waiting(budget, totals)
             items += admitted
+        if items or preempted:
+            self.admission.end_step(bool(preempted))
         self._is_postprocess_due = bool(items)
         return Schedule(tuple(items), tuple(preempted), self.config.max_num_batched_tokens - budget)
 
@@ -208,15 +225,19 @@ class Scheduler:
         deadline = min(seq.arrival_time for seq in self.waiting) + self.config.max_wait_s
         return deadline if now < deadline else None
 
-    def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], list[Sequence], int]:
+    def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], list[Sequence], int, int, int]:
+        """The running sequences' items, the preempted, the budget left, and (for admission) the
+        running sequences' token count and uncomputed token count before this step."""
         running = self.running
         n = len(running)
         if not n:
-            return [], [], budget
+            return [], [], budget, 0, 0
         # Runs over every running sequence each step (1000 at a time): counts are read by
         # whole-list passes, and the plain decodes (most of every step) are scheduled in bulk.
         num_tokens = np.fromiter(map(len, map(_token_ids_of, running)), np.int64, n)
         num_computed = np.fromiter(map(_num_computed_tokens_of, running), np.int64, n)
+        num_tokens_total = int(num_tokens.sum())
+        num_uncomputed_total = num_tokens_total - int(num_computed.sum())
         is_decode = num_tokens - num_computed == 1
         decodes = self._bulk_decodes(is_decode, num_tokens, num_computed, budget)
         if decodes is not None:
@@ -230,7 +251,7 @@ class Scheduler:
             rest += [seq for seq, decode in zip(running, is_decode) if not decode]
         preempted: list[Sequence] = []
         budget = self._schedule_one_by_one(rest, items, preempted, budget)
-        return items, preempted, budget
+        return items, preempted, budget, num_tokens_total, num_uncomputed_total
 
     def _bulk_decodes(self, is_decode: np.ndarray, num_tokens: np.ndarray, num_computed: np.ndarray,
                       budget: int) -> list[ScheduledSeq] | None:
@@ -297,10 +318,17 @@ class Scheduler:
                 budget -= num_new
         return budget
 
-    def _schedule_waiting(self, budget: int) -> tuple[list[ScheduledSeq], int]:
+    def _schedule_waiting(self, budget: int, totals: RunningTotals | None = None) -> tuple[list[ScheduledSeq], int]:
+        """Admit waiting sequences in order while the budget, ``max_num_seqs``, the pages and the
+        admission policy allow. ``totals``: the running sequences' (``schedule`` has them from its
+        pass over them; None: counted here)."""
         items: list[ScheduledSeq] = []
         if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
             return items, budget  # nothing to admit: skip the pass over the running sequences below
+        if totals is None:
+            num_tokens = sum(seq.num_tokens for seq in self.running)
+            totals = RunningTotals(len(self.running), num_tokens,
+                                   num_tokens - sum(seq.num_computed_tokens for seq in self.running))
         deferred: list[Sequence] = []
         # Fewest computed tokens among each request's running samples: a sibling whose prompt
         # pages are still being computed will register them for the others to share.
@@ -318,11 +346,17 @@ class Scheduler:
             num_cached = self.allocator.num_cached_prefix_tokens(seq)
             num_remaining = seq.num_tokens - num_cached
             num_new = min(num_remaining, budget)
+            # Out of pages, now or for what runs already: later arrivals do not overtake (FCFS).
+            if not self.admission.can_admit(seq, totals, self.allocator):
+                break
             if not self.allocator.allocate_prompt(seq, num_new):
-                break  # out of pages: later arrivals do not overtake (FCFS)
+                break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self.admission.on_start(seq)
+            totals = RunningTotals(totals.num_seqs + 1, totals.num_tokens + seq.num_tokens,
+                                   totals.num_pending_tokens + seq.num_tokens - seq.num_computed_tokens - num_new)
             items.append(self._item(seq, num_new))
             budget -= num_new
             previous = min_computed_by_request.get(seq.request_id, seq.num_computed_tokens)
@@ -346,6 +380,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self.admission.on_stop(seq)
         self.allocator.free(seq)  # also resets num_computed_tokens: recompute from scratch
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

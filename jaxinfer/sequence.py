@@ -41,17 +41,23 @@ class Sequence:
         prompt_token_ids: list[int],
         sampling: Any = None,
         arrival_time: float | None = None,
+        max_tokens: int | None = None,
     ):
         if not prompt_token_ids:
             raise ValueError(f"sequence {seq_id} of request {request_id!r} has an empty prompt")
         if PLACEHOLDER_TOKEN in prompt_token_ids:
             raise ValueError(f"prompt token ids must be known; got {PLACEHOLDER_TOKEN}")
+        if max_tokens is not None and max_tokens < 0:
+            raise ValueError(f"sequence {seq_id}: max_tokens must be >= 0 or None, got {max_tokens}")
         self.seq_id = seq_id
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + generated
         self.num_prompt_tokens = len(prompt_token_ids)
         # Opaque to the scheduler and allocator: the engine's SequenceSampling (jaxinfer.sampling_params).
         self.sampling = sampling
+        # Most tokens this sequence may generate (None: up to the context length). The engine
+        # enforces it; the scheduler's admission reads it to reserve pages for the growth.
+        self.max_tokens = max_tokens
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None

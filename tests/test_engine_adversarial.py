@@ -60,8 +60,9 @@ def shared(tiny):
 
 @pytest.fixture(scope="module")
 def tight(tiny):
-    """Room for one full-length sequence and two pages more: preemption in most steps."""
-    return make_llm(tiny, num_pages=PAGES_PER_SEQ + 3)
+    """Room for one full-length sequence and two pages more: preemption in most steps (greedy
+    admission: the default holds pages back for the growth and would preempt far less)."""
+    return make_llm(tiny, num_pages=PAGES_PER_SEQ + 3, scheduling_admission="greedy")
 
 
 def alone(llm, prompts, params):

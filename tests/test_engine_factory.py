@@ -56,7 +56,7 @@ def test_the_batch_and_the_budget_follow_each_other():
 def test_overrides_win(tiny):
     given = EngineConfig(max_model_len=64, max_num_seqs=3, max_num_batched_tokens=24, page_size=8, num_pages=40,
                          memory_utilization=0.5, enable_prefix_caching=False, max_wait_s=0.25,
-                         attention_impl="reference", async_scheduling=False, kv_cache_dtype="fp8")
+                         scheduling_admission="greedy", attention_impl="reference", async_scheduling=False, kv_cache_dtype="fp8")
     for platform in PLATFORM_DEFAULTS:
         assert given.for_platform(platform) == given
         assert given.resolve(tiny, platform=platform) == given
@@ -70,6 +70,7 @@ def test_overrides_win(tiny):
     (dict(memory_utilization=1.5), "memory_utilization"),
     (dict(max_wait_s=-1.0), "max_wait_s"),
     (dict(attention_impl="flash"), "attention_impl"),
+    (dict(scheduling_admission="optimistic"), "scheduling_admission"),
 ])
 def test_validation_names_the_field(options, field):
     with pytest.raises(EngineConfigError, match=field) as error:
@@ -111,11 +112,11 @@ def test_every_engine_flag_defaults_to_none_and_sets_its_field():
     args = serve_args("--max-model-len", "64", "--max-num-seqs", "3", "--max-num-batched-tokens", "24",
                       "--page-size", "8", "--num-pages", "40", "--memory-utilization", "0.5",
                       "--no-enable-prefix-caching", "--max-wait-s", "0.25", "--attention-impl", "reference",
-                      "--no-async-scheduling")
+                      "--no-async-scheduling", "--scheduling-admission", "greedy")
     assert serve.engine_config_from_args(args) == EngineConfig(
         max_model_len=64, max_num_seqs=3, max_num_batched_tokens=24, page_size=8, num_pages=40,
         memory_utilization=0.5, enable_prefix_caching=False, max_wait_s=0.25, attention_impl="reference",
-        async_scheduling=False)
+        async_scheduling=False, scheduling_admission="greedy")
 
 
 def test_generate_and_serve_read_the_same_flags():

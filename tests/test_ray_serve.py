@@ -190,6 +190,9 @@ def test_sum_replica_stats():
                                {"num_running": 3, "kv_cache_usage": 0.4, "server_num_requests_waiting": 0}])
     assert total == {"num_replicas": 2, "num_running": 5, "kv_cache_usage": pytest.approx(0.3),
                      "server_num_requests_waiting": 1}
+    ratios = sum_replica_stats([{"admission_new_token_ratio": 0.2, "admission_reserved_pages": 10},
+                                {"admission_new_token_ratio": 0.6, "admission_reserved_pages": 5}])
+    assert ratios["admission_new_token_ratio"] == pytest.approx(0.4) and ratios["admission_reserved_pages"] == 15
 
 
 @pytest.mark.timeout(240)

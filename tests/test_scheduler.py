@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from jaxinfer.admission import AdmissionConfig
 from jaxinfer.page_allocator import SCRATCH_PAGE, PageAllocator
 from jaxinfer.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
@@ -78,6 +79,7 @@ class FakeEngine:
 
     def add(self, seq, max_tokens):
         self.max_tokens[seq.seq_id] = max_tokens
+        seq.max_tokens = max_tokens  # as the engine's Sequence(max_tokens=...): admission reads it
         self.seqs.append(seq)
         self.scheduler.add(seq)
 
@@ -127,6 +129,8 @@ class FakeEngine:
 
 def make_scheduler(num_pages=64, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32, **kwargs):
     caching = kwargs.pop("enable_prefix_caching", True)
+    if isinstance(kwargs.get("admission"), str):
+        kwargs["admission"] = AdmissionConfig(policy=kwargs["admission"])
     config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, PAGE_SIZE, **kwargs)
     return Scheduler(config, PageAllocator(num_pages, PAGE_SIZE, "fake", caching))
 
@@ -172,8 +176,10 @@ def test_max_num_seqs_caps_the_batch():
 
 @pytest.mark.parametrize("is_async", [False, True])
 def test_preempted_sequences_resume_and_yield_the_same_tokens(is_async):
-    # 12 usable pages; 4 sequences of up to 24 tokens need 24 pages: preemption is certain.
-    engine = FakeEngine(make_scheduler(num_pages=13, max_num_seqs=4, max_num_batched_tokens=16), is_async)
+    # 12 usable pages; 4 sequences of up to 24 tokens need 24 pages: preemption is certain when
+    # admission does not hold pages back for the growth.
+    engine = FakeEngine(make_scheduler(num_pages=13, max_num_seqs=4, max_num_batched_tokens=16, admission="greedy"),
+                        is_async)
     prompts = [[seq_id + 1] * 5 + list(range(seq_id * 3)) for seq_id in range(4)]
     for seq_id, prompt in enumerate(prompts):
         engine.add(make_seq(seq_id, prompt), 24 - len(prompt))
@@ -187,7 +193,8 @@ def test_preempted_sequences_resume_and_yield_the_same_tokens(is_async):
 
 
 def test_preemption_takes_the_most_recently_admitted():
-    scheduler = make_scheduler(num_pages=7, max_num_seqs=3, max_num_batched_tokens=32, max_model_len=24)
+    scheduler = make_scheduler(num_pages=7, max_num_seqs=3, max_num_batched_tokens=32, max_model_len=24,
+                               admission="greedy")
     engine = FakeEngine(scheduler)
     for seq_id in range(3):
         engine.add(make_seq(seq_id, [seq_id + 1] * 8), 10)  # 2 full pages each, 6 usable
@@ -289,15 +296,16 @@ def test_config_rejects_impossible_shapes():
 
 
 @pytest.mark.parametrize(
-    "seed, is_async, caching",
-    [(0, False, True), (1, True, True), (2, True, False), (3, False, True)],
+    "seed, is_async, caching, admission",
+    [(0, False, True, "greedy"), (1, True, True, "greedy"), (2, True, False, "reserve"), (3, False, True, "reserve"),
+     (4, True, True, "reserve")],
 )
-def test_random_workload_keeps_invariants_and_outputs(seed, is_async, caching):
+def test_random_workload_keeps_invariants_and_outputs(seed, is_async, caching, admission):
     rng = random.Random(seed)
     engine = FakeEngine(
         make_scheduler(
             num_pages=17, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=40,
-            enable_prefix_caching=caching,
+            enable_prefix_caching=caching, admission=admission,
         ),
         is_async,
     )
@@ -340,7 +348,9 @@ def test_decodes_scheduled_in_bulk_match_the_one_by_one_loop(num_pages):
     import copy
 
     def build():
-        scheduler = make_scheduler(num_pages=num_pages, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=16)
+        # Greedy admission: the case with 16 pages admits a prefill beside the decodes.
+        scheduler = make_scheduler(num_pages=num_pages, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=16,
+                                   admission="greedy")
         engine = FakeEngine(scheduler)
         for i, prompt_len in enumerate((4, 8, 3)):
             engine.add(make_seq(i, range(1, prompt_len + 1)), max_tokens=20)

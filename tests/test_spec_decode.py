@@ -256,7 +256,8 @@ def test_greedy_identical_under_preemption_and_prefix_caching_without_page_leaks
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     reference = _greedy_reference(plain, prompts, params)
     oracle(prompts, reference)
-    tight = LLM(loaded=tiny, speculative_config=SPEC, **{**OPTIONS, "num_pages": 128 // 16 + 4})
+    tight = LLM(loaded=tiny, speculative_config=SPEC,
+                **{**OPTIONS, "num_pages": 128 // 16 + 4, "scheduling_admission": "greedy"})
     engine = tight.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)

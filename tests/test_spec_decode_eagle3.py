@@ -134,7 +134,8 @@ def plain(target):
 @pytest.fixture(scope="module")
 def eagle(target, head_dir):
     # Few pages: several long sequences preempt each other (every test here runs under preemption).
-    return eagle_llm(target, head_dir, num_pages=128 // 16 + 4, enable_prefix_caching=True)
+    return eagle_llm(target, head_dir, num_pages=128 // 16 + 4, enable_prefix_caching=True,
+                     scheduling_admission="greedy")
 
 
 def prompts_of(count, seed, low=5, high=40):

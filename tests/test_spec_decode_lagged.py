@@ -85,7 +85,8 @@ def lagged(tiny):
         patch.setattr(device_ngram_module, "propose_ngram_on_device", _device_oracle)
         patch.setattr(speculator_module, "propose_ngram",
                       lambda context, num_drafts, min_n, max_n: _oracle_drafts(context.tolist(), num_drafts))
-        yield LLM(loaded=tiny, speculative_config=LAGGED, **OPTIONS)
+        # Greedy admission: the preemption test below squeezes this engine's pool and wants it to preempt.
+        yield LLM(loaded=tiny, speculative_config=LAGGED, **{**OPTIONS, "scheduling_admission": "greedy"})
         _KNOWN.clear()
 
 

@@ -110,7 +110,8 @@ def _pump(responses, stream: OutputStream) -> None:
 
 
 def sum_replica_stats(replica_stats: list[dict]) -> dict:
-    """Counters and gauges summed over replicas; ``kv_cache_usage`` (a fraction) averaged."""
+    """Counters and gauges summed over replicas; the fractions (``kv_cache_usage``,
+    ``admission_new_token_ratio``) averaged."""
     total: dict = {"num_replicas": len(replica_stats)}
     for stats in replica_stats:
         for key, value in stats.items():
@@ -118,4 +119,6 @@ def sum_replica_stats(replica_stats: list[dict]) -> dict:
                 total[key] = total.get(key, 0) + value
     if replica_stats:
         total["kv_cache_usage"] = total.get("kv_cache_usage", 0.0) / len(replica_stats)
+        if "admission_new_token_ratio" in total:
+            total["admission_new_token_ratio"] /= len(replica_stats)
     return total

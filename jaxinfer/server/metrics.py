@@ -74,6 +74,12 @@ class ServerMetrics:
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.num_pages_total = gauge("kv_cache_num_pages_total", "KV-cache pages in the pool.")
         self.num_pages_used = gauge("kv_cache_num_pages_used", "KV-cache pages in use.")
+        self.admission_new_token_ratio = gauge(
+            "scheduler_admission_new_token_ratio",
+            "Fraction of the running requests' remaining max_tokens that admission holds KV pages for.")
+        self.admission_reserved_pages = gauge(
+            "scheduler_admission_reserved_pages",
+            "KV pages admission held back for the running requests' growth at its last check.")
         self.num_compilations = gauge("num_compilations_after_warmup",
                                       "XLA compilations after warm-up (each one stalls serving).")
         self.num_prompt_scoring_programs = gauge(
@@ -128,6 +134,8 @@ class ServerMetrics:
         self.kv_cache_usage_perc.set(stats.get("kv_cache_usage", 0.0))
         self.num_pages_total.set(stats.get("num_pages_total", 0))
         self.num_pages_used.set(stats.get("num_pages_used", 0))
+        self.admission_new_token_ratio.set(stats.get("admission_new_token_ratio", 0.0))
+        self.admission_reserved_pages.set(stats.get("admission_reserved_pages", 0))
         self.num_compilations.set(stats.get("num_compilations_after_warmup", 0))
         self.num_prompt_scoring_programs.set(stats.get("num_prompt_scoring_programs", 0))
         if "spec_decode_mean_acceptance_length" in stats:

@@ -1,0 +1,201 @@
+"""Admission policies (jaxinfer.admission) on the scheduler alone: CPU, runs anywhere.
+
+    python benchmarks/admission_cpu.py --out DIR [--sections simulate,host-cost]
+
+``simulate``: throughput-1k's shape (1000 requests, 1000-token prompts, 1000 output tokens,
+``max_num_seqs`` 1024, a budget of 8192, pages of 32) over the pool one H200 holds for
+Llama-3.1-8B in bf16 (27,437 pages: 878k tokens), driven step by step by a fake engine that
+appends a token per sampling item; with ``--early-stop-fractions`` of the requests stopping at a
+uniformly drawn length instead (an EOS). Per policy: preemptions, steps, tokens computed (the
+recomputed prefills included), the most running at once, and a modelled output rate: each step
+costs the weight read (16 GB) plus the K/V read of the pages in use at ``--read-tb-s``, plus its
+prefill tokens at 2 x 8B FLOP each and ``--matmul-tflop-s``. The model is rough (no kernel or
+host costs); the GPU run is the measurement (``engine_throughput.py --admission``). Greedy here
+preempted 379 times; the H200 run of the same shape counted 380.
+
+``host-cost``: ``Scheduler.schedule`` + ``postprocess`` per step with 1024 running decodes and a
+waiting queue the pool cannot take (so each step runs the admission check and refuses), and
+with no waiting queue, per policy; policies interleaved round by round, the median of the
+rounds' means kept, the reserve/greedy ratio beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from jaxinfer.admission import ADMISSION_POLICIES, AdmissionConfig  # noqa: E402
+from jaxinfer.page_allocator import PageAllocator  # noqa: E402
+from jaxinfer.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from jaxinfer.sequence import Sequence  # noqa: E402
+
+import json  # noqa: E402
+
+NAME = "admission_cpu"
+KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2  # Llama-3.1-8B: layers x kv heads x head_dim x (K, V) x bf16
+WEIGHT_BYTES = 16.0e9
+FLOP_PER_TOKEN = 2 * 8.0e9
+
+
+def log(line: str, lines: list[str]) -> None:
+    print(line, flush=True)
+    lines.append(line)
+
+
+def simulate(policy: str, *, num_requests: int, prompt_len: int, output_len: int, num_pages: int, page_size: int,
+             max_num_seqs: int, budget: int, early_stop_fraction: float, read_tb_s: float, matmul_tflop_s: float,
+             seed: int = 0) -> dict:
+    allocator = PageAllocator(num_pages, page_size, "simulated")
+    config = SchedulerConfig(max_num_seqs, budget, 2 * (prompt_len + output_len), page_size, 0.0,
+                             AdmissionConfig(policy=policy))
+    scheduler = Scheduler(config, allocator)
+    rng = random.Random(seed)
+    stop_after = {}
+    for i in range(num_requests):
+        scheduler.add(Sequence(i, f"r{i}", [rng.randrange(1, 100_000) for _ in range(prompt_len)],
+                               arrival_time=0.0, max_tokens=output_len))
+        early = rng.random() < early_stop_fraction
+        stop_after[i] = rng.randrange(1, output_len) if early else output_len
+    num_steps = num_computed = most_running = 0
+    modelled_s = 0.0
+    while scheduler.num_waiting or scheduler.num_running:
+        schedule = scheduler.schedule(1e9)
+        num_prefill = schedule.num_batched_tokens - sum(1 for item in schedule.items if item.num_new_tokens == 1)
+        modelled_s += (WEIGHT_BYTES + allocator.num_used_pages * page_size * KV_BYTES_PER_TOKEN) / (read_tb_s * 1e12)
+        modelled_s += num_prefill * FLOP_PER_TOKEN / (matmul_tflop_s * 1e12)
+        scheduler.postprocess(schedule)
+        num_steps += 1
+        num_computed += schedule.num_batched_tokens
+        most_running = max(most_running, scheduler.num_running)
+        for item in schedule.items:
+            if item.samples_token:
+                item.seq.append_token(7)
+                if item.seq.num_generated_tokens >= stop_after[item.seq.seq_id]:
+                    scheduler.finish(item.seq, "stop")
+    output_tokens = sum(stop_after.values())
+    return dict(policy=policy, early_stop_fraction=early_stop_fraction, preemptions=scheduler.num_preemptions,
+                steps=num_steps, tokens_computed=num_computed,
+                tokens_recomputed=num_computed - num_requests * prompt_len - output_tokens + num_requests,
+                most_running=most_running, output_tokens=output_tokens,
+                modelled_output_tokens_per_s=output_tokens / modelled_s)
+
+
+def host_cost_round(policy: str, *, num_running: int, with_waiting: bool, num_steps: int) -> float:
+    """Mean seconds of schedule + postprocess per steady decode step."""
+    page_size, prompt_len = 32, 33  # the first decodes fill page 2: no page is taken while timing
+    # Room for every sequence's expected growth (reserve admits them all), not for the first
+    # chunk of a waiting prompt (greedy refuses it too).
+    if num_steps > 2 * page_size - prompt_len - 2:
+        raise ValueError(f"--steps {num_steps}: at most {2 * page_size - prompt_len - 2} fit in two pages a sequence")
+    spare_pages = num_running
+    num_pages = 1 + num_running * 2 + spare_pages
+    # Seats free (max_num_seqs above the running count) and a budget that covers every prompt in
+    # one step and leaves the waiting prompt a first chunk of more pages than are free.
+    budget = num_running * prompt_len + 2 * page_size
+    waiting_prompt_len = budget
+    config = SchedulerConfig(num_running + 64, budget, waiting_prompt_len + 128, page_size, 0.0,
+                             AdmissionConfig(policy=policy))
+    scheduler = Scheduler(config, PageAllocator(num_pages, page_size, "host-cost"))
+    rng = random.Random(1)
+    for i in range(num_running):
+        scheduler.add(Sequence(i, f"r{i}", [rng.randrange(1, 100_000) for _ in range(prompt_len)],
+                               arrival_time=0.0, max_tokens=num_steps + 2))
+
+    def step() -> float:
+        start = time.perf_counter()
+        schedule = scheduler.schedule(1e9)
+        scheduler.postprocess(schedule)
+        seconds = time.perf_counter() - start
+        for item in schedule.items:
+            if item.samples_token:
+                item.seq.append_token(7)
+        return seconds
+
+    step()  # every prompt at once
+    assert scheduler.num_running == num_running
+    if with_waiting:
+        # Prompts of more pages than are free: greedy refuses them too, so both policies check
+        # the head of the queue every step and admit nothing.
+        for i in range(8):
+            scheduler.add(Sequence(num_running + i, f"w{i}", [rng.randrange(1, 100_000) for _ in range(waiting_prompt_len)],
+                                   arrival_time=0.0, max_tokens=100))
+    times = [step() for _ in range(num_steps)]
+    assert scheduler.num_running == num_running and scheduler.num_preemptions == 0
+    return statistics.fmean(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sections", default="simulate,host-cost")
+    parser.add_argument("--early-stop-fractions", default="0,0.5")
+    parser.add_argument("--num-pages", type=int, default=27_437)
+    parser.add_argument("--read-tb-s", type=float, default=4.4)
+    parser.add_argument("--matmul-tflop-s", type=float, default=600.0)
+    parser.add_argument("--num-running", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=28)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    sections = args.sections.split(",")
+    lines: list[str] = []
+    info = {"command": "python3 " + shlex.join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "machine": platform.machine(), "processor": platform.processor(), "python": platform.python_version(),
+            "host": platform.node()}
+    for key, value in info.items():
+        log(f"{key}: {value}", lines)
+    results: dict = {"info": info}
+    markdown = [f"# Admission on the scheduler alone (CPU)\n\n`{info['command']}`\n"]
+    if "simulate" in sections:
+        rows = []
+        for fraction in map(float, args.early_stop_fractions.split(",")):
+            for policy in ADMISSION_POLICIES[::-1]:
+                row = simulate(policy, num_requests=1000, prompt_len=1000, output_len=1000, num_pages=args.num_pages,
+                               page_size=32, max_num_seqs=1024, budget=8192, early_stop_fraction=fraction,
+                               read_tb_s=args.read_tb_s, matmul_tflop_s=args.matmul_tflop_s)
+                log(f"simulate {row}", lines)
+                rows.append(row)
+        results["simulate"] = rows
+        markdown.append("## throughput-1k's shape, simulated\n\n| early-stop fraction | admission | preemptions "
+                        "| steps | tokens recomputed | most running | modelled output tok/s |\n"
+                        "| --- | --- | --- | --- | --- | --- | --- |")
+        markdown += [f"| {r['early_stop_fraction']} | {r['policy']} | {r['preemptions']} | {r['steps']} | "
+                     f"{r['tokens_recomputed']} | {r['most_running']} | {r['modelled_output_tokens_per_s']:.0f} |"
+                     for r in rows]
+    if "host-cost" in sections:
+        cases = [(policy, waiting) for waiting in (True, False) for policy in ADMISSION_POLICIES]
+        per_round = {case: [] for case in cases}
+        for _ in range(args.rounds):  # interleaved: every case sees the same machine load
+            for case in cases:
+                per_round[case].append(host_cost_round(case[0], num_running=args.num_running, with_waiting=case[1],
+                                                       num_steps=args.steps))
+        rows = []
+        for waiting in (True, False):
+            median = {policy: statistics.median(per_round[(policy, waiting)]) for policy in ADMISSION_POLICIES}
+            row = dict(num_running=args.num_running, waiting_queue=waiting,
+                       greedy_us=median["greedy"] * 1e6, reserve_us=median["reserve"] * 1e6,
+                       reserve_over_greedy=median["reserve"] / median["greedy"])
+            log(f"host-cost {row}", lines)
+            rows.append(row)
+        results["host_cost"] = rows
+        markdown.append(f"\n## schedule + postprocess per decode step, {args.num_running} running "
+                        f"(median of {args.rounds} interleaved rounds of {args.steps} steps)\n\n"
+                        "| waiting queue | greedy µs | reserve µs | reserve / greedy |\n| --- | --- | --- | --- |")
+        markdown += [f"| {'refused every step' if r['waiting_queue'] else 'empty'} | {r['greedy_us']:.0f} | "
+                     f"{r['reserve_us']:.0f} | {r['reserve_over_greedy']:.3f} |" for r in rows]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{NAME}.json").write_text(json.dumps(results, indent=2))
+    (args.out / f"{NAME}.md").write_text("\n".join(markdown) + "\n")
+    (args.out / f"{NAME}.log").write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out / NAME}.{{json,md,log}}")
+
+
+if __name__ == "__main__":
+    main()
