@@ -67,8 +67,11 @@
 #   s10a    one GPU, session 10 (carry .whl): bf16 throughput-1k at 384 sequences (a bf16-sized
 #           batch) with its phase split, the batch-1 breakdown with the fused-write kernel beside
 #           the default, the donated input slot's A/B, prefill attention against cuDNN.
+#   s10b    one GPU, session 10 (carry .whl): fp8 throughput-1k at 1024 sequences with the step
+#           buckets every 128 rows (greedy admission, as session 9 measured it), then bf16 at 1024
+#           sequences under "reserve" and "greedy" admission, same call.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle or s10a}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a or s10b}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -391,6 +394,14 @@ s10a)
     left=$(( 585 - SECONDS ))
     (( left > 40 )) && on_gpu 0 peers.log "$left" python3 benchmarks/prefill_peers.py --out "$R/peers" \
         --shapes 4096,16384,32768 --impls cudnn,ours,fresh_path --budget-s $(( left - 20 )) ;;
+s10b)
+    wheels
+    on_gpu 0 fp8.log 220 python3 benchmarks/engine_throughput.py --out "$R/fp8" --quantization fp8 \
+        --kv-cache-dtype fp8 --workloads startup,throughput-1k --max-num-seqs 1024 --admission greedy
+    for a in reserve greedy; do
+        on_gpu 0 "bf16_$a.log" 190 python3 benchmarks/engine_throughput.py --out "$R/bf16_$a" \
+            --workloads throughput-1k --max-num-seqs 1024 --admission "$a"
+    done ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac
