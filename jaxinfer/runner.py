@@ -122,13 +122,10 @@ class Buckets:
         return [(t, b, p) for (t, b), p in itertools.product(pairs, self.pages_per_seq)]
 
 
-# Decode-sized buckets between powers of two, every this many rows above twice it (default_buckets).
-DECODE_BUCKET_STEP = 128
-
-
 def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int, platform: str,
                     one_row_bucket: bool = True) -> Buckets:
-    """GPU/TPU: powers of two and ``max_num_seqs``, sequences tied to tokens (one program per token bucket).
+    """GPU/TPU: powers of two, 384/768/1536 between them above 256 rows, and ``max_num_seqs``; sequences
+    tied to tokens (one program per token bucket).
 
     CPU: powers of four from 4, sequences tied too: fewer buckets, since compiling costs more
     than padding there, but none so coarse that a small batch pays for a large one; with
@@ -156,13 +153,14 @@ def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, max_pages_pe
     # next power of two ran every steady decode step's matmuls over 512 rows (33% padding).
     if tokens[0] < max_num_seqs < tokens[-1]:
         tokens = tuple(sorted(set(tokens) | {max_num_seqs}))
-    # Above DECODE_BUCKET_STEP * 2 rows a decode step's matmuls are bound by arithmetic, not by
-    # reading the weights (on an H200 the two cross near 160 rows in bf16 and fp8 alike), so a
-    # padded row costs what a real one does: between powers of two a step paid for up to half
-    # again its rows (fp8 throughput-1k ran at a mean of 811 sequences in 1024-row steps). Every
-    # DECODE_BUCKET_STEP rows up to max_num_seqs, tokens and sequences alike: 4 more programs at
-    # 1024 sequences. Above max_num_seqs a step carries prefill and fills its token budget.
-    between = tuple(range(2 * DECODE_BUCKET_STEP, max_num_seqs, DECODE_BUCKET_STEP))[1:]
+    # Above 256 rows a decode step's matmuls are bound by arithmetic, not by reading the weights
+    # (on an H200 the two cross near 160 rows in bf16 and fp8 alike), so a padded row costs what
+    # a real one does: between powers of two a step paid for up to twice its rows (bf16
+    # throughput-1k at 1024 sequences spent 34 s of 113 in steps of 513-896 sequences). A bucket
+    # halfway (in ratio) between each pair of powers of two above 256, up to max_num_seqs,
+    # tokens and sequences alike, keeps the padding under half: 384, 768, 1536. Each bucket is ~5
+    # programs to compile at start-up (every 128 rows instead cost 12 s more at 1024 sequences).
+    between = tuple(n for n in (3 * 2 ** e for e in range(7, 16)) if 256 < n < max_num_seqs)
     if between:
         seqs = tuple(sorted(set(seqs) | set(between)))
         tokens = tuple(sorted(set(tokens) | set(between)))

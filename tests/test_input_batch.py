@@ -102,15 +102,18 @@ def test_a_full_decode_step_has_a_gpu_bucket_of_its_own():
     assert default_buckets(5, 8192, 64, "gpu").num_tokens[0] == 8
 
 
-def test_decode_steps_above_256_rows_pad_to_the_next_128_not_the_next_power_of_two():
+def test_decode_steps_above_256_rows_pad_by_less_than_half():
     from jaxinfer.runner import default_buckets
 
     buckets = default_buckets(1024, 8192, 64, "gpu")
-    assert buckets.num_tokens == (8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 2048, 4096, 8192)
-    assert buckets.num_seqs == (8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024)
-    assert buckets.pick(811, 811, 64) == (896, 896, 64)  # was (1024, 1024): 26% padded rows
+    assert buckets.num_tokens == (8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 2048, 4096, 8192)
+    assert buckets.num_seqs == (8, 16, 32, 64, 128, 256, 384, 512, 768, 1024)
+    assert buckets.pick(561, 561, 64) == (768, 768, 64)  # was (1024, 1024): 83% padded rows
     assert buckets.pick(257, 257, 64) == (384, 384, 64)
     assert buckets.pick(1500, 700, 64) == (2048, 1024, 64)  # prefill-sized steps: powers of two as before
+    for n in range(257, 1025):
+        assert buckets.pick(n, n, 64)[0] < 1.5 * n, n  # was up to 2n
+    assert 1536 in default_buckets(2048, 8192, 64, "gpu").num_seqs
     # At most 256 sequences, and on CPU, nothing changes.
     assert default_buckets(256, 8192, 64, "gpu").num_tokens == (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
     assert 384 not in default_buckets(1024, 8192, 64, "cpu").num_tokens
