@@ -229,11 +229,16 @@ class DecodeProfiler:
     stops after ``num_steps`` more steps, once the device has run them. ``profile_collectives.py
     --top`` lists the trace's kernels by time. :meth:`report` says what happened, including why
     tracing never started (the largest decode-only batch seen), so a run without a trace says so.
+
+    ``phase="prefill"`` traces prefill-carrying steps instead (more tokens than running
+    sequences: prompt chunks beside the running decodes), the admission ramp's state. ``after``:
+    another profiler; this one never starts while that one traces (one trace at a time).
     """
 
-    def __init__(self, out_dir: Path, num_steps: int, min_running: int, settle_steps: int = 4, log=print):
+    def __init__(self, out_dir: Path, num_steps: int, min_running: int, settle_steps: int = 4, log=print,
+                 phase: str = "decode", after=None):
         self.out_dir, self.num_steps, self.min_running, self.settle_steps = out_dir, num_steps, min_running, settle_steps
-        self.log = log
+        self.log, self.phase, self.after = log, phase, after
         self.num_seen = self.num_traced = self.decode_run = self.max_decode_running = 0
         self.started_at_step = None
         self.active = False
@@ -251,16 +256,21 @@ class DecodeProfiler:
             if self.num_traced == self.num_steps:
                 self.stop(engine)
             return
+        if self.after is not None and self.after.active:
+            return
         running = engine.scheduler.num_running
-        is_decode_only = running > 0 and engine.last_step_num_tokens == running
-        self.decode_run = self.decode_run + 1 if is_decode_only else 0
-        if is_decode_only:
+        if self.phase == "prefill":
+            is_wanted = engine.last_step_num_tokens > running
+        else:
+            is_wanted = running > 0 and engine.last_step_num_tokens == running
+        self.decode_run = self.decode_run + 1 if is_wanted else 0
+        if is_wanted:
             self.max_decode_running = max(self.max_decode_running, running)
         if self.decode_run >= self.settle_steps and running >= self.min_running:
             jax.block_until_ready(engine.runner.last_sampled)  # the trace starts at a step boundary
             jax.profiler.start_trace(str(self.out_dir))
             self.active, self.started_at_step = True, self.num_seen
-            self.log(f"profile: tracing {self.num_steps} decode steps from step {self.num_seen} "
+            self.log(f"profile: tracing {self.num_steps} {self.phase} steps from step {self.num_seen} "
                      f"({running} running, {engine.scheduler.num_waiting} waiting) into {self.out_dir}")
 
     def stop(self, engine) -> None:
@@ -274,8 +284,8 @@ class DecodeProfiler:
     def report(self) -> dict:
         traces = sorted(str(p.relative_to(self.out_dir)) for p in self.out_dir.glob("plugins/profile/*/*.trace.json.gz"))
         if self.started_at_step is None:
-            self.log(f"profile: never started: no {self.settle_steps} decode-only steps in a row with >= "
-                     f"{self.min_running} running (largest decode-only batch {self.max_decode_running})")
+            self.log(f"profile: never started: no {self.settle_steps} {self.phase} steps in a row with >= "
+                     f"{self.min_running} running (largest such batch {self.max_decode_running})")
         else:
             self.log(f"profile: traced {self.num_traced} steps from step {self.started_at_step}; "
                      f"{len(traces)} trace file(s) {traces}")
@@ -354,12 +364,13 @@ def step_phases(steps: list[dict]) -> dict:
 
 
 def throughput(engine, prompt_lens, output_lens, tag, log, profile: DecodeProfiler | None = None,
-               structured_fraction: float = 0.0, host_profile: HostProfiler | None = None):
+               structured_fraction: float = 0.0, host_profile: HostProfiler | None = None,
+               prefill_profile: DecodeProfiler | None = None):
     # Its own prompts per run: a second run over the same prompts would find their pages in the
     # prefix cache and skip the prefill (the first structured comparison did: 122% of unconstrained).
     rng = np.random.default_rng(1 if structured_fraction else 0)
     mask_before = engine.grammar_mask_seconds
-    captures = [c for c in (profile, host_profile) if c is not None]
+    captures = [c for c in (prefill_profile, profile, host_profile) if c is not None]
 
     def capture(engine_):
         for c in captures:
@@ -378,6 +389,9 @@ def throughput(engine, prompt_lens, output_lens, tag, log, profile: DecodeProfil
             summary["mask_fill_ms_p99"] = 1e3 * float(np.percentile([s["mask"] for s in masked_steps], 99))
     if host_profile is not None:
         host_profile.stop()
+    if prefill_profile is not None:
+        prefill_profile.stop(engine)
+        summary["prefill_profile"] = prefill_profile.report()
     if profile is not None:
         profile.stop(engine)  # when the run ended first
         summary["profile"] = profile.report()
@@ -476,6 +490,9 @@ def main():
                         help="the grammar's tokenizer: a model name, GGUF or HF directory (structured_output_host.py --export-tokenizer)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="trace this many steady decode steps of throughput-1k (DIR/profile_throughput-1k_decode)")
+    parser.add_argument("--profile-prefill-steps", type=int, default=0,
+                        help="trace this many prefill-carrying steps of throughput-1k's admission ramp, before the "
+                             "decode trace if any (DIR/profile_throughput-1k_prefill)")
     parser.add_argument("--host-profile-steps", type=int, default=0,
                         help="cProfile this many steady decode steps of throughput-1k, after the trace if any "
                              "(DIR/host_profile_throughput-1k/host_profile.txt)")
@@ -543,13 +560,21 @@ def main():
             save()
         if "throughput-1k" in workloads:
             n, length = scaled(1000), scaled(1000)
+            prefill_profile = (DecodeProfiler(args.out / "profile_throughput-1k_prefill", args.profile_prefill_steps,
+                                              min_running=max(1, min(n, args.max_num_seqs) // 4), log=log,
+                                              phase="prefill", settle_steps=1)
+                               if args.profile_prefill_steps else None)
             profile = (DecodeProfiler(args.out / "profile_throughput-1k_decode", args.profile_steps,
-                                      min_running=max(1, min(n, args.max_num_seqs) // 2), log=log)
+                                      min_running=max(1, min(n, args.max_num_seqs) // 2), log=log,
+                                      after=prefill_profile)
                        if args.profile_steps else None)
+            if prefill_profile is not None:
+                prefill_profile.after = profile
             host_profile = (HostProfiler(args.out / "host_profile_throughput-1k", args.host_profile_steps,
                                          min_running=max(1, min(n, args.max_num_seqs) // 2), after=profile, log=log)
                             if args.host_profile_steps else None)
-            w = throughput(engine, [length] * n, [length] * n, "throughput-1k", log, profile, host_profile=host_profile)
+            w = throughput(engine, [length] * n, [length] * n, "throughput-1k", log, profile, host_profile=host_profile,
+                           prefill_profile=prefill_profile)
             results["workloads"]["throughput-1k"] = {"shape": args.shape, **w}
             save()
         if args.structured_fraction:

@@ -39,12 +39,14 @@ def test_engine_throughput_workloads_complete(tmp_path):
     args = [BENCHMARKS / "engine_throughput.py", "--out", out, "--shape", "tiny", "--nano-shape", "tiny",
             "--scale", "0.01", "--workloads", "startup,throughput-1k,throughput-nano"]
     # Half of throughput-1k's requests again, under a JSON schema (the tiny fixture's tokenizer).
-    run_script([*args, "--profile-steps", "2", "--structured-fraction", "0.5", "--structured-tokenizer", TINY_TOKENIZER],
-               tmp_path)
+    run_script([*args, "--profile-steps", "2", "--profile-prefill-steps", "1", "--structured-fraction", "0.5",
+                "--structured-tokenizer", TINY_TOKENIZER], tmp_path)
     run_script([*args[:-1], "startup", "--resume"], tmp_path)  # the cache the first run filled: warm
     assert list(out.glob("profile_throughput-1k_decode/plugins/profile/*/*.xplane.pb"))
     profile = json.loads((out / "engine_throughput.json").read_text())["workloads"]["throughput-1k"]["profile"]
     assert profile["num_traced_steps"] == 2 and len(profile["trace_files"]) == 1
+    prefill = json.loads((out / "engine_throughput.json").read_text())["workloads"]["throughput-1k"]["prefill_profile"]
+    assert prefill["num_traced_steps"] == 1 and len(prefill["trace_files"]) == 1
     results = json.loads((out / "engine_throughput.json").read_text())
     workloads = results["workloads"]
     assert workloads["startup"]["cache_files_before"] == 0
