@@ -125,11 +125,10 @@ def assert_matches(out, x, w, scale, form):
     assert np.all(excess <= 0), f"{form}: worst excess over the tolerance {excess.max():.3g}"
 
 
-@pytest.mark.parametrize("m", range(1, 17))
-@pytest.mark.parametrize("form", sorted(NEW_FORMS))
+# fma keeps one accumulator per row: M <= 8; the others serve M <= 16.
+@pytest.mark.parametrize("form,m", [(form, m) for form in sorted(NEW_FORMS) for m in range(1, 17)
+                                    if form != "fma_bits" or m <= 8])
 def test_new_forms_match_reference_at_every_m(form, m):
-    if form == "fma_bits" and m > 8:
-        pytest.skip("fma keeps one accumulator per row: M <= 8")
     x, w, scale = make_case(m, seed=m)
     out = fp8_weight_only_matmul(x, w, scale, interpret=True, **TILES, **NEW_FORMS[form])
     assert_matches(out, x, w, scale, form)
@@ -208,3 +207,31 @@ def test_measured_gemv_f16_default_falls_back_for_an_f32_caller(monkeypatch):
     out = fp8_weight_only_matmul(x.astype(jnp.float32), w, scale, interpret=True)
     ref = weight_only_matmul_reference(x.astype(jnp.float32), w, scale)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("options", [
+    dict(algorithm="gemv", block_n=16, block_k=1024, num_stages=1, prefetch=1, convert="bits"),
+    dict(algorithm="fma", block_n=16, block_k=512, k_splits=2, convert="bits"),
+    dict(algorithm="gemv_f16", block_n=16, block_k=1024, num_stages=1, prefetch=1, convert="bits"),
+    dict(algorithm="gemv_f16", block_n=32, block_k=512, num_warps=8, k_splits=2, prefetch=2, convert="bits"),
+    dict(algorithm="mma", block_n=64, block_k=256, dot_dtype="float16", convert="bits"),
+    dict(algorithm="mma_swapped", block_n=128, block_k=256, num_warps=8, num_stages=3, dot_dtype="float16",
+         convert="bits"),
+], ids=["gemv_bits", "fma_bits", "gemv_f16", "gemv_f16_split_pf2", "mma_bits_f16", "mma_swapped_bits_f16"])
+def test_new_forms_lower_through_triton_from_cpu(options):
+    # Pallas -> Triton IR for an abstract H200: the bitcasts, shifts, the f16 span reshape and
+    # reduction must all have Triton lowerings (interpret mode does not check that).
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
+    max_rows = {"fma": 8}.get(options["algorithm"], 16)
+    for m in (1, 3, 8, 16):
+        if m > max_rows:
+            continue
+        x = jax.ShapeDtypeStruct((m, 4096), jnp.bfloat16)
+        w = jax.ShapeDtypeStruct((1024, 4096), FP8)
+        scale = jax.ShapeDtypeStruct((1024,), jnp.float32)
+        with jax.sharding.use_abstract_mesh(mesh):
+            lowered = fp8_weight_only_matmul.trace(x, w, scale, **options).lower(lowering_platforms=("cuda",))
+        assert "triton" in lowered.as_text()

@@ -19,9 +19,13 @@ alone leaves SMs idle (``k``/``v`` at N=1024), K is split and the float32 partia
 step, which also casts to x's dtype. x's rows are padded to the tile with masked loads,
 so neither x nor the output is copied to pad M.
 
-Tile sizes and the four multiply forms (tensor-core dot, swapped dot, element-wise FMA
-with a tile-sized accumulator, GEMV reducing every step) are in ``block_sizes``; the
-measured table that picks among them per shape is ``tuning_table``.
+Tile sizes and the five multiply forms (tensor-core dot, swapped dot, element-wise FMA
+with a tile-sized accumulator, GEMV reducing every step, and that GEMV with f16 products
+summed over short spans) are in ``block_sizes``; the measured table that picks among them
+per shape is ``tuning_table``. fp8 weights become floats by the hardware's conversion or,
+with ``convert="bits"``, by integer ops on their bits (``conversion``: the conversion pipe
+is the suspected limit of the fp8 GEMV), the power of two that leaves folded into the
+epilogue's scale.
 
 bf16 weights may also come as the model stores them, ``w [K, N]`` (``layout="kn"``): then
 ``w_ref`` is ``[K / k_splits, block_n]`` and each step's tile is ``block_k`` rows, each
@@ -36,6 +40,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -225,8 +230,9 @@ def _matmul_kernel(
             out = []
             for r, acc in enumerate(accs):
                 products = (w * x_half(r, k0)).reshape(block_n, num_spans, GEMV_F16_SPAN)
-                # lax.reduce keeps f16 (jnp.sum would sum f16 in f32, a conversion per product).
-                spans = lax.reduce(products, jnp.float16(0), lax.add, (2,))  # [block_n, num_spans] f16
+                # lax.reduce keeps f16 (jnp.sum would sum f16 in f32, a conversion per product); a
+                # NumPy zero lets it recognise the sum (reduce_sum, which Pallas-Triton lowers).
+                spans = lax.reduce(products, np.float16(0), lax.add, (2,))  # [block_n, num_spans] f16
                 out.append(acc + jnp.sum(spans.astype(jnp.float32), axis=1))
             return tuple(out)
 
