@@ -124,7 +124,7 @@ def traffic(m: int, n: int, k: int, fmt: str) -> int:
 def describe(sizes: MatmulBlockSizes) -> str:
     return (f"{sizes.algorithm} n{sizes.block_n} k{sizes.block_k} s{sizes.k_splits} "
             f"w{sizes.num_warps} st{sizes.num_stages}{f' pf{int(sizes.prefetch)}' if sizes.prefetch else ''}"
-            f"{' f16' if sizes.dot_dtype == 'float16' else ''}{' bits' if sizes.convert == 'bits' else ''}")
+            f"{' f16' if sizes.dot_dtype == 'float16' else ''}{' ' + sizes.convert if sizes.convert != 'cvt' else ''}")
 
 
 def form_of(sizes: MatmulBlockSizes) -> str:
@@ -181,9 +181,10 @@ def candidates(m: int, n: int, k: int, fmt: str) -> list[MatmulBlockSizes]:
     bf16 get tiles of equal bytes in flight; K splits follow from the tile (``num_k_splits``:
     enough programs for the SMs), times ``split_factor``. Session 10's fp8 forms come first (the
     sweep goes in rounds, so early candidates are timed even when the budget runs out): the
-    conversion by integer ops (``convert="bits"``) in the f32 ``gemv``, in ``gemv_f16`` (f16
-    products over 8-element spans) and in the f16 tensor-core dots, each on the tiles that won
-    with the hardware conversion; then those winners themselves (runs 2-3). Smaller tiles (8 KB)
+    conversion by integer ops (``convert="bits"``, and ``"bits_ptx"``: the same as packed inline
+    PTX) in the f32 ``gemv``, in ``gemv_f16`` (f16 products over 8-element spans) and in the f16
+    tensor-core dots, each on the tiles that won with the hardware conversion; then those
+    winners themselves (runs 2-3). Smaller tiles (8 KB)
     come along for q/o and k/v, whose N of 4096 / 1024 gives fewer programs. The bf16 lists
     keep runs 2-3's winners and their neighbours only (the budget is fp8's this time).
     """
@@ -213,24 +214,29 @@ def candidates(m: int, n: int, k: int, fmt: str) -> list[MatmulBlockSizes]:
         if m <= 4:
             raw += [c("gemv", 16, 32, 8, 1, 1), c("gemv", 32, 32, 8, 1, 1)]
         return fitting_candidates(default_block_sizes(m, n, k, BF16, table=()), raw, m, n, k)
-    bits = dict(convert="bits")
+    bits, ptx = dict(convert="bits"), dict(convert="bits_ptx")
     if m <= 4:
         raw += [c("gemv_f16", 16, 16, 4, 1, 1, **bits), c("gemv", 16, 16, 4, 1, 1, split_factor=4, **bits),
+                c("gemv_f16", 16, 16, 4, 1, 1, **ptx),
                 c("gemv", 16, 16, 4, 3, **bits), c("gemv_f16", 16, 16, 4, 1, 1, split_factor=4, **bits),
                 c("gemv_f16", 32, 16, 8, 1, 1, **bits), c("gemv_f16", 16, 8, 4, 1, 2, **bits),
                 c("gemv", 32, 32, 8, 1, 2, **bits), c("gemv_f16", 16, 32, 8, 1, 1, **bits),
                 c("mma_swapped", 64, 16, 4, 4, dot_dtype="float16", **bits),
+                c("gemv_f16", 32, 16, 8, 1, 1, **ptx),
                 # runs 2-3's winners, with the hardware conversion
                 c("gemv", 16, 16, 4, 1, 1, split_factor=4), c("gemv", 16, 16, 4, 3), c("gemv", 16, 16, 4, 1, 2),
                 c("gemv", 16, 8, 4, 1, 1), c("gemv", 32, 32, 8, 1, 1)]
     else:
         raw += [c("mma", 64, 0, 4, 4, block_k=256, dot_dtype="float16", **bits),
                 c("mma_swapped", 128, 32, 8, 3, dot_dtype="float16", **bits),
+                c("mma", 64, 0, 4, 4, block_k=256, dot_dtype="float16", **ptx),
+                c("gemv_f16", 16, 16, 4, 1, 1, **ptx),
                 c("mma", 32, 0, 4, 4, block_k=256, dot_dtype="float16", **bits),
                 c("gemv_f16", 16, 16, 4, 1, 1, **bits), c("gemv_f16", 32, 16, 8, 1, 1, **bits),
                 c("mma_swapped", 64, 16, 4, 4, dot_dtype="float16", **bits),
                 c("mma", 32, 0, 4, 4, block_k=256, split_factor=2, dot_dtype="float16", **bits),
                 c("gemv_f16", 16, 8, 4, 1, 2, **bits), c("gemv", 16, 16, 4, 1, 1, **bits),
+                c("mma_swapped", 128, 32, 8, 3, dot_dtype="float16", **ptx),
                 # runs 2-3's winners, with the hardware conversion
                 c("mma", 64, 0, 4, 4, block_k=256, dot_dtype="float16"),
                 c("mma_swapped", 128, 32, 8, 3, dot_dtype="float16"), c("mma", 32, 0, 4, 4, block_k=256),
@@ -518,7 +524,7 @@ def markdown_summary(info, ceiling, sweep_rows, table, chain_rows, ms, shapes, e
              "", f"HBM read ceiling this run: **{ceiling:.2f} TB/s**", "",
              "## Per shape (µs per call / TB/s on each format's own bytes)", "",
              "Columns: XLA's peer; our default sizes; our fastest with the hardware conversion (`cvt`) and "
-             "with the integer one (`bits`, fp8 only), each with its sizes; the table's pick (fastest correct "
+             "with the integer one (`bits` or `bits_ptx`, fp8 only), each with its sizes; the table's pick (fastest correct "
              "and exact) against XLA.", "",
              "| shape | M | weights | XLA peer | ours default | best cvt | best bits | table pick | ours/XLA |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -539,7 +545,7 @@ def markdown_summary(info, ceiling, sweep_rows, table, chain_rows, ms, shapes, e
 
                 def best_cell(convert):
                     timed = [r for r in rows if "sizes" in r and "us" in r and r["rel_error"] < MAX_REL_ERROR
-                             and r["sizes"].get("convert", "cvt") == convert]
+                             and r["sizes"].get("convert", "cvt").startswith(convert)]
                     if not timed:
                         return "-"
                     best = min(timed, key=lambda r: r["us"])

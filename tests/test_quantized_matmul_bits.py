@@ -30,6 +30,10 @@ NEW_FORMS = {
     "gemv_f16": dict(algorithm="gemv_f16", convert="bits"),
     "mma_bits_f16": dict(algorithm="mma", convert="bits", dot_dtype="float16"),
     "mma_swapped_bits_f16": dict(algorithm="mma_swapped", convert="bits", dot_dtype="float16"),
+    # Interpret mode runs "bits" for "bits_ptx" (no PTX on a CPU): these check the plumbing; the
+    # PTX itself is checked by its lowering below and by the GPU sweep's exactness probe.
+    "gemv_f16_ptx": dict(algorithm="gemv_f16", convert="bits_ptx"),
+    "mma_swapped_ptx_f16": dict(algorithm="mma_swapped", convert="bits_ptx", dot_dtype="float16"),
 }
 ALL_CODES = np.arange(256, dtype=np.uint8)
 NOT_NAN = np.array([code not in NAN_CODES for code in range(256)])
@@ -116,7 +120,7 @@ def assert_matches(out, x, w, scale, form):
     assert out.shape == ref.shape and out.dtype == ref.dtype
     out64, ref64 = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     assert np.all(np.isfinite(out64))
-    if form == "gemv_f16":
+    if form.startswith("gemv_f16"):
         tol = gemv_f16_tolerance(x, w, scale, ref)
     else:
         # f16 / f32 products of exact operands, f32 sums: the bf16 output's rounding at most.
@@ -175,7 +179,8 @@ def test_gemv_f16_saturates_x_instead_of_overflowing():
     (dict(algorithm="gemv_f16", convert="cvt"), "convert must be 'bits'"),
     (dict(algorithm="mma", convert="bits"), "dot_dtype must be 'float16'"),
     (dict(algorithm="gemv", convert="fast"), "convert must be one of"),
-], ids=["gemv_f16_needs_bits", "mma_bits_needs_f16", "unknown_convert"])
+    (dict(algorithm="gemv", convert="bits_ptx"), "bits_ptx' makes f16 weights"),
+], ids=["gemv_f16_needs_bits", "mma_bits_needs_f16", "unknown_convert", "ptx_is_f16_only"])
 def test_bad_conversion_options_name_the_field(options, field):
     x, w, scale = make_case(2, seed=1)
     with pytest.raises(ValueError, match=field):
@@ -217,7 +222,10 @@ def test_measured_gemv_f16_default_falls_back_for_an_f32_caller(monkeypatch):
     dict(algorithm="mma", block_n=64, block_k=256, dot_dtype="float16", convert="bits"),
     dict(algorithm="mma_swapped", block_n=128, block_k=256, num_warps=8, num_stages=3, dot_dtype="float16",
          convert="bits"),
-], ids=["gemv_bits", "fma_bits", "gemv_f16", "gemv_f16_split_pf2", "mma_bits_f16", "mma_swapped_bits_f16"])
+    dict(algorithm="gemv_f16", block_n=16, block_k=1024, num_stages=1, prefetch=1, convert="bits_ptx"),
+    dict(algorithm="mma", block_n=64, block_k=256, dot_dtype="float16", convert="bits_ptx"),
+], ids=["gemv_bits", "fma_bits", "gemv_f16", "gemv_f16_split_pf2", "mma_bits_f16", "mma_swapped_bits_f16",
+        "gemv_f16_ptx", "mma_ptx_f16"])
 def test_new_forms_lower_through_triton_from_cpu(options):
     # Pallas -> Triton IR for an abstract H200: the bitcasts, shifts, the f16 span reshape and
     # reduction must all have Triton lowerings (interpret mode does not check that).
@@ -234,4 +242,7 @@ def test_new_forms_lower_through_triton_from_cpu(options):
         scale = jax.ShapeDtypeStruct((1024,), jnp.float32)
         with jax.sharding.use_abstract_mesh(mesh):
             lowered = fp8_weight_only_matmul.trace(x, w, scale, **options).lower(lowering_platforms=("cuda",))
-        assert "triton" in lowered.as_text()
+        text = lowered.as_text()
+        assert "triton" in text
+        # The PTX form carries its packed conversion into the kernel; the others have no inline PTX.
+        assert ("prmt.b32" in text) == (options["convert"] == "bits_ptx")

@@ -38,7 +38,9 @@ a pipe issuing ~16 a clock per SM, against ~18 weights per SM per clock at the H
 hypothesis for the ~65% ceiling the cvt forms measured), or ``"bits"``, shifts and masks on the
 integer pipe (``conversion``; the power of two it leaves folds into the epilogue's scale):
 for the f32 forms (``gemv``, ``fma``), for ``gemv_f16`` (required) and for the tensor-core
-forms with ``dot_dtype="float16"``. Weights stored ``[K, N]`` (``layout="kn"``, the dense bf16 weights) get their own
+forms with ``dot_dtype="float16"``; ``"bits_ptx"`` is the f16 one written as inline PTX on
+packed registers (four weights an instance, ~1.5 instructions a weight), in case the compiler
+does not pack the per-element ``"bits"`` ops itself (same values; interpret mode runs ``"bits"``). Weights stored ``[K, N]`` (``layout="kn"``, the dense bf16 weights) get their own
 heuristic: tiles 128 columns wide, K split until the programs fill the GPU.
 
 Run 1 on the H200 (docs/KERNELS.md) measured only the first defaults (fma n16 k512 at M <= 2,
@@ -58,8 +60,9 @@ from pallas_kernels.quantized_matmul.tuning_table import measured_block_sizes
 
 ALGORITHMS = ("mma", "mma_swapped", "fma", "gemv", "gemv_f16")
 DOT_DTYPES = (None, "float16")
-# How fp8 weights become floats: the hardware conversion, or integer ops on the bits (module doc).
-CONVERSIONS = ("cvt", "bits")
+# How fp8 weights become floats: the hardware conversion, integer ops on the bits (module doc), or
+# those ops as inline PTX on packed registers (f16 only: gemv_f16 and the f16 tensor-core dot).
+CONVERSIONS = ("cvt", "bits", "bits_ptx")
 # How the weights are stored: "nk" = [out, in] (the quantized payload), "kn" = [in, out] (the
 # dense einsum layout of bf16 weights).
 LAYOUTS = ("nk", "kn")
@@ -110,8 +113,9 @@ class MatmulBlockSizes:
     # fp8 -> bf16 takes more steps after it (a hypothesis for run 2's M-independent 27 µs, to be
     # measured); x is saturated to f16's range (|x| <= 65504) and keeps 3 more mantissa bits than bf16.
     dot_dtype: str | None = None
-    # fp8 -> float by the hardware's "cvt" or by integer ops on the bits, "bits" (module doc;
-    # fp8 weights only). Tables written before the field existed mean "cvt".
+    # fp8 -> float by the hardware's "cvt", by integer ops on the bits, "bits", or by those as
+    # inline PTX, "bits_ptx" (module doc; fp8 weights only). Tables written before the field
+    # existed mean "cvt".
     convert: str = "cvt"
 
 

@@ -56,7 +56,7 @@ from pallas_kernels.quantized_matmul.block_sizes import (
     padded_rows,
 )
 from pallas_kernels.quantized_matmul.conversion import (
-    E4M3_F16_SHIFT, E4M3_F32_SHIFT, e4m3_to_f16_scaled, e4m3_to_f32_scaled,
+    E4M3_F16_SHIFT, E4M3_F32_SHIFT, e4m3_to_f16_scaled, e4m3_to_f16_scaled_ptx, e4m3_to_f32_scaled,
 )
 from pallas_kernels.quantized_matmul.validation import (
     check_block_sizes, check_inputs, check_operands, operands_fit,
@@ -120,7 +120,7 @@ def _matmul_kernel(
     w_ref,  # [block_n, K / k_splits] ("nk") or [K / k_splits, block_n] ("kn"): this program's weights, this split's K
     *refs,  # scale_ref [block_n] float32 (quantized weights only), then out_ref [M, block_n]: the
     # output (k_splits == 1) or this split's float32 partial sums
-    m: int, sizes: MatmulBlockSizes, compute_dtype, precision, scaled: bool, layout: str,
+    m: int, sizes: MatmulBlockSizes, compute_dtype, precision, scaled: bool, layout: str, interpret: bool,
 ):
     scale_ref, out_ref = refs if scaled else (None, refs[0])
     block_n, block_k = sizes.block_n, sizes.block_k
@@ -133,7 +133,7 @@ def _matmul_kernel(
     scale = scale_ref[...].astype(jnp.float32) if scaled else None  # [block_n]
     reduce_k = 0 if k_major else 1  # the tile's K axis
 
-    bits = sizes.convert == "bits"
+    bits = sizes.convert in ("bits", "bits_ptx")
     # The power of two the "bits" conversion (and x's pre-scaling) leaves in the sums, undone in
     # the epilogue, before the per-channel scale (the sums are then the true ones, so no overflow).
     if not bits:
@@ -149,6 +149,11 @@ def _matmul_kernel(
         if unscale is not None:
             values = values * unscale
         return values if scale is None else values * scale
+
+    def f16_weights(tile):  # a raw fp8 tile as f16 weights * 2**-8, by "bits" or "bits_ptx"
+        if sizes.convert == "bits_ptx":
+            return e4m3_to_f16_scaled_ptx(tile, interpret=interpret)
+        return e4m3_to_f16_scaled(tile)
 
     def f32_weights(tile):  # a raw tile as f32: the weights, or (convert="bits") the weights * 2**-120
         return e4m3_to_f32_scaled(tile) if bits else _convert_weights(tile, jnp.float32)
@@ -226,7 +231,7 @@ def _matmul_kernel(
             return x.astype(jnp.float16)[None, :]
 
         def gemv_f16_step(i, k0, tile, accs):
-            w = e4m3_to_f16_scaled(tile)  # [block_n, block_k] f16
+            w = f16_weights(tile)  # [block_n, block_k] f16
             out = []
             for r, acc in enumerate(accs):
                 products = (w * x_half(r, k0)).reshape(block_n, num_spans, GEMV_F16_SPAN)
@@ -246,7 +251,7 @@ def _matmul_kernel(
 
     def mma_step(i, k0, tile, acc):
         # convert="bits" (dot_dtype float16 only): f16 weights * 2**-8, undone in the epilogue.
-        w = e4m3_to_f16_scaled(tile) if bits else _convert_weights(tile, compute_dtype)
+        w = f16_weights(tile) if bits else _convert_weights(tile, compute_dtype)
         x = _load_x_tile(x_ref, k0, m=m, block_m=block_m, block_k=block_k)
         if jnp.dtype(compute_dtype) == jnp.float16:
             # Saturate rather than overflow to inf: f16 tops out at 65504 where bf16 does not.
@@ -280,7 +285,8 @@ def weight_only_matmul_gpu(x, w, scale, *, sizes: MatmulBlockSizes, interpret: b
     # dot_dtype "float16" (fp8 / int8 weights, bf16 x): the dot runs in f16 instead (see block_sizes).
     compute_dtype = jnp.float16 if sizes.dot_dtype == "float16" else x.dtype
     kernel = functools.partial(_matmul_kernel, m=m, sizes=sizes, compute_dtype=compute_dtype,
-                               precision=matmul_precision(compute_dtype), scaled=scaled, layout=layout)
+                               precision=matmul_precision(compute_dtype), scaled=scaled, layout=layout,
+                               interpret=interpret)
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
         out_spec = pl.BlockSpec((m, sizes.block_n), lambda j, s: (0, j))
@@ -369,7 +375,8 @@ def fp8_weight_only_matmul(
     ahead (0-3; True means 1); ``dot_dtype="float16"`` runs the tensor-core forms in f16
     (bf16 x only, saturated to f16's range); ``convert="bits"`` converts the weights by integer
     ops on their bits instead of the hardware's ``cvt`` (``conversion``; required by
-    ``algorithm="gemv_f16"``, the half-precision GEMV for bf16 x). ``interpret=True`` runs the kernel in Pallas's interpreter
+    ``algorithm="gemv_f16"``, the half-precision GEMV for bf16 x), ``convert="bits_ptx"`` by
+    the same ops as inline PTX on packed registers (f16 consumers only). ``interpret=True`` runs the kernel in Pallas's interpreter
     (CPU tests). Needs compute capability >= 8.9 on the GPU (Triton's fp8 conversion).
     """
     return _weight_only_matmul(x, w, scale, jnp.float8_e4m3fn, interpret=interpret, algorithm=algorithm,

@@ -105,20 +105,23 @@ def check_convert(sizes: MatmulBlockSizes, x_dtype, weight_dtype) -> None:
     if sizes.convert not in CONVERSIONS:
         raise ValueError(f"convert must be one of {CONVERSIONS}, got {sizes.convert!r}")
     if sizes.algorithm == "gemv_f16":
-        if sizes.convert != "bits":
-            raise ValueError(f"algorithm 'gemv_f16' takes its f16 weights from the bits: convert must be 'bits', "
-                             f"got {sizes.convert!r}")
+        if sizes.convert not in ("bits", "bits_ptx"):
+            raise ValueError(f"algorithm 'gemv_f16' takes its f16 weights from the bits: convert must be 'bits' or "
+                             f"'bits_ptx', got {sizes.convert!r}")
         if jnp.dtype(x_dtype) != jnp.bfloat16:
             raise ValueError(f"algorithm 'gemv_f16' needs bfloat16 x (an f32 caller keeps f32 products), "
                              f"got x {jnp.dtype(x_dtype)}")
     if sizes.convert == "cvt":
         return
     if jnp.dtype(weight_dtype) != jnp.float8_e4m3fn:
-        raise ValueError(f"convert='bits' reads e4m3 bit fields: weights must be float8_e4m3fn, "
+        raise ValueError(f"convert={sizes.convert!r} reads e4m3 bit fields: weights must be float8_e4m3fn, "
                          f"got {jnp.dtype(weight_dtype)}")
     if sizes.algorithm in ("mma", "mma_swapped") and sizes.dot_dtype != "float16":
-        raise ValueError(f"convert='bits' feeds the tensor-core forms f16 operands: dot_dtype must be 'float16', "
-                         f"got {sizes.dot_dtype!r}")
+        raise ValueError(f"convert={sizes.convert!r} feeds the tensor-core forms f16 operands: dot_dtype must be "
+                         f"'float16', got {sizes.dot_dtype!r}")
+    if sizes.convert == "bits_ptx" and sizes.algorithm in ("gemv", "fma"):
+        raise ValueError(f"convert='bits_ptx' makes f16 weights: it serves gemv_f16 and the f16 tensor-core dot, "
+                         f"not algorithm {sizes.algorithm!r} (use convert='bits')")
 
 
 def check_dot_dtype(sizes: MatmulBlockSizes, x_dtype, weight_dtype) -> None:
