@@ -23,8 +23,9 @@ Five ways to multiply a tile (``algorithm``):
   is multiplied). M <= 16 (M multiply-adds per weight: the CUDA cores keep up to ~8-16).
 * ``"gemv_f16"``: ``"gemv"`` with half-precision products (fp8 weights, ``convert="bits"``
   only): each weight becomes ``w * 2**-8`` in f16 by bit shifts, x's row ``x * 2**-4`` in f16,
-  and the products are summed in f16 over spans of ``GEMV_F16_SPAN`` consecutive K (packed
-  ``f16x2`` arithmetic: two weights an instruction, and no f16 -> f32 conversion per weight),
+  and the products are summed in f16 over spans of ``GEMV_F16_SPAN`` (every other K of 16
+  consecutive ones, so two spans sit side by side in ``f16x2`` registers: packed arithmetic,
+  two weights an instruction, and no f16 -> f32 conversion per weight),
   each span's sum then added into the row's f32 accumulator (one conversion per span). f32
   FMAs at M rows are M instructions per weight; at 4.5 TB/s an SM must take ~18 weights a
   clock and issues 128 f32 FMA lanes a clock, so M >= 8 rows of f32 math alone saturate it.
@@ -69,7 +70,8 @@ LAYOUTS = ("nk", "kn")
 MAX_PREFETCH = 3  # weight tiles a program may load ahead (registers: 3 x 16 KB is already a lot)
 MAX_FMA_ROWS = 8
 MAX_GEMV_ROWS = 16
-# gemv_f16: K elements whose f16 products are summed in f16 before the f32 accumulator.
+# gemv_f16: products summed in f16 before the f32 accumulator (K elements 2 apart, so block_k
+# must be a multiple of 2 * GEMV_F16_SPAN).
 GEMV_F16_SPAN = 8
 # gemv_f16 multiplies x * 2**-GEMV_F16_X_SHIFT (weights are w * 2**-8, |w * 2**-8| <= 1.75):
 # x's f16 copy keeps full precision for |x| >= 2**-10, and a span's sum stays finite because

@@ -219,11 +219,15 @@ def _matmul_kernel(
 
     if sizes.algorithm == "gemv_f16":
         # "gemv" in half precision (block_sizes' module doc): products and sums of spans of
-        # GEMV_F16_SPAN consecutive K in f16, where the GPU packs two per instruction and no
-        # weight needs a conversion beyond the bit shifts; each span's sum joins the row's f32
+        # GEMV_F16_SPAN products in f16, where the GPU packs two per instruction and no weight
+        # needs a conversion beyond the bit shifts; each span's sum joins the row's f32
         # accumulator. Weights are w * 2**-8 (<= 1.75), x is x * 2**-4, saturated so a span's
         # sum stays finite; the epilogue multiplies by 2**12. Only fp8 in "nk" gets here.
-        num_spans = block_k // GEMV_F16_SPAN
+        # A span takes every other K of 2 * SPAN consecutive ones ([.., SPAN, 2], summed over
+        # SPAN): the two spans of each group are independent chains of the same adds on
+        # neighbouring halves, which is what a compiler can put in one f16x2 register without
+        # reassociating a sum; consecutive K in one span would make each add depend on the last.
+        num_groups = block_k // (2 * GEMV_F16_SPAN)
 
         def x_half(r, k0):  # [1, block_k] f16
             x = x_ref[r, pl.ds(k0, block_k)].astype(jnp.float32)
@@ -234,11 +238,12 @@ def _matmul_kernel(
             w = f16_weights(tile)  # [block_n, block_k] f16
             out = []
             for r, acc in enumerate(accs):
-                products = (w * x_half(r, k0)).reshape(block_n, num_spans, GEMV_F16_SPAN)
+                products = (w * x_half(r, k0)).reshape(block_n, num_groups, GEMV_F16_SPAN, 2)
                 # lax.reduce keeps f16 (jnp.sum would sum f16 in f32, a conversion per product); a
                 # NumPy zero lets it recognise the sum (reduce_sum, which Pallas-Triton lowers).
-                spans = lax.reduce(products, np.float16(0), lax.add, (2,))  # [block_n, num_spans] f16
-                out.append(acc + jnp.sum(spans.astype(jnp.float32), axis=1))
+                spans = lax.reduce(products, np.float16(0), lax.add, (2,))  # [block_n, num_groups, 2] f16
+                # One axis at a time: Pallas-Triton's lowering of a two-axis sum fails under a mesh.
+                out.append(acc + jnp.sum(jnp.sum(spans.astype(jnp.float32), axis=2), axis=1))
             return tuple(out)
 
         accs = k_loop(gemv_f16_step, (jnp.zeros((block_n,), jnp.float32),) * m)

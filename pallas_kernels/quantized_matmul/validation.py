@@ -74,9 +74,9 @@ def check_block_sizes(sizes: MatmulBlockSizes, m: int, n: int, k: int) -> None:
     if sizes.algorithm in ("gemv", "gemv_f16") and m > MAX_GEMV_ROWS:
         raise ValueError(f"algorithm {sizes.algorithm!r} reduces every row on the CUDA cores: M must be "
                          f"<= {MAX_GEMV_ROWS}, got {m}")
-    if sizes.algorithm == "gemv_f16" and sizes.block_k % GEMV_F16_SPAN:
-        raise ValueError(f"algorithm 'gemv_f16' sums spans of {GEMV_F16_SPAN} K elements: block_k must be a "
-                         f"multiple of {GEMV_F16_SPAN}, got {sizes.block_k}")
+    if sizes.algorithm == "gemv_f16" and sizes.block_k % (2 * GEMV_F16_SPAN):
+        raise ValueError(f"algorithm 'gemv_f16' sums pairs of spans of {GEMV_F16_SPAN} K elements: block_k must be "
+                         f"a multiple of {2 * GEMV_F16_SPAN}, got {sizes.block_k}")
     if sizes.algorithm == "fma" and m > MAX_FMA_ROWS:
         raise ValueError(f"algorithm 'fma' keeps one accumulator per row: M must be <= {MAX_FMA_ROWS}, got {m}")
     if n % sizes.block_n:
