@@ -222,7 +222,9 @@ def candidates(m: int, n: int, k: int, fmt: str) -> list[MatmulBlockSizes]:
                 c("gemv_f16", 32, 16, 8, 1, 1, **bits), c("gemv_f16", 16, 8, 4, 1, 2, **bits),
                 c("gemv", 32, 32, 8, 1, 2, **bits), c("gemv_f16", 16, 32, 8, 1, 1, **bits),
                 c("mma_swapped", 64, 16, 4, 4, dot_dtype="float16", **bits),
-                c("gemv_f16", 32, 16, 8, 1, 1, **ptx),
+                c("gemv_f16", 32, 16, 8, 1, 1, **ptx), c("gemv_f16", 16, 32, 8, 1, 1, **ptx),
+                c("gemv_f16", 16, 8, 4, 1, 1, split_factor=2, **bits), c("gemv_f16", 64, 16, 8, 1, 1, **bits),
+                c("gemv", 32, 16, 8, 1, 1, **bits),
                 # runs 2-3's winners, with the hardware conversion
                 c("gemv", 16, 16, 4, 1, 1, split_factor=4), c("gemv", 16, 16, 4, 3), c("gemv", 16, 16, 4, 1, 2),
                 c("gemv", 16, 8, 4, 1, 1), c("gemv", 32, 32, 8, 1, 1)]
@@ -237,6 +239,8 @@ def candidates(m: int, n: int, k: int, fmt: str) -> list[MatmulBlockSizes]:
                 c("mma", 32, 0, 4, 4, block_k=256, split_factor=2, dot_dtype="float16", **bits),
                 c("gemv_f16", 16, 8, 4, 1, 2, **bits), c("gemv", 16, 16, 4, 1, 1, **bits),
                 c("mma_swapped", 128, 32, 8, 3, dot_dtype="float16", **ptx),
+                c("gemv_f16", 32, 16, 8, 1, 2, **ptx), c("mma_swapped", 64, 16, 4, 4, dot_dtype="float16", **ptx),
+                c("mma", 64, 0, 8, 3, block_k=512, dot_dtype="float16", **bits),
                 # runs 2-3's winners, with the hardware conversion
                 c("mma", 64, 0, 4, 4, block_k=256, dot_dtype="float16"),
                 c("mma_swapped", 128, 32, 8, 3, dot_dtype="float16"), c("mma", 32, 0, 4, 4, block_k=256),
