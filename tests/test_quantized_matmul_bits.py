@@ -246,3 +246,50 @@ def test_new_forms_lower_through_triton_from_cpu(options):
         assert "triton" in text
         # The PTX form carries its packed conversion into the kernel; the others have no inline PTX.
         assert ("prmt.b32" in text) == (options["convert"] == "bits_ptx")
+
+
+def run_ptx(ptx: str, inputs: dict[str, int]) -> dict[str, int]:
+    """A tiny interpreter for the b32 PTX the packed conversion uses (prmt, shr, and, or), on Python ints."""
+    regs = dict(inputs)
+
+    def value(operand):
+        operand = operand.strip()
+        return int(operand, 0) if operand[0].isdigit() else regs[operand]
+
+    for line in ptx.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, operands = line.split(None, 1)
+        dst, *srcs = [o.strip() for o in operands.split(",")]
+        a, *rest = [value(o) for o in srcs]
+        if op == "prmt.b32":
+            b, selector = rest
+            source = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+            assert all(((selector >> 4 * i) & 0x8) == 0 for i in range(4)), "sign-replicating selectors not modelled"
+            regs[dst] = sum(source[(selector >> 4 * i) & 0x7] << 8 * i for i in range(4))
+        elif op == "shr.b32":
+            regs[dst] = a >> rest[0]
+        elif op == "and.b32":
+            regs[dst] = a & rest[0]
+        elif op == "or.b32":
+            regs[dst] = a | rest[0]
+        else:
+            raise AssertionError(f"unmodelled PTX instruction {op!r}")
+    return regs
+
+
+def test_packed_ptx_conversion_computes_the_bit_conversion_of_four_codes():
+    # The inline PTX of convert="bits_ptx" (interpreted here: a CPU has no PTX) turns four codes in
+    # one register, element 0 in the low byte, into two f16x2 registers, elements 0 and 1 in the
+    # first, each element's low half first: the bits e4m3_to_f16_scaled gives each code.
+    from pallas_kernels.quantized_matmul.conversion import _E4M3X4_TO_F16X4_PTX
+
+    expected_bits = convert_in_kernel(e4m3_to_f16_scaled, ALL_CODES).view(np.uint16)
+    rng = np.random.default_rng(0)
+    groups = np.concatenate([ALL_CODES.reshape(-1, 4), rng.integers(0, 256, (2000, 4), dtype=np.uint8)])
+    for codes in groups:
+        word = int(codes.astype(np.uint32) @ (1 << 8 * np.arange(4, dtype=np.uint32)))
+        regs = run_ptx(_E4M3X4_TO_F16X4_PTX, {"$2": word})
+        halves = [regs["$0"] & 0xFFFF, regs["$0"] >> 16, regs["$1"] & 0xFFFF, regs["$1"] >> 16]
+        assert halves == [int(expected_bits[c]) for c in codes], [hex(c) for c in codes]
