@@ -1,15 +1,20 @@
 """Decode-sized weight GEMV on one GPU: our Pallas kernel (fp8 and bf16 weights) against XLA, in a fixed wall budget.
 
-A focused run (the second GPU run of the weight-only kernel, see docs/KERNELS.md): Llama-3.1-8B's
-two largest projection shapes, gate/up ``14336 x 4096`` and down ``4096 x 14336`` (``[out, in]``),
-at M in {1, 4, 8, 16} tokens, with fp8 weights (per-channel scales; XLA's peer: W8A16, convert
+A focused run (the weight-only kernel's GPU runs, see docs/KERNELS.md): every projection shape of
+Llama-3.1-8B (``[out, in]``): gate/up ``14336 x 4096``, down ``4096 x 14336``, q/o ``4096 x 4096``
+and k/v ``1024 x 4096``, at M in {1, 2, 4, 8, 16} tokens, with fp8 weights (per-channel scales; XLA's peer: W8A16, convert
 then dot), with bf16 weights stored ``[out, in]`` (no scale; XLA's peer: its bf16 dot) and with
 bf16 weights in the dense ``[in, out]`` layout the model keeps them in ("bf16kn": the kernel's
 ``layout="kn"``; XLA's peer: the model's own einsum, what the weight layer runs today):
 
 * ceiling: the HBM read rate of a jitted ``jnp.sum`` over ``--ceiling-gib`` of bf16, this run;
+* exactness: each fp8 form the sweep tries (algorithm, ``convert``, ``dot_dtype``), compiled on
+  this GPU, multiplies every e4m3 code by one (``pallas_kernels.quantized_matmul.exactness``): a
+  form that does not reproduce every code (e.g. a compiler flushing the f32 denormals that
+  ``convert="bits"`` makes of e4m3 subnormals) stays out of the table;
 * sweep: per shape, M and weight format, XLA's peer, our defaults, then our candidate sizes
-  (the gemv / mma_swapped / mma forms around the redesign) in rounds, most promising first.
+  (the gemv / gemv_f16 / mma_swapped / mma forms, fp8 with the hardware conversion and with
+  ``convert="bits"``) in rounds, most promising first.
   Every program is compiled ahead of time on a thread pool (compiles are most of the wall time
   and the host has cores to spare), until ``--sweep-share`` of the budget; then the compiled
   ones are timed one after another, so no compile's autotuning runs beside a timing. Each
@@ -18,7 +23,9 @@ bf16 weights in the dense ``[in, out]`` layout the model keeps them in ("bf16kn"
   ``gpu_gemv_table.json`` (the format ``pallas_kernels/quantized_matmul/tuning_table.py``
   reads; copy it there to make those sizes the defaults and ``prefer_pallas`` answer: the
   weight layer, ``jaxinfer.decode_gemv``, then runs ours for fp8 weight-only and dense bf16
-  projections at the (M, N, K) where it won);
+  projections at the (M, N, K) where it won). Entries of ``--keep-table`` (the committed table)
+  this run did not measure are carried over, marked ``"kept_from"`` with that table's date, so
+  a run cut by its budget never drops a shape from the table;
 * chains: ``--layers`` layers of q, k, v, o, gate, up, down (silu(gate) * up into down, a
   residual add) per M: XLA bf16 (both layouts), XLA W8A16, ours per format (gate/up/down at the
   table's sizes, q/k/v/o at the heuristics), then "dispatch" chains that use ours only where
@@ -29,13 +36,14 @@ one shape on every layer's copy of it, more bytes than the 50 MB L2; a chain tou
 layer's weights once), enqueued 8 times back to back before one wait, median of 3 such batches.
 TB/s count each method's own minimum bytes (fp8: 1 byte a weight + scales; bf16: 2).
 
-    python3 benchmarks/gemv_decode.py --out DIR [--budget-s 130] [--ms 1,8,4,16] [--layers 16]
+    python3 benchmarks/gemv_decode.py --out DIR [--budget-s 280] [--ms 1,8,4,16,2] [--layers 16]
     python3 benchmarks/gemv_decode.py --out DIR --shape tiny --layers 1 --ms 1,4   # CPU smoke (interpret)
 
 Writes DIR/gemv_decode.{json,md,log}, DIR/gpu_gemv_table.json (right after the sweep) and
 DIR/gemv_decode.partial.json as it goes. JSON: ``hbm_read_tbs``; ``sweep`` (per shape, M,
 weights and method: ``us``, ``tbs``, ``of_ceiling``, ``rel_error``, ``sizes`` for ours, or
-``error``; ``compile_s``); ``table`` (the table's entries); ``chains`` (per M and method:
+``error``; ``compile_s``); ``exactness`` (per fp8 form: ``inexact_codes``, or ``error``);
+``table`` (the table's entries); ``chains`` (per M and method:
 ``ms``, ``tbs``, ``of_ceiling``); ``not_compiled`` (jobs the budget cut).
 """
 
@@ -69,11 +77,12 @@ from pallas_kernels.quantized_matmul import (  # noqa: E402
     quantize_per_channel,
 )
 from pallas_kernels.quantized_matmul.block_sizes import (  # noqa: E402
-    MAX_GEMV_ROWS,
     MatmulBlockSizes,
     default_block_sizes,
     num_k_splits,
 )
+from pallas_kernels.quantized_matmul.exactness import every_code_case, inexact_codes  # noqa: E402
+from pallas_kernels.quantized_matmul.tuning_table import GPU_TABLE_PATH  # noqa: E402
 
 FP8 = jnp.float8_e4m3fn
 BF16 = jnp.bfloat16
@@ -82,7 +91,8 @@ BF16 = jnp.bfloat16
 FORMATS = {"fp8": FP8, "bf16": BF16, "bf16kn": BF16}
 LAYOUT = {"fp8": "nk", "bf16": "nk", "bf16kn": "kn"}
 XLA_PEER = {"fp8": "xla_w8a16", "bf16": "xla_bf16", "bf16kn": "xla_bf16_kn"}  # what the weight layer runs without ours
-SWEEP_SHAPES = {"gate": ("gate", "up"), "down": ("down",)}  # one representative timed on all of these weights
+# One representative timed on all of these weights: every distinct projection shape of the model.
+SWEEP_SHAPES = {"gate": ("gate", "up"), "down": ("down",), "q": ("q", "o"), "k": ("k", "v")}
 MAX_REL_ERROR = 2e-2
 
 
@@ -114,7 +124,12 @@ def traffic(m: int, n: int, k: int, fmt: str) -> int:
 def describe(sizes: MatmulBlockSizes) -> str:
     return (f"{sizes.algorithm} n{sizes.block_n} k{sizes.block_k} s{sizes.k_splits} "
             f"w{sizes.num_warps} st{sizes.num_stages}{f' pf{int(sizes.prefetch)}' if sizes.prefetch else ''}"
-            f"{' f16' if sizes.dot_dtype == 'float16' else ''}")
+            f"{' f16' if sizes.dot_dtype == 'float16' else ''}{' ' + sizes.convert if sizes.convert != 'cvt' else ''}")
+
+
+def form_of(sizes: MatmulBlockSizes) -> str:
+    """What decides a form's arithmetic (not its tiles): the exactness probe's key."""
+    return f"{sizes.algorithm} {sizes.convert}{' f16' if sizes.dot_dtype == 'float16' else ''}"
 
 
 def make_weights(shapes: dict[str, tuple[int, int]], num_layers: int, seed: int = 0) -> list[dict]:
@@ -163,59 +178,101 @@ def candidates(m: int, n: int, k: int, fmt: str) -> list[MatmulBlockSizes]:
     """Our sizes to try for one shape, M and format, most promising first; the defaults (heuristics) lead.
 
     Tiles are named by their weight bytes (16 KB = block_n * block_k * itemsize), so fp8 and
-    bf16 get tiles of equal bytes in flight. Session 8's additions come first in each list
-    (the sweep goes in rounds, so early candidates are timed even when the budget runs out):
-    for fp8, deeper prefetch (3 tiles in flight), extra K splits (more, shorter programs: less
-    of a last-wave tail on 132 SMs) and the f16 tensor-core dot (fp8 -> f16 is one cvt per two
-    weights); for bf16 weights in the dense [K, N] layout ("bf16kn"), tiles 64-256 columns wide.
+    bf16 get tiles of equal bytes in flight; K splits follow from the tile (``num_k_splits``:
+    enough programs for the SMs), times ``split_factor``. Session 10's fp8 forms come first (the
+    sweep goes in rounds, so early candidates are timed even when the budget runs out): the
+    conversion by integer ops (``convert="bits"``, and ``"bits_ptx"``: the same as packed inline
+    PTX) in the f32 ``gemv``, in ``gemv_f16`` (f16 products over 8-element spans) and in the f16
+    tensor-core dots, each on the tiles that won with the hardware conversion; then those
+    winners themselves (runs 2-3). Smaller tiles (8 KB)
+    come along for q/o and k/v, whose N of 4096 / 1024 gives fewer programs. The bf16 lists
+    keep runs 2-3's winners and their neighbours only (the budget is fp8's this time).
     """
     itemsize = 1 if fmt == "fp8" else 2
 
     def c(algorithm, block_n, tile_kb, num_warps=4, num_stages=4, prefetch=0, block_k=None, split_factor=1,
-          dot_dtype=None):
+          dot_dtype=None, convert="cvt"):
         block_k = block_k or tile_kb * 1024 // (block_n * itemsize)
         block_k = min(block_k, k)
         splits = num_k_splits(n, k, block_n, block_k) * split_factor if n % block_n == 0 else 1
-        return MatmulBlockSizes(algorithm, block_n, block_k, splits, num_warps, num_stages, int(prefetch), dot_dtype)
+        return MatmulBlockSizes(algorithm, block_n, block_k, splits, num_warps, num_stages, int(prefetch), dot_dtype,
+                                convert)
 
     raw = []
     if fmt == "bf16kn":
         if m <= 4:
-            raw += [c("gemv", 128, 16, 4, 1, 1), c("gemv", 64, 16, 4, 1, 1), c("gemv", 128, 32, 8, 1, 1),
-                    c("gemv", 256, 16, 8, 1, 1), c("gemv", 128, 16, 4, 1, 2), c("gemv", 128, 16, 4, 1, 1, split_factor=2),
-                    c("mma", 128, 16, 4, 4), c("gemv", 64, 32, 4, 1, 1)]
+            raw += [c("gemv", 128, 16, 4, 1, 1), c("mma", 128, 16, 4, 4), c("gemv", 64, 16, 4, 1, 1),
+                    c("gemv", 128, 32, 8, 1, 1), c("gemv", 128, 16, 4, 1, 1, split_factor=2)]
         else:
-            raw += [c("mma", 128, 16, 4, 4), c("mma", 64, 16, 4, 4), c("mma", 128, 32, 8, 3), c("mma", 256, 32, 8, 3),
-                    c("mma_swapped", 64, 16, 4, 4), c("mma", 128, 16, 4, 4, split_factor=2)]
-            if m <= MAX_GEMV_ROWS:
-                raw += [c("gemv", 128, 16, 4, 1, 1)]
+            raw += [c("mma", 128, 16, 4, 4), c("mma", 64, 16, 4, 4), c("mma_swapped", 64, 16, 4, 4),
+                    c("mma", 128, 32, 8, 3), c("mma", 128, 16, 4, 4, split_factor=2)]
         return fitting_candidates(default_block_sizes(m, n, k, BF16, table=(), layout="kn"), raw, m, n, k)
+    if fmt == "bf16":
+        # Runs 2-3: mma_swapped n64 k128 won every bf16 [out, in] row.
+        raw += [c("mma_swapped", 64, 16, 4, 4), c("mma_swapped", 64, 16, 4, 4, split_factor=2),
+                c("mma_swapped", 128, 16, 8, 4), c("mma_swapped", 64, 8, 4, 5)]
+        if m <= 4:
+            raw += [c("gemv", 16, 32, 8, 1, 1), c("gemv", 32, 32, 8, 1, 1)]
+        return fitting_candidates(default_block_sizes(m, n, k, BF16, table=()), raw, m, n, k)
+    bits, ptx = dict(convert="bits"), dict(convert="bits_ptx")
     if m <= 4:
-        if fmt == "fp8":
-            raw += [c("gemv", 16, 16, 4, 1, 2), c("gemv", 16, 32, 8, 1, 1, split_factor=2), c("gemv", 32, 32, 8, 1, 2),
-                    c("gemv", 16, 16, 4, 1, 1, split_factor=4), c("gemv", 16, 32, 8, 1, 2)]
-        raw += [c("gemv", 32, 32, 8, 1, True), c("gemv", 16, 32, 8, 1, True), c("gemv", 16, 16, 4, 3),
-                c("mma_swapped", 64, 16, 4, 4), c("gemv", 64, 32, 8, 1, True), c("gemv", 16, 8, 4, 1, True),
-                c("gemv", 8, 8, 2, 1, True), c("gemv", 32, 16, 4, 1, True), c("gemv", 16, 16, 4, 1, True),
-                c("gemv", 32, 64, 8, 1, True)]
-        if fmt == "fp8":  # run 1's defaults, for the before/after
-            raw += [c("fma", 16, 0, 4, 4, block_k=512) if m == 1 else c("mma", 32, 0, 4, 4, block_k=256)]
+        raw += [c("gemv_f16", 16, 16, 4, 1, 1, **bits), c("gemv", 16, 16, 4, 1, 1, split_factor=4, **bits),
+                c("gemv_f16", 16, 16, 4, 1, 1, **ptx),
+                c("gemv", 16, 16, 4, 3, **bits), c("gemv_f16", 16, 16, 4, 1, 1, split_factor=4, **bits),
+                c("gemv_f16", 32, 16, 8, 1, 1, **bits), c("gemv_f16", 16, 8, 4, 1, 2, **bits),
+                c("gemv", 32, 32, 8, 1, 2, **bits), c("gemv_f16", 16, 32, 8, 1, 1, **bits),
+                c("mma_swapped", 64, 16, 4, 4, dot_dtype="float16", **bits),
+                c("gemv_f16", 32, 16, 8, 1, 1, **ptx), c("gemv_f16", 16, 32, 8, 1, 1, **ptx),
+                c("gemv_f16", 16, 8, 4, 1, 1, split_factor=2, **bits), c("gemv_f16", 64, 16, 8, 1, 1, **bits),
+                c("gemv", 32, 16, 8, 1, 1, **bits),
+                # runs 2-3's winners, with the hardware conversion
+                c("gemv", 16, 16, 4, 1, 1, split_factor=4), c("gemv", 16, 16, 4, 3), c("gemv", 16, 16, 4, 1, 2),
+                c("gemv", 16, 8, 4, 1, 1), c("gemv", 32, 32, 8, 1, 1)]
     else:
-        if fmt == "fp8":
-            # Session 7's winners (mma n32/n64 k256), then the same with the f16 dot and more splits.
-            raw += [c("mma", 32, 0, 4, 4, block_k=256, dot_dtype="float16"),
-                    c("mma", 64, 0, 4, 4, block_k=256, dot_dtype="float16"),
-                    c("mma_swapped", 64, 16, 4, 4, dot_dtype="float16"),
-                    c("mma", 32, 0, 4, 4, block_k=256, split_factor=2, dot_dtype="float16"),
-                    c("mma", 32, 0, 4, 3, block_k=512, dot_dtype="float16"),
-                    c("mma_swapped", 128, 32, 8, 3, dot_dtype="float16")]
-        raw += [c("mma_swapped", 64, 32, 4, 3), c("mma_swapped", 128, 16, 8, 4), c("mma", 64, 16, 4, 4),
-                c("mma_swapped", 128, 32, 8, 3), c("mma_swapped", 64, 8, 4, 5), c("mma_swapped", 64, 16, 8, 4)]
-        if m <= MAX_GEMV_ROWS:
-            raw += [c("gemv", 16, 16, 4, 1, True), c("gemv", 32, 32, 8, 1, True)]
-        if fmt == "fp8":
-            raw += [c("mma", 32, 0, 4, 4, block_k=256)]
+        raw += [c("mma", 64, 0, 4, 4, block_k=256, dot_dtype="float16", **bits),
+                c("mma_swapped", 128, 32, 8, 3, dot_dtype="float16", **bits),
+                c("mma", 64, 0, 4, 4, block_k=256, dot_dtype="float16", **ptx),
+                c("gemv_f16", 16, 16, 4, 1, 1, **ptx),
+                c("mma", 32, 0, 4, 4, block_k=256, dot_dtype="float16", **bits),
+                c("gemv_f16", 16, 16, 4, 1, 1, **bits), c("gemv_f16", 32, 16, 8, 1, 1, **bits),
+                c("mma_swapped", 64, 16, 4, 4, dot_dtype="float16", **bits),
+                c("mma", 32, 0, 4, 4, block_k=256, split_factor=2, dot_dtype="float16", **bits),
+                c("gemv_f16", 16, 8, 4, 1, 2, **bits), c("gemv", 16, 16, 4, 1, 1, **bits),
+                c("mma_swapped", 128, 32, 8, 3, dot_dtype="float16", **ptx),
+                c("gemv_f16", 32, 16, 8, 1, 2, **ptx), c("mma_swapped", 64, 16, 4, 4, dot_dtype="float16", **ptx),
+                c("mma", 64, 0, 8, 3, block_k=512, dot_dtype="float16", **bits),
+                # runs 2-3's winners, with the hardware conversion
+                c("mma", 64, 0, 4, 4, block_k=256, dot_dtype="float16"),
+                c("mma_swapped", 128, 32, 8, 3, dot_dtype="float16"), c("mma", 32, 0, 4, 4, block_k=256),
+                c("mma", 64, 0, 4, 4, block_k=256)]
     return fitting_candidates(default_block_sizes(m, n, k, FORMATS[fmt], table=()), raw, m, n, k)
+
+
+def exactness_probe(log: Log, sizes_list: list[MatmulBlockSizes], interpret: bool) -> dict[str, dict]:
+    """Per fp8 form among ``sizes_list``: the e4m3 codes its compiled kernel does not reproduce (exactness module).
+
+    Runs each form once on the every-code case (256 weight rows, K = 64), at small tiles of the
+    same algorithm, conversion and dot dtype: whether denormals survive is a property of how the
+    arithmetic is compiled, not of the tile sizes.
+    """
+    x, w, scale, expected = every_code_case()
+    x, w, scale = jnp.asarray(x), jnp.asarray(w), jnp.asarray(scale)
+    results = {}
+    for sizes in sizes_list:
+        form = form_of(sizes)
+        if form in results:
+            continue
+        probe = dataclasses.replace(sizes, block_n=16, block_k=32, k_splits=2, prefetch=0, num_stages=1,
+                                    num_warps=4)
+        try:
+            out = ours("fp8", probe, interpret)(x, (w, scale))
+            bad = inexact_codes(out, expected)
+            results[form] = {"inexact_codes": bad}
+            log(f"exactness {form:24s} " + ("every code exact" if not bad else f"INEXACT codes {[hex(c) for c in bad]}"))
+        except Exception as error:  # noqa: BLE001  (a form that does not compile is reported, then left out)
+            results[form] = {"error": f"{type(error).__name__}: {str(error)[:500]}"}
+            log(f"exactness {form}: FAILED {results[form]['error'][:300]}")
+    return results
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -348,14 +405,24 @@ def time_sweep(log: Log, jobs: list[Job], ceiling: float, rows: list, save, dead
         save()
 
 
-def build_table(sweep_rows: list[dict]) -> list[dict]:
-    """Per shape, M and format: our fastest correct sizes beside XLA's peer (entries of gpu_gemv_table.json)."""
+def build_table(sweep_rows: list[dict], exactness: dict[str, dict]) -> list[dict]:
+    """Per shape, M and format: our fastest correct sizes beside XLA's peer (entries of gpu_gemv_table.json).
+
+    Correct: relative error under ``MAX_REL_ERROR`` and, for fp8, a form the exactness probe
+    found exact on every e4m3 code.
+    """
+    def is_exact(row):
+        if row["weights"] != "fp8":
+            return True
+        probe = exactness.get(form_of(MatmulBlockSizes(**row["sizes"])), {})
+        return probe.get("inexact_codes") == []
+
     entries = []
     combos = sorted({(r["shape"], r["m"], r["weights"]) for r in sweep_rows})
     for shape_key, m, fmt in combos:
         rows = [r for r in sweep_rows if (r["shape"], r["m"], r["weights"]) == (shape_key, m, fmt) and "us" in r]
         xla = next((r for r in rows if r["method"] == XLA_PEER[fmt]), None)
-        mine = [r for r in rows if "sizes" in r and r["rel_error"] < MAX_REL_ERROR]
+        mine = [r for r in rows if "sizes" in r and r["rel_error"] < MAX_REL_ERROR and is_exact(r)]
         if not mine or xla is None:
             continue
         best = min(mine, key=lambda r: r["us"])
@@ -364,6 +431,20 @@ def build_table(sweep_rows: list[dict]) -> list[dict]:
                         "sizes": best["sizes"], "ours_us": best["us"], "ours_tbs": best["tbs"],
                         "xla_method": XLA_PEER[fmt], "xla_us": xla["us"], "xla_tbs": xla["tbs"]})
     return entries
+
+
+def carried_over(entries: list[dict], keep_path: Path | None) -> list[dict]:
+    """``entries`` plus those of the table at ``keep_path`` for keys this run did not measure, marked ``kept_from``."""
+    if keep_path is None or not keep_path.exists():
+        return entries
+    kept = json.loads(keep_path.read_text())
+
+    def key(e):
+        return e["m"], e["n"], e["k"], e["weights"], e.get("layout", "nk")
+
+    measured = {key(e) for e in entries}
+    old = [dict(e, kept_from=e.get("kept_from", kept.get("date"))) for e in kept["entries"] if key(e) not in measured]
+    return entries + old
 
 
 def chain_jobs(layers, shapes, ms, table: list[dict], interpret: bool) -> list[Job]:
@@ -442,12 +523,15 @@ def time_chains(log: Log, jobs: list[Job], ceiling: float, rows: list, save) -> 
         save()
 
 
-def markdown_summary(info, ceiling, sweep_rows, table, chain_rows, ms, shapes) -> str:
+def markdown_summary(info, ceiling, sweep_rows, table, chain_rows, ms, shapes, exactness) -> str:
     lines = [f"# Decode GEMV: ours (fp8 / bf16 weights) vs XLA ({info['device']}, jax {info['jax']}, {info['date']})",
              "", f"HBM read ceiling this run: **{ceiling:.2f} TB/s**", "",
              "## Per shape (µs per call / TB/s on each format's own bytes)", "",
-             "| shape | M | weights | XLA peer | ours default | ours best | best sizes | ours/XLA |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "Columns: XLA's peer; our default sizes; our fastest with the hardware conversion (`cvt`) and "
+             "with the integer one (`bits` or `bits_ptx`, fp8 only), each with its sizes; the table's pick (fastest correct "
+             "and exact) against XLA.", "",
+             "| shape | M | weights | XLA peer | ours default | best cvt | best bits | table pick | ours/XLA |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     fmt_cell = lambda r: f"{r['us']:.1f} / {r['tbs']:.2f} ({r['of_ceiling']:.0%})" if r and "us" in r else "-"  # noqa: E731
     for shape_key in SWEEP_SHAPES:
         n, k = shapes[shape_key]
@@ -461,11 +545,29 @@ def markdown_summary(info, ceiling, sweep_rows, table, chain_rows, ms, shapes) -
                 entry = next((e for e in table if (e["n"], e["k"], e["m"]) == (n, k, m)
                               and e["weights"] == np.dtype(FORMATS[fmt]).name
                               and e.get("layout", "nk") == LAYOUT[fmt]), None)
-                best = next((r for r in rows if entry and r.get("sizes") == entry["sizes"] and "us" in r), None)
                 ratio = f"{entry['ours_us'] / entry['xla_us']:.2f}" if entry else "-"
+
+                def best_cell(convert):
+                    timed = [r for r in rows if "sizes" in r and "us" in r and r["rel_error"] < MAX_REL_ERROR
+                             and r["sizes"].get("convert", "cvt").startswith(convert)]
+                    if not timed:
+                        return "-"
+                    best = min(timed, key=lambda r: r["us"])
+                    sizes = MatmulBlockSizes(**best["sizes"])
+                    probe = exactness.get(form_of(sizes)) if fmt == "fp8" else None
+                    inexact = " (inexact: not in the table)" if probe and probe.get("inexact_codes") != [] else ""
+                    return f"{fmt_cell(best)} {describe(sizes)}{inexact}"
+
                 lines.append(f"| {shape_key} {n}x{k} | {m} | {fmt} | {XLA_PEER[fmt]} {fmt_cell(xla)} | "
-                             f"{fmt_cell(default)} | {fmt_cell(best)} | "
+                             f"{fmt_cell(default)} | {best_cell('cvt')} | {best_cell('bits')} | "
                              f"{describe(MatmulBlockSizes(**entry['sizes'])) if entry else '-'} | {ratio} |")
+    if exactness:
+        lines += ["", "## Exactness of each fp8 form on this GPU (every e4m3 code times one)", "",
+                  "| form | result |", "| --- | --- |"]
+        for form, probe in sorted(exactness.items()):
+            result = probe.get("error") or ("every code exact" if not probe["inexact_codes"] else
+                                            f"inexact: {[hex(c) for c in probe['inexact_codes']]}")
+            lines.append(f"| {form} | {result} |")
     methods = ["xla_bf16", "ours bf16", "dispatch bf16", "xla_bf16_kn", "ours bf16kn", "dispatch bf16kn",
                "xla_w8a16", "ours fp8", "dispatch fp8"]
     lines += ["", "## Chains (all layers' q/k/v/o/gate/up/down, ms per chain, TB/s)", "",
@@ -491,10 +593,10 @@ def main():
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shape", default="llama-3.1-8b")
     parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--ms", default="1,8,4,16", help="token counts, in priority order (chains go M by M)")
+    parser.add_argument("--ms", default="1,8,4,16,2", help="token counts, in priority order (chains go M by M)")
     parser.add_argument("--weights", default="fp8,bf16kn,bf16",
                         help="weight formats to sweep and chain (fp8, bf16kn: bf16 in the dense [K, N] layout, bf16)")
-    parser.add_argument("--budget-s", type=float, default=130.0,
+    parser.add_argument("--budget-s", type=float, default=280.0,
                         help="wall seconds from the start of main; the sweep's compiles stop at --sweep-share of "
                              "it, the chains' at --chain-share, and results are written before it ends")
     parser.add_argument("--sweep-share", type=float, default=0.45)
@@ -503,6 +605,9 @@ def main():
     parser.add_argument("--chain-share", type=float, default=0.85)
     parser.add_argument("--compile-threads", type=int, default=12)
     parser.add_argument("--ceiling-gib", type=float, default=2.0)
+    parser.add_argument("--keep-table", type=Path, default=GPU_TABLE_PATH,
+                        help="table whose entries this run does not measure are carried into the written one "
+                             "(default: the committed table; a missing path keeps nothing)")
     args = parser.parse_args()
     start = time.perf_counter()
     log = Log()
@@ -520,21 +625,27 @@ def main():
     layers = make_weights(shapes, args.layers)
     log(f"weights: {args.layers} layers ({time.perf_counter() - start:.0f} s so far)")
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {"info": info, "args": vars(args) | {"out": str(args.out)}, "hbm_read_tbs": ceiling,
+    results = {"info": info, "args": {name: str(v) if isinstance(v, Path) else v for name, v in vars(args).items()}, "hbm_read_tbs": ceiling,
                "sweep": [], "table": [], "chains": []}
     partial_path = args.out / "gemv_decode.partial.json"
 
     def save():  # everything so far, in case the process dies or the wall clock runs out
         partial_path.write_text(json.dumps(results, indent=1, default=str))
 
+    if "fp8" in fmts:
+        forms = [s for m in ms for key in SWEEP_SHAPES for s in candidates(m, *shapes[key], "fp8")]
+        results["exactness"] = exactness_probe(log, forms, interpret)
+    save()
     jobs = sweep_jobs(layers, shapes, ms, fmts, interpret)
     compile_all(log, jobs, args.compile_threads, start + args.sweep_share * args.budget_s)
     time_sweep(log, jobs, ceiling, results["sweep"], save, start + args.sweep_timing_share * args.budget_s)
-    results["table"] = build_table(results["sweep"])
+    results["table"] = build_table(results["sweep"], results.get("exactness", {}))
     table_doc = {"device": info["device"], "jax": info["jax"], "date": info["date"], "hbm_read_tbs": ceiling,
-                 "source": "benchmarks/gemv_decode.py", "entries": results["table"]}
+                 "source": "benchmarks/gemv_decode.py",
+                 "entries": carried_over(results["table"], None if interpret else args.keep_table)}
     (args.out / "gpu_gemv_table.json").write_text(json.dumps(table_doc, indent=1))
-    log(f"table: {len(results['table'])} entries -> {args.out / 'gpu_gemv_table.json'} "
+    log(f"table: {len(results['table'])} entries measured, {len(table_doc['entries']) - len(results['table'])} "
+        f"kept from {args.keep_table} -> {args.out / 'gpu_gemv_table.json'} "
         f"({time.perf_counter() - start:.0f} s so far)")
     for e in results["table"]:
         log(f"  M={e['m']:2d} {e['n']}x{e['k']} {e['weights']:13s} ours {e['ours_us']:6.1f} us "
@@ -547,7 +658,7 @@ def main():
     results["not_compiled"] = [job.label for job in jobs + chain_list if job.entry.get("skipped")]
     results["wall_s"] = time.perf_counter() - start
     markdown = markdown_summary(info, ceiling, results["sweep"], results["table"], results["chains"], sorted(ms),
-                                shapes)
+                                shapes, results.get("exactness", {}))
     for line in markdown.splitlines():
         log(line)
     log(f"wall: {results['wall_s']:.0f} s")

@@ -7,7 +7,7 @@ each walking enough K steps for ``num_stages`` loads to be in flight. K is split
 than that: every split adds an XLA step (sum of the float32 partials, cast) after the
 kernel, a launch of a few microseconds against ~13 µs for a 4096 x 14336 fp8 read.
 
-Four ways to multiply a tile (``algorithm``):
+Five ways to multiply a tile (``algorithm``):
 
 * ``"mma"``: ``x [BM, BK] @ w_tile^T`` on the tensor cores (mma.sync), x's rows padded
   to ``BM = max(16, next_power_of_2(M))`` with masked loads;
@@ -21,10 +21,27 @@ Four ways to multiply a tile (``algorithm``):
   a ``[block_n]`` accumulator: registers hold weight tiles, not accumulators, so a program
   keeps 16-64 KB of weights in flight (with ``prefetch``, the next tile loads while this one
   is multiplied). M <= 16 (M multiply-adds per weight: the CUDA cores keep up to ~8-16).
+* ``"gemv_f16"``: ``"gemv"`` with half-precision products (fp8 weights, ``convert="bits"``
+  only): each weight becomes ``w * 2**-8`` in f16 by bit shifts, x's row ``x * 2**-4`` in f16,
+  and the products are summed in f16 over spans of ``GEMV_F16_SPAN`` (every other K of 16
+  consecutive ones, so two spans sit side by side in ``f16x2`` registers: packed arithmetic,
+  two weights an instruction, and no f16 -> f32 conversion per weight),
+  each span's sum then added into the row's f32 accumulator (one conversion per span). f32
+  FMAs at M rows are M instructions per weight; at 4.5 TB/s an SM must take ~18 weights a
+  clock and issues 128 f32 FMA lanes a clock, so M >= 8 rows of f32 math alone saturate it.
+  The error bound and the saturation of x are in ``GEMV_F16_*`` below.
 
 ``prefetch`` (0-3) is how many weight tiles a program loads ahead of the arithmetic;
 ``dot_dtype="float16"`` makes the tensor-core forms convert fp8 with one instruction per two
-weights. Weights stored ``[K, N]`` (``layout="kn"``, the dense bf16 weights) get their own
+weights. ``convert`` says how fp8 becomes a float: ``"cvt"``, the hardware conversion
+(``cvt.f16x2.e4m3x2``, then ``cvt.f32.f16`` for the f32 forms: ~1.5 instructions per weight on
+a pipe issuing ~16 a clock per SM, against ~18 weights per SM per clock at the HBM rate: the
+hypothesis for the ~65% ceiling the cvt forms measured), or ``"bits"``, shifts and masks on the
+integer pipe (``conversion``; the power of two it leaves folds into the epilogue's scale):
+for the f32 forms (``gemv``, ``fma``), for ``gemv_f16`` (required) and for the tensor-core
+forms with ``dot_dtype="float16"``; ``"bits_ptx"`` is the f16 one written as inline PTX on
+packed registers (four weights an instance, ~1.5 instructions a weight), in case the compiler
+does not pack the per-element ``"bits"`` ops itself (same values; interpret mode runs ``"bits"``). Weights stored ``[K, N]`` (``layout="kn"``, the dense bf16 weights) get their own
 heuristic: tiles 128 columns wide, K split until the programs fill the GPU.
 
 Run 1 on the H200 (docs/KERNELS.md) measured only the first defaults (fma n16 k512 at M <= 2,
@@ -42,14 +59,31 @@ import numpy as np
 
 from pallas_kernels.quantized_matmul.tuning_table import measured_block_sizes
 
-ALGORITHMS = ("mma", "mma_swapped", "fma", "gemv")
+ALGORITHMS = ("mma", "mma_swapped", "fma", "gemv", "gemv_f16")
 DOT_DTYPES = (None, "float16")
+# How fp8 weights become floats: the hardware conversion, integer ops on the bits (module doc), or
+# those ops as inline PTX on packed registers (f16 only: gemv_f16 and the f16 tensor-core dot).
+CONVERSIONS = ("cvt", "bits", "bits_ptx")
 # How the weights are stored: "nk" = [out, in] (the quantized payload), "kn" = [in, out] (the
 # dense einsum layout of bf16 weights).
 LAYOUTS = ("nk", "kn")
 MAX_PREFETCH = 3  # weight tiles a program may load ahead (registers: 3 x 16 KB is already a lot)
 MAX_FMA_ROWS = 8
 MAX_GEMV_ROWS = 16
+# gemv_f16: products summed in f16 before the f32 accumulator (K elements 2 apart, so block_k
+# must be a multiple of 2 * GEMV_F16_SPAN).
+GEMV_F16_SPAN = 8
+# gemv_f16 multiplies x * 2**-GEMV_F16_X_SHIFT (weights are w * 2**-8, |w * 2**-8| <= 1.75):
+# x's f16 copy keeps full precision for |x| >= 2**-10, and a span's sum stays finite because
+# x is saturated to +-GEMV_F16_X_LIMIT first: each product is <= 1.75 * 2**12 = 7168 (exact in
+# f16), 8 of them <= 57344, far enough under f16's 65504 that no rounding of a partial sum
+# reaches infinity (a limit of 65504 * 16 / (1.75 * 8) itself did: x rounded up in f16).
+# Error per output (derived in docs/KERNELS.md, tested in tests/test_quantized_matmul_bits.py):
+# |out - exact| <= scale * ((SPAN + 2) * 2**-11 * sum_k |w_k x_k| + 2**-21 * sum_k |w_k| + K * 2**-12),
+# plus the rounding of the output to x's dtype.
+GEMV_F16_X_SHIFT = 4
+GEMV_F16_X_LIMIT = 2.0 ** 16
+assert 1.75 * GEMV_F16_X_LIMIT * 2.0 ** -GEMV_F16_X_SHIFT * GEMV_F16_SPAN <= 60000, "a gemv_f16 span could overflow f16"
 MAX_ROWS = 64
 # Rows up to which the heuristics pick "gemv": M multiply-adds per weight byte (fp8) on the
 # CUDA cores stay under what the SM issues while HBM delivers ~17 weights per SM per clock.
@@ -81,6 +115,10 @@ class MatmulBlockSizes:
     # fp8 -> bf16 takes more steps after it (a hypothesis for run 2's M-independent 27 µs, to be
     # measured); x is saturated to f16's range (|x| <= 65504) and keeps 3 more mantissa bits than bf16.
     dot_dtype: str | None = None
+    # fp8 -> float by the hardware's "cvt", by integer ops on the bits, "bits", or by those as
+    # inline PTX, "bits_ptx" (module doc; fp8 weights only). Tables written before the field
+    # existed mean "cvt".
+    convert: str = "cvt"
 
 
 def next_power_of_2(n: int) -> int:

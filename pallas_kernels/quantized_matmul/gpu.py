@@ -19,9 +19,13 @@ alone leaves SMs idle (``k``/``v`` at N=1024), K is split and the float32 partia
 step, which also casts to x's dtype. x's rows are padded to the tile with masked loads,
 so neither x nor the output is copied to pad M.
 
-Tile sizes and the four multiply forms (tensor-core dot, swapped dot, element-wise FMA
-with a tile-sized accumulator, GEMV reducing every step) are in ``block_sizes``; the
-measured table that picks among them per shape is ``tuning_table``.
+Tile sizes and the five multiply forms (tensor-core dot, swapped dot, element-wise FMA
+with a tile-sized accumulator, GEMV reducing every step, and that GEMV with f16 products
+summed over short spans) are in ``block_sizes``; the measured table that picks among them
+per shape is ``tuning_table``. fp8 weights become floats by the hardware's conversion or,
+with ``convert="bits"``, by integer ops on their bits (``conversion``: the conversion pipe
+is the suspected limit of the fp8 GEMV), the power of two that leaves folded into the
+epilogue's scale.
 
 bf16 weights may also come as the model stores them, ``w [K, N]`` (``layout="kn"``): then
 ``w_ref`` is ``[K / k_splits, block_n]`` and each step's tile is ``block_k`` rows, each
@@ -36,23 +40,36 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.precision import matmul_precision
 from pallas_kernels.quantized_matmul.block_sizes import (
+    GEMV_F16_SPAN,
+    GEMV_F16_X_LIMIT,
+    GEMV_F16_X_SHIFT,
     MatmulBlockSizes,
     default_block_sizes,
     num_k_splits,
     padded_rows,
 )
+from pallas_kernels.quantized_matmul.conversion import (
+    E4M3_F16_SHIFT, E4M3_F32_SHIFT, e4m3_to_f16_scaled, e4m3_to_f16_scaled_ptx, e4m3_to_f32_scaled,
+)
 from pallas_kernels.quantized_matmul.validation import (
-    check_block_sizes, check_dot_dtype, check_inputs, dot_dtype_fits,
+    check_block_sizes, check_inputs, check_operands, operands_fit,
 )
 
 
 F16_MAX = 65504.0
+# The f32 forms with convert="bits" multiply weights w * 2**-120 (e4m3 subnormals as f32
+# denormals) by x * 2**F32_BITS_X_SHIFT, so a product is a denormal only when |w x| < 2**-70
+# (negligible whether or not the compiler flushes denormals) instead of < 2**-6; x is
+# saturated to +-F32_BITS_X_LIMIT first so its scaled copy stays finite.
+F32_BITS_X_SHIFT = 64
+F32_BITS_X_LIMIT = 2.0 ** 63
 
 
 def _load_x_tile(x_ref, k0, *, m: int, block_m: int, block_k: int):
@@ -103,7 +120,7 @@ def _matmul_kernel(
     w_ref,  # [block_n, K / k_splits] ("nk") or [K / k_splits, block_n] ("kn"): this program's weights, this split's K
     *refs,  # scale_ref [block_n] float32 (quantized weights only), then out_ref [M, block_n]: the
     # output (k_splits == 1) or this split's float32 partial sums
-    m: int, sizes: MatmulBlockSizes, compute_dtype, precision, scaled: bool, layout: str,
+    m: int, sizes: MatmulBlockSizes, compute_dtype, precision, scaled: bool, layout: str, interpret: bool,
 ):
     scale_ref, out_ref = refs if scaled else (None, refs[0])
     block_n, block_k = sizes.block_n, sizes.block_k
@@ -116,15 +133,39 @@ def _matmul_kernel(
     scale = scale_ref[...].astype(jnp.float32) if scaled else None  # [block_n]
     reduce_k = 0 if k_major else 1  # the tile's K axis
 
+    bits = sizes.convert in ("bits", "bits_ptx")
+    # The power of two the "bits" conversion (and x's pre-scaling) leaves in the sums, undone in
+    # the epilogue, before the per-channel scale (the sums are then the true ones, so no overflow).
+    if not bits:
+        unscale = None
+    elif sizes.algorithm == "gemv_f16":
+        unscale = 2.0 ** (E4M3_F16_SHIFT + GEMV_F16_X_SHIFT)
+    elif sizes.algorithm in ("gemv", "fma"):
+        unscale = 2.0 ** (E4M3_F32_SHIFT - F32_BITS_X_SHIFT)
+    else:
+        unscale = 2.0 ** E4M3_F16_SHIFT
+
     def scaled_by_channel(values):  # values [..., block_n] with the per-channel scale applied
+        if unscale is not None:
+            values = values * unscale
         return values if scale is None else values * scale
+
+    def f16_weights(tile):  # a raw fp8 tile as f16 weights * 2**-8, by "bits" or "bits_ptx"
+        if sizes.convert == "bits_ptx":
+            return e4m3_to_f16_scaled_ptx(tile, interpret=interpret)
+        return e4m3_to_f16_scaled(tile)
+
+    def f32_weights(tile):  # a raw tile as f32: the weights, or (convert="bits") the weights * 2**-120
+        return e4m3_to_f32_scaled(tile) if bits else _convert_weights(tile, jnp.float32)
 
     def load_weights(i):  # the raw weight tile of step i (a traced or a Python int), in its stored orientation
         start = i * block_k if isinstance(i, int) else pl.multiple_of(i * block_k, block_k)
         return w_ref[pl.ds(start, block_k), :] if k_major else w_ref[:, pl.ds(start, block_k)]
 
-    def x_column(r, k0):  # row r of x over this step's K, shaped to broadcast against a weight tile
+    def x_column(r, k0):  # row r of x over this step's K (f32), shaped to broadcast against a weight tile
         x = x_ref[r, pl.ds(k0, block_k)].astype(jnp.float32)
+        if bits:  # see F32_BITS_X_SHIFT; a multiply by a power of two is exact
+            x = jnp.clip(x, -F32_BITS_X_LIMIT, F32_BITS_X_LIMIT) * (2.0 ** F32_BITS_X_SHIFT)
         return x[:, None] if k_major else x[None, :]
 
     def k_loop(step, init):
@@ -152,7 +193,7 @@ def _matmul_kernel(
         # One [block_n, block_k] accumulator per row of x: products are added element-wise
         # each step and reduced over K once at the end, so the loop has no cross-lane work.
         def fma_step(i, k0, tile, accs):
-            w = _convert_weights(tile, jnp.float32)
+            w = f32_weights(tile)
             return tuple(acc + w * x_column(r, k0) for r, acc in enumerate(accs))
 
         zeros = jnp.zeros((block_k, block_n) if k_major else (block_n, block_k), jnp.float32)
@@ -168,10 +209,44 @@ def _matmul_kernel(
         # 16-64 KB fit. Per-step reductions cost a few shuffles per row against a tile of
         # thousands of weights.
         def gemv_step(i, k0, tile, accs):
-            w = _convert_weights(tile, jnp.float32)
+            w = f32_weights(tile)
             return tuple(acc + jnp.sum(w * x_column(r, k0), axis=reduce_k) for r, acc in enumerate(accs))
 
         accs = k_loop(gemv_step, (jnp.zeros((block_n,), jnp.float32),) * m)
+        for r, acc in enumerate(accs):
+            out_ref[r, :] = scaled_by_channel(acc).astype(out_ref.dtype)
+        return
+
+    if sizes.algorithm == "gemv_f16":
+        # "gemv" in half precision (block_sizes' module doc): products and sums of spans of
+        # GEMV_F16_SPAN products in f16, where the GPU packs two per instruction and no weight
+        # needs a conversion beyond the bit shifts; each span's sum joins the row's f32
+        # accumulator. Weights are w * 2**-8 (<= 1.75), x is x * 2**-4, saturated so a span's
+        # sum stays finite; the epilogue multiplies by 2**12. Only fp8 in "nk" gets here.
+        # A span takes every other K of 2 * SPAN consecutive ones ([.., SPAN, 2], summed over
+        # SPAN): the two spans of each group are independent chains of the same adds on
+        # neighbouring halves, which is what a compiler can put in one f16x2 register without
+        # reassociating a sum; consecutive K in one span would make each add depend on the last.
+        num_groups = block_k // (2 * GEMV_F16_SPAN)
+
+        def x_half(r, k0):  # [1, block_k] f16
+            x = x_ref[r, pl.ds(k0, block_k)].astype(jnp.float32)
+            x = jnp.clip(x, -GEMV_F16_X_LIMIT, GEMV_F16_X_LIMIT) * (2.0 ** -GEMV_F16_X_SHIFT)
+            return x.astype(jnp.float16)[None, :]
+
+        def gemv_f16_step(i, k0, tile, accs):
+            w = f16_weights(tile)  # [block_n, block_k] f16
+            out = []
+            for r, acc in enumerate(accs):
+                products = (w * x_half(r, k0)).reshape(block_n, num_groups, GEMV_F16_SPAN, 2)
+                # lax.reduce keeps f16 (jnp.sum would sum f16 in f32, a conversion per product); a
+                # NumPy zero lets it recognise the sum (reduce_sum, which Pallas-Triton lowers).
+                spans = lax.reduce(products, np.float16(0), lax.add, (2,))  # [block_n, num_groups, 2] f16
+                # One axis at a time: Pallas-Triton's lowering of a two-axis sum fails under a mesh.
+                out.append(acc + jnp.sum(jnp.sum(spans.astype(jnp.float32), axis=2), axis=1))
+            return tuple(out)
+
+        accs = k_loop(gemv_f16_step, (jnp.zeros((block_n,), jnp.float32),) * m)
         for r, acc in enumerate(accs):
             out_ref[r, :] = scaled_by_channel(acc).astype(out_ref.dtype)
         return
@@ -180,7 +255,8 @@ def _matmul_kernel(
     swapped = sizes.algorithm == "mma_swapped"
 
     def mma_step(i, k0, tile, acc):
-        w = _convert_weights(tile, compute_dtype)
+        # convert="bits" (dot_dtype float16 only): f16 weights * 2**-8, undone in the epilogue.
+        w = f16_weights(tile) if bits else _convert_weights(tile, compute_dtype)
         x = _load_x_tile(x_ref, k0, m=m, block_m=block_m, block_k=block_k)
         if jnp.dtype(compute_dtype) == jnp.float16:
             # Saturate rather than overflow to inf: f16 tops out at 65504 where bf16 does not.
@@ -214,7 +290,8 @@ def weight_only_matmul_gpu(x, w, scale, *, sizes: MatmulBlockSizes, interpret: b
     # dot_dtype "float16" (fp8 / int8 weights, bf16 x): the dot runs in f16 instead (see block_sizes).
     compute_dtype = jnp.float16 if sizes.dot_dtype == "float16" else x.dtype
     kernel = functools.partial(_matmul_kernel, m=m, sizes=sizes, compute_dtype=compute_dtype,
-                               precision=matmul_precision(compute_dtype), scaled=scaled, layout=layout)
+                               precision=matmul_precision(compute_dtype), scaled=scaled, layout=layout,
+                               interpret=interpret)
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
         out_spec = pl.BlockSpec((m, sizes.block_n), lambda j, s: (0, j))
@@ -261,21 +338,26 @@ def resolve_block_sizes(m: int, n: int, k: int, weight_dtype=jnp.float8_e4m3fn, 
 
 
 _STATIC = ("interpret", "algorithm", "block_n", "block_k", "k_splits", "num_warps", "num_stages", "prefetch",
-           "dot_dtype")
+           "dot_dtype", "convert")
 
 
 def _weight_only_matmul(x, w, scale, weight_dtype, *, interpret, algorithm, block_n, block_k, k_splits,
-                        num_warps, num_stages, prefetch, dot_dtype=None, layout="nk"):
+                        num_warps, num_stages, prefetch, dot_dtype=None, convert=None, layout="nk"):
     check_inputs(x, w, scale, weight_dtype, layout)
     m, k = x.shape
     n = w.shape[1] if layout == "kn" else w.shape[0]
     sizes = resolve_block_sizes(m, n, k, weight_dtype, layout, algorithm=algorithm, block_n=block_n,
                                 block_k=block_k, k_splits=k_splits, num_warps=num_warps, num_stages=num_stages,
-                                prefetch=prefetch, dot_dtype=dot_dtype)
-    if dot_dtype is None and sizes.dot_dtype is not None and not dot_dtype_fits(sizes, x.dtype, weight_dtype):
-        # A measured default for bf16 x does not apply to an f32 caller: it keeps its exact dot.
-        sizes = dataclasses.replace(sizes, dot_dtype=None)
-    check_dot_dtype(sizes, x.dtype, weight_dtype)
+                                prefetch=prefetch, dot_dtype=dot_dtype, convert=convert)
+    if not operands_fit(sizes, x.dtype, weight_dtype):
+        # A measured default for bf16 x and fp8 weights does not apply to an f32 caller (it keeps
+        # its exact f32 arithmetic) or to other weights: the options the caller did not force
+        # fall back to the plain ones, on the same tiles.
+        sizes = dataclasses.replace(
+            sizes, dot_dtype=sizes.dot_dtype if dot_dtype is not None else None,
+            convert=sizes.convert if convert is not None else "cvt",
+            algorithm="gemv" if algorithm is None and sizes.algorithm == "gemv_f16" else sizes.algorithm)
+    check_operands(sizes, x.dtype, weight_dtype)
     return weight_only_matmul_gpu(x, w, scale, sizes=sizes, interpret=interpret, layout=layout)
 
 
@@ -284,7 +366,7 @@ def fp8_weight_only_matmul(
     x: jax.Array, w: jax.Array, scale: jax.Array, *, interpret: bool = False, algorithm: str | None = None,
     block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, prefetch: int | None = None,
-    dot_dtype: str | None = None,
+    dot_dtype: str | None = None, convert: str | None = None,
 ) -> jax.Array:
     """``x @ (w * scale[:, None]).T for few tokens, reading the fp8 weights once: ``[M, N]`` in ``x.dtype``.
 
@@ -296,12 +378,15 @@ def fp8_weight_only_matmul(
     ``block_sizes.default_block_sizes`` (the measured table where it has the shape); each
     can be forced (sweeps, tests); ``prefetch`` is how many weight tiles a program loads
     ahead (0-3; True means 1); ``dot_dtype="float16"`` runs the tensor-core forms in f16
-    (bf16 x only, saturated to f16's range). ``interpret=True`` runs the kernel in Pallas's interpreter
+    (bf16 x only, saturated to f16's range); ``convert="bits"`` converts the weights by integer
+    ops on their bits instead of the hardware's ``cvt`` (``conversion``; required by
+    ``algorithm="gemv_f16"``, the half-precision GEMV for bf16 x), ``convert="bits_ptx"`` by
+    the same ops as inline PTX on packed registers (f16 consumers only). ``interpret=True`` runs the kernel in Pallas's interpreter
     (CPU tests). Needs compute capability >= 8.9 on the GPU (Triton's fp8 conversion).
     """
     return _weight_only_matmul(x, w, scale, jnp.float8_e4m3fn, interpret=interpret, algorithm=algorithm,
                                block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
-                               num_stages=num_stages, prefetch=prefetch, dot_dtype=dot_dtype)
+                               num_stages=num_stages, prefetch=prefetch, dot_dtype=dot_dtype, convert=convert)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -309,7 +394,7 @@ def int8_weight_only_matmul(
     x: jax.Array, w: jax.Array, scale: jax.Array, *, interpret: bool = False, algorithm: str | None = None,
     block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, prefetch: int | None = None,
-    dot_dtype: str | None = None,
+    dot_dtype: str | None = None, convert: str | None = None,
 ) -> jax.Array:
     """``fp8_weight_only_matmul`` for int8 weights ``w [N, K]`` (per-channel ``scale [N]``), same kernel and contract.
 
@@ -318,7 +403,7 @@ def int8_weight_only_matmul(
     """
     return _weight_only_matmul(x, w, scale, jnp.int8, interpret=interpret, algorithm=algorithm,
                                block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
-                               num_stages=num_stages, prefetch=prefetch, dot_dtype=dot_dtype)
+                               num_stages=num_stages, prefetch=prefetch, dot_dtype=dot_dtype, convert=convert)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("layout",))
@@ -326,7 +411,7 @@ def bf16_weight_only_matmul(
     x: jax.Array, w: jax.Array, *, interpret: bool = False, algorithm: str | None = None,
     block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, prefetch: int | None = None,
-    dot_dtype: str | None = None, layout: str = "nk",
+    dot_dtype: str | None = None, convert: str | None = None, layout: str = "nk",
 ) -> jax.Array:
     """``x @ w.T`` for few tokens with unquantized bfloat16 weights ``w [N, K]`` (no scale): the plain decode GEMV.
 
@@ -339,4 +424,5 @@ def bf16_weight_only_matmul(
     """
     return _weight_only_matmul(x, w, None, jnp.bfloat16, interpret=interpret, algorithm=algorithm,
                                block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
-                               num_stages=num_stages, prefetch=prefetch, dot_dtype=dot_dtype, layout=layout)
+                               num_stages=num_stages, prefetch=prefetch, dot_dtype=dot_dtype, convert=convert,
+                               layout=layout)

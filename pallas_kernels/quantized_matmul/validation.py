@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels.quantized_matmul.block_sizes import (
-    ALGORITHMS, DOT_DTYPES, LAYOUTS, MAX_FMA_ROWS, MAX_GEMV_ROWS, MAX_PREFETCH, MAX_ROWS, MatmulBlockSizes,
+    ALGORITHMS, CONVERSIONS, DOT_DTYPES, GEMV_F16_SPAN, LAYOUTS, MAX_FMA_ROWS, MAX_GEMV_ROWS, MAX_PREFETCH, MAX_ROWS, MatmulBlockSizes,
 )
 
 ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -71,9 +71,12 @@ def check_block_sizes(sizes: MatmulBlockSizes, m: int, n: int, k: int) -> None:
     if sizes.algorithm != "fma" and (sizes.block_n < 16 or sizes.block_k < 16):
         raise ValueError(f"algorithm {sizes.algorithm!r} uses Triton's dot: block_n and block_k must be >= 16, "
                          f"got {sizes.block_n} and {sizes.block_k}")
-    if sizes.algorithm == "gemv" and m > MAX_GEMV_ROWS:
-        raise ValueError(f"algorithm 'gemv' reduces every row on the CUDA cores: M must be <= {MAX_GEMV_ROWS}, "
-                         f"got {m}")
+    if sizes.algorithm in ("gemv", "gemv_f16") and m > MAX_GEMV_ROWS:
+        raise ValueError(f"algorithm {sizes.algorithm!r} reduces every row on the CUDA cores: M must be "
+                         f"<= {MAX_GEMV_ROWS}, got {m}")
+    if sizes.algorithm == "gemv_f16" and sizes.block_k % (2 * GEMV_F16_SPAN):
+        raise ValueError(f"algorithm 'gemv_f16' sums pairs of spans of {GEMV_F16_SPAN} K elements: block_k must be "
+                         f"a multiple of {2 * GEMV_F16_SPAN}, got {sizes.block_k}")
     if sizes.algorithm == "fma" and m > MAX_FMA_ROWS:
         raise ValueError(f"algorithm 'fma' keeps one accumulator per row: M must be <= {MAX_FMA_ROWS}, got {m}")
     if n % sizes.block_n:
@@ -82,13 +85,43 @@ def check_block_sizes(sizes: MatmulBlockSizes, m: int, n: int, k: int) -> None:
         raise ValueError(f"K={k} must be a multiple of block_k * k_splits = {sizes.block_k} * {sizes.k_splits}")
 
 
-def dot_dtype_fits(sizes: MatmulBlockSizes, x_dtype, weight_dtype) -> bool:
-    """Whether ``sizes.dot_dtype`` may serve these operands (``check_dot_dtype`` says why not)."""
+def operands_fit(sizes: MatmulBlockSizes, x_dtype, weight_dtype) -> bool:
+    """Whether ``sizes``' dot_dtype and convert may serve these operands (``check_operands`` says why not)."""
     try:
-        check_dot_dtype(sizes, x_dtype, weight_dtype)
+        check_operands(sizes, x_dtype, weight_dtype)
     except ValueError:
         return False
     return True
+
+
+def check_operands(sizes: MatmulBlockSizes, x_dtype, weight_dtype) -> None:
+    """The options that depend on the operands' dtypes: ``dot_dtype`` and ``convert``."""
+    check_dot_dtype(sizes, x_dtype, weight_dtype)
+    check_convert(sizes, x_dtype, weight_dtype)
+
+
+def check_convert(sizes: MatmulBlockSizes, x_dtype, weight_dtype) -> None:
+    """``convert="bits"`` needs fp8 weights and an f32 form or an f16 one; ``gemv_f16`` needs it and bf16 x."""
+    if sizes.convert not in CONVERSIONS:
+        raise ValueError(f"convert must be one of {CONVERSIONS}, got {sizes.convert!r}")
+    if sizes.algorithm == "gemv_f16":
+        if sizes.convert not in ("bits", "bits_ptx"):
+            raise ValueError(f"algorithm 'gemv_f16' takes its f16 weights from the bits: convert must be 'bits' or "
+                             f"'bits_ptx', got {sizes.convert!r}")
+        if jnp.dtype(x_dtype) != jnp.bfloat16:
+            raise ValueError(f"algorithm 'gemv_f16' needs bfloat16 x (an f32 caller keeps f32 products), "
+                             f"got x {jnp.dtype(x_dtype)}")
+    if sizes.convert == "cvt":
+        return
+    if jnp.dtype(weight_dtype) != jnp.float8_e4m3fn:
+        raise ValueError(f"convert={sizes.convert!r} reads e4m3 bit fields: weights must be float8_e4m3fn, "
+                         f"got {jnp.dtype(weight_dtype)}")
+    if sizes.algorithm in ("mma", "mma_swapped") and sizes.dot_dtype != "float16":
+        raise ValueError(f"convert={sizes.convert!r} feeds the tensor-core forms f16 operands: dot_dtype must be "
+                         f"'float16', got {sizes.dot_dtype!r}")
+    if sizes.convert == "bits_ptx" and sizes.algorithm in ("gemv", "fma"):
+        raise ValueError(f"convert='bits_ptx' makes f16 weights: it serves gemv_f16 and the f16 tensor-core dot, "
+                         f"not algorithm {sizes.algorithm!r} (use convert='bits')")
 
 
 def check_dot_dtype(sizes: MatmulBlockSizes, x_dtype, weight_dtype) -> None:
