@@ -70,8 +70,11 @@
 #   s10b    one GPU, session 10 (carry .whl): fp8 throughput-1k at 1024 sequences with the step
 #           buckets every 128 rows (greedy admission, as session 9 measured it), then bf16 at 1024
 #           sequences under "reserve" and "greedy" admission, same call.
+#   s10c    one GPU, session 10 (carry .whl): the GEMV sweep with the bit-conversion forms over
+#           every projection at M 1-16, its table adopted in place for fp8 engine latency, then bf16
+#           throughput-1k at 1024 sequences under "reserve" admission with the time left.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a or s10b}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b or s10c}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -402,6 +405,17 @@ s10b)
         on_gpu 0 "bf16_$a.log" 190 python3 benchmarks/engine_throughput.py --out "$R/bf16_$a" \
             --workloads throughput-1k --max-num-seqs 1024 --admission "$a"
     done ;;
+s10c)
+    wheels
+    on_gpu 0 gemv.log 250 python3 benchmarks/gemv_decode.py --out "$R/gemv_decode" --ms 1,8,4,16,2 --budget-s 230
+    if [[ -f "$R/gemv_decode/gpu_gemv_table.json" ]]; then
+        cp "$R/gemv_decode/gpu_gemv_table.json" pallas_kernels/quantized_matmul/gpu_gemv_table.json
+    fi
+    on_gpu 0 latency_fp8.log 75 python3 benchmarks/engine_throughput.py --out "$R/latency_fp8" \
+        --workloads latency --max-num-seqs 8 --max-num-batched-tokens 64 --quantization fp8 --kv-cache-dtype fp8
+    left=$(( 590 - SECONDS ))
+    (( left > 150 )) && on_gpu 0 bf16_reserve.log "$left" python3 benchmarks/engine_throughput.py \
+        --out "$R/bf16_reserve" --workloads throughput-1k --max-num-seqs 1024 --admission reserve ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac
