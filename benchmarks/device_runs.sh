@@ -73,8 +73,10 @@
 #   s10c    one GPU, session 10 (carry .whl): the GEMV sweep with the bit-conversion forms over
 #           every projection at M 1-16, its table adopted in place for fp8 engine latency, then bf16
 #           throughput-1k at 1024 sequences under "reserve" admission with the time left.
+#   s10d    one GPU, session 10 (carry .whl): fp8 throughput-1k with a trace of 3 prefill-carrying
+#           steps of the admission ramp and its kernel table (where the prefill phase's time goes).
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b or s10c}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c or s10d}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -416,6 +418,12 @@ s10c)
     left=$(( 590 - SECONDS ))
     (( left > 150 )) && on_gpu 0 bf16_reserve.log "$left" python3 benchmarks/engine_throughput.py \
         --out "$R/bf16_reserve" --workloads throughput-1k --max-num-seqs 1024 --admission reserve ;;
+s10d)
+    wheels
+    on_gpu 0 fp8.log 200 python3 benchmarks/engine_throughput.py --out "$R/fp8" --quantization fp8 \
+        --kv-cache-dtype fp8 --workloads throughput-1k --max-num-seqs 1024 --profile-prefill-steps 3
+    python3 benchmarks/profile_collectives.py "$R/fp8/profile_throughput-1k_prefill" --steps 3 --top 30 \
+        --json "$R/fp8/throughput-1k_prefill_kernels.json" >>"$R/fp8.log" 2>&1 ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac
