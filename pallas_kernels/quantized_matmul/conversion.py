@@ -45,15 +45,21 @@ def e4m3_bits(w):
     return lax.bitcast_convert_type(w, jnp.uint8)
 
 
+def _e4m3_moved_bits(w, uint, float_dtype, sign_shift: int, magnitude_shift: int):
+    """e4m3's sign to the wider format's sign bit, its 7 exponent and mantissa bits to the top of
+    the wider format's exponent and mantissa fields, reinterpreted as ``float_dtype``."""
+    b = e4m3_bits(w).astype(uint)
+    bits = ((b & 0x80) << sign_shift) | ((b & 0x7F) << magnitude_shift)
+    return lax.bitcast_convert_type(bits, float_dtype)
+
+
 def e4m3_to_f16_scaled(w):
     """``w.astype(f16) * 2**-8``, exactly, by shifting bits: ``w`` float8_e4m3fn (or its uint8 bytes).
 
     The f16 exponent field gets the e4m3 one (bias 15 vs 7: a factor 2**-8), its top three
     mantissa bits the e4m3 mantissa.
     """
-    b = e4m3_bits(w).astype(jnp.uint16)
-    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-    return lax.bitcast_convert_type(bits, jnp.float16)
+    return _e4m3_moved_bits(w, jnp.uint16, jnp.float16, sign_shift=8, magnitude_shift=7)
 
 
 def e4m3_to_f32_scaled(w):
@@ -62,9 +68,7 @@ def e4m3_to_f32_scaled(w):
     The f32 exponent field gets the e4m3 one (bias 127 vs 7: a factor 2**-120), its top three
     mantissa bits the e4m3 mantissa.
     """
-    b = e4m3_bits(w).astype(jnp.uint32)
-    bits = ((b & 0x80) << 24) | ((b & 0x7F) << 20)
-    return lax.bitcast_convert_type(bits, jnp.float32)
+    return _e4m3_moved_bits(w, jnp.uint32, jnp.float32, sign_shift=24, magnitude_shift=20)
 
 
 # e4m3 x4 (one 32-bit register, element 0 in the low byte) -> f16 x4 * 2**-8 (two f16x2
