@@ -75,8 +75,12 @@
 #           throughput-1k at 1024 sequences under "reserve" admission with the time left.
 #   s10d    one GPU, session 10 (carry .whl): fp8 throughput-1k with a trace of 3 prefill-carrying
 #           steps of the admission ramp and its kernel table (where the prefill phase's time goes).
+#   s11a    one GPU, queued by session 10 (carry .whl): the W8A8 MLP block with float32 against
+#           bfloat16 GEMM outputs (w8a8_epilogue.py), the donated input slot's A/B (step_dispatch.py,
+#           fixed), then bf16 throughput-1k at 1024 sequences under "greedy" and "reserve" admission in
+#           one call (same buckets: session 10's two were in different calls and bucket sets).
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c or s10d}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d or s11a}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -424,6 +428,17 @@ s10d)
         --kv-cache-dtype fp8 --workloads throughput-1k --max-num-seqs 1024 --profile-prefill-steps 3
     python3 benchmarks/profile_collectives.py "$R/fp8/profile_throughput-1k_prefill" --steps 3 --top 30 \
         --json "$R/fp8/throughput-1k_prefill_kernels.json" >>"$R/fp8.log" 2>&1 ;;
+s11a)
+    wheels
+    on_gpu 0 w8a8.log 90 python3 benchmarks/w8a8_epilogue.py --out "$R/w8a8" --ms 1024,8192 --layers 4
+    on_gpu 0 dispatch.log 80 python3 benchmarks/step_dispatch.py --out "$R/dispatch" \
+        --variants fresh,staged,same-inputs --iters 30 --rounds 3
+    # The first compiles (~65 s cold) and runs (~110 s); the second finds the programs cached.
+    on_gpu 0 bf16_greedy.log 210 python3 benchmarks/engine_throughput.py --out "$R/bf16_greedy" \
+        --workloads throughput-1k --max-num-seqs 1024 --admission greedy
+    left=$(( 590 - SECONDS ))
+    (( left > 130 )) && on_gpu 0 bf16_reserve.log "$left" python3 benchmarks/engine_throughput.py \
+        --out "$R/bf16_reserve" --workloads throughput-1k --max-num-seqs 1024 --admission reserve ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac

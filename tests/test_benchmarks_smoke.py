@@ -360,6 +360,19 @@ def test_step_dispatch_times_every_variant(tmp_path):
     assert all(row["dispatch_ms"] > 0 and row["pipelined_ms_per_step"] > 0 for row in results["variants"].values())
 
 
+def test_w8a8_epilogue_times_both_output_dtypes_and_the_gemms(tmp_path):
+    """The W8A8 MLP-block benchmark completes on CPU: the engine's path, bf16 GEMM outputs and the
+    GEMMs alone are timed; both full variants are near the float32 reference and near each other
+    (bf16 outputs add one rounding, far below fp8's own error)."""
+    run_script([BENCHMARKS / "w8a8_epilogue.py", "--shape", "tiny", "--ms", "128", "--layers", "1", "--out", tmp_path],
+               tmp_path)
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "w8a8_epilogue.json").read_text())["rows"]}
+    assert set(rows) == {"engine", "bf16_out", "gemm_only"}
+    assert all(r["ms_per_layer"] > 0 for r in rows.values())
+    assert 0 < rows["engine"]["rel_error_vs_f32"] < 0.1
+    assert abs(rows["bf16_out"]["rel_error_vs_f32"] - rows["engine"]["rel_error_vs_f32"]) < 0.01
+
+
 def test_host_step_cost_with_a_fake_device_times_host_work_only(tmp_path):
     """``--fake-device``: no program runs (no warm-up, nothing waited for), the phases still add up,
     and the median step is reported beside the mean."""
