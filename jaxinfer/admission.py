@@ -5,7 +5,8 @@ that growth, decode runs out of pages later and the scheduler preempts by recomp
 loses its pages and recomputes prompt and output as a prefill, and the decode steps it took
 before are wasted. Admitting by the prompt alone ("greedy") over-commits whenever the outputs
 are long: on one H200 (Llama-3.1-8B, a pool of 878k tokens) 1000 requests of 1000 + 1000 tokens
-preempted 380 times.
+preempted 380 times; under "reserve", 120 times, and its output rate rose from 8,873 to 9,159
+tok/s (session 10, two device calls).
 
 The "reserve" policy admits a candidate only if the free pages cover, besides the candidate's
 own prompt and expected output, the expected growth of every running sequence:
