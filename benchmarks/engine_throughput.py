@@ -284,8 +284,9 @@ class DecodeProfiler:
     def report(self) -> dict:
         traces = sorted(str(p.relative_to(self.out_dir)) for p in self.out_dir.glob("plugins/profile/*/*.trace.json.gz"))
         if self.started_at_step is None:
-            self.log(f"profile: never started: no {self.settle_steps} {self.phase} steps in a row with >= "
-                     f"{self.min_running} running (largest such batch {self.max_decode_running})")
+            kind = "decode-only" if self.phase == "decode" else "prefill-carrying"
+            self.log(f"profile: never started: no {self.settle_steps} {kind} steps in a row with >= "
+                     f"{self.min_running} running (largest {kind} batch {self.max_decode_running})")
         else:
             self.log(f"profile: traced {self.num_traced} steps from step {self.started_at_step}; "
                      f"{len(traces)} trace file(s) {traces}")
