@@ -36,18 +36,11 @@ run: model
 demo: model
 	$(BIN)/jaxinfer generate --model $(MODEL) --chat --prompt "$(PROMPT)" --max-tokens 64
 
-# The whole suite runs as three pytest processes, not one: twice a single process died ~1,150
-# tests in (SIGSEGV, then SIGABRT, inside libgcc's unwinder; docs/ARCHITECTURE.md, "Known
-# problems"). PYTEST_ARGS (a file, -k, ...) runs one process as given.
-TEST_GROUPS := 'tests/test_[a-h]*.py' 'tests/test_[i-r]*.py' 'tests/test_[s-z]*.py'
-
+# One pytest process for the whole suite (PYTEST_ARGS: a file, -k, ... to run less). A single
+# process used to die ~1,150 tests in once it ran out of memory mappings (vm.max_map_count);
+# tests/map_budget.py now frees compiled programs first (docs/crash_investigation.md).
 test: model
-ifeq ($(strip $(PYTEST_ARGS)),)
-	@status=0; for group in $(TEST_GROUPS); do echo "pytest -q $$group"; \
-		$(BIN)/python -m pytest -q $$group || status=1; done; exit $$status
-else
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
-endif
 
 clean:
 	rm -rf $(VENV) .pytest_cache .cache

@@ -21,6 +21,13 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def pytest_runtest_teardown(item, nextitem):
+    """Free compiled programs before one process reaches the kernel's mapping limit (tests/map_budget.py)."""
+    from .map_budget import release_compiled_programs_if_near_limit
+
+    release_compiled_programs_if_near_limit()
+
+
 @pytest.fixture(scope="session")
 def default_model():
     """SmolLM2-135M-Instruct (the default model) in float32, loaded once per session."""
