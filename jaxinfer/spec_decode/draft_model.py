@@ -89,34 +89,38 @@ def _draft_round(weights, cache, batch: StepBatch, *, config, attention_impl, nu
     return jnp.stack(drafts, axis=1), cache
 
 
-class DraftModelProposer:
-    """Drafts for a batch of sequences with ``model``; see the module docstring."""
+class PagedDraftProposer:
+    """What every proposer that drafts on the device shares (the draft model, EAGLE-3's head).
 
-    def __init__(self, model: LoadedModel, *, target_vocab_size: int, num_pages: int, page_size: int,
-                 buckets, num_speculative_tokens: int, allocator: PageAllocator, attention_impl: str = "auto"):
-        if model.config.vocab_size > target_vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({model.config.vocab_size}) is larger than the target's "
-                             f"({target_vocab_size}): they must share the tokenizer")
-        self.model = model
+    Its own paged K/V indexed by the target's page tables, a jitted round per bucket (catch-up
+    then drafts, donating the cache), and per sequence how far its K/V is computed. A subclass
+    says how a round is called (:meth:`_call`) and how its positions line up with the tokens:
+    position ``i`` reads token ``i + TOKEN_OFFSET``, so a sequence of ``n`` known tokens catches
+    up to position ``n - TOKEN_OFFSET`` (exclusive).
+    """
+
+    TOKEN_OFFSET = 0
+
+    def __init__(self, round_fn, cache, *, buckets, num_speculative_tokens: int, allocator: PageAllocator):
         self.buckets = buckets
         self.k = num_speculative_tokens
         self.allocator = allocator
-        self.cache = create_kv_cache(model.config, num_pages, page_size, model.weights.embed.dtype)
-        self._round = jax.jit(
-            functools.partial(_draft_round, config=model.config, attention_impl=attention_impl,
-                              num_drafts=num_speculative_tokens),
-            donate_argnames=("cache",),
-        )
-        # seq_id -> (num_preemptions, tokens whose draft K/V is in the cache): a preemption frees
-        # the pages, so the draft starts over with the sequence.
+        self.cache = cache
+        self._round = jax.jit(round_fn, donate_argnames=("cache",))
+        # seq_id -> (num_preemptions, positions whose K/V is in the cache): a preemption frees
+        # the pages, so drafting starts over with the sequence.
         self._computed: dict[int, tuple[int, int]] = {}
         self._num_compiled_after_warmup = None
+
+    def _call(self, batch: StepBatch):
+        """One round over the host ``batch``: (drafts [B, k], the new cache)."""
+        raise NotImplementedError
 
     def warm_up(self) -> None:
         """Compile the round of every bucket now, each run once on empty inputs."""
         for t, b, p in self.buckets.all():
             batch = build_step_batch([], num_tokens=t, num_seqs=b, pages_per_seq=p, padding_page=SCRATCH_PAGE)
-            drafts, self.cache = self._round(self.model.weights, self.cache, jax.tree.map(jnp.asarray, batch))
+            _, self.cache = self._call(batch)
         jax.block_until_ready(self.cache)
         self._num_compiled_after_warmup = self._round._cache_size()
 
@@ -126,6 +130,9 @@ class DraftModelProposer:
             return 0
         return self._round._cache_size() - self._num_compiled_after_warmup
 
+    def _end(self, seq: Sequence) -> int:
+        return seq.num_tokens - self.TOKEN_OFFSET
+
     def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
         """Up to ``rooms[i]`` drafts for each of ``seqs`` (running decodes with every token known).
 
@@ -133,23 +140,18 @@ class DraftModelProposer:
         that cannot get them gets no drafts.
         """
         chosen = [(seq, room) for seq, room in zip(seqs, rooms)
-                  if room > 0 and self.allocator.allocate_slots(seq, 1 + self.k)]
+                  if room > 0 and self._end(seq) >= 1 and self.allocator.allocate_slots(seq, 1 + self.k)]
         if not chosen:
             return [[] for _ in seqs]
         drafts_of: dict[int, list[int]] = {}
         pending = [(seq, room, self._start(seq)) for seq, room in chosen]
-        for seq, room, row in catch_up_in_rounds(pending, self.buckets, end_of=lambda seq: seq.num_tokens,
-                                                 run=self._run):
+        for seq, room, row in catch_up_in_rounds(pending, self.buckets, end_of=self._end, run=self._run):
             drafts_of[seq.seq_id] = row[:room].tolist()
-            # The draft K/V of the drafts it fed back is kept; the rollback tells which are right.
-            self._computed[seq.seq_id] = (seq.num_preemptions, seq.num_tokens)
+            self._computed[seq.seq_id] = (seq.num_preemptions, self._end(seq))
         return [drafts_of.get(seq.seq_id, []) for seq in seqs]
 
     def accept(self, seq: Sequence, num_accepted: int, num_drafted: int) -> None:
-        """After a verify step: the draft K/V of the accepted drafts it fed back is valid too."""
-        preemptions, computed = self._computed.get(seq.seq_id, (seq.num_preemptions, 0))
-        # Drafts 1..k-1 were fed back (the last one never was); the accepted ones are now tokens.
-        self._computed[seq.seq_id] = (preemptions, computed + min(num_accepted, num_drafted, self.k - 1))
+        """After a verify step (nothing to keep by default: the next round recomputes)."""
 
     def forget(self, seq: Sequence) -> None:
         self._computed.pop(seq.seq_id, None)
@@ -158,12 +160,38 @@ class DraftModelProposer:
         preemptions, computed = self._computed.get(seq.seq_id, (seq.num_preemptions, 0))
         if preemptions != seq.num_preemptions:
             computed = 0
-        return min(computed, seq.num_tokens - 1)  # at least the last token, for its logits
+        return min(computed, self._end(seq) - 1)  # at least the last position, for its logits
 
     def _run(self, chunks) -> np.ndarray:
-        inputs = [(seq.token_ids[start:end], start, seq.page_table) for seq, _, start, end in chunks]
+        o = self.TOKEN_OFFSET
+        inputs = [(seq.token_ids[start + o:end + o], start, seq.page_table) for seq, _, start, end in chunks]
         num_tokens = sum(end - start for _, _, start, end in chunks)
         t, b, p = self.buckets.pick(num_tokens, len(chunks), max(len(seq.page_table) for seq, *_ in chunks))
         batch = build_step_batch(inputs, num_tokens=t, num_seqs=b, pages_per_seq=p, padding_page=SCRATCH_PAGE)
-        drafts, self.cache = self._round(self.model.weights, self.cache, jax.tree.map(jnp.asarray, batch))
+        drafts, self.cache = self._call(batch)
         return np.asarray(drafts)[: len(chunks)]
+
+
+class DraftModelProposer(PagedDraftProposer):
+    """Drafts for a batch of sequences with ``model``; see the module docstring."""
+
+    def __init__(self, model: LoadedModel, *, target_vocab_size: int, num_pages: int, page_size: int,
+                 buckets, num_speculative_tokens: int, allocator: PageAllocator, attention_impl: str = "auto"):
+        if model.config.vocab_size > target_vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({model.config.vocab_size}) is larger than the target's "
+                             f"({target_vocab_size}): they must share the tokenizer")
+        self.model = model
+        super().__init__(
+            functools.partial(_draft_round, config=model.config, attention_impl=attention_impl,
+                              num_drafts=num_speculative_tokens),
+            create_kv_cache(model.config, num_pages, page_size, model.weights.embed.dtype),
+            buckets=buckets, num_speculative_tokens=num_speculative_tokens, allocator=allocator)
+
+    def accept(self, seq: Sequence, num_accepted: int, num_drafted: int) -> None:
+        """After a verify step: the draft K/V of the accepted drafts it fed back is valid too."""
+        preemptions, computed = self._computed.get(seq.seq_id, (seq.num_preemptions, 0))
+        # Drafts 1..k-1 were fed back (the last one never was); the accepted ones are now tokens.
+        self._computed[seq.seq_id] = (preemptions, computed + min(num_accepted, num_drafted, self.k - 1))
+
+    def _call(self, batch: StepBatch):
+        return self._round(self.model.weights, self.cache, jax.tree.map(jnp.asarray, batch))
