@@ -172,8 +172,8 @@ def test_decode_like_step_never_takes_the_fresh_path():
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=3e-2, atol=3e-2)
 
 
-def test_lowered_step_has_one_conditional_and_no_loop():
-    # On the GPU every conditional (and every loop iteration) waits for the host: one switch, no while.
+def lowered_for_hopper(**options) -> str:
+    """The fresh-prefill step over the MIXED batch, lowered for an abstract H200 from this CPU."""
     from jax._src.mesh import AbstractDevice, AbstractMesh
 
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
@@ -181,9 +181,14 @@ def test_lowered_step_has_one_conditional_and_no_loop():
     case = make_case(7, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
                      pad_tokens=5)
     with jax.sharding.use_abstract_mesh(mesh):
-        text = fp.ragged_paged_attention_gpu_fresh_prefill.trace(
-            *case.args(), sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=dense_causal).lower(
+        return fp.ragged_paged_attention_gpu_fresh_prefill.trace(
+            *case.args(), sm_scale=case.sm_scale, min_fresh_tokens=64, **options).lower(
             lowering_platforms=("cuda",)).as_text()
+
+
+def test_lowered_step_has_one_conditional_and_no_loop():
+    # On the GPU every conditional (and every loop iteration) waits for the host: one switch, no while.
+    text = lowered_for_hopper(fresh_attend=dense_causal)
     assert "triton" in text
     assert text.count("stablehlo.case") == 1
     assert "stablehlo.while" not in text
@@ -234,16 +239,7 @@ def test_branchless_path_with_the_window_kernel_interpreted():
 
 
 def test_branchless_path_lowers_for_hopper_with_no_conditional():
-    from jax._src.mesh import AbstractDevice, AbstractMesh
-
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-        device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
-    case = make_case(7, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
-                     pad_tokens=5)
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = fp.ragged_paged_attention_gpu_fresh_prefill.trace(
-            *case.args(), sm_scale=case.sm_scale, min_fresh_tokens=64, branchless=True).lower(
-            lowering_platforms=("cuda",)).as_text()
+    text = lowered_for_hopper(branchless=True)
     assert "triton" in text and "mosaic_gpu" in text
     assert "stablehlo.case" not in text and "stablehlo.while" not in text
 
