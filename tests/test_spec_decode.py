@@ -224,6 +224,21 @@ def test_free_tail_returns_the_pages_past_the_tokens():
     assert allocator.num_used_pages == 2
 
 
+def run_to_completion(engine, prompts, params, after_step=None) -> list[list[int]]:
+    """Each of ``prompts`` through ``engine`` (request ids "0", "1", ...) until all finish: their
+    token ids in order. ``after_step()`` runs after every step (invariant checks)."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output.outputs[0].token_ids
+        if after_step is not None:
+            after_step()
+    return [outputs[str(i)] for i in range(len(prompts))]
+
+
 def _greedy_reference(plain, prompts, params):
     return token_ids(plain.generate(prompts, params, use_tqdm=False))
 
@@ -259,17 +274,13 @@ def test_greedy_identical_under_preemption_and_prefix_caching_without_page_leaks
     tight = LLM(loaded=tiny, speculative_config=SPEC,
                 **{**OPTIONS, "num_pages": 128 // 16 + 4, "scheduling_admission": "greedy"})
     engine = tight.engine
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                outputs[output.request_id] = output.outputs[0].token_ids
+
+    def check_pages():
         check_allocator_invariants(engine.allocator, engine.scheduler.running)
         for seq in engine.scheduler.running:  # no page wholly past a sequence's tokens and drafts
             assert len(seq.page_table) <= engine.allocator.num_pages_for(seq.num_tokens + K)
-    assert [outputs[str(i)] for i in range(len(prompts))] == reference
+
+    assert run_to_completion(engine, prompts, params, after_step=check_pages) == reference
     stats = engine.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert stats["spec_decode_num_accepted_tokens"] > 0

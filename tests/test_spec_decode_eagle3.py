@@ -35,6 +35,7 @@ from jaxinfer.spec_decode.eagle3_checkpoint import load_eagle3_head
 
 from .conftest import FIXTURES
 from .test_page_allocator import check_allocator_invariants
+from .test_spec_decode import run_to_completion
 
 K = 3
 OPTIONS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, num_pages=96, page_size=16,
@@ -368,15 +369,8 @@ def test_accepted_runs_roll_back_with_the_head_and_leak_no_pages(target, plain, 
     rounds = record_head_drafts(monkeypatch, oracle=list(zip(prompts, reference)))
     engine = eagle.engine
     before = engine.stats()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                outputs[output.request_id] = output.outputs[0].token_ids
-        check_allocator_invariants(engine.allocator, engine.scheduler.running)
-    assert [outputs[str(i)] for i in range(len(prompts))] == reference
+    assert run_to_completion(engine, prompts, params, after_step=lambda: check_allocator_invariants(
+        engine.allocator, engine.scheduler.running)) == reference
     stats = engine.stats()
     gained = {key: stats[key] - before[key] for key in ("num_preemptions", "prefix_cache_hits",
                                                         "spec_decode_num_accepted_tokens")}

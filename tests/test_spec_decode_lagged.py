@@ -26,7 +26,7 @@ from jaxinfer.spec_decode import speculator as speculator_module
 
 from .test_page_allocator import check_allocator_invariants
 from .test_spec_decode import (GREEDY, K, OPTIONS, SPEC, _greedy_reference, check_logprobs_match_plain, prompts_of,
-                               token_ids)
+                               run_to_completion, token_ids)
 from .test_spec_decode import plain, tiny  # noqa: F401 (fixtures)
 
 LAGGED = {**SPEC, "async_verify": True}
@@ -140,20 +140,17 @@ def test_greedy_identical_under_preemption_and_prefix_caching_without_page_leaks
     # scheduler preempts: held out of the pool here rather than compiling another engine.
     hoarder = engine.allocator._free_pages
     held = [hoarder.pop() for _ in range(engine.allocator.num_free_pages - (128 // 16 + 4))]
+
+    def check_pages():
+        for seq in engine.scheduler.running:  # never more than its tokens and two steps of drafts
+            assert len(seq.page_table) <= engine.allocator.num_pages_for(seq.num_tokens + 2 * K)
+
     try:
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, params)
-        outputs = {}
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.finished:
-                    outputs[output.request_id] = output.outputs[0].token_ids
-            for seq in engine.scheduler.running:  # never more than its tokens and two steps of drafts
-                assert len(seq.page_table) <= engine.allocator.num_pages_for(seq.num_tokens + 2 * K)
+        outputs = run_to_completion(engine, prompts, params, after_step=check_pages)
     finally:
         hoarder.extend(held)
     check_allocator_invariants(engine.allocator, [])
-    assert [outputs[str(i)] for i in range(len(prompts))] == reference
+    assert outputs == reference
     stats = engine.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert stats["spec_decode_num_accepted_tokens"] > 0
