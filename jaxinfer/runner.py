@@ -154,12 +154,14 @@ def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, max_pages_pe
     if tokens[0] < max_num_seqs < tokens[-1]:
         tokens = tuple(sorted(set(tokens) | {max_num_seqs}))
     # Above 256 rows a decode step's matmuls are bound by arithmetic, not by reading the weights
-    # (on an H200 the two cross near 160 rows in bf16 and fp8 alike), so a padded row costs what
-    # a real one does: between powers of two a step paid for up to twice its rows (bf16
-    # throughput-1k at 1024 sequences spent 34 s of 113 in steps of 513-896 sequences). A bucket
-    # halfway (in ratio) between each pair of powers of two above 256, up to max_num_seqs,
-    # tokens and sequences alike, keeps the padding under half: 384, 768, 1536. Each bucket is ~5
-    # programs to compile at start-up (every 128 rows instead cost 12 s more at 1024 sequences).
+    # (by the H200's measured ceilings, 4.5 TB/s and 723 bf16 TFLOP/s, the two cross near 160 rows
+    # for Llama-3.1-8B in bf16, and about there in fp8: half the bytes, twice the rate), so a
+    # padded row costs what a real one does: between powers of two a step paid for up to twice its
+    # rows (bf16 throughput-1k at 1024 sequences spent 34 s of 113 in steps of 513-896 sequences).
+    # A bucket halfway (in ratio) between each pair of powers of two above 256, up to
+    # max_num_seqs, tokens and sequences alike, keeps the padding under half: 384, 768, 1536.
+    # Each bucket is ~5 programs to compile at start-up (every 128 rows instead cost 12 s more at
+    # 1024 sequences).
     between = tuple(n for n in (3 * 2 ** e for e in range(7, 16)) if 256 < n < max_num_seqs)
     if between:
         seqs = tuple(sorted(set(seqs) | set(between)))
