@@ -21,8 +21,18 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+# Tests between two looks at the process's memory mappings: reading /proc/self/maps costs a few ms
+# near the limit, and 16 tests add a few thousand mappings at most, far inside the guard's half.
+MAP_CHECK_EVERY = 16
+_tests_since_map_check = [0]
+
+
 def pytest_runtest_teardown(item, nextitem):
     """Free compiled programs before one process reaches the kernel's mapping limit (tests/map_budget.py)."""
+    _tests_since_map_check[0] += 1
+    if _tests_since_map_check[0] < MAP_CHECK_EVERY:
+        return
+    _tests_since_map_check[0] = 0
     from .map_budget import release_compiled_programs_if_near_limit
 
     release_compiled_programs_if_near_limit()
