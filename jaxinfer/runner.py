@@ -38,6 +38,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxinfer.bad_words import gather_output_tail
+from jaxinfer.compile_counter import CompilationCounter
 from jaxinfer.compile_options import PhasedJit, graph_options
 from jaxinfer.input_batch import PackedStep, StepInputs, empty_step_inputs, is_full_path, pack_step
 from jaxinfer.kv_cache import create_kv_cache
@@ -281,6 +282,10 @@ class ModelRunner:
             **self.placement.jit_kwargs(),
         )
         self.warmup_done = False
+        # Forward and sampler programs apart: warm-up pairs each sampler with one forward bucket
+        # only, and a new pairing of two warmed programs compiles nothing.
+        self.forward_compilations = CompilationCounter(self._step._cache_size)
+        self.sampler_compilations = CompilationCounter(self._num_sampler_programs)
 
     def warm_up(self, use_tqdm: bool = True, num_threads: int | None = None) -> float:
         """Compile every bucket's forward and every sequence bucket's samplers (one per path) now; returns seconds spent.
@@ -305,7 +310,8 @@ class ModelRunner:
         for inputs in [*all_inputs, *sampler_inputs]:
             jax.block_until_ready(self.execute(inputs))
         self.warmup_done = True
-        self._cache_size_after_warmup = self._num_compiled()
+        self.forward_compilations.end_warm_up()
+        self.sampler_compilations.end_warm_up()
         seconds = time.perf_counter() - start
         logger.info("compiled %d forward and %d sampler programs in %.1f s on %d threads", len(all_inputs),
                     len(sampler_inputs), seconds, num_threads)
@@ -356,14 +362,12 @@ class ModelRunner:
         verifiers = (len(SAMPLER_PATHS) - len(MASKED_SAMPLER_PATHS)) * len(self._sampler_shapes())
         return 2 * len(self.buckets.all()) + samplers + verifiers
 
-    def _num_compiled(self) -> int:
-        return self._step._cache_size() + self._sampler._cache_size() + self._verifier._cache_size()
+    def _num_sampler_programs(self) -> int:
+        return self._sampler._cache_size() + self._verifier._cache_size()
 
     @property
     def num_compilations_after_warmup(self) -> int:
-        if not self.warmup_done:
-            return 0
-        return self._num_compiled() - self._cache_size_after_warmup
+        return self.forward_compilations.num_after_warmup + self.sampler_compilations.num_after_warmup
 
     def empty_inputs(self, num_tokens: int, num_seqs: int, pages_per_seq: int, sampler_path: str = "basic",
                      verify: bool = False) -> StepInputs:
@@ -408,8 +412,11 @@ class ModelRunner:
         if self._input_observer is not None:
             self._input_observer(inputs)
         fn, args, kwargs, (sampler_packed, sampler_packing) = self._calls(inputs)
+        forward_size = self.forward_compilations.before()
         with self.placement.context():
             step_out, self.cache = fn(*args, **kwargs)
+            self.forward_compilations.after((fn, kwargs["packing"]), forward_size)
+            sampler_size = self.sampler_compilations.before()
             logits, self.token_pages, *more = step_out
             if self.input_slot is not None:
                 self.input_slot, *more = more
@@ -428,6 +435,7 @@ class ModelRunner:
                     bitmask = jax.device_put(host_mask, self.placement.replicated)
                 out = self._sampler(logits, self.token_pages, sampler_packed, bitmask, packing=sampler_packing,
                                     sampler_path=inputs.sampler_path)
+        self.sampler_compilations.after((sampler_packing, inputs.sampler_path, inputs.is_verify), sampler_size)
         self.last_sampled = out.token_ids_padded
         return out.sampler
 

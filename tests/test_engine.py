@@ -255,3 +255,15 @@ def test_llm_close_frees_weights_and_cache_and_refuses_to_generate():
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
     llm.close()  # twice is fine
+
+
+def test_clearing_jax_caches_recompiles_without_counting_new_programs(tiny):
+    """``jax.clear_caches()`` (a notebook, tests/map_budget.py) makes warmed programs compile
+    again: that is no new program, and the count never goes negative."""
+    llm = make_llm(tiny, num_pages=64)
+    prompts = random_prompts(4, seed=9)
+    before = token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+    jax.clear_caches()
+    assert llm.engine.stats()["num_compilations_after_warmup"] == 0
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == before
+    assert llm.engine.stats()["num_compilations_after_warmup"] == 0

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.batch import StepBatch, build_step_batch
+from jaxinfer.compile_counter import CompilationCounter
 from jaxinfer.kv_cache import create_kv_cache
 from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.model import forward
@@ -110,25 +111,30 @@ class PagedDraftProposer:
         # seq_id -> (num_preemptions, positions whose K/V is in the cache): a preemption frees
         # the pages, so drafting starts over with the sequence.
         self._computed: dict[int, tuple[int, int]] = {}
-        self._num_compiled_after_warmup = None
+        self.compilations = CompilationCounter(self._round._cache_size)
 
     def _call(self, batch: StepBatch):
         """One round over the host ``batch``: (drafts [B, k], the new cache)."""
         raise NotImplementedError
 
+    def _run_round(self, batch: StepBatch):
+        """:meth:`_call`, keeping the cache it returns and counting a compilation; returns the drafts."""
+        size_before = self.compilations.before()
+        drafts, self.cache = self._call(batch)
+        self.compilations.after((batch.num_tokens, batch.num_seqs, batch.page_tables.shape[1]), size_before)
+        return drafts
+
     def warm_up(self) -> None:
         """Compile the round of every bucket now, each run once on empty inputs."""
         for t, b, p in self.buckets.all():
             batch = build_step_batch([], num_tokens=t, num_seqs=b, pages_per_seq=p, padding_page=SCRATCH_PAGE)
-            _, self.cache = self._call(batch)
+            self._run_round(batch)
         jax.block_until_ready(self.cache)
-        self._num_compiled_after_warmup = self._round._cache_size()
+        self.compilations.end_warm_up()
 
     @property
     def num_compilations_after_warmup(self) -> int:
-        if self._num_compiled_after_warmup is None:
-            return 0
-        return self._round._cache_size() - self._num_compiled_after_warmup
+        return self.compilations.num_after_warmup
 
     def _end(self, seq: Sequence) -> int:
         return seq.num_tokens - self.TOKEN_OFFSET
@@ -168,7 +174,7 @@ class PagedDraftProposer:
         num_tokens = sum(end - start for _, _, start, end in chunks)
         t, b, p = self.buckets.pick(num_tokens, len(chunks), max(len(seq.page_table) for seq, *_ in chunks))
         batch = build_step_batch(inputs, num_tokens=t, num_seqs=b, pages_per_seq=p, padding_page=SCRATCH_PAGE)
-        drafts, self.cache = self._call(batch)
+        drafts = self._run_round(batch)
         return np.asarray(drafts)[: len(chunks)]
 
 
