@@ -229,3 +229,17 @@ def test_bad_step_and_split_counts_raise():
         paged_decode_fp8_wgmma(**args, k_scale=1.0, v_scale=1.0, sm_scale=0.1, pages_per_step=32, interpret=True)
     with pytest.raises(ValueError, match="num_splits"):
         paged_decode_fp8_wgmma(**args, k_scale=1.0, v_scale=1.0, sm_scale=0.1, num_splits=0, interpret=True)
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_runs_on_cpu(tmp_path):
+    """``benchmarks/fp8_wgmma_decode.py --smoke``: check, ceilings and one tiny shape through both kernels (~40 s)."""
+    import json
+
+    from tests.test_benchmarks_smoke import BENCHMARKS, run_script
+
+    run_script([BENCHMARKS / "fp8_wgmma_decode.py", "--out", tmp_path, "--smoke"], tmp_path)
+    report = json.loads((tmp_path / "fp8_wgmma_decode.json").read_text())
+    assert report["check"]["passed"]
+    (row,) = report["rows"]
+    assert row["engine_s"] > 0 and row["new_s"] > 0 and all("seconds" in v for v in row["new"])
