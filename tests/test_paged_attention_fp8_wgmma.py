@@ -163,6 +163,24 @@ def test_bf16_queries_and_several_pages_in_flight():
     assert relative_error(got, want) < TOLERANCE_VS_REFERENCE
 
 
+def test_no_data_races_in_the_interpreter():
+    """The interpreter's happens-before race detector over TMA copies, barriers, smem stores and wgmma reads.
+
+    (It flags a race when, e.g., the wait on the row scales' barrier is removed.) The interpreter's
+    wgmma is synchronous, so a missing wait on an asynchronous wgmma would not show here.
+    """
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    q, k_pages, v_pages, lengths, page_tables = make_decode_case(
+        2, [150, 7], num_q_heads=4, num_kv_heads=1, head_dim=128, page_size=16)
+    got = paged_decode_fp8_wgmma(q, k_pages, transpose_v_pages(v_pages), lengths, page_tables, k_scale=1.0,
+                                 v_scale=1.0, sm_scale=0.1, num_splits=2,
+                                 interpret=plgpu.InterpretGPUParams(detect_races=True))
+    jax.block_until_ready(got)
+    assert not interpret_pallas_call.get_races().races_found
+
+
 def test_query_rows_round_to_e4m3_with_their_own_scale():
     q = jnp.array([[1e-3, -2e-3, 5e-4], [300.0, -7000.0, 1.0], [0.0, 0.0, 0.0]], jnp.float32)
     q8, scale = quantize_query_rows(q)

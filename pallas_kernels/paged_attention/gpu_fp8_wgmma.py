@@ -312,14 +312,14 @@ def paged_decode_fp8_wgmma(
     pages_per_step: int | None = None,
     num_splits: int = 1,
     max_concurrent_steps: int = 2,
-    interpret: bool = False,
+    interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> jax.Array:
     """Decode attention of ``q[b]`` over slot ``b``'s first ``lengths[b]`` cached tokens; out [B, Hq, D].
 
     Layouts, numerics and limits are in the module docstring. ``pages_per_step`` pages are one
     pipeline step (default: 64 tokens); ``num_splits`` programs share each sequence (merged by
     their log-sum-exps); ``max_concurrent_steps`` steps of pages are in flight. ``interpret``
-    runs Pallas's Mosaic GPU interpreter (CPU tests).
+    runs Pallas's Mosaic GPU interpreter (CPU tests): ``True``, or its parameters (e.g. race detection).
     """
     page_size = k_pages.shape[2]
     pages_per_step = pages_per_step or default_pages_per_step(page_size)
@@ -353,7 +353,8 @@ def paged_decode_fp8_wgmma(
         grid=(batch, num_kv_heads, num_splits),
         grid_names=("seq", "kv_head", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
+                   else plgpu.InterpretGPUParams() if interpret else None),
     )
     out, lse = kernel(page_tables, lengths, q_tiles, row_scales, k_pages, v_rows)
     # Row h*G + g, column n of a KV head's block is head g's feature n*f + h.
