@@ -5,9 +5,9 @@ One run, on one GPU (Hopper: the new kernel's wgmmas are sm_90a):
 1. **Check** (exits 1 on a mismatch, printing the errors): the compiled ``paged_decode_fp8_wgmma``
    (``pallas_kernels/paged_attention/gpu_fp8_wgmma.py``) against the plain-JAX reference on the
    same fp8 pages (scales 0.5 / 3.0), on a ragged decode batch of Llama-3.1-8B heads (lengths 1,
-   a partial page, several steps, an empty slot, 4k+) at 1 and 3 splits, within the interpreter
-   tests' tolerance (``TOLERANCE_VS_REFERENCE``); the engine's kernel's error on the same batch is
-   printed beside it.
+   a partial page, several steps, an empty slot, 4k+): page 16 at 1 and 3 splits (gating), page 64
+   (the unpacked path: tells which path broke), within the interpreter tests' tolerance
+   (``TOLERANCE_VS_REFERENCE``); the engine's kernel's error on the same batch printed beside it.
 2. **Ceiling**: the HBM read rate, measured in the same run (``common.measure_ceilings``).
 3. **Timing**, B in {1, 32, 64, 256} x ctx in {1k, 4k, 16k} (caches past 2**31 elements an array
    skipped, as the engine caps an fp8 pool), page 16, Llama-3.1-8B heads (32 q, 8 kv, d 128), bf16
@@ -56,6 +56,7 @@ REPEATS = 32
 MAX_ARRAY_ELEMENTS = 2**31  # an fp8 K or V array of more elements is not built (jaxinfer.memory's cap)
 # Same bound as the interpreter tests (tests/test_paged_attention_fp8_wgmma.py says why).
 TOLERANCE_VS_REFERENCE = 0.06
+CHECK_K_SCALE, CHECK_V_SCALE = 0.5, 3.0
 SHAPES = [(b, c) for c in (4096, 16384, 1024) for b in (32, 64, 256, 1)]  # goal shapes first
 NUM_SMS = 132  # H200; only sizes the split heuristic below
 LOG: list[str] = []
@@ -77,7 +78,7 @@ def engine_sizes(batch, context):
 
 def engine_attend(q, k_pages, v_pages, page_tables, lengths, *, interpret=False, sizes=None):
     batch = q.shape[0]
-    sizes = sizes or engine_sizes(batch, page_tables.shape[1] * PAGE_SIZE)
+    sizes = sizes or engine_sizes(batch, page_tables.shape[1] * k_pages.shape[2])
     cu_q_lens = jnp.arange(batch + 1, dtype=jnp.int32)
     return engine_gpu.attend_gpu(q, k_pages, v_pages, page_tables, cu_q_lens, lengths, sm_scale=SM_SCALE,
                                  sizes=sizes, interpret=interpret)
@@ -96,45 +97,62 @@ def new_variants(batch, context, is_goal):
     return [v for v in dict.fromkeys(variants) if v is not None]
 
 
-def check(interpret: bool) -> dict:
-    """Compiled kernel vs the reference on one ragged decode batch; raises SystemExit(1) on a mismatch."""
-    rng = np.random.default_rng(0)
+def check_batch(page_size: int, interpret: bool):
+    """A ragged decode batch over fp8 pages (lengths 1, a partial page, several steps, empty, 4k+) and its reference."""
+    rng = np.random.default_rng(page_size)
     lengths = np.array([1, 7, 150, 0, 64] if interpret else [1, 7, 150, 0, 4100, 1000, 16, 2049], np.int32)
-    pages_per_seq = max(1, -(-int(lengths.max()) // PAGE_SIZE))
+    pages_per_seq = max(1, -(-int(lengths.max()) // page_size))
     num_pages = len(lengths) * pages_per_seq + 1
     page_tables = rng.permutation(num_pages)[:len(lengths) * pages_per_seq].reshape(len(lengths), pages_per_seq)
-    page_tables = jnp.asarray(page_tables.astype(np.int32))
-    shape = (NUM_KV_HEADS, num_pages, PAGE_SIZE, HEAD_DIM)
+    shape = (NUM_KV_HEADS, num_pages, page_size, HEAD_DIM)
     k_pages = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(FP8)
     v_pages = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(FP8)
     q = jnp.asarray(rng.standard_normal((len(lengths), NUM_Q_HEADS, HEAD_DIM), np.float32)).astype(jnp.bfloat16)
-    lengths = jnp.asarray(lengths)
-    k_scale, v_scale = 0.5, 3.0
-    want = attend_reference(q.astype(jnp.float32), k_pages.astype(jnp.float32) * k_scale,
-                            v_pages.astype(jnp.float32) * v_scale, page_tables,
-                            jnp.arange(len(lengths) + 1, dtype=jnp.int32), lengths, sm_scale=SM_SCALE)
-    live = np.asarray(lengths) > 0
-    want = np.asarray(want, np.float32)
+    args = (q, k_pages, v_pages, jnp.asarray(lengths), jnp.asarray(page_tables.astype(np.int32)))
+    want = attend_reference(q.astype(jnp.float32), k_pages.astype(jnp.float32) * CHECK_K_SCALE,
+                            v_pages.astype(jnp.float32) * CHECK_V_SCALE, args[4],
+                            jnp.arange(len(lengths) + 1, dtype=jnp.int32), args[3], sm_scale=SM_SCALE)
+    return args, np.asarray(want, np.float32)
 
-    def error(got):
-        got = np.asarray(got.astype(jnp.float32))
-        return {"relative_error": float(np.linalg.norm(got[live] - want[live]) / np.linalg.norm(want[live])),
-                "finite": bool(np.isfinite(got).all()), "empty_slots_zero": bool(np.all(got[~live] == 0))}
 
+def error_of(got, want, lengths) -> dict:
+    got, live = np.asarray(got.astype(jnp.float32)), np.asarray(lengths) > 0
+    return {"relative_error": float(np.linalg.norm(got[live] - want[live]) / np.linalg.norm(want[live])),
+            "finite": bool(np.isfinite(got).all()), "empty_slots_zero": bool(np.all(got[~live] == 0))}
+
+
+def check(interpret: bool) -> dict:
+    """Compiled kernel vs the reference; ``passed`` is False on any mismatch or failure (main then exits 1).
+
+    Page 16 (the engine's; the packed f = 2 path) at 1 and 3 splits gates the run; page 64 (f = 1)
+    is checked too, so a failure tells which path broke. The engine's kernel's error on the same
+    batch is printed for scale.
+    """
     results, ok = {}, True
-    for splits in (1, 3):
-        got = paged_decode_fp8_wgmma(q, k_pages, transpose_v_pages(v_pages), lengths, page_tables, k_scale=k_scale,
-                                     v_scale=v_scale, sm_scale=SM_SCALE, num_splits=splits, interpret=interpret)
-        results[f"new_splits{splits}"] = result = error(got)
-        ok &= result["relative_error"] < TOLERANCE_VS_REFERENCE and result["finite"] and result["empty_slots_zero"]
-        say(f"check new kernel, {splits} split(s): {result}")
+    for page_size, splits, gates in ((16, 1, True), (16, 3, True), (64, 1, False)):
+        key = f"new_page{page_size}_splits{splits}"
+        try:
+            (q, k_pages, v_pages, lengths, page_tables), want = check_batch(page_size, interpret)
+            got = paged_decode_fp8_wgmma(q, k_pages, transpose_v_pages(v_pages), lengths, page_tables,
+                                         k_scale=CHECK_K_SCALE, v_scale=CHECK_V_SCALE, sm_scale=SM_SCALE,
+                                         num_splits=splits, interpret=interpret)
+            result = error_of(got, want, lengths)
+            result["passed"] = (result["relative_error"] < TOLERANCE_VS_REFERENCE and result["finite"]
+                                and result["empty_slots_zero"])
+        except Exception:  # noqa: BLE001  (recorded, and the run stops after the check)
+            result = {"passed": False, "error": traceback.format_exc()[-1500:]}
+        results[key] = result
+        ok &= result["passed"] or not gates
+        say(f"check new kernel, page {page_size}, {splits} split(s): {result}")
+    (q, k_pages, v_pages, lengths, page_tables), want = check_batch(PAGE_SIZE, interpret)
     # The engine's kernel takes the scales outside (the dispatcher folds k_scale into q, v_scale into the output).
-    got = engine_attend(q * k_scale, k_pages, v_pages, page_tables, lengths, interpret=interpret).astype(jnp.float32)
-    results["engine"] = error(got * v_scale)
+    got = engine_attend(q * CHECK_K_SCALE, k_pages, v_pages, page_tables, lengths, interpret=interpret)
+    results["engine"] = error_of(got.astype(jnp.float32) * CHECK_V_SCALE, want, lengths)
     say(f"check engine kernel (for scale, not gated): {results['engine']}")
     results["passed"] = bool(ok)
     if not ok:
-        say(f"FAILED: the new kernel's relative error must be < {TOLERANCE_VS_REFERENCE}, finite, zero for empty slots")
+        say(f"FAILED: the new kernel at page 16 must compile and run, with relative error < "
+            f"{TOLERANCE_VS_REFERENCE}, finite, zero for empty slots")
     return results
 
 
