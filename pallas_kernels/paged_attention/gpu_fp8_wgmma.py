@@ -47,9 +47,11 @@ permuted, so the running max and its rescaling stay per row. The zeros cost tens
 only (which decode has to spare), not bytes. Pages of 32 tokens or more use ``f = 1``.
 
 Orientation (a deviation from the brief that asked for ``S^T = K Q^T``). With tokens on M and
-the query heads on N = 8 the tensor cores would waste nothing, but the softmax would reduce across
-rows (across warps) and ``P^T`` would have to be stored transposed from registers into a K-major
-smem tile; neither is a path the Pallas Mosaic GPU lowering has been seen to take in this repo.
+the query heads on N = 8 the tensor cores would waste nothing, but ``P^T`` would have to be stored
+transposed from registers into a K-major e4m3 smem tile. Probed through the sm_90 lowering from
+CPU (jax 0.11.2): a transposed store of a WGMMA-layout array lowers for f16 but not for e4m3
+("Failed to infer a possible set of layouts"), and a load through a transposed smem view fails
+verification ("most minor memref dim must have unit stride").
 Query heads on M (as in ``benchmarks/mosaic_gpu_prototype.py``, which lowers and ran on the H200)
 costs 64 / (f G) times the needed MMA work: at GQA 4 and 85% of the H200's read ceiling about a
 quarter of its dense e4m3 rate, which the MMA pipe can absorb; the softmax works on ``[64, T]``
@@ -180,7 +182,7 @@ def _decode_kernel(
 
         scores = pl.run_scoped(qk, plgpu.ACC((_ROWS, tokens_per_step), jnp.float32))  # [64, T]
         column = plgpu.broadcasted_iota(jnp.int32, (_ROWS, tokens_per_step), 1, layout=plgpu.Layout.WGMMA)
-        is_visible = (first_step + step) * tokens_per_step + column < length
+        is_visible = column < length - (first_step + step) * tokens_per_step  # scalar bound: one compare a score
         scores = scores * lax.broadcast_in_dim(row_scale, scores.shape, [0])
         scores = jnp.where(is_visible, scores, _MASK_VALUE)
         new_max = jnp.maximum(row_max, scores.max(axis=1))
