@@ -84,17 +84,22 @@ def engine_attend(q, k_pages, v_pages, page_tables, lengths, *, interpret=False,
                                  sizes=sizes, interpret=interpret)
 
 
-def new_variants(batch, context, is_goal):
-    """(num_splits, max_concurrent_steps, pages_per_step) to time: enough programs to fill the SMs twice."""
+def new_variants(batch, context, is_goal, row_sums_ok):
+    """Launch variants to time: splits enough to fill the SMs twice (and half, double that at goal
+    shapes), 2-4 steps in flight, 4 or 8 pages a step, both row sums (where their check passed)."""
     programs = batch * NUM_KV_HEADS
     steps = context // (4 * PAGE_SIZE)
     splits = 1
     while programs * splits < 2 * NUM_SMS and splits * 2 <= max(1, steps // 4):
         splits *= 2
-    variants = [(splits, 2, 4), (splits, 4, 4)]
+    variants = [(splits, 2, 4, "registers"), (splits, 2, 4, "mma")]
     if is_goal:
-        variants += [(splits, 3, 8), (max(1, splits // 2), 4, 4), (splits * 2, 4, 4) if steps >= 16 * splits else None]
-    return [v for v in dict.fromkeys(variants) if v is not None]
+        variants += [(splits, 4, 4, "registers"), (splits, 4, 4, "mma"), (splits, 3, 8, "mma"),
+                     (max(1, splits // 2), 4, 4, "mma")]
+        if steps >= 16 * splits:
+            variants.append((splits * 2, 4, 4, "mma"))
+    keys = ("num_splits", "max_concurrent_steps", "pages_per_step", "row_sums")
+    return [dict(zip(keys, v)) for v in dict.fromkeys(variants) if row_sums_ok.get(v[3])]
 
 
 def check_batch(page_size: int, interpret: bool):
@@ -124,18 +129,19 @@ def error_of(got, want, lengths) -> dict:
 def check(interpret: bool) -> dict:
     """Compiled kernel vs the reference; ``passed`` is False on any mismatch or failure (main then exits 1).
 
-    Page 16 (the engine's; the packed f = 2 path) at 1 and 3 splits gates the run; page 64 (f = 1)
-    is checked too, so a failure tells which path broke. The engine's kernel's error on the same
-    batch is printed for scale.
+    Page 16 (the engine's; the packed f = 2 path) at 1 and 3 splits gates the run; the MMA row
+    sums are checked too (their variants are timed only if it passes), and page 64 (f = 1), so a
+    failure tells which path broke. The engine's kernel's error on the same batch is printed for scale.
     """
     results, ok = {}, True
-    for page_size, splits, gates in ((16, 1, True), (16, 3, True), (64, 1, False)):
-        key = f"new_page{page_size}_splits{splits}"
+    for page_size, splits, row_sums, gates in ((16, 1, "registers", True), (16, 3, "registers", True),
+                                               (16, 1, "mma", False), (64, 1, "registers", False)):
+        key = f"new_page{page_size}_splits{splits}_{row_sums}"
         try:
             (q, k_pages, v_pages, lengths, page_tables), want = check_batch(page_size, interpret)
             got = paged_decode_fp8_wgmma(q, k_pages, transpose_v_pages(v_pages), lengths, page_tables,
                                          k_scale=CHECK_K_SCALE, v_scale=CHECK_V_SCALE, sm_scale=SM_SCALE,
-                                         num_splits=splits, interpret=interpret)
+                                         num_splits=splits, row_sums=row_sums, interpret=interpret)
             result = error_of(got, want, lengths)
             result["passed"] = (result["relative_error"] < TOLERANCE_VS_REFERENCE and result["finite"]
                                 and result["empty_slots_zero"])
@@ -143,7 +149,7 @@ def check(interpret: bool) -> dict:
             result = {"passed": False, "error": traceback.format_exc()[-1500:]}
         results[key] = result
         ok &= result["passed"] or not gates
-        say(f"check new kernel, page {page_size}, {splits} split(s): {result}")
+        say(f"check new kernel, page {page_size}, {splits} split(s), row sums {row_sums}: {result}")
     (q, k_pages, v_pages, lengths, page_tables), want = check_batch(PAGE_SIZE, interpret)
     # The engine's kernel takes the scales outside (the dispatcher folds k_scale into q, v_scale into the output).
     got = engine_attend(q * CHECK_K_SCALE, k_pages, v_pages, page_tables, lengths, interpret=interpret)
@@ -167,7 +173,7 @@ def decode_arrays(batch, context):
     return q, page_tables, lengths, num_pages
 
 
-def time_shape(batch, context, is_goal, interpret, budget_end) -> dict:
+def time_shape(batch, context, is_goal, interpret, budget_end, row_sums_ok) -> dict:
     q, page_tables, lengths, num_pages = decode_arrays(batch, context)
     fp8_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM
     row = {"batch": batch, "context": context, "page_size": PAGE_SIZE, "fp8_bytes": fp8_bytes, "new": []}
@@ -184,13 +190,12 @@ def time_shape(batch, context, is_goal, interpret, budget_end) -> dict:
     del v_pages
 
     v_pages_t = pseudo_random((NUM_KV_HEADS, num_pages, HEAD_DIM, PAGE_SIZE), 5, FP8)
-    for splits, in_flight, pages_per_step in new_variants(batch, context, is_goal):
+    for variant in new_variants(batch, context, is_goal, row_sums_ok):
         if time.time() > budget_end:
             row["new_cut_short"] = True
             break
-        variant = {"num_splits": splits, "max_concurrent_steps": in_flight, "pages_per_step": pages_per_step}
         try:
-            def step(x, k, v, t, n, variant=variant):
+            def step(x, k, v, t, n, variant=dict(variant)):
                 return paged_decode_fp8_wgmma(x, k, v, n, t, k_scale=1.0, v_scale=1.0, sm_scale=SM_SCALE,
                                               interpret=interpret, **variant)
             variant["seconds"] = time_in_loop(step, q, k_pages, v_pages_t, page_tables, lengths, unroll=REPEATS)
@@ -239,7 +244,8 @@ def write_outputs(out_dir, report):
                 return "—", "—"
             return f"{row[f'{kind}_us']:.1f}", f"{row[f'{kind}_tbs']:.2f} ({row[f'{kind}_pct_ceiling']:.0f}%)"
         best = row.get("new_best", {})
-        variant = ", ".join(f"{k}={best[k]}" for k in ("num_splits", "max_concurrent_steps", "pages_per_step") if k in best)
+        variant = ", ".join(f"{k}={best[k]}" for k in ("num_splits", "max_concurrent_steps", "pages_per_step", "row_sums")
+                            if k in best)
         lines.append(f"| {row['batch']} | {row['context']} | {' | '.join(cell('engine'))} | {' | '.join(cell('new'))} | "
                      f"{row.get('speedup', float('nan')):.2f} | {variant} |")
     if report.get("skipped"):
@@ -264,6 +270,8 @@ def main():
     write_outputs(args.out, report)
     if not report["check"]["passed"]:
         sys.exit(1)
+    check_results = report["check"]
+    row_sums_ok = {"registers": True, "mma": check_results["new_page16_splits1_mma"]["passed"]}
     report["ceilings"] = measure_ceilings(say)
     ceiling = report["ceilings"]["hbm_read_tbs"]
     for batch, context in SHAPES:
@@ -274,7 +282,7 @@ def main():
             report["skipped"].append(f"B={batch} ctx={context}: out of time (--budget-s {args.budget_s:.0f})")
             continue
         try:
-            row = time_shape(batch, context, batch >= 32 and context >= 4096, interpret, budget_end)
+            row = time_shape(batch, context, batch >= 32 and context >= 4096, interpret, budget_end, row_sums_ok)
         except Exception:  # noqa: BLE001
             say(f"B={batch} ctx={context}: {traceback.format_exc()[-600:]}")
             report["skipped"].append(f"B={batch} ctx={context}: failed (log)")

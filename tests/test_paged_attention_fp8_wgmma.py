@@ -130,13 +130,13 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_kernel_matches_reference_and_its_emulation(name, num_splits):
+@pytest.mark.parametrize("num_splits, row_sums", [(1, "registers"), (3, "registers"), (1, "mma")])
+def test_kernel_matches_reference_and_its_emulation(name, num_splits, row_sums):
     config = CASES[name]
     q, k_pages, v_pages, lengths, page_tables = make_decode_case(0, **config)
     scales = dict(k_scale=0.5, v_scale=3.0, sm_scale=float(config["head_dim"]) ** -0.5)
     got = paged_decode_fp8_wgmma(q, k_pages, transpose_v_pages(v_pages), lengths, page_tables,
-                                 num_splits=num_splits, interpret=True, **scales)
+                                 num_splits=num_splits, row_sums=row_sums, interpret=True, **scales)
     assert got.shape == q.shape and got.dtype == q.dtype
     assert np.all(np.isfinite(np.asarray(got)))
     empty = np.asarray(lengths) == 0
@@ -163,7 +163,8 @@ def test_bf16_queries_and_several_pages_in_flight():
     assert relative_error(got, want) < TOLERANCE_VS_REFERENCE
 
 
-def test_no_data_races_in_the_interpreter():
+@pytest.mark.parametrize("row_sums", ["registers", "mma"])
+def test_no_data_races_in_the_interpreter(row_sums):
     """The interpreter's happens-before race detector over TMA copies, barriers, smem stores and wgmma reads.
 
     (It flags a race when, e.g., the wait on the row scales' barrier is removed.) The interpreter's
@@ -175,7 +176,7 @@ def test_no_data_races_in_the_interpreter():
     q, k_pages, v_pages, lengths, page_tables = make_decode_case(
         2, [150, 7], num_q_heads=4, num_kv_heads=1, head_dim=128, page_size=16)
     got = paged_decode_fp8_wgmma(q, k_pages, transpose_v_pages(v_pages), lengths, page_tables, k_scale=1.0,
-                                 v_scale=1.0, sm_scale=0.1, num_splits=2,
+                                 v_scale=1.0, sm_scale=0.1, num_splits=2, row_sums=row_sums,
                                  interpret=plgpu.InterpretGPUParams(detect_races=True))
     jax.block_until_ready(got)
     assert not interpret_pallas_call.get_races().races_found
@@ -204,12 +205,14 @@ def test_weights_round_to_e4m3_scaled_by_448():
 
 
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_lowers_for_hopper_from_cpu(page_size):
+@pytest.mark.parametrize("row_sums", ["registers", "mma"])
+def test_lowers_for_hopper_from_cpu(page_size, row_sums):
     """Runs Mosaic GPU's lowering: layout inference, wgmma operand/swizzle checks (sm_90), no GPU."""
     spec = jax.ShapeDtypeStruct
     lowered = paged_decode_fp8_wgmma.trace(
         spec((4, 32, 128), jnp.bfloat16), spec((8, 64, page_size, 128), FP8), spec((8, 64, 128, page_size), FP8),
         spec((4,), jnp.int32), spec((4, 16), jnp.int32), k_scale=1.0, v_scale=1.0, sm_scale=0.1, num_splits=2,
+        row_sums=row_sums,
     ).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 
@@ -247,6 +250,8 @@ def test_bad_step_and_split_counts_raise():
         paged_decode_fp8_wgmma(**args, k_scale=1.0, v_scale=1.0, sm_scale=0.1, pages_per_step=32, interpret=True)
     with pytest.raises(ValueError, match="num_splits"):
         paged_decode_fp8_wgmma(**args, k_scale=1.0, v_scale=1.0, sm_scale=0.1, num_splits=0, interpret=True)
+    with pytest.raises(ValueError, match="row_sums"):
+        paged_decode_fp8_wgmma(**args, k_scale=1.0, v_scale=1.0, sm_scale=0.1, row_sums="exact", interpret=True)
 
 
 @pytest.mark.slow

@@ -94,6 +94,8 @@ _ROWS = 64  # wgmma M for one warpgroup
 _MIN_SWIZZLE_BYTES = 32  # Mosaic GPU's narrowest swizzle: an e4m3 wgmma's K group
 _MASK_VALUE = -1e30  # finite: an empty split keeps a finite max and a zero output
 _LOG2E = math.log2(math.e)
+_ONES_COLUMNS = 8  # wgmma's smallest N: the ones tile of the MMA row sums
+ROW_SUMS = ("registers", "mma")
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 
@@ -139,14 +141,16 @@ def _decode_kernel(
     row_scale_ref,  # [B, Hkv, 64] f32 (GMEM): score multiplier of each row, log2 units
     k_ref,  # [Hkv, num_pages, page_size, D] e4m3 (GMEM)
     v_ref,  # [Hkv, num_pages, D / f, W] e4m3 (GMEM): transposed pages, f features a row
+    ones_ref,  # [8, W] e4m3 (GMEM): all 1, the B operand of the row sums when row_sums == "mma"
     out_ref,  # [splits, B, Hkv, f*G, D / f] f32
     lse_ref,  # [splits, B, Hkv, 64] f32
     q_smem,  # [64, D] e4m3
     scale_smem,  # [64] f32
     p_smem,  # [pages_per_step, 64, W] e4m3: this step's weights, one A operand per page
-    barriers,  # 2: the query tile, its row scales
+    ones_smem,  # [8, W] e4m3
+    barriers,  # 3: the query tile, its row scales, the ones tile
     *, page_size: int, group: int, pack: int, pages_per_step: int, num_splits: int,
-    max_concurrent_steps: int,
+    max_concurrent_steps: int, row_sums: str,
 ):
     seq, kv_head, split = lax.axis_index("seq"), lax.axis_index("kv_head"), lax.axis_index("split")
     head_dim = q_smem.shape[-1]
@@ -161,6 +165,9 @@ def _decode_kernel(
 
     plgpu.copy_gmem_to_smem(q_ref.at[seq, kv_head], q_smem, barriers.at[0])
     plgpu.copy_gmem_to_smem(row_scale_ref.at[seq, kv_head], scale_smem, barriers.at[1])
+    if row_sums == "mma":
+        plgpu.copy_gmem_to_smem(ones_ref, ones_smem, barriers.at[2])
+        plgpu.barrier_wait(barriers.at[2])
     plgpu.barrier_wait(barriers.at[0])
     plgpu.barrier_wait(barriers.at[1])
     row_scale = plgpu.load(scale_smem, layout=plgpu.Layout.WGMMA.reduce(1))  # [64]
@@ -188,25 +195,39 @@ def _decode_kernel(
         new_max = jnp.maximum(row_max, scores.max(axis=1))
         correction = jnp.exp2(row_max - new_max)
         weights = jnp.exp2(scores - lax.broadcast_in_dim(new_max, scores.shape, [0]))  # (0, 1]
-        weights8 = quantize_weights(weights)
-        # Sum what the tensor cores multiply (the rounded weights), so acc / denom stays a convex
-        # combination of V rows; the 448 cancels in that ratio.
-        denom = denom * correction + weights8.astype(jnp.float32).sum(axis=1)
-        weights8 = weights8.astype(jnp.float32)  # exact: slices and selects below work on f32
+        # The row sums add what the tensor cores multiply (the rounded weights), so acc / denom
+        # stays a convex combination of V rows; the 448 cancels in that ratio.
+        if row_sums == "registers":
+            scaled = quantize_weights(weights).astype(jnp.float32)  # exact e4m3 values, summed here
+            step_sum = scaled.sum(axis=1)
+        else:
+            scaled = weights * E4M3_MAX  # rounded by the cast below, summed by a wgmma
 
         for j in range(pages_per_step):
-            page_weights = weights8[:, j * page_size:(j + 1) * page_size]  # [64, page_size]
-            pieces = [jnp.where(row_copy[h], page_weights, 0.0) for h in range(pack)]
-            operand = pieces[0] if pack == 1 else jnp.concatenate(pieces, axis=1)  # [64, W]
-            p_smem[j] = operand.astype(FP8)
+            page_weights = scaled[:, j * page_size:(j + 1) * page_size]  # [64, page_size]
+            if pack == 1:
+                operand = page_weights  # rows past G are idle queries; their output is never read
+            else:
+                operand = jnp.concatenate([jnp.where(row_copy[h], page_weights, 0.0) for h in range(pack)], axis=1)
+            p_smem[j] = operand.astype(FP8)  # [64, W]
         plgpu.commit_smem()
 
-        def pv(acc_ref):
+        def pv(acc_ref, sum_ref=None):
             for j, v_smem in enumerate(v_pages):
                 plgpu.wgmma(acc_ref, p_smem.at[j], v_smem.transpose((1, 0)))
-            return acc_ref[...]
+                if sum_ref is not None:
+                    # Every column of P_j . ones is P_j's row sum; with f = 2 each copy of a head's
+                    # row holds all the page's weights (in its own half), so the sum is the page's.
+                    plgpu.wgmma(sum_ref, p_smem.at[j], ones_smem.transpose((1, 0)))
+            return acc_ref[...], (None if sum_ref is None else sum_ref[...])
 
-        step_out = pl.run_scoped(pv, plgpu.ACC((_ROWS, head_dim // pack), jnp.float32))
+        if row_sums == "registers":
+            step_out, _ = pl.run_scoped(pv, plgpu.ACC((_ROWS, head_dim // pack), jnp.float32))
+        else:
+            step_out, sums = pl.run_scoped(pv, plgpu.ACC((_ROWS, head_dim // pack), jnp.float32),
+                                           plgpu.ACC((_ROWS, _ONES_COLUMNS), jnp.float32))
+            step_sum = sums.max(axis=1)  # [64, 8] -> [64]: the columns are equal
+        denom = denom * correction + step_sum
         acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + step_out
         return acc, new_max, denom
 
@@ -299,7 +320,7 @@ def default_pages_per_step(page_size: int) -> int:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "pages_per_step", "num_splits", "max_concurrent_steps", "interpret"),
+    static_argnames=("sm_scale", "pages_per_step", "num_splits", "max_concurrent_steps", "row_sums", "interpret"),
 )
 def paged_decode_fp8_wgmma(
     q: jax.Array,  # [B, Hq, D]
@@ -314,18 +335,24 @@ def paged_decode_fp8_wgmma(
     pages_per_step: int | None = None,
     num_splits: int = 1,
     max_concurrent_steps: int = 2,
+    row_sums: str = "registers",
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> jax.Array:
     """Decode attention of ``q[b]`` over slot ``b``'s first ``lengths[b]`` cached tokens; out [B, Hq, D].
 
     Layouts, numerics and limits are in the module docstring. ``pages_per_step`` pages are one
     pipeline step (default: 64 tokens); ``num_splits`` programs share each sequence (merged by
-    their log-sum-exps); ``max_concurrent_steps`` steps of pages are in flight. ``interpret``
+    their log-sum-exps); ``max_concurrent_steps`` steps of pages are in flight. ``row_sums``: how the
+    softmax denominators add the rounded weights, ``"registers"`` (widened back to f32 and summed)
+    or ``"mma"`` (one more small wgmma a page, against a ones tile; same values, fewer register
+    operations a score: the benchmark times both). ``interpret``
     runs Pallas's Mosaic GPU interpreter (CPU tests): ``True``, or its parameters (e.g. race detection).
     """
     page_size = k_pages.shape[2]
     pages_per_step = pages_per_step or default_pages_per_step(page_size)
     _check_inputs(q, k_pages, v_pages_t, lengths, page_tables, pages_per_step, num_splits)
+    if row_sums not in ROW_SUMS:
+        raise ValueError(f"row_sums must be one of {ROW_SUMS}, got {row_sums!r}")
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages = k_pages.shape[:2]
     group = num_q_heads // num_kv_heads
@@ -342,7 +369,7 @@ def paged_decode_fp8_wgmma(
     kernel = plgpu.kernel(
         functools.partial(_decode_kernel, page_size=page_size, group=group, pack=pack,
                           pages_per_step=pages_per_step, num_splits=num_splits,
-                          max_concurrent_steps=max_concurrent_steps),
+                          max_concurrent_steps=max_concurrent_steps, row_sums=row_sums),
         out_type=(jax.ShapeDtypeStruct((num_splits, batch, num_kv_heads, pack * group, head_dim // pack), jnp.float32),
                   jax.ShapeDtypeStruct((num_splits, batch, num_kv_heads, _ROWS), jnp.float32)),
         scratch_types=(
@@ -350,7 +377,8 @@ def paged_decode_fp8_wgmma(
             plgpu.SMEM((_ROWS,), jnp.float32),
             plgpu.SMEM((pages_per_step, _ROWS, pack * page_size), FP8,
                        transforms=_fp8_smem_transforms(pack * page_size)),
-            plgpu.Barrier(num_barriers=2),
+            plgpu.SMEM((_ONES_COLUMNS, pack * page_size), FP8, transforms=_fp8_smem_transforms(pack * page_size)),
+            plgpu.Barrier(num_barriers=3),
         ),
         grid=(batch, num_kv_heads, num_splits),
         grid_names=("seq", "kv_head", "split"),
@@ -358,7 +386,8 @@ def paged_decode_fp8_wgmma(
         interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
                    else plgpu.InterpretGPUParams() if interpret else None),
     )
-    out, lse = kernel(page_tables, lengths, q_tiles, row_scales, k_pages, v_rows)
+    ones = jnp.ones((_ONES_COLUMNS, pack * page_size), FP8)
+    out, lse = kernel(page_tables, lengths, q_tiles, row_scales, k_pages, v_rows, ones)
     # Row h*G + g, column n of a KV head's block is head g's feature n*f + h.
     out = out.reshape(num_splits, batch, num_kv_heads, pack, group, head_dim // pack)
     out = jnp.moveaxis(out, 3, -1).reshape(num_splits, batch, num_q_heads, head_dim)
