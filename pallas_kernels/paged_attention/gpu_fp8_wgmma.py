@@ -188,10 +188,15 @@ def _decode_kernel(
             return acc_ref[...]
 
         scores = pl.run_scoped(qk, plgpu.ACC((_ROWS, tokens_per_step), jnp.float32))  # [64, T]
-        column = plgpu.broadcasted_iota(jnp.int32, (_ROWS, tokens_per_step), 1, layout=plgpu.Layout.WGMMA)
-        is_visible = column < length - (first_step + step) * tokens_per_step  # scalar bound: one compare a score
         scores = scores * lax.broadcast_in_dim(row_scale, scores.shape, [0])
-        scores = jnp.where(is_visible, scores, _MASK_VALUE)
+        visible_tokens = length - (first_step + step) * tokens_per_step
+
+        def mask(scores):
+            column = plgpu.broadcasted_iota(jnp.int32, scores.shape, 1, layout=plgpu.Layout.WGMMA)
+            return jnp.where(column < visible_tokens, scores, _MASK_VALUE)
+
+        # Only a sequence's last step has tokens to mask: the others skip a compare and a select a score.
+        scores = lax.cond(visible_tokens < tokens_per_step, mask, lambda scores: scores, scores)
         new_max = jnp.maximum(row_max, scores.max(axis=1))
         correction = jnp.exp2(row_max - new_max)
         weights = jnp.exp2(scores - lax.broadcast_in_dim(new_max, scores.shape, [0]))  # (0, 1]
