@@ -29,10 +29,11 @@ is the physical page read from the page table inside the BlockSpec's ``index_map
 - scores: one ``wgmma`` per page, ``[64, D] x [D, page_size]`` into columns of one ``[64, T]``
   accumulator. The A operand is the GQA group's query heads, rounded to e4m3 per head, as rows
   of a 64-row tile (wgmma's M is 64 per warpgroup; see "Orientation" below);
-- online softmax in f32 registers (exp2, running max per row);
+- online softmax in f32 registers (exp2, running max per row; only a sequence's last step masks);
 - output: one ``wgmma`` per page, ``[64, W] x [W, D / f]``. The A operand is that page's softmax
   weights, scaled by 448 and rounded to e4m3 (``p_smem``; the GPU interpreter takes wgmma
-  operands from shared memory only).
+  operands from shared memory only). With ``row_sums="mma"`` one more ``[64, W] x [W, 8]``
+  wgmma a page, against a ones tile, gives the denominators' increments.
 
 Pages of 16 tokens (``f = 2``). An e4m3 ``wgmma`` contracts 32 values per instruction and its
 shared-memory rows must be at least 32 bytes (the narrowest swizzle); a transposed page of 16
