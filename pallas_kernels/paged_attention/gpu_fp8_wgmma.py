@@ -173,9 +173,9 @@ def _decode_kernel(
     plgpu.barrier_wait(barriers.at[1])
     row_scale = plgpu.load(scale_smem, layout=plgpu.Layout.WGMMA.reduce(1))  # [64]
 
-    # Which copy of the query heads a row is (h in the module docstring); rows past f*G are idle.
+    # Which copy of the query heads a row is (h in the module docstring; f = 2 only); rows past f*G are idle.
     row = plgpu.broadcasted_iota(jnp.int32, (_ROWS, page_size), 0, layout=plgpu.Layout.WGMMA)
-    row_copy = [(row >= h * group) & (row < (h + 1) * group) for h in range(pack)]
+    row_copy = [(row >= h * group) & (row < (h + 1) * group) for h in range(pack)] if pack > 1 else []
 
     def body(indices, *refs_and_carry):
         k_pages = refs_and_carry[:pages_per_step]  # each [page_size, D]
