@@ -266,3 +266,21 @@ def test_gpu_benchmark_runs_on_cpu(tmp_path):
     assert report["check"]["passed"]
     (row,) = report["rows"]
     assert row["engine_s"] > 0 and row["new_s"] > 0 and all("seconds" in v for v in row["new"])
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_check_fails_on_a_wrong_kernel(monkeypatch):
+    """The benchmark's gate: a kernel whose output is wrong (here, the right one with its feature
+    pairs swapped) makes ``check`` report failure, so the GPU run exits 1 before timing anything (~30 s)."""
+    from tests.test_benchmarks_smoke import BENCHMARKS  # noqa: F401  (puts benchmarks/ on sys.path)
+    import fp8_wgmma_decode as bench
+
+    def swapped(*args, **kwargs):
+        out = paged_decode_fp8_wgmma(*args, **kwargs)
+        return out.reshape(*out.shape[:-1], -1, 2)[..., ::-1].reshape(out.shape)
+
+    monkeypatch.setattr(bench, "paged_decode_fp8_wgmma", swapped)
+    monkeypatch.setattr(bench, "say", lambda *parts: None)
+    results = bench.check(interpret=True)
+    assert not results["passed"]
+    assert results["new_page16_splits1_registers"]["relative_error"] > 0.5
