@@ -51,8 +51,9 @@ Orientation (a deviation from the brief that asked for ``S^T = K Q^T``). With to
 the query heads on N = 8 the tensor cores would waste nothing, but ``P^T`` would have to be stored
 transposed from registers into a K-major e4m3 smem tile. Probed through the sm_90 lowering from
 CPU (jax 0.11.2): a transposed store of a WGMMA-layout array lowers for f16 but not for e4m3
-("Failed to infer a possible set of layouts"), and a load through a transposed smem view fails
-verification ("most minor memref dim must have unit stride").
+("Failed to infer a possible set of layouts"), a load through a transposed smem view fails
+verification ("most minor memref dim must have unit stride"), and a detour through a transposed
+f16 store, reloaded as ``[8, T]`` and stored as e4m3, fails layout inference too.
 Query heads on M (as in ``benchmarks/mosaic_gpu_prototype.py``, which lowers and ran on the H200)
 costs 64 / (f G) times the needed MMA work: at GQA 4 and 85% of the H200's read ceiling about a
 quarter of its dense e4m3 rate, which the MMA pipe can absorb; the softmax works on ``[64, T]``
