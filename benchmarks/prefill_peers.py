@@ -60,7 +60,7 @@ import kernel_frontier as kf  # noqa: E402
 from kernel_attention import pseudo_random, ragged_inputs  # noqa: E402
 from kernel_frontier import Budget, OutOfTime, say, time_chain  # noqa: E402
 from mosaic_gpu_prefill_prototype import causal_prefill_attention_mosaic_gpu  # noqa: E402
-from pallas_kernels.paged_attention import gpu, gpu_fresh_prefill  # noqa: E402
+from pallas_kernels.paged_attention import gpu, gpu_fresh_prefill, gpu_fresh_window  # noqa: E402
 from pallas_kernels.paged_attention.block_sizes import gpu_block_sizes  # noqa: E402
 
 RAGGED = (1024, 1536, 2560, 4096, 7168)  # fresh sequences of the ragged batch (multiples of 128)
@@ -237,7 +237,7 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
     window_attend = None  # the branchless path's own kernel
     if setup.smoke:  # no Mosaic GPU kernel runs on a CPU: the prototype, interpreted, stands in for the check
         fresh_attend = functools.partial(causal_prefill_attention_mosaic_gpu, interpret=True)
-        window_attend = functools.partial(causal_prefill_attention_mosaic_gpu, interpret=True)
+        window_attend = functools.partial(gpu_fresh_window.packed_causal_attention_mosaic_gpu, interpret=True)
     min_fresh = 64 if setup.smoke else 1024
 
     def time_bundled(config):
