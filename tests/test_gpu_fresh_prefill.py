@@ -277,23 +277,27 @@ def test_decode_like_step_never_takes_the_fresh_path():
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=3e-2, atol=3e-2)
 
 
-def lowered_for_hopper(**options) -> str:
-    """The fresh-prefill step over the MIXED batch, lowered for an abstract H200 from this CPU."""
+def lowered_for_hopper(kv_dtype=jnp.bfloat16, **options) -> str:
+    """The fresh-prefill step over the MULTI batch, lowered for an abstract H200 from this CPU."""
     from jax._src.mesh import AbstractDevice, AbstractMesh
 
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
-    case = make_case(7, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+    case = make_case(7, MULTI, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
                      pad_tokens=5)
+    args = list(case.args())
+    args[1:5] = [x.astype(kv_dtype) for x in args[1:5]]
     with jax.sharding.use_abstract_mesh(mesh):
         return fp.ragged_paged_attention_gpu_fresh_prefill.trace(
-            *case.args(), sm_scale=case.sm_scale, min_fresh_tokens=64, **options).lower(
+            *args, sm_scale=case.sm_scale, min_fresh_tokens=64, **options).lower(
             lowering_platforms=("cuda",)).as_text()
 
 
-def test_lowered_step_has_one_conditional_and_no_loop():
-    # On the GPU every conditional (and every loop iteration) waits for the host: one switch, no while.
-    text = lowered_for_hopper(fresh_attend=dense_causal)
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_lowered_step_has_one_conditional_and_no_loop(kv_dtype):
+    # On the GPU every conditional (and every loop iteration) waits for the host: one switch, no
+    # while, whatever the number of branches (windows x slot counts) or the page dtype.
+    text = lowered_for_hopper(kv_dtype, fresh_attend=dense_causal, max_window_waste=4.0)
     assert "triton" in text
     assert text.count("stablehlo.case") == 1
     assert "stablehlo.while" not in text
@@ -353,19 +357,21 @@ def test_branchless_path_with_the_window_kernel_interpreted():
     run_against_reference(MULTI, kernel, branchless=True)  # three prompts packed, each on its own blocks
 
 
-def test_branchless_path_lowers_for_hopper_with_no_conditional():
-    text = lowered_for_hopper(branchless=True)
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_branchless_path_lowers_for_hopper_with_no_conditional(kv_dtype):
+    text = lowered_for_hopper(kv_dtype, branchless=True)
     assert "triton" in text and "mosaic_gpu" in text
     assert "stablehlo.case" not in text and "stablehlo.while" not in text
 
 
-def test_bundled_kernel_call_lowers_for_hopper_from_cpu(monkeypatch):
+@pytest.mark.parametrize("num_slots,kv_dtype", [(1, jnp.bfloat16), (8, jnp.bfloat16), (8, jnp.float8_e4m3fn)])
+def test_bundled_kernel_call_lowers_for_hopper_from_cpu(monkeypatch, num_slots, kv_dtype):
     from jax.experimental.pallas.ops.gpu import attention_mgpu
 
     # A CPU jaxlib has no CUDA version to check; pretend to one the bundled kernel accepts for causal.
     monkeypatch.setattr(attention_mgpu, "cuda_versions", types.SimpleNamespace(cuda_runtime_get_version=lambda: 12091))
-    spec = jax.ShapeDtypeStruct
-    q, kv = spec((1, 1024, 32, 128), jnp.bfloat16), spec((1, 1024, 8, 128), jnp.bfloat16)
+    spec = jax.ShapeDtypeStruct  # several slots in one call (throughput-1k's 8 x 1024), e4m3 K/V widened
+    q, kv = spec((num_slots, 1024, 32, 128), jnp.bfloat16), spec((num_slots, 1024, 8, 128), kv_dtype)
     attend = jax.jit(lambda q, k, v: fp.causal_attention_mgpu(q, k, v, sm_scale=128**-0.5))
     lowered = attend.trace(q, kv, kv).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
