@@ -1,57 +1,79 @@
-"""Opt-in GPU paths: a step's longest fresh prefill through a Mosaic GPU flash attention, the rest through Triton.
+"""GPU paths for prefill-heavy steps: their fresh prompts through a Mosaic GPU flash attention, the rest through Triton.
 
 Why: the Pallas-Triton kernel (``gpu.py``) reaches 18-40% of the H200's bf16 matmul rate on
 prefill, cuDNN's flash attention 379-578 TFLOP/s (``benchmarks/results/kernel_attention.md``).
 jax bundles an FA3-style Mosaic GPU kernel (``jax.experimental.pallas.ops.gpu.attention_mgpu``:
 two consumer warpgroups and a TMA producer warpgroup, causal blocks unmasked off the diagonal).
 It takes dense ``[batch, L, heads, D]`` inputs, causal from row 0 of both q and K/V, so it
-fits exactly one case of the engine's ragged step: a *fresh* prefill (no cached prefix, so
+fits exactly one case of the engine's ragged step: a *fresh* prompt (no cached prefix, so
 every K/V it reads is in this step's ``k_new``/``v_new``, contiguous in the packed rows).
-``benchmarks/prefill_peers.py`` times the path against cuDNN and the bundled kernel alone;
-``benchmarks/prefill_engine.py`` times it inside the engine (compile, TTFT, a prefill-heavy mix).
-Until those decide, it is opt-in (``impl="pallas_gpu_fresh_prefill"``, or
-``jaxinfer.attention.HOPPER_AUTO_IMPL`` for ``"auto"``).
+``benchmarks/prefill_peers.py`` times the path against cuDNN and the bundled kernel alone, and
+(``NxL`` shapes) a step of several fresh prompts; ``benchmarks/prefill_engine.py`` times it inside
+the engine (compile, TTFT, a prefill-heavy mix). ``"auto"`` runs it on Hopper
+(``jaxinfer.attention.HOPPER_AUTO_IMPL``); ``impl="pallas_gpu_fresh_prefill"`` by name.
 
 How one step runs, all on device, shapes static:
 
 1. the new K/V are written into the pages (XLA scatter, as ``gpu.py``);
-2. ``pick_fresh_prefill`` finds the longest sequence with ``q_len == kv_len >= min_fresh_tokens``;
-3. the Triton kernel serves every other sequence: the chosen one's work tiles are emptied
-   (``hide_sequence``), so its rows stay 0 and no program walks its K/V;
-4. one ``lax.switch``: branch 0 (nothing taken) keeps the Triton output; branch i gathers a
-   window of ``lengths[i - 1]`` rows from the sequence's first row out of q/k_new/v_new (the
-   shortest of a few static lengths that holds it; the kernel's cost is that of the whole
-   window), converting them on the way, runs the bundled kernel on it, and scatters its first
-   ``q_len`` rows into the Triton output in place. Rows of the window past the sequence are
-   zeros (later in causal order, they never reach the sequence's own rows) and are dropped.
+2. ``fresh_prompts.choose_slots`` picks one of a few static *branches* (a window length from a
+   ladder of multiples of 128 growing by sqrt(2), and a number of slots: 1, 2, 4, ... up to how
+   many prompts that length can take in the step, capped by ``max_fresh_prompts``) and the
+   prompts it takes (``q_len == kv_len >= min_fresh_tokens``, at most ``L`` rows and more than
+   ``L / sqrt(max_window_waste)``): the one whose *gain* is largest, the paged kernel's work it
+   removes (``sum n^2``) less the windows' (``slots * L^2 / max_window_waste``: an empty slot
+   costs a whole window, since the bundled kernel computes every row it is given);
+3. the Triton kernel serves everything else: the taken prompts' work tiles are emptied
+   (``fresh_prompts.hide_served``), so their rows stay 0 and no program walks their K/V;
+4. one ``lax.switch``: branch 0 (nothing taken) keeps the Triton output; branch i gathers
+   ``slots x L`` rows (each slot from its prompt's first row) out of q/k_new/v_new, runs the
+   bundled kernel once on ``[slots, L, H, D]``, and scatters each prompt's rows into the Triton
+   output in place. Rows of a window past its prompt are zeros (later in causal order, they
+   never reach the prompt's own rows) and are dropped.
+
+So a step of eight 1000-token prompts (throughput-1k) runs one ``[8, 1024]`` call, a lone 5000-token
+prompt a ``[1, 6528]`` one. The branches number at most ``len(lengths) * (log2(max_fresh_prompts) + 2)``
+(an 8192-row step: 18, against 7 with ``max_fresh_prompts=1``, the path before session 11), each a
+bundled kernel to compile per prefill-heavy program; the windows of a branch hold at most
+``sqrt(max_window_waste)`` times the step's rows.
 
 Costs around the kernel, per call (session 8 measured ~200 us of them at 4k tokens beside the
 kernel's 301 us, when the path sliced and padded whole arrays and branched twice): a max-abs
 reduction over q/k_new/v_new (the float16 check), the Triton launch over emptied tiles with its
-zeroed output, the window's gather-and-convert (q: ``L x Hq x D``; K/V: ``Hkv`` heads) and its
-scatter back, and one device conditional. On the GPU a conditional copies its index to the
-host and waits (``jaxinfer/runner.py``'s docstring): the dispatch of the rest of the step
-stalls there, so the host cannot prepare the next step meanwhile. Two rules keep that off the
-steps that cannot gain: a step shorter than ``min_fresh_tokens`` has no branch at all, and
-neither has a *decode-like* step (token rows <= sequence slots, as ``gpu_block_sizes`` calls
-it), so steady decode never pays it; a prefill-heavy step pays one per layer.
+zeroed output, the windows' gather-and-convert (q: ``slots x L x Hq x D``; K/V: ``Hkv`` heads) and
+their scatter back, the choice (a ``top_k`` over the ``[S]`` lengths, ``[branches, slots]``
+arithmetic), and one device conditional. On the GPU a conditional copies its index to the host and
+waits (``jaxinfer/runner.py``'s docstring): the dispatch of the rest of the step stalls there, so
+the host cannot prepare the next step meanwhile. Two rules keep that off the steps that cannot
+gain: a step shorter than ``min_fresh_tokens`` has no branch at all, and neither has a
+*decode-like* step (token rows <= sequence slots, as ``gpu_block_sizes`` calls it), so steady
+decode never pays it; a prefill-heavy step pays one per layer.
 
 Numerics: the bundled kernel in jax 0.11.2 stages Q/K/V through float16 shared memory whatever
 the input dtype (its ``SMEM`` scratch is declared float16, so a bf16 input fails its TMA copy's
-dtype check; there is no bf16 variant to call), so the window is converted to float16 with
+dtype check; there is no bf16 variant to call), so the windows are converted to float16 with
 ``sm_scale`` folded into q (the kernel applies no scale), and the output converted back.
 float16 has more mantissa than bf16 but a range of 65504: a step whose q, k or v exceed it
 takes the Triton path (checked on device, folded into the branch index).
 
-Branchless variant (``branchless=True``, ``impl="pallas_gpu_fresh_prefill_branchless"``,
-``attend_with_fresh_window``): our own window kernel (``gpu_fresh_window.py``) takes the number
-of live query blocks as data, so it runs on every prefill-heavy step over one static window of
-the whole step and needs no branch, no window ladder, no float16 copies and no range check; it
-serves the sequence's rows in whole blocks and leaves the last few to Triton. Its kernel is the
-one-warpgroup prototype, slower than the bundled one (docs/KERNELS.md).
+FP8 pages (e4m3, ``kv_cache_dtype="fp8"``): the dispatcher (``jaxinfer.attention``) has already
+quantized ``k_new``/``v_new`` with the layer's ``k_scale``/``v_scale`` exactly as the pages store
+them (saturating at 448), folded ``k_scale`` into q and will multiply the output by ``v_scale``.
+So the window reads the same e4m3 values the paged kernel would read from the pages, and widens
+them, exactly (every e4m3 value is a float16 and a bf16): to float16 for the bundled kernel (which
+needs no range check for them), to q's dtype for ours. The numerics are those of the paged kernel
+over the pages, which widens its e4m3 tiles to float16 too.
 
-Limits: one sequence per step takes the fast path (several fresh prompts in one step: the
-longest); no sliding window or soft cap; bf16/f16 pages only; head_dim a multiple of 64.
+Branchless variant (``branchless=True``, ``impl="pallas_gpu_fresh_prefill_branchless"``,
+``attend_with_fresh_window``): our own window kernel (``gpu_fresh_window.py``) takes, per 64-row
+query block, where its prompt starts (``first_block``), so the step's fresh prompts (the longest
+``max_fresh_prompts``) are packed one after another on 64-row blocks into one static window of
+``round_up(T, 64) + 64 * (slots - 1)`` rows, each served whole (Triton keeps none of their rows);
+empty room is dead blocks, whose programs exit at once. It runs on every prefill-heavy step and
+needs no branch, no window ladder, no float16 copies and no range check; its work follows the
+prompts. Its kernel is the one-warpgroup prototype, slower than the bundled one (docs/KERNELS.md).
+
+Limits: chunks over a cached prefix stay with Triton; no sliding window or soft cap; bf16/f16
+queries over bf16/f16 or e4m3 pages; head_dim a multiple of 64.
 """
 
 from __future__ import annotations
