@@ -227,7 +227,8 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
         out = kernel(q, kn, vn, jnp.copy(kp), jnp.copy(vp), page_tables, cu_q_lens, kv_lens,
                      sm_scale=setup.sm_scale, interpret=interpret, **options)[0]
         repeats = kf.REPEATS
-        if max_repeats and not is_multi:  # fewer chained calls: session 8 compiled the fresh path's chain of 8-32 in 30-44 s
+        # Fewer chained calls: session 8 compiled the fresh path's chain of 8-32 in 30-44 s (a loop compiles once).
+        if max_repeats and not is_multi:
             kf.REPEATS = row.setdefault("repeats_by_impl", {})[impl] = min(repeats, max_repeats)
         try:
             # The carry is donated: a copy of q rides in it, so q itself stays for the next implementation.
@@ -263,9 +264,10 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
             chosen = fpr.choose_packed(cu_q_lens, kv_lens, num_slots=slots,
                                        min_fresh_tokens=setup.min_fresh_tokens) if slots else None
         else:
-            branches = fpr.window_branches(num_tokens, setup.min_fresh_tokens, limit, gpu_fresh_prefill.MAX_WINDOW_WASTE)
+            waste = gpu_fresh_prefill.MAX_WINDOW_WASTE
+            branches = fpr.window_branches(num_tokens, setup.min_fresh_tokens, limit, waste)
             chosen = fpr.choose_slots(cu_q_lens, kv_lens, branches, min_fresh_tokens=setup.min_fresh_tokens,
-                                      max_window_waste=gpu_fresh_prefill.MAX_WINDOW_WASTE) if branches else None
+                                      max_window_waste=waste) if branches else None
         return 0 if chosen is None else int(jnp.sum(chosen.served > 0))
 
     def time_attend():

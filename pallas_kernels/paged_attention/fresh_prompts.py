@@ -116,7 +116,7 @@ class FreshSlots:
 
 
 def fresh_candidates(cu_q_lens: jax.Array, kv_lens: jax.Array, *, min_fresh_tokens: int, num_candidates: int):
-    """The ``num_candidates`` longest fresh prompts, longest first: ``(seq, num_tokens, q_lens)``, ``[K]``, ``[K]``, ``[S]``.
+    """The ``num_candidates`` longest fresh prompts, longest first: ``(seq [K], num_tokens [K], q_lens [S])``.
 
     A prompt qualifies when its chunk is its whole context (``q_len == kv_len``) and has at least
     ``min_fresh_tokens`` rows; a candidate that does not has ``num_tokens`` 0. A chunk over a cached
