@@ -60,7 +60,8 @@ import kernel_frontier as kf  # noqa: E402
 from kernel_attention import pseudo_random, ragged_inputs  # noqa: E402
 from kernel_frontier import Budget, OutOfTime, say, time_chain  # noqa: E402
 from mosaic_gpu_prefill_prototype import causal_prefill_attention_mosaic_gpu  # noqa: E402
-from pallas_kernels.paged_attention import gpu, gpu_fresh_prefill  # noqa: E402
+from pallas_kernels.paged_attention import fresh_prompts as fpr  # noqa: E402
+from pallas_kernels.paged_attention import gpu, gpu_fresh_prefill, gpu_fresh_window  # noqa: E402
 from pallas_kernels.paged_attention.block_sizes import gpu_block_sizes  # noqa: E402
 
 RAGGED = (1024, 1536, 2560, 4096, 7168)  # fresh sequences of the ragged batch (multiples of 128)
@@ -74,15 +75,25 @@ CHECK_AGAINST_XLA_MAX = 4096
 class Setup:
     """Heads, page size and mode of one run (the smoke run shrinks them)."""
 
-    def __init__(self, smoke: bool, page_size: int, impls: str | None = None):
+    def __init__(self, smoke: bool, page_size: int, impls: str | None = None, min_fresh_tokens: int | None = None,
+                 kv_dtypes: str = "bf16", max_fresh_prompts: int = gpu_fresh_prefill.MAX_FRESH_PROMPTS):
         self.smoke = smoke
         self.impls = set(impls.split(",")) if impls else None
         self.num_q_heads, self.num_kv_heads, self.head_dim = (4, 2, 64) if smoke else (32, 8, 128)
         self.sm_scale = self.head_dim**-0.5
         self.page_size = page_size
+        self.min_fresh_tokens = min_fresh_tokens or (64 if smoke else gpu_fresh_prefill.MIN_FRESH_TOKENS)
+        self.max_fresh_prompts = max_fresh_prompts
+        self.kv_dtypes = kv_dtypes.split(",")
+        unknown = set(self.kv_dtypes) - {"bf16", "fp8"}
+        if unknown:
+            raise SystemExit(f"--kv-dtypes: {sorted(unknown)} not in bf16, fp8")
 
     def is_wanted(self, impl: str) -> bool:
-        """Every implementation, or those named in ``--impls`` (a family name selects its variants)."""
+        """Every implementation, or those named in ``--impls`` (a family name selects its variants);
+        ``X_fp8`` (over fp8 pages) runs when ``X`` is wanted and ``--kv-dtypes`` holds fp8."""
+        if impl.endswith("_fp8"):
+            return "fp8" in self.kv_dtypes and self.is_wanted(impl[:-len("_fp8")])
         family = impl.split("_")[0] if impl.startswith(("bundled_", "proto_")) else None
         return self.impls is None or impl == "reference-for-check" or impl in self.impls or family in self.impls
 
@@ -129,12 +140,13 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
     qs, ks, vs = (tuple(c[i] for c in chunks) for i in range(3))
     want = None  # the check's reference outputs, one [1, L, Hq, D] per sequence
 
-    def record(impl, seconds, out=None, flops_done=flops):
+    def record(impl, seconds, out=None, flops_done=flops, expected=None):
         row["s"][impl] = seconds
         row["tflops"][impl] = flops_done / seconds / 1e12
-        if out is not None and want is not None:
+        expected = want if expected is None else expected
+        if out is not None and expected is not None:
             outs = out if isinstance(out, (tuple, list)) else unpack(out)
-            row["rel_err"][impl] = max(rel_err(o, w) for o, w in zip(outs, want))
+            row["rel_err"][impl] = max(rel_err(o, w) for o, w in zip(outs, expected))
         err = row["rel_err"].get(impl)
         say(f"{name} {impl}: {seconds * 1e6:9.0f}us {row['tflops'][impl]:6.0f} TFLOP/s "
             f"({row['tflops'][impl] / matmul:.0%} of matmul)" + (f" rel err {err:.1e}" if err is not None else ""))
@@ -170,16 +182,20 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
         return jax.nn.dot_product_attention(q, k, v, scale=setup.sm_scale, is_causal=True,
                                             implementation="xla").astype(q.dtype)
 
-    def reference_outputs():
-        nonlocal want
+    def reference_for(k_packed, v_packed):
+        """The check's outputs over these K/V (the fp8 rows': their e4m3 values, widened exactly)."""
+        sources = dense_chunks(q, k_packed.astype(q.dtype), v_packed.astype(q.dtype), lens)
         if max(lens) <= CHECK_AGAINST_XLA_MAX or setup.smoke:
             up = lambda x: jnp.repeat(x, hq // hkv, axis=2).astype(jnp.float32)  # noqa: E731
-            want = [jax.nn.dot_product_attention(q.astype(jnp.float32), up(k), up(v), scale=setup.sm_scale,
-                                                 is_causal=True) for q, k, v in chunks]
             row["check_against"] = "xla-f32"
-        else:
-            want = [jax.jit(cudnn)(*c) for c in chunks]
-            row["check_against"] = "cudnn"
+            return [jax.nn.dot_product_attention(q.astype(jnp.float32), up(k), up(v), scale=setup.sm_scale,
+                                                 is_causal=True) for q, k, v in sources]
+        row["check_against"] = "cudnn"
+        return [jax.jit(cudnn)(*c) for c in sources]
+
+    def reference_outputs():
+        nonlocal want
+        want = reference_for(k_new, v_new)
 
     attempt("reference-for-check", reference_outputs)
 
@@ -199,21 +215,60 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
                           sm_scale=setup.sm_scale, interpret=interpret, **options)
         return step
 
-    def time_full(impl, kernel, max_repeats=None, **options):
-        nonlocal k_pages, v_pages
-        out = kernel(q, k_new, v_new, jnp.copy(k_pages), jnp.copy(v_pages), page_tables, cu_q_lens, kv_lens,
+    is_multi = len(lens) > 1 and len(set(lens)) == 1  # a step of several equal fresh prompts ("8x1000")
+    fp8 = jnp.float8_e4m3fn
+    k_new8, v_new8 = k_new.astype(fp8), v_new.astype(fp8)  # what the dispatcher writes over fp8 pages (scale 1)
+    want_fp8 = None  # the check's reference over the e4m3 K/V the fp8 impls read
+
+    def time_full(impl, kernel, max_repeats=None, over_fp8=False, **options):
+        nonlocal k_pages, v_pages, want_fp8
+        kn, vn = (k_new8, v_new8) if over_fp8 else (k_new, v_new)
+        kp, vp = (k_pages.astype(fp8), v_pages.astype(fp8)) if over_fp8 else (k_pages, v_pages)
+        out = kernel(q, kn, vn, jnp.copy(kp), jnp.copy(vp), page_tables, cu_q_lens, kv_lens,
                      sm_scale=setup.sm_scale, interpret=interpret, **options)[0]
         repeats = kf.REPEATS
-        if max_repeats:  # fewer chained calls: session 8 compiled the fresh path's chain of 8-32 in 30-44 s
+        # Fewer chained calls: session 8 compiled the fresh path's chain of 8-32 in 30-44 s (a loop compiles once).
+        if max_repeats and not is_multi:
             kf.REPEATS = row.setdefault("repeats_by_impl", {})[impl] = min(repeats, max_repeats)
         try:
             # The carry is donated: a copy of q rides in it, so q itself stays for the next implementation.
-            seconds, (_, k_pages, v_pages) = time_chain(full_step(kernel, **options),
-                                                        (jnp.copy(q), k_pages, v_pages), k_new, v_new, page_tables,
-                                                        cu_q_lens, kv_lens, donate=True)
+            if is_multi:  # one compiled step in a loop: a fresh path's branches compile once, not per call
+                seconds, (_, kp, vp) = time_loop(full_step(kernel, **options), (jnp.copy(q), kp, vp), kn, vn,
+                                                 page_tables, cu_q_lens, kv_lens)
+            else:
+                seconds, (_, kp, vp) = time_chain(full_step(kernel, **options), (jnp.copy(q), kp, vp), kn, vn,
+                                                  page_tables, cu_q_lens, kv_lens, donate=True)
         finally:
             kf.REPEATS = repeats
-        record(impl, seconds, out)
+        if over_fp8:
+            if want_fp8 is None and want is not None:
+                want_fp8 = reference_for(k_new8, v_new8)
+            record(impl, seconds, out, expected=want_fp8)
+        else:
+            k_pages, v_pages = kp, vp
+            record(impl, seconds, out)
+        if "max_fresh_prompts" in options or "branchless" in options:
+            row.setdefault("fresh_prompts_served", {})[impl] = prompts_served(options)
+
+    def time_loop(step, carry, *consts):
+        """Seconds per call of ``step`` run ``kf.REPEATS`` times in one ``fori_loop`` (the carry donated)."""
+        run = jax.jit(lambda carry, *consts: jax.lax.fori_loop(0, kf.REPEATS, lambda i, c: step(c, *consts), carry),
+                      donate_argnums=(0,))
+        return kf.time_compiled(run, carry, *consts)
+
+    def prompts_served(options) -> int:
+        """How many of the step's fresh prompts the path hands its window kernel (its choice, on the host)."""
+        limit = options.get("max_fresh_prompts", gpu_fresh_prefill.MAX_FRESH_PROMPTS)
+        if options.get("branchless"):
+            slots = fpr.max_fresh_prompts_in(num_tokens, setup.min_fresh_tokens, limit)
+            chosen = fpr.choose_packed(cu_q_lens, kv_lens, num_slots=slots,
+                                       min_fresh_tokens=setup.min_fresh_tokens) if slots else None
+        else:
+            waste = gpu_fresh_prefill.MAX_WINDOW_WASTE
+            branches = fpr.window_branches(num_tokens, setup.min_fresh_tokens, limit, waste)
+            chosen = fpr.choose_slots(cu_q_lens, kv_lens, branches, min_fresh_tokens=setup.min_fresh_tokens,
+                                      max_window_waste=waste) if branches else None
+        return 0 if chosen is None else int(jnp.sum(chosen.served > 0))
 
     def time_attend():
         def step(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens):
@@ -236,9 +291,12 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
     fresh_attend = gpu_fresh_prefill.causal_attention_mgpu
     window_attend = None  # the branchless path's own kernel
     if setup.smoke:  # no Mosaic GPU kernel runs on a CPU: the prototype, interpreted, stands in for the check
-        fresh_attend = functools.partial(causal_prefill_attention_mosaic_gpu, interpret=True)
-        window_attend = functools.partial(causal_prefill_attention_mosaic_gpu, interpret=True)
-    min_fresh = 64 if setup.smoke else 1024
+        def fresh_attend(q, k, v, *, sm_scale):  # as the bundled kernel's wrapper, it widens e4m3 K/V itself
+            return causal_prefill_attention_mosaic_gpu(q, k.astype(q.dtype), v.astype(q.dtype), sm_scale=sm_scale,
+                                                       interpret=True)
+        window_attend = functools.partial(gpu_fresh_window.packed_causal_attention_mosaic_gpu, interpret=True)
+    min_fresh = setup.min_fresh_tokens
+    row["min_fresh_tokens"] = min_fresh
 
     def time_bundled(config):
         from jax.experimental.pallas.ops.gpu import attention_mgpu
@@ -263,13 +321,20 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
 
     from jax.experimental.pallas.ops.gpu import attention_mgpu
     attempt("cudnn", time_cudnn)
-    attempt("ours", lambda: time_full("ours", gpu.ragged_paged_attention_gpu))
-    attempt("fresh_path", lambda: time_full("fresh_path", gpu_fresh_prefill.ragged_paged_attention_gpu_fresh_prefill,
-                                            max_repeats=FRESH_MAX_REPEATS, min_fresh_tokens=min_fresh,
-                                            fresh_attend=fresh_attend))
-    attempt("fresh_branchless", lambda: time_full(
-        "fresh_branchless", gpu_fresh_prefill.ragged_paged_attention_gpu_fresh_prefill, max_repeats=FRESH_MAX_REPEATS,
-        min_fresh_tokens=min_fresh, fresh_attend=window_attend, branchless=True))
+    fresh = gpu_fresh_prefill.ragged_paged_attention_gpu_fresh_prefill
+    for suffix, over_fp8 in (("", False), ("_fp8", True)):
+        attempt("ours" + suffix, lambda: time_full("ours" + suffix, gpu.ragged_paged_attention_gpu, over_fp8=over_fp8))
+        # The path before session 11: the step's longest fresh prompt only.
+        attempt("fresh_single" + suffix, lambda: time_full(
+            "fresh_single" + suffix, fresh, max_repeats=FRESH_MAX_REPEATS, over_fp8=over_fp8,
+            min_fresh_tokens=min_fresh, fresh_attend=fresh_attend, max_fresh_prompts=1))
+        attempt("fresh_path" + suffix, lambda: time_full(
+            "fresh_path" + suffix, fresh, max_repeats=FRESH_MAX_REPEATS, over_fp8=over_fp8,
+            min_fresh_tokens=min_fresh, fresh_attend=fresh_attend, max_fresh_prompts=setup.max_fresh_prompts))
+        attempt("fresh_branchless" + suffix, lambda: time_full(
+            "fresh_branchless" + suffix, fresh, max_repeats=FRESH_MAX_REPEATS, over_fp8=over_fp8,
+            min_fresh_tokens=min_fresh, fresh_attend=window_attend, branchless=True,
+            max_fresh_prompts=setup.max_fresh_prompts))
     for block_q, block_kv, steps in BUNDLED_CONFIGS:
         if setup.smoke and block_kv > min(lens):
             continue
@@ -294,7 +359,8 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
     del q, k_pages, v_pages, k_new, v_new, chunks, qs, ks, vs, want
 
 
-IMPLS = ("ours", "ours_attend", "ours_prefix", "fresh_path", "fresh_branchless", "cudnn", "xla")
+IMPLS = ("ours", "ours_attend", "ours_prefix", "fresh_single", "fresh_path", "fresh_branchless", "ours_fp8",
+         "fresh_single_fp8", "fresh_path_fp8", "fresh_branchless_fp8", "cudnn", "xla")
 
 
 def write_outputs(out_dir: str, report: dict):
@@ -304,23 +370,28 @@ def write_outputs(out_dir: str, report: dict):
     matmul = (report.get("ceilings") or {}).get("matmul_tflops", float("nan"))
     rows = [r for r in report["results"] if r["workload"] == "prefill-peers"]
     mosaic = sorted({k for r in rows for k in r["tflops"] if k.startswith(("bundled", "proto"))})
-    columns = [*IMPLS, *mosaic]
+    columns = [c for c in (*IMPLS, *mosaic) if any(c in r["tflops"] or c in r["errors"] for r in rows)]
     lines = [f"# prefill peers ({report['device']}, jax {report['jax']})", "",
              f"Command: `{report['command']}`", "",
-             f"bf16 matmul rate in this run: {matmul:.0f} TFLOP/s. Cells: TFLOP/s (causal FLOPs, counted "
-             "alike), % of the matmul rate, rel. error against the check's reference; – = not run "
-             "(errors in the JSON).", "",
-             "| shape | tokens | " + " | ".join(columns) + " |", "|" + " --- |" * (len(columns) + 2)]
+             f"bf16 matmul rate in this run: {matmul:.0f} TFLOP/s. Cells: µs a call, TFLOP/s (causal FLOPs, "
+             "counted alike), % of the matmul rate, rel. error against the check's reference (the `_fp8` "
+             "columns: over fp8 pages, checked against the same e4m3 K/V); – = not run (errors in the JSON). "
+             "`fresh_single`: the fresh path with one prompt a step (before session 11); `fresh_path` / "
+             "`fresh_branchless`: several (`max_fresh_prompts`); prompts served: the `served` column.", "",
+             "| shape | tokens | min fresh | " + " | ".join(columns) + " | served |",
+             "|" + " --- |" * (len(columns) + 4)]
     for r in rows:
         cells = []
         for c in columns:
             if c in r["tflops"]:
                 err = r["rel_err"].get(c)
-                cells.append(f"{r['tflops'][c]:.0f} ({r['tflops'][c] / matmul:.0%})"
+                cells.append(f"{r['s'][c] * 1e6:.0f}µs {r['tflops'][c]:.0f} ({r['tflops'][c] / matmul:.0%})"
                              + (f" e{err:.0e}" if err is not None else ""))
             else:
                 cells.append("–")
-        lines.append(f"| {r['shape']} | {r['num_tokens']} | " + " | ".join(cells) + " |")
+        served = ", ".join(f"{k} {v}" for k, v in r.get("fresh_prompts_served", {}).items())
+        lines.append(f"| {r['shape']} | {r['num_tokens']} | {r.get('min_fresh_tokens', '')} | " + " | ".join(cells)
+                     + f" | {served} |")
     errors = [f"- {r['shape']} {impl}: {e}" for r in rows for impl, e in r["errors"].items()]
     if errors:
         lines += ["", "Not run:", *errors]
@@ -333,13 +404,22 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     parser.add_argument("--budget-s", type=float, default=270.0, help="skip what is left after this many seconds")
     parser.add_argument("--shapes", default="4096,8192,16384,32768,ragged,2048",
-                        help="single-sequence chunk lengths and/or 'ragged', in the order run")
+                        help="single-sequence chunk lengths, 'ragged', and/or NxL (N fresh prompts of L tokens in "
+                             "one step, timed in a fori_loop), in the order run")
     parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--impls", default=None, help="comma-separated implementations or families (default: all)")
+    parser.add_argument("--kv-dtypes", default="bf16",
+                        help="bf16 and/or fp8: fp8 adds ours/fresh_*_fp8 over float8_e4m3fn pages")
+    parser.add_argument("--min-fresh-tokens", type=int, default=None,
+                        help=f"the fresh paths' minimum prompt (default MIN_FRESH_TOKENS = "
+                             f"{gpu_fresh_prefill.MIN_FRESH_TOKENS}); 1000-token prompts need <= 1000")
+    parser.add_argument("--max-fresh-prompts", type=int, default=gpu_fresh_prefill.MAX_FRESH_PROMPTS,
+                        help="fresh prompts a step of fresh_path / fresh_branchless (fresh_single: 1)")
     parser.add_argument("--smoke", action="store_true", help="CPU check of this script: interpreter, tiny shapes")
     args = parser.parse_args()
-    setup = Setup(args.smoke, args.page_size, args.impls)
-    if args.smoke:
+    setup = Setup(args.smoke, args.page_size, args.impls, args.min_fresh_tokens, args.kv_dtypes,
+                  args.max_fresh_prompts)
+    if args.smoke and args.shapes == parser.get_default("shapes"):
         args.shapes = "256,ragged"
     budget = Budget(args.budget_s)
     device = jax.devices()[0]
@@ -355,7 +435,13 @@ def main():
         save()
         ragged = (128, 256) if args.smoke else RAGGED
         for shape in args.shapes.split(","):
-            name, lens = ("ragged", ragged) if shape == "ragged" else (f"1x{shape}", (int(shape),))
+            if shape == "ragged":
+                name, lens = "ragged", ragged
+            elif "x" in shape:  # N prompts of L tokens in one step: "8x1000"
+                count, length = (int(part) for part in shape.split("x"))
+                name, lens = shape, (length,) * count
+            else:
+                name, lens = f"1x{shape}", (int(shape),)
             if budget.left() < 15:
                 say(f"{name}: skipped, out of time")
                 continue

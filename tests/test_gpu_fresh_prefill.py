@@ -5,6 +5,7 @@ attention here (and the Mosaic GPU prefill prototype in Pallas's GPU interpreter
 kernel runs in interpret mode. The bundled kernel's call is checked by lowering it for CUDA.
 """
 
+import functools
 import types
 
 import jax
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.paged_attention import fresh_prompts as fpr
 from pallas_kernels.paged_attention import gpu_fresh_prefill as fp
 from pallas_kernels.paged_attention import ragged_paged_attention_reference
 from pallas_kernels.paged_attention import work_tiles as wt
@@ -25,31 +27,75 @@ def dense_causal(q, k, v, *, sm_scale):  # [1, L, H, D]; the window attention a 
                                         is_causal=True).astype(q.dtype)
 
 
-def picked(seqs, min_fresh_tokens):
+def step_lens(seqs):
     q_lens = np.array([q for q, _ in seqs]); kv_lens = np.array([kv for _, kv in seqs])
-    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
-    fresh = fp.pick_fresh_prefill(cu, jnp.asarray(kv_lens, jnp.int32), min_fresh_tokens)
-    return bool(fresh.is_taken), int(fresh.seq), int(fresh.token_start), int(fresh.num_tokens)
+    return jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32), jnp.asarray(kv_lens, jnp.int32)
 
 
-def test_pick_takes_the_longest_fresh_prefill_only():
+def chosen(seqs, num_tokens, min_fresh_tokens, max_fresh_prompts=8, max_window_waste=1.5):
+    """(branch, {seq: (token_start, rows)}) of the bundled path's choice for a step of these sequences."""
+    branches = fpr.window_branches(num_tokens, min_fresh_tokens, max_fresh_prompts, max_window_waste)
+    slots = fpr.choose_slots(*step_lens(seqs), branches, min_fresh_tokens=min_fresh_tokens,
+                             max_window_waste=max_window_waste)
+    taken = {int(s): (int(t), int(n)) for s, t, n in zip(slots.seq, slots.token_start, slots.num_tokens) if n > 0}
+    served = {i: int(n) for i, n in enumerate(slots.served) if n > 0}
+    assert served == {s: n for s, (_, n) in taken.items()}
+    branch = branches[int(slots.branch) - 1] if int(slots.branch) else None
+    return branch, taken
+
+
+def test_choice_takes_fresh_prompts_only_and_follows_the_work():
     # decode, chunk over a cached prefix (longer, not fresh), two fresh prompts, an empty slot
     seqs = [(1, 40), (300, 700), (150, 150), (200, 200), (0, 0)]
-    assert picked(seqs, 64) == (True, 3, 1 + 300 + 150, 200)
-    assert picked(seqs, 201)[0] is False  # no fresh prompt that long
-    assert picked([(1, 40), (300, 700), (0, 0)], 1)[0] is False  # a cached prefix never qualifies
-    assert picked([(0, 0), (0, 0)], 1)[0] is False  # padded slots never qualify
+    branch, taken = chosen(seqs, 651, 64, max_window_waste=3.0)
+    # 150 and 200 both fit a 256-row window within 3x their work: two slots beat one.
+    assert branch == fpr.WindowBranch(256, 2) and taken == {2: (301, 150), 3: (451, 200)}
+    branch, taken = chosen(seqs, 651, 64, max_fresh_prompts=1, max_window_waste=3.0)
+    assert branch == fpr.WindowBranch(256, 1) and taken == {3: (451, 200)}  # the single-prompt path: the longest
+    assert chosen(seqs, 651, 201)[1] == {}  # no fresh prompt that long
+    assert chosen([(1, 40), (300, 700), (0, 0)], 301, 1)[1] == {}  # a cached prefix never qualifies
+    assert chosen([(0, 0), (0, 0)], 8, 1)[1] == {}  # padded slots never qualify
 
 
-def test_hide_sequence_empties_only_its_tiles():
-    cu, kv = jnp.asarray([0, 1, 151, 191], jnp.int32), jnp.asarray([40, 150, 100], jnp.int32)
-    tiles = wt.plan_work_tiles(cu, kv, 200, 16)
-    fresh = fp.pick_fresh_prefill(cu, kv, 64)
-    hidden = fp.hide_sequence(tiles, fresh).meta
-    is_seq1 = np.asarray(tiles.meta[:, wt.SEQ] == 1) & np.asarray(tiles.meta[:, wt.TILE_Q_LEN] > 0)
-    assert is_seq1.sum() == 10  # 150 queries in tiles of 16
-    assert (np.asarray(hidden[is_seq1][:, [wt.FIRST_POS, wt.TILE_Q_LEN]]) == 0).all()
-    np.testing.assert_array_equal(np.asarray(hidden[~is_seq1]), np.asarray(tiles.meta[~is_seq1]))
+def test_choice_leaves_a_short_prompt_out_of_a_long_window_and_empty_slots_cost_a_window():
+    # Windows of 1024 rows: eight 1000-token prompts fill the 8-slot branch.
+    eight = [(1000, 1000)] * 8
+    branch, taken = chosen(eight, 8192, 512)
+    assert branch == fpr.WindowBranch(1024, 8) and len(taken) == 8
+    # Five of them: 8 slots would pay three empty windows; the 4-slot branch gains more.
+    branch, taken = chosen([(1000, 1000)] * 5 + [(1, 9)] * 3, 8192, 512)
+    assert branch == fpr.WindowBranch(1024, 4) and sorted(taken) == [0, 1, 2, 3]
+    # A 3000-token prompt and a 600-token one: no window serves both within 1.5x their work.
+    branch, taken = chosen([(600, 600), (3000, 3000)], 4096, 512)
+    assert branch == fpr.WindowBranch(3200, 1) and list(taken) == [1]
+
+
+def test_window_branches_are_bounded():
+    branches = fpr.window_branches(8192, 1024, 8, 1.5)
+    lengths = fp.fresh_prefill_lengths(8192, 1024)
+    assert {b.length for b in branches} == set(lengths)
+    assert len(branches) <= len(lengths) * (3 + 2)  # log2(8) + 2 counts per length at most
+    assert all(b.num_slots * b.length <= 1.5**0.5 * 8192 + b.length for b in branches)  # window rows ~ the step
+    assert [b.num_slots for b in branches if b.length == 1024] == [1, 2, 4, 8]
+    assert fpr.window_branches(8192, 1024, 1, 1.5) == tuple(fpr.WindowBranch(n, 1) for n in lengths)
+    with pytest.raises(ValueError, match="max_fresh_prompts"):
+        fpr.window_branches(8192, 1024, 0, 1.5)
+    with pytest.raises(ValueError, match="max_window_waste"):
+        fpr.window_branches(8192, 1024, 8, 0.5)
+
+
+def test_hide_served_empties_only_the_served_tiles():
+    cu, kv = jnp.asarray([0, 1, 151, 191, 291], jnp.int32), jnp.asarray([40, 150, 100, 100], jnp.int32)
+    tiles = wt.plan_work_tiles(cu, kv, 300, 16)
+    served = jnp.asarray([0, 150, 0, 100], jnp.int32)  # two fresh prompts served whole
+    hidden = fp.fpr.hide_served(tiles, served).meta
+    live = np.asarray(tiles.meta[:, wt.TILE_Q_LEN] > 0)
+    is_served = np.isin(np.asarray(tiles.meta[:, wt.SEQ]), [1, 3]) & live
+    assert is_served.sum() == 10 + 7  # 150 and 100 queries in tiles of 16
+    assert (np.asarray(hidden[is_served][:, [wt.FIRST_POS, wt.TILE_Q_LEN]]) == 0).all()
+    np.testing.assert_array_equal(np.asarray(hidden[~is_served & live]), np.asarray(tiles.meta[~is_served & live]))
+    partly = fp.fpr.hide_served(tiles, jnp.asarray([0, 64, 0, 0], jnp.int32)).meta  # its first 64 rows only
+    assert int((np.asarray(partly[:, wt.TILE_Q_LEN]) == 0).sum() - (~live).sum()) == 4
 
 
 def test_window_lengths_cover_the_step_in_steps_of_at_most_two():
@@ -63,6 +109,8 @@ def test_window_lengths_cover_the_step_in_steps_of_at_most_two():
 
 
 MIXED = [(1, 40), (150, 150), (40, 100), (0, 0), (30, 30)]  # decode, fresh, cached prefix, empty, short fresh
+# Three fresh prompts of mixed lengths among a decode, a cached prefix, an empty slot, a short fresh prompt.
+MULTI = [(1, 40), (150, 150), (130, 130), (40, 100), (0, 0), (30, 30), (140, 140), (1, 7)]
 
 
 def run_against_reference(seqs, fresh_attend, min_fresh_tokens=64, scale=1.0, **kw):
@@ -91,9 +139,45 @@ def test_mixed_step_matches_reference_with_the_fresh_prefill_in_its_own_kernel()
         return dense_causal(q, k, v, sm_scale=sm_scale)
 
     case = run_against_reference(MIXED, recording)
-    # Traced once per window length (the lax.switch branches): 226 rows -> windows of 128 and 256.
-    assert calls == [(1, 128, 4, 64), (1, 256, 4, 64)]
+    # Traced once per branch of the lax.switch: 226 rows hold at most three prompts of >= 64 rows;
+    # windows of 128 rows take prompts of >= 64 (waste 4), so 1-3 slots; of 256, one.
+    assert calls == [(1, 128, 4, 64), (2, 128, 4, 64), (3, 128, 4, 64), (1, 256, 4, 64)]
     assert case.q.shape[0] == 226
+
+
+def test_several_fresh_prompts_go_through_one_batched_window_call():
+    calls = []
+
+    def recording(q, k, v, *, sm_scale):
+        calls.append(q.shape)
+        return dense_causal(q, k, v, sm_scale=sm_scale)
+
+    run_against_reference(MULTI, recording)  # the outputs of all five kinds of sequence match the reference
+    seven = lambda q, k, v, *, sm_scale: jnp.full(q.shape, 7, q.dtype)  # noqa: E731
+    case = make_case(7, MULTI, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                     pad_tokens=5)
+    out, _, _ = fp.ragged_paged_attention_gpu_fresh_prefill(
+        *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=seven,
+        interpret=True, max_window_waste=4.0)
+    # Branch (256 rows, 3 slots): the three fresh prompts, exactly their rows; the 30-row prompt,
+    # the cached prefix, the decodes and the padding rows stay with Triton.
+    is_seven = np.all(np.asarray(out, np.float32) == 7, axis=(1, 2))
+    starts = np.asarray(case.cu_q_lens)
+    want = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in (1, 2, 6)])
+    np.testing.assert_array_equal(np.flatnonzero(is_seven), want)
+    # One prompt per step (the path before session 11): only the longest.
+    out, _, _ = fp.ragged_paged_attention_gpu_fresh_prefill(
+        *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=seven,
+        interpret=True, max_window_waste=4.0, max_fresh_prompts=1)
+    np.testing.assert_array_equal(np.flatnonzero(np.all(np.asarray(out, np.float32) == 7, axis=(1, 2))),
+                                  np.arange(starts[1], starts[2]))
+
+
+def test_nothing_qualifies_nothing_is_taken():
+    seqs = [(1, 40), (40, 100), (30, 30), (0, 0), (50, 50)]  # a cached prefix, fresh prompts under 64 rows
+    seven = lambda q, k, v, *, sm_scale: jnp.full(q.shape, 7, q.dtype)  # noqa: E731
+    case = run_against_reference(seqs, seven)
+    assert case.q.shape[0] > 64  # long enough for the branches to be compiled: the device choice said none
 
 
 def test_fresh_kernel_output_is_used_for_the_taken_sequence_only():
@@ -133,14 +217,35 @@ def test_mixed_step_with_the_mosaic_gpu_prototype_interpreted():
     run_against_reference(MIXED, proto)
 
 
-def test_window_rows_and_merge_touch_only_the_taken_sequence_even_past_the_step_end():
+def test_slot_rows_read_and_write_only_the_taken_prompts_even_past_the_step_end():
+    slots = fpr.FreshSlots(branch=jnp.int32(1), seq=jnp.asarray([2, 0, 0], jnp.int32),
+                           token_start=jnp.asarray([6, 0, 0], jnp.int32), num_tokens=jnp.asarray([3, 0, 0], jnp.int32),
+                           served=jnp.zeros(4, jnp.int32))
+    source, dest = fpr.slot_rows(slots, 2, 5, 10)  # two slots of 5 rows in a step of 10; the second empty
+    np.testing.assert_array_equal(np.asarray(source), [[6, 7, 8, 10, 10], [10] * 5])  # 10: reads 0
     x = jnp.arange(10, dtype=jnp.float32)[:, None, None] + 1  # [T=10, 1, 1], row t holds t + 1
-    fresh = fp.FreshPrefill(is_taken=jnp.bool_(True), seq=jnp.int32(2), token_start=jnp.int32(6),
-                            num_tokens=jnp.int32(3))
-    window = fp.window_rows(x, fresh, 8)  # rows 6, 7, 8, then zeros (rows 9.. are not the sequence's)
-    np.testing.assert_array_equal(np.asarray(window)[:, 0, 0], [7, 8, 9, 0, 0, 0, 0, 0])
-    merged = fp.merge_window(x, -window, fresh)  # a window running 4 rows past the step's end
+    window = fp._take_rows(x, source)
+    np.testing.assert_array_equal(np.asarray(window)[..., 0, 0], [[7, 8, 9, 0, 0], [0] * 5])
+    assert len(set(np.asarray(dest).ravel().tolist())) == 10  # distinct: a scatter with unique indices
+    merged = fp._merge_rows(x, -window, dest)
     np.testing.assert_array_equal(np.asarray(merged)[:, 0, 0], [1, 2, 3, 4, 5, 6, -7, -8, -9, 10])
+
+
+def test_packed_prompts_start_on_blocks_and_see_only_their_own_rows():
+    # Prompts of 70 and 130 rows (slots shortest first) in a step of 300 rows; three slots.
+    slots = fpr.FreshSlots(branch=jnp.int32(1), seq=jnp.asarray([3, 1, 0], jnp.int32),
+                           token_start=jnp.asarray([220, 10, 0], jnp.int32),
+                           num_tokens=jnp.asarray([70, 130, 0], jnp.int32), served=jnp.zeros(4, jnp.int32))
+    length = fpr.packed_window_length(300, 3)
+    assert length == 320 + 128
+    source, dest, first_block = (np.asarray(a) for a in fpr.pack_prompts(slots, length, 300))
+    # Blocks 0-1: the 70-row prompt; 2-4: the 130-row one; the rest dead.
+    np.testing.assert_array_equal(first_block, [0, 0, 2, 2, 2, -1, -1])
+    np.testing.assert_array_equal(source[:70], np.arange(220, 290))
+    assert (source[70:128] == 300).all() and (source[128 + 130:] == 300).all()  # read as 0
+    np.testing.assert_array_equal(source[128:258], np.arange(10, 140))
+    np.testing.assert_array_equal(dest[source < 300], source[source < 300])
+    assert (dest[source == 300] >= 300).all() and len(set(dest.tolist())) == length
 
 
 def test_a_window_much_longer_than_its_sequence_stays_on_triton():
@@ -172,44 +277,58 @@ def test_decode_like_step_never_takes_the_fresh_path():
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=3e-2, atol=3e-2)
 
 
-def lowered_for_hopper(**options) -> str:
-    """The fresh-prefill step over the MIXED batch, lowered for an abstract H200 from this CPU."""
+def lowered_for_hopper(kv_dtype=jnp.bfloat16, **options) -> str:
+    """The fresh-prefill step over the MULTI batch, lowered for an abstract H200 from this CPU."""
     from jax._src.mesh import AbstractDevice, AbstractMesh
 
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
-    case = make_case(7, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+    case = make_case(7, MULTI, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
                      pad_tokens=5)
+    args = list(case.args())
+    args[1:5] = [x.astype(kv_dtype) for x in args[1:5]]
     with jax.sharding.use_abstract_mesh(mesh):
         return fp.ragged_paged_attention_gpu_fresh_prefill.trace(
-            *case.args(), sm_scale=case.sm_scale, min_fresh_tokens=64, **options).lower(
+            *args, sm_scale=case.sm_scale, min_fresh_tokens=64, **options).lower(
             lowering_platforms=("cuda",)).as_text()
 
 
-def test_lowered_step_has_one_conditional_and_no_loop():
-    # On the GPU every conditional (and every loop iteration) waits for the host: one switch, no while.
-    text = lowered_for_hopper(fresh_attend=dense_causal)
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_lowered_step_has_one_conditional_and_no_loop(kv_dtype):
+    # On the GPU every conditional (and every loop iteration) waits for the host: one switch, no
+    # while, whatever the number of branches (windows x slot counts) or the page dtype.
+    text = lowered_for_hopper(kv_dtype, fresh_attend=dense_causal, max_window_waste=4.0)
     assert "triton" in text
     assert text.count("stablehlo.case") == 1
     assert "stablehlo.while" not in text
 
 
-def dense_window(q, k, v, num_blocks, *, sm_scale):  # the branchless path's window attention, on a CPU
-    return dense_causal(q, k, v, sm_scale=sm_scale)
+def dense_packed(q, k, v, first_block, *, sm_scale):  # the branchless path's window attention, on a CPU
+    """Causal attention of packed prompts [1, W, H, D]: row i sees rows j <= i from its block's first block."""
+    group = q.shape[2] // k.shape[2]
+    up = lambda x: jnp.repeat(x, group, axis=2).astype(jnp.float32)  # noqa: E731
+    row = jnp.arange(q.shape[1])
+    start = jnp.repeat(first_block[0], 64) * 64  # [W]: first row each row may see (< 0: dead)
+    mask = (row[None, :] <= row[:, None]) & (row[None, :] >= start[:, None])  # [W, W]
+    return jax.nn.dot_product_attention(q.astype(jnp.float32), up(k), up(v), scale=sm_scale,
+                                        mask=mask[None, None]).astype(q.dtype)
 
 
-def test_branchless_path_matches_reference_with_whole_blocks_in_the_window_kernel():
-    run_against_reference(MIXED, dense_window, branchless=True)
-    # A window kernel that answers 7: it serves the fresh prompt's first 128 rows (whole 64-row
-    # blocks), Triton its last 22 and every other sequence.
-    seven = lambda q, k, v, num_blocks, *, sm_scale: jnp.full(q.shape, 7, q.dtype)  # noqa: E731
-    case = make_case(7, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+def test_branchless_path_matches_reference_with_whole_prompts_in_the_window_kernel():
+    run_against_reference(MIXED, dense_packed, branchless=True)
+    run_against_reference(MULTI, dense_packed, branchless=True)
+    # A window kernel that answers 7: it serves the three fresh prompts whole (their last partial
+    # blocks too), Triton every other sequence.
+    seven = lambda q, k, v, first_block, *, sm_scale: jnp.full(q.shape, 7, q.dtype)  # noqa: E731
+    case = make_case(7, MULTI, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
                      pad_tokens=5)
     out, _, _ = fp.ragged_paged_attention_gpu_fresh_prefill(
         *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=seven,
         interpret=True, branchless=True)
     is_seven = np.all(np.asarray(out, np.float32) == 7, axis=(1, 2))
-    np.testing.assert_array_equal(np.flatnonzero(is_seven), np.arange(1, 129))
+    starts = np.asarray(case.cu_q_lens)
+    want = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in (1, 2, 6)])
+    np.testing.assert_array_equal(np.flatnonzero(is_seven), want)
 
 
 def test_branchless_path_with_nothing_to_serve_is_the_triton_kernel():
@@ -218,8 +337,8 @@ def test_branchless_path_with_nothing_to_serve_is_the_triton_kernel():
                      pad_tokens=60)
     blocks = []
 
-    def recording(q, k, v, num_blocks, *, sm_scale):
-        blocks.append(num_blocks)
+    def recording(q, k, v, first_block, *, sm_scale):
+        blocks.append(first_block)
         return jnp.full(q.shape, 7, q.dtype)
 
     ref = ragged_paged_attention_reference(*case.args(), sm_scale=case.sm_scale)[0]
@@ -231,26 +350,28 @@ def test_branchless_path_with_nothing_to_serve_is_the_triton_kernel():
 
 
 def test_branchless_path_with_the_window_kernel_interpreted():
-    from pallas_kernels.paged_attention.gpu_fresh_window import causal_window_attention_mosaic_gpu
+    from pallas_kernels.paged_attention.gpu_fresh_window import packed_causal_attention_mosaic_gpu
 
-    kernel = lambda q, k, v, num_blocks, *, sm_scale: causal_window_attention_mosaic_gpu(  # noqa: E731
-        q, k, v, num_blocks, sm_scale=sm_scale, interpret=True)
-    run_against_reference(MIXED, kernel, branchless=True)
+    kernel = lambda q, k, v, first_block, *, sm_scale: packed_causal_attention_mosaic_gpu(  # noqa: E731
+        q, k, v, first_block, sm_scale=sm_scale, interpret=True)
+    run_against_reference(MULTI, kernel, branchless=True)  # three prompts packed, each on its own blocks
 
 
-def test_branchless_path_lowers_for_hopper_with_no_conditional():
-    text = lowered_for_hopper(branchless=True)
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_branchless_path_lowers_for_hopper_with_no_conditional(kv_dtype):
+    text = lowered_for_hopper(kv_dtype, branchless=True)
     assert "triton" in text and "mosaic_gpu" in text
     assert "stablehlo.case" not in text and "stablehlo.while" not in text
 
 
-def test_bundled_kernel_call_lowers_for_hopper_from_cpu(monkeypatch):
+@pytest.mark.parametrize("num_slots,kv_dtype", [(1, jnp.bfloat16), (8, jnp.bfloat16), (8, jnp.float8_e4m3fn)])
+def test_bundled_kernel_call_lowers_for_hopper_from_cpu(monkeypatch, num_slots, kv_dtype):
     from jax.experimental.pallas.ops.gpu import attention_mgpu
 
     # A CPU jaxlib has no CUDA version to check; pretend to one the bundled kernel accepts for causal.
     monkeypatch.setattr(attention_mgpu, "cuda_versions", types.SimpleNamespace(cuda_runtime_get_version=lambda: 12091))
-    spec = jax.ShapeDtypeStruct
-    q, kv = spec((1, 1024, 32, 128), jnp.bfloat16), spec((1, 1024, 8, 128), jnp.bfloat16)
+    spec = jax.ShapeDtypeStruct  # several slots in one call (throughput-1k's 8 x 1024), e4m3 K/V widened
+    q, kv = spec((num_slots, 1024, 32, 128), jnp.bfloat16), spec((num_slots, 1024, 8, 128), kv_dtype)
     attend = jax.jit(lambda q, k, v: fp.causal_attention_mgpu(q, k, v, sm_scale=128**-0.5))
     lowered = attend.trace(q, kv, kv).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
@@ -299,25 +420,81 @@ def test_model_step_with_the_fresh_prefill_impl_runs_on_cpu_as_auto():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_fp8_pages_keep_the_paged_kernel_under_the_hopper_default():
-    # The Hopper default also serves kv_cache_dtype="fp8" engines: their steps never take the
-    # window (can_take_fresh_prefill wants 16-bit pages) and stay exact on the Triton kernel.
-    case = make_case(11, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
-                     pad_tokens=5, nan_fill=False)
+def test_every_e4m3_value_widens_to_float16_exactly():
+    # The window's e4m3 K/V go to float16 (bundled kernel) or bf16 (window kernel): both must be exact.
+    values = jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8), jnp.float8_e4m3fn)
+    values = values[~jnp.isnan(values.astype(jnp.float32))]
+    for dtype in (jnp.float16, jnp.bfloat16):
+        np.testing.assert_array_equal(np.asarray(values.astype(dtype).astype(jnp.float32)),
+                                      np.asarray(values.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("branchless", [False, True])
+def test_fp8_pages_take_the_window_from_the_quantized_new_kv(branchless):
+    # e4m3 pages and new K/V (quantized by the dispatcher), bf16 queries: the fresh prompts' windows
+    # read this step's e4m3 K/V, as the pages hold them. Oracle: the reference over the same values
+    # held in float32 (as the Triton kernel's fp8 tests).
+    case = make_case(11, MULTI, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                     pad_tokens=5)
     fp8 = jnp.float8_e4m3fn
-    case.k_new, case.v_new = case.k_new.astype(fp8), case.v_new.astype(fp8)
-    case.k_pages, case.v_pages = case.k_pages.astype(fp8), case.v_pages.astype(fp8)
-    ref = ragged_paged_attention_reference(*case.args(), sm_scale=case.sm_scale)
+    k_new, v_new, k_pages, v_pages = (x.astype(fp8) for x in (case.k_new, case.v_new, case.k_pages, case.v_pages))
+    rest = (case.page_tables, case.cu_q_lens, case.kv_lens)
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    ref_out, ref_k, ref_v = ragged_paged_attention_reference(case.q, up(k_new), up(v_new), up(k_pages), up(v_pages),
+                                                             *rest, sm_scale=case.sm_scale)
+    seen = []
+
+    def recording(q, k, v, *extra, sm_scale):
+        seen.append((q.shape[0], k.dtype))
+        return dense_packed(q, k, v, *extra, sm_scale=sm_scale) if extra else dense_causal(q, k, v, sm_scale=sm_scale)
+
+    out, k_out, v_out = fp.ragged_paged_attention_gpu_fresh_prefill(
+        case.q, k_new, v_new, k_pages, v_pages, *rest, sm_scale=case.sm_scale, min_fresh_tokens=64,
+        fresh_attend=recording, interpret=True, max_window_waste=4.0, branchless=branchless)
+    # The bundled path hands the kernel e4m3 (it widens to float16 itself); the window kernel bf16.
+    assert seen and {dtype for _, dtype in seen} == {jnp.dtype(jnp.bfloat16 if branchless else fp8)}
+    assert out.dtype == jnp.bfloat16 and k_out.dtype == fp8 and not np.isnan(np.asarray(out, np.float32)).any()
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32), rtol=3e-2, atol=3e-2)
+    np.testing.assert_array_equal(np.asarray(up(k_out)), np.asarray(ref_k))
+    np.testing.assert_array_equal(np.asarray(up(v_out)), np.asarray(ref_v))
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu_fresh_prefill", "pallas_gpu_fresh_prefill_branchless"])
+def test_fp8_scales_through_the_dispatcher_with_the_fresh_path(monkeypatch, impl):
+    # The dispatcher quantizes the new K/V with the layer's scales, folds k_scale into q and v_scale
+    # into the output; the window must see exactly what the pages hold. Run as on a Hopper GPU, the
+    # window attention on CPU; oracle: dequantize every page and the quantized new K/V, attend in f32.
+    import pallas_kernels.paged_attention as pa
+    from jaxinfer import attention
+    from jaxinfer.batch import StepBatch
+    from jaxinfer.kv_cache_dtype import quantize_to_fp8
+
+    dense = dense_packed if impl.endswith("_branchless") else dense_causal
     calls = []
 
-    def recording(q, k, v, *, sm_scale):
-        calls.append(q.shape)
-        return dense_causal(q, k, v, sm_scale=sm_scale)
+    def window(*args, sm_scale):
+        calls.append(args[0].shape)
+        return dense(*args, sm_scale=sm_scale)
 
-    out, k_pages, v_pages = fp.ragged_paged_attention_gpu_fresh_prefill(
-        *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=recording,
-        interpret=True, max_window_waste=4.0)
-    assert calls == []  # not even traced: the window's branch is not built for fp8 pages
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref[0], np.float32), rtol=3e-2, atol=3e-2)
-    np.testing.assert_array_equal(np.asarray(k_pages, np.float32), np.asarray(ref[1], np.float32))
-    np.testing.assert_array_equal(np.asarray(v_pages, np.float32), np.asarray(ref[2], np.float32))
+    monkeypatch.setattr(attention, "_is_hopper", lambda platform: True)
+    monkeypatch.setattr(pa, "ragged_paged_attention_gpu_fresh_prefill", functools.partial(
+        fp.ragged_paged_attention_gpu_fresh_prefill, fresh_attend=window, interpret=True, min_fresh_tokens=64,
+        max_window_waste=4.0))
+    case = make_case(5, MULTI, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                     pad_tokens=5, nan_fill=False)
+    k_scale, v_scale = jnp.float32(0.05), jnp.float32(3.0)
+    k_pages, v_pages = quantize_to_fp8(case.k_pages, k_scale), quantize_to_fp8(case.v_pages, v_scale)
+    batch = StepBatch(token_ids=None, positions=None, cu_q_lens=case.cu_q_lens, kv_lens=case.kv_lens,
+                      page_tables=case.page_tables, logits_indices=None)
+    out, new_k, _ = attention.paged_attention(case.q, case.k_new, case.v_new, jnp.array(k_pages), jnp.array(v_pages),
+                                              batch,
+                                              sm_scale=case.sm_scale, impl=impl, k_scale=k_scale,
+                                              v_scale=v_scale)  # copies: the path donates the pages
+    dequantize = lambda x, scale: x.astype(jnp.float32) * scale  # noqa: E731
+    oracle, oracle_k, _ = ragged_paged_attention_reference(
+        case.q, dequantize(quantize_to_fp8(case.k_new, k_scale), k_scale),
+        dequantize(quantize_to_fp8(case.v_new, v_scale), v_scale), dequantize(k_pages, k_scale),
+        dequantize(v_pages, v_scale), case.page_tables, case.cu_q_lens, case.kv_lens, sm_scale=case.sm_scale)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(oracle), rtol=3e-2, atol=3e-2 * 3.0)
+    np.testing.assert_array_equal(np.asarray(dequantize(new_k, k_scale)), np.asarray(oracle_k))
+    assert calls  # the window was in the step

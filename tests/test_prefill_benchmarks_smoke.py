@@ -36,3 +36,17 @@ def test_prefill_peers_runs_only_the_named_impls(tmp_path):
     for r in rows:
         assert set(r["tflops"]) == {"ours", "fresh_path", "fresh_branchless", "proto_2"}, r["errors"]
         assert r["rel_err"]["fresh_path"] < 1e-2 and r["rel_err"]["fresh_branchless"] < 1e-2
+
+
+@pytest.mark.slow
+def test_prefill_peers_times_several_fresh_prompts_a_step_over_bf16_and_fp8_pages(tmp_path):
+    out = tmp_path / "pp"
+    run_script([BENCHMARKS / "prefill_peers.py", "--out", out, "--smoke", "--shapes", "3x128", "--kv-dtypes",
+                "bf16,fp8", "--impls", "ours,fresh_single,fresh_path,fresh_branchless", "--budget-s", "1500"], tmp_path)
+    (row,) = json.loads((out / "prefill_peers.json").read_text())["results"]
+    paths = ("ours", "fresh_single", "fresh_path", "fresh_branchless")
+    assert set(row["tflops"]) == {p + s for p in paths for s in ("", "_fp8")}, row["errors"]
+    assert all(err < 1e-2 for err in row["rel_err"].values()), row["rel_err"]
+    # Three 128-token prompts: the single-prompt path takes one, the others all three.
+    assert row["fresh_prompts_served"] == {p + s: n for p, n in (("fresh_single", 1), ("fresh_path", 3),
+                                                                 ("fresh_branchless", 3)) for s in ("", "_fp8")}

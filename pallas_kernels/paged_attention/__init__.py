@@ -2,9 +2,10 @@
 
 The GPU has two kernels: ``ragged_paged_attention_gpu`` (the default: XLA scatter, then
 attention), ``ragged_paged_attention_gpu_fused`` (opt-in: the write fused into the kernel) and
-``ragged_paged_attention_gpu_fresh_prefill`` (opt-in: a step's longest fresh prefill through jax's
-bundled Mosaic GPU flash attention behind a device branch, or with ``branchless=True`` through our
-own Mosaic GPU window kernel, ``gpu_fresh_window``; the rest as the default).
+``ragged_paged_attention_gpu_fresh_prefill`` (Hopper's ``"auto"``: a step's fresh prompts, up to 8,
+through jax's bundled Mosaic GPU flash attention in one batched call behind a device branch, or
+with ``branchless=True`` packed into our own Mosaic GPU window kernel, ``gpu_fresh_window``; which
+prompts, ``fresh_prompts``; the rest as the default).
 All share one signature (``ragged_paged_attention_reference``'s) and return
 ``(out, k_pages, v_pages)``; the kernels take extra keyword-only tile sizes and an
 interpret switch. The cache layout and the ragged-batch metadata are documented in
