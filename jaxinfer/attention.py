@@ -7,9 +7,11 @@ TPU) and the context-bounded CPU path on a CPU (a native call per layer for floa
 ``"pallas_tpu"``, or their ``_interpret`` variants to run a kernel on the CPU. ``"pallas_gpu_fused"``
 (opt-in, never chosen by ``"auto"``) is the GPU kernel with the K/V write fused in, kept for its
 benchmark: GPU run 2 measured it slower than ``"pallas_gpu"`` at large batches (docs/KERNELS.md).
-``"pallas_gpu_fresh_prefill"`` (opt-in until measured, issue 21) is ``"pallas_gpu"`` with the step's
-longest fresh prefill (no cached prefix, >= 1024 tokens) sent through jax's bundled Mosaic GPU flash
-attention (``pallas_kernels.paged_attention.gpu_fresh_prefill``); on other platforms it is ``"auto"``.
+``"pallas_gpu_fresh_prefill"`` (issue 21) is ``"pallas_gpu"`` with a prefill-heavy step's fresh
+prompts (no cached prefix, >= 1024 tokens; over bf16 or fp8 pages) sent through jax's bundled Mosaic GPU flash
+attention (``pallas_kernels.paged_attention.gpu_fresh_prefill``): the longest one a step, or up to
+``fresh_prompts.ENGINE_MAX_FRESH_PROMPTS`` once a GPU run shows that several pay; on other
+platforms it is ``"auto"``.
 ``"pallas_gpu_fresh_prefill_branchless"`` is the same with our bf16 Mosaic GPU window kernel
 (``gpu_fresh_window``), which needs no device conditional.
 What ``"auto"`` runs on a Hopper GPU is ``HOPPER_AUTO_IMPL``: the fresh path, since
@@ -130,7 +132,10 @@ def _attend(*args, impl, sm_scale, sliding_window):
     import pallas_kernels.paged_attention as pa
 
     if impl in _FRESH_PREFILL:
-        return pa.ragged_paged_attention_gpu_fresh_prefill(*args, **kwargs, branchless=impl.endswith("_branchless"))
+        from pallas_kernels.paged_attention.fresh_prompts import ENGINE_MAX_FRESH_PROMPTS
+
+        return pa.ragged_paged_attention_gpu_fresh_prefill(*args, **kwargs, branchless=impl.endswith("_branchless"),
+                                                           max_fresh_prompts=ENGINE_MAX_FRESH_PROMPTS)
     if impl.startswith("pallas_gpu_fused"):
         return pa.ragged_paged_attention_gpu_fused(*args, **kwargs, interpret=impl.endswith("_interpret"))
     if impl.startswith("pallas_gpu"):

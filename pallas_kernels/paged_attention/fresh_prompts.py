@@ -33,6 +33,11 @@ _LENGTH_RATIO = math.sqrt(2)  # window lengths grow by this: at most 2x the caus
 # throughput-1k puts eight ~1000-token prompts in an 8192-token step; more slots than this would
 # mostly be empty (and each is a compiled count per window length).
 MAX_FRESH_PROMPTS = 8
+# What the engine's path serves per step until a GPU run measures the batched windows (never run
+# on a GPU yet; each slot count is more bundled kernels to compile, +~10 s of cold start at 8192
+# rows): the longest fresh prompt, as before session 11. jaxinfer.attention passes it; the kernel
+# functions and `benchmarks/prefill_peers.py` default to MAX_FRESH_PROMPTS.
+ENGINE_MAX_FRESH_PROMPTS = 1
 
 
 def _round_up(n: int, multiple: int) -> int:

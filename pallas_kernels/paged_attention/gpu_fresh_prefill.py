@@ -282,7 +282,8 @@ def ragged_paged_attention_gpu_fresh_prefill(
     (``attend_with_fresh_prefill``); ``True``: our window kernel over packed prompts with no
     conditional (``attend_with_fresh_window``). ``fresh_attend``: that path's window attention
     (default: its Mosaic GPU kernel; tests pass CPU-runnable ones). ``max_fresh_prompts``: fresh
-    prompts served per step (1: the longest only, as before session 11). ``min_fresh_tokens``,
+    prompts served per step (1: the longest only, as before session 11; the engine passes
+    ``fresh_prompts.ENGINE_MAX_FRESH_PROMPTS``). ``min_fresh_tokens``,
     ``max_window_waste`` and ``max_fresh_prompts`` are static, for benchmarks to sweep. Steps the
     fresh kernel cannot serve (see ``can_take_fresh_prefill``) run exactly as
     ``ragged_paged_attention_gpu`` at its tuned sizes (fp8 pages: its fp8 sizes).
