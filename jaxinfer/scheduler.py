@@ -164,6 +164,8 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.admission.on_stop(seq)
+            if reason != "abort":
+                self.admission.on_finish(seq)
         else:
             self.waiting.remove(seq)
         self.allocator.free(seq)

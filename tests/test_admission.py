@@ -55,7 +55,8 @@ def test_reserve_preempts_far_less_than_greedy_with_the_same_tokens(is_async):
 
 
 def test_the_ratio_decays_without_preemptions_and_jumps_back_after_one():
-    config = AdmissionConfig(initial_ratio=0.9, min_ratio=0.5, decay_steps=4)
+    # SGLang's schedule (nothing learned): the ratio falls every step, whatever has finished.
+    config = AdmissionConfig(initial_ratio=0.9, min_ratio=0.5, decay_steps=4, learn_from_finished=False)
     # A roomy pool: one sequence decodes for 10 steps and nothing is preempted.
     engine = FakeEngine(make_scheduler(config, num_pages=40))
     engine.add(make_seq(0, [1, 2, 3]), 10)
@@ -64,7 +65,7 @@ def test_the_ratio_decays_without_preemptions_and_jumps_back_after_one():
     assert ratios[-1] == 0.5
     # A floor of 0 reserves nothing once decayed: sequences growing to 40 tokens in a pool of
     # 24 usable pages preempt, and each step that does puts the ratio back to its start.
-    config = AdmissionConfig(initial_ratio=0.3, min_ratio=0.0, decay_steps=1)
+    config = AdmissionConfig(initial_ratio=0.3, min_ratio=0.0, decay_steps=1, learn_from_finished=False)
     engine = FakeEngine(make_scheduler(config))
     for seq_id in range(8):
         engine.add(make_seq(seq_id, [seq_id + 1] * 8), 32)
@@ -96,6 +97,87 @@ def test_requests_that_stop_early_let_more_in_over_time():
         assert all(seq.token_ids == reference_run(seq.token_ids[:8], 6) for seq in engine.seqs)
     assert most_running["held"] == 2
     assert most_running["decaying"] >= 4, most_running
+
+
+def test_the_ratio_holds_until_sequences_finish_then_falls_to_what_they_used():
+    # Each of 16 declares max_tokens 28 but stops after 7 (a quarter of it). Nothing decays while
+    # nothing has finished; after 8 finishes the ratio falls (one decay step a step) to 0.25.
+    config = AdmissionConfig(initial_ratio=1.0, min_ratio=0.1, decay_steps=3)
+    engine = FakeEngine(make_scheduler(config, num_pages=40))
+    for seq_id in range(16):
+        seq = make_seq(seq_id, [seq_id + 1] * 8)
+        engine.add(seq, 7)
+        seq.max_tokens = 28
+    admission = engine.scheduler.admission
+    ratios, learned = [], []
+    while engine.has_work() or engine.in_flight:
+        engine.step()
+        ratios.append(admission.ratio)
+        learned.append(admission.learned_ratio)
+    first_learned = next(i for i, value in enumerate(learned) if value is not None)
+    assert set(ratios[:first_learned]) == {1.0}
+    assert learned[-1] == pytest.approx(0.25)
+    assert ratios[-1] == pytest.approx(0.25)
+    assert min(ratios) == pytest.approx(0.25)  # never below what the finished ones used
+    assert engine.scheduler.num_preemptions == 0
+
+
+def test_requests_that_run_to_max_tokens_are_not_preempted_by_their_own_growth():
+    # 12 sequences of 6-13 prompt tokens running to 40 tokens in a pool of 24 pages (two fit at
+    # full length): SGLang's schedule decays while they grow and preempts; the learned ratio stays 1.
+    prompts = [[seq_id + 1] * 6 + list(range(seq_id % 8)) for seq_id in range(12)]
+    preemptions = {}
+    for learn in (False, True):
+        engine = FakeEngine(make_scheduler(AdmissionConfig(initial_ratio=1.0, decay_steps=10,
+                                                           learn_from_finished=learn)))
+        for seq_id, prompt in enumerate(prompts):
+            engine.add(make_seq(seq_id, prompt), 40 - len(prompt))
+        _, ratios = run_counting(engine)
+        assert [seq.token_ids for seq in engine.seqs] == [reference_run(p, 40 - len(p)) for p in prompts]
+        preemptions[learn] = engine.scheduler.num_preemptions
+        if learn:
+            assert set(ratios) == {1.0}
+    assert preemptions[False] > 0 and preemptions[True] == 0, preemptions
+
+
+def test_the_learned_ratio_is_the_mean_use_of_a_window_of_finished_sequences():
+    config = AdmissionConfig(min_finished=2, finished_window=3)
+    admission = Admission(config, PAGE_SIZE, max_model_len=64)
+
+    def finished(seq_id, num_prompt, max_tokens, num_generated):
+        seq = Sequence(seq_id, f"r{seq_id}", [1] * num_prompt, max_tokens=max_tokens)
+        for _ in range(num_generated):
+            seq.append_token(2)
+        return seq
+
+    admission.on_finish(finished(0, 4, 10, 5))
+    assert admission.learned_ratio is None  # one is not enough
+    admission.on_finish(finished(1, 4, 10, 10))
+    assert admission.learned_ratio == pytest.approx(0.75)
+    # No max_tokens: the budget is the context left (60), capped by max_reserved_tokens (4096).
+    admission.on_finish(finished(2, 4, None, 15))
+    assert admission.learned_ratio == pytest.approx((0.5 + 1.0 + 0.25) / 3)
+    admission.on_finish(finished(3, 4, 10, 0))  # the window drops the oldest (0.5)
+    assert admission.learned_ratio == pytest.approx((1.0 + 0.25 + 0.0) / 3)
+    admission.on_finish(finished(4, 64, 10, 0))  # no room to generate: teaches nothing
+    assert admission.learned_ratio == pytest.approx((1.0 + 0.25 + 0.0) / 3)
+
+
+def test_aborted_sequences_teach_the_ratio_nothing():
+    scheduler = make_scheduler(AdmissionConfig(min_finished=1))
+    seq = make_seq(0, [1] * 8)
+    seq.max_tokens = 20
+    scheduler.add(seq)
+    scheduler.postprocess(scheduler.schedule(1e9))
+    scheduler.finish(seq, "abort")
+    assert scheduler.admission.learned_ratio is None
+    other = make_seq(1, [2] * 8)
+    other.max_tokens = 20
+    scheduler.add(other)
+    scheduler.postprocess(scheduler.schedule(1e9))
+    other.append_token(3)
+    scheduler.finish(other, "stop")
+    assert scheduler.admission.learned_ratio == pytest.approx(1 / 20)
 
 
 def test_the_first_request_is_never_held_back_and_later_ones_keep_their_order():
@@ -161,6 +243,9 @@ def test_greedy_reserves_nothing_and_keeps_its_ratio_at_zero():
     (dict(decay_steps=0), "decay_steps"),
     (dict(decay_steps=2.5), "decay_steps"),
     (dict(max_reserved_tokens=0), "max_reserved_tokens"),
+    (dict(finished_window=0), "finished_window"),
+    (dict(min_finished=0), "min_finished"),
+    (dict(min_finished=300, finished_window=256), "min_finished"),
 ])
 def test_bad_admission_settings_name_the_field(options, field):
     with pytest.raises(AdmissionConfigError, match=field) as error:
