@@ -79,8 +79,13 @@
 #           bfloat16 GEMM outputs (w8a8_epilogue.py), the donated input slot's A/B (step_dispatch.py,
 #           fixed), then bf16 throughput-1k at 1024 sequences under "greedy" and "reserve" admission in
 #           one call (same buckets: session 10's two were in different calls and bucket sets).
+#   s12a    one GPU, queued by session 11: the e4m3-wgmma Mosaic GPU decode kernel against the
+#           engine's Triton kernel over fp8 pages (fp8_wgmma_decode.py), then steps of several
+#           fresh prompts (8x1000, 4x2000, 2x4000) through Triton, the one-prompt fresh path and the
+#           several-prompt one, over bf16 and fp8 pages (prefill_peers.py).
+#   s12b    one GPU (carry .whl): s11a with "reserve" now learning its ratio from finished requests.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d or s11a}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a or s12b}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -428,7 +433,7 @@ s10d)
         --kv-cache-dtype fp8 --workloads throughput-1k --max-num-seqs 1024 --profile-prefill-steps 3
     python3 benchmarks/profile_collectives.py "$R/fp8/profile_throughput-1k_prefill" --steps 3 --top 30 \
         --json "$R/fp8/throughput-1k_prefill_kernels.json" >>"$R/fp8.log" 2>&1 ;;
-s11a)
+s11a|s12b)
     wheels
     on_gpu 0 w8a8.log 90 python3 benchmarks/w8a8_epilogue.py --out "$R/w8a8" --ms 1024,8192 --layers 4
     on_gpu 0 dispatch.log 80 python3 benchmarks/step_dispatch.py --out "$R/dispatch" \
@@ -439,6 +444,12 @@ s11a)
     left=$(( 590 - SECONDS ))
     (( left > 130 )) && on_gpu 0 bf16_reserve.log "$left" python3 benchmarks/engine_throughput.py \
         --out "$R/bf16_reserve" --workloads throughput-1k --max-num-seqs 1024 --admission reserve ;;
+s12a)
+    on_gpu 0 wgmma.log 300 python3 benchmarks/fp8_wgmma_decode.py --out "$R/fp8wgmma" --budget-s 240
+    left=$(( 590 - SECONDS ))
+    (( left > 120 )) && on_gpu 0 peers.log "$left" python3 benchmarks/prefill_peers.py --out "$R/pp_multi" \
+        --shapes 8x1000,4x2000,2x4000 --impls ours,fresh_single,fresh_path,fresh_branchless --kv-dtypes bf16,fp8 \
+        --min-fresh-tokens 960 --budget-s $(( left - 40 )) ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac
