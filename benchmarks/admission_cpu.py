@@ -16,6 +16,11 @@ greedy at 384 sequences / greedy at 1024 / the fixed-schedule reserve at 1024, a
 8,873 / 9,159 measured, and the preemptions within one (0 / 379 / 119 against 0 / 380 / 120). A
 model, not a measurement: ``engine_throughput.py --admission`` on the GPU is.
 
+``chat-burst``: 512 chat requests at once, prompts of 200-2000 tokens, no ``max_tokens`` (budgets
+of up to 4096 tokens each), outputs exponentially distributed around 300 tokens, ``max_num_seqs``
+256, the same pool and step-time model: what holding the ratio at 1.0 until requests finish costs
+the time to first token, against SGLang's schedule and greedy.
+
 ``host-cost``: ``Scheduler.schedule`` + ``postprocess`` per step with 1024 running decodes and a
 waiting queue the pool cannot take (so each step runs the admission check and refuses), and
 with no waiting queue, per policy; policies interleaved round by round, the median of the
@@ -94,6 +99,40 @@ def simulate(policy: str, *, num_requests: int, prompt_len: int, output_len: int
                 modelled_output_tokens_per_s=output_tokens / modelled_s)
 
 
+def chat_burst(policy: str, *, learn_from_finished: bool, initial_ratio: float, num_pages: int, read_tb_s: float,
+               matmul_tflop_s: float, attention_efficiency: float, step_overhead_s: float, seed: int = 0) -> dict:
+    page_size, max_model_len = 32, 8192
+    allocator = PageAllocator(num_pages, page_size, "simulated")
+    config = SchedulerConfig(256, 8192, max_model_len, page_size, 0.0,
+                             AdmissionConfig(policy=policy, learn_from_finished=learn_from_finished,
+                                             initial_ratio=initial_ratio))
+    scheduler = Scheduler(config, allocator)
+    rng = random.Random(seed)
+    stop_after, first_token_s = {}, {}
+    for i in range(512):
+        prompt = [rng.randrange(1, 100_000) for _ in range(rng.randint(200, 2000))]
+        scheduler.add(Sequence(i, f"r{i}", prompt, arrival_time=0.0))
+        stop_after[i] = min(int(rng.expovariate(1 / 300)) + 1, 4000)
+    modelled_s, read_bytes_per_s = 0.0, read_tb_s * 1e12
+    while scheduler.num_waiting or scheduler.num_running:
+        schedule = scheduler.schedule(1e9)
+        num_context = sum(item.start_position + item.num_new_tokens for item in schedule.items)
+        modelled_s += max(WEIGHT_BYTES / read_bytes_per_s, schedule.num_batched_tokens * FLOP_PER_TOKEN / (matmul_tflop_s * 1e12))
+        modelled_s += num_context * KV_BYTES_PER_TOKEN / (attention_efficiency * read_bytes_per_s) + step_overhead_s
+        scheduler.postprocess(schedule)
+        for item in schedule.items:
+            if item.samples_token:
+                seq_id = item.seq.seq_id
+                first_token_s.setdefault(seq_id, modelled_s)
+                item.seq.append_token(7)
+                if item.seq.num_generated_tokens >= stop_after[seq_id]:
+                    scheduler.finish(item.seq, "stop")
+    ttft = sorted(first_token_s.values())
+    return dict(policy=policy, learn_from_finished=learn_from_finished, initial_ratio=initial_ratio,
+                preemptions=scheduler.num_preemptions, ttft_mean_s=statistics.fmean(ttft),
+                ttft_p90_s=ttft[int(0.9 * len(ttft))], modelled_output_tokens_per_s=sum(stop_after.values()) / modelled_s)
+
+
 def label(row: dict) -> str:
     if row["policy"] == "greedy":
         return "greedy"
@@ -147,7 +186,7 @@ def host_cost_round(policy: str, *, num_running: int, with_waiting: bool, num_st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--sections", default="simulate,host-cost")
+    parser.add_argument("--sections", default="simulate,chat-burst,host-cost")
     parser.add_argument("--early-stop-fractions", default="0,0.5,0.9")
     parser.add_argument("--num-pages", type=int, default=27_437)
     parser.add_argument("--read-tb-s", type=float, default=4.4)
@@ -186,6 +225,20 @@ def main() -> None:
                         "| --- | --- | --- | --- | --- | --- | --- | --- |")
         markdown += [f"| {r['early_stop_fraction']} | {label(r)} | {r['max_num_seqs']} | {r['preemptions']} | "
                      f"{r['steps']} | {r['tokens_recomputed']} | {r['most_running']} | "
+                     f"{r['modelled_output_tokens_per_s']:.0f} |" for r in rows]
+    if "chat-burst" in sections:
+        rows = []
+        for policy, learn, initial in [("greedy", True, 1.0), ("reserve", False, 0.7), ("reserve", True, 1.0)]:
+            row = chat_burst(policy, learn_from_finished=learn, initial_ratio=initial, num_pages=args.num_pages,
+                             read_tb_s=args.read_tb_s, matmul_tflop_s=args.matmul_tflop_s,
+                             attention_efficiency=args.attention_efficiency, step_overhead_s=args.step_overhead_ms / 1e3)
+            log(f"chat-burst {row}", lines)
+            rows.append(row)
+        results["chat_burst"] = rows
+        markdown.append("\n## A burst of 512 chat requests without max_tokens, 256 sequences at most, simulated\n\n"
+                        "| admission | preemptions | mean TTFT s | p90 TTFT s | modelled output tok/s |\n"
+                        "| --- | --- | --- | --- | --- |")
+        markdown += [f"| {label(r)} | {r['preemptions']} | {r['ttft_mean_s']:.2f} | {r['ttft_p90_s']:.2f} | "
                      f"{r['modelled_output_tokens_per_s']:.0f} |" for r in rows]
     if "host-cost" in sections:
         cases = [(policy, waiting) for waiting in (True, False) for policy in ADMISSION_POLICIES]
