@@ -12,9 +12,12 @@ Two FP8 formats of Hugging Face checkpoints are read, both with e4m3 weights ``[
 
 The ``compressed-tensors`` package needs torch, so the config JSON is parsed here. Both formats
 load into the same :class:`~jaxinfer.quantization.QuantizedWeight` (a per-tensor scale is
-broadcast over the output channels, which is exact). Activations are always scaled per token at
-run time (``jaxinfer.linear``): a static ``input_scale`` is read and checked, not used, because
-a per-token scale is at least as accurate and costs one row-max.
+broadcast over the output channels, which is exact). A compressed-tensors ``FP8`` checkpoint's
+static per-tensor ``input_scale`` becomes the weight's ``input_scale`` and the model serves W8A8
+with it (``ModelConfig.activation_scales == "static"``, as vLLM does): quantizing an activation
+is then one elementwise pass fused into its producer instead of a row-max plus a pass
+(``jaxinfer.activation_scales``). q/k/v and gate/up, which share one input, share the largest of
+their scales. ``FP8_DYNAMIC`` and fbgemm-fp8 scale activations per token at run time.
 
 Anything else (FP8_BLOCK, group scales, int4/int8 compressed-tensors, AWQ, GPTQ, ...) is refused
 with a :class:`~jaxinfer.quantization.QuantizationError` that names what is supported, before any
