@@ -107,6 +107,7 @@ class LLM:
             scheduling_admission=scheduling_admission, attention_impl=attention_impl,
             async_scheduling=async_scheduling, overlap=overlap, kv_cache_dtype=kv_cache_dtype,
             speculative_config=speculative_config, quantization=quantization,
+            activation_scales=activation_scales,
         )
         self.engine = build_engine(loaded, config, tensor_parallel_size=tensor_parallel_size,
                                    data_parallel_size=data_parallel_size, warm_up=warm_up, use_tqdm=use_tqdm)

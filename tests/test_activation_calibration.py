@@ -121,3 +121,26 @@ def test_static_without_scales_or_on_the_wrong_weights_is_refused_by_field():
     assert error.value.field == "activation_scales"
     assert apply_activation_scales(fp8_model(), None) is fp8_model()
     assert apply_activation_scales(fp8_model(), None, [SAMPLE]).config.activation_scales == "static"
+
+
+def test_the_engine_config_and_the_flag_carry_the_option():
+    import argparse
+
+    from jaxinfer.engine_args import add_engine_arguments, engine_options_from_args
+    from jaxinfer.engine_config import EngineConfig, EngineConfigError
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_options_from_args(parser.parse_args(["--activation-scales", "static"]))["activation_scales"] \
+        == "static"
+    assert engine_options_from_args(parser.parse_args([]))["activation_scales"] is None
+    with pytest.raises(EngineConfigError) as error:
+        EngineConfig(activation_scales="per-token")
+    assert error.value.field == "activation_scales"
+    dynamic = fp8_model()
+    assert EngineConfig().resolve(dynamic).activation_scales == "dynamic"
+    static = with_static_input_scales(dynamic, calibrate_activation_scales(dynamic, [SAMPLE]))
+    assert EngineConfig(activation_scales="static").resolve(static).activation_scales == "static"
+    with pytest.raises(EngineConfigError, match="calibration_prompts") as error:
+        EngineConfig(activation_scales="static").resolve(dynamic)
+    assert error.value.field == "activation_scales"
