@@ -66,6 +66,19 @@ def projection_input_absmax(weights: Weights, token_ids: jax.Array, length: jax.
         dataclasses.replace(layer, **{name: dataclasses.replace(getattr(layer, name), input_scale=observer(group, i))
                                       for group, names in INPUT_GROUPS.items() for name in names})
         for i, layer in enumerate(weights.layers)])
+    batch, cache = one_sequence_step(token_ids, length, config, page_size, weights.embed.dtype)
+    hidden_states(observed, cache, batch, config, attention_impl)
+    # q, k and v each saw the same input (as gate and up): one row per layer.
+    return {group: jnp.stack([functools.reduce(jnp.maximum, per_layer) for per_layer in seen[group]])
+            for group in INPUT_GROUPS}
+
+
+def one_sequence_step(token_ids: jax.Array, length: jax.Array, config: ModelConfig, page_size: int,
+                      dtype) -> tuple[StepBatch, KVCache]:
+    """The step of one sequence's first ``length`` of ``token_ids`` [T] from position 0, over a
+    fresh cache in ``dtype`` (the serving dtype: nothing quantized) made inside the calling
+    program, as the prompt scorer's and ``jaxinfer.kv_calibration``'s."""
+    num_tokens = token_ids.shape[0]
     num_pages = -(-num_tokens // page_size)
     batch = StepBatch(
         token_ids=token_ids,
@@ -75,14 +88,10 @@ def projection_input_absmax(weights: Weights, token_ids: jax.Array, length: jax.
         page_tables=jnp.arange(1, num_pages + 1, dtype=jnp.int32)[None, :],  # page 0 is scratch
         logits_indices=jnp.asarray([num_tokens - 1], jnp.int32),
     )
-    # The serving dtype's cache, made and dropped inside the program (as kv_calibration's).
     shape = (config.num_kv_heads, num_pages + 1, page_size, config.head_dim)
-    cache = KVCache(k=[jnp.zeros(shape, weights.embed.dtype) for _ in range(config.num_layers)],
-                    v=[jnp.zeros(shape, weights.embed.dtype) for _ in range(config.num_layers)])
-    hidden_states(observed, cache, batch, config, attention_impl)
-    # q, k and v each saw the same input (as gate and up): one row per layer.
-    return {group: jnp.stack([functools.reduce(jnp.maximum, per_layer) for per_layer in seen[group]])
-            for group in INPUT_GROUPS}
+    cache = KVCache(k=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)],
+                    v=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)])
+    return batch, cache
 
 
 def calibrate_activation_scales(model: LoadedModel, samples: Sequence[Sequence[int]], *,
@@ -93,14 +102,20 @@ def calibrate_activation_scales(model: LoadedModel, samples: Sequence[Sequence[i
 
     ``percentile`` of the tokens' absmax (100: the largest seen) times ``margin``, over 448.
     """
+    return scales_from_token_absmax(token_absmax(model, samples, page_size=page_size), percentile=percentile,
+                                    margin=margin)
+
+
+def token_absmax(model: LoadedModel, samples: Sequence[Sequence[int]], *,
+                 page_size: int = 16) -> dict[str, np.ndarray]:
+    """Every sample token's largest |x| at each projection group's input: ``{group: [num_layers,
+    total tokens] float32}`` (:func:`projection_input_absmax` over the samples, padding dropped)."""
     if model.config.quantization != "fp8":
         raise RequestError(f"calibrating activation scales needs FP8 weights; the model's are "
                            f"{model.config.quantization or 'not quantized'}", field="quantization")
     if not samples or not all(len(ids) for ids in samples):
         raise RequestError("calibrating activation scales needs at least one non-empty sample of token ids",
                            field="calibration_prompts")
-    if not 0 < percentile <= 100 or not margin > 0:
-        raise ValueError(f"percentile {percentile} must be in (0, 100] and margin {margin} positive")
     longest = model.config.max_position_embeddings
     per_token = {group: [] for group in INPUT_GROUPS}  # [num_layers, tokens] arrays per sample
     for ids in samples:
@@ -113,9 +128,17 @@ def calibrate_activation_scales(model: LoadedModel, samples: Sequence[Sequence[i
                                                       config=model.config, page_size=page_size))
         for group in INPUT_GROUPS:
             per_token[group].append(amax[group][:, :len(ids)])
+    return {group: np.concatenate(arrays, axis=1) for group, arrays in per_token.items()}
+
+
+def scales_from_token_absmax(per_token: dict[str, np.ndarray], *, percentile: float = DEFAULT_PERCENTILE,
+                             margin: float = DEFAULT_MARGIN) -> dict[str, np.ndarray]:
+    """``{group: [num_layers]}`` scales: ``margin`` times the ``percentile`` of each layer's token
+    absmax (:func:`token_absmax`), over 448."""
+    if not 0 < percentile <= 100 or not margin > 0:
+        raise ValueError(f"percentile {percentile} must be in (0, 100] and margin {margin} positive")
     scales = {}
-    for group in INPUT_GROUPS:
-        tokens = np.concatenate(per_token[group], axis=1)  # [num_layers, all tokens]
+    for group, tokens in per_token.items():
         statistic = np.percentile(tokens, percentile, axis=1) if percentile < 100 else tokens.max(axis=1)
         scales[group] = np.maximum(margin * statistic / FP8_MAX, 1e-12).astype(np.float32)
     return scales
