@@ -367,10 +367,13 @@ def test_w8a8_epilogue_times_both_output_dtypes_and_the_gemms(tmp_path):
     run_script([BENCHMARKS / "w8a8_epilogue.py", "--shape", "tiny", "--ms", "128", "--layers", "1", "--out", tmp_path],
                tmp_path)
     rows = {r["variant"]: r for r in json.loads((tmp_path / "w8a8_epilogue.json").read_text())["rows"]}
-    assert set(rows) == {"engine", "bf16_out", "gemm_only"}
+    assert set(rows) == {"engine", "bf16_out", "gemm_only", "engine_static"}
     assert all(r["ms_per_layer"] > 0 for r in rows.values())
     assert 0 < rows["engine"]["rel_error_vs_f32"] < 0.1
     assert abs(rows["bf16_out"]["rel_error_vs_f32"] - rows["engine"]["rel_error_vs_f32"]) < 0.01
+    # Static scales: near the dynamic error, in fewer fusions (no row-max, the quantize fused into its producer).
+    assert abs(rows["engine_static"]["rel_error_vs_f32"] - rows["engine"]["rel_error_vs_f32"]) < 0.02
+    assert rows["engine_static"]["fusions"] < rows["engine"]["fusions"]
 
 
 def test_host_step_cost_with_a_fake_device_times_host_work_only(tmp_path):
