@@ -70,8 +70,8 @@ def share_input_scales(weights):
                 continue
             # On the host (a few scalars at load time), then back where the first member's scale is.
             shared = np.float32(max(float(w.input_scale) for w in members))
-            where = getattr(members[0].input_scale, "sharding", None)
-            shared = jax.device_put(shared, where) if where is not None else jnp.asarray(shared)
+            shared = (jax.device_put(shared, _replicated_like(members[0].input_scale))
+                      if isinstance(members[0].input_scale, jax.Array) else jnp.asarray(shared))
             updates.update({name: dataclasses.replace(w, input_scale=shared) for name, w in zip(names, members)})
         return dataclasses.replace(layer, **updates)
 
@@ -98,15 +98,22 @@ def with_static_input_scales(model: "LoadedModel", scales: dict[str, np.ndarray]
     def one(i, layer):
         updates = {}
         for group, names in INPUT_GROUPS.items():
-            # Placed where the layer's scale already is (its device or sharding, replicated).
-            where = getattr(layer, names[0]).scale.sharding
-            s = jax.device_put(np.float32(scales[group][i]), where)
+            s = jax.device_put(np.float32(scales[group][i]), _replicated_like(getattr(layer, names[0]).scale))
             updates.update({name: dataclasses.replace(getattr(layer, name), input_scale=s) for name in names})
         return dataclasses.replace(layer, **updates)
 
     weights = dataclasses.replace(model.weights, layers=[one(i, layer) for i, layer in enumerate(model.weights.layers)])
     config = dataclasses.replace(model.config, activation_scales="static")
     return dataclasses.replace(model, config=config, weights=weights)
+
+
+def _replicated_like(array) -> jax.sharding.Sharding:
+    """Where a scalar beside ``array`` goes: on every device of its mesh (its sharding's own
+    partition would not fit a scalar), or on its one device."""
+    sharding = array.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return sharding
 
 
 def without_static_input_scales(model: "LoadedModel") -> "LoadedModel":
