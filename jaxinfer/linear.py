@@ -195,7 +195,9 @@ def quantized_linear(subscripts: str, x: jax.Array, w: QuantizedWeight, preferre
     scale = w.scale.reshape(n)  # [N]
     out_dtype = preferred_element_type or x.dtype
     if w.quantization == "fp8" and uses_fp8_w8a8(m):
-        y = fp8_w8a8_matmul(x2, payload, scale, prequantized or quantize_activations_fp8(x2, w.input_scale))
+        if prequantized is None:
+            prequantized = quantize_activations_fp8(x2, w.input_scale)
+        y = fp8_w8a8_matmul(x2, payload, scale, prequantized)
     elif w.quantization == "int8" and _use_cpu_int8_kernel(m):
         y = int8_matmul_cpu(x2, payload, scale, max_threads=CPU_INT8_MAX_THREADS)
     elif w.quantization == "fp8" and use_pallas_gemv(m, n, k, payload.dtype, "nk"):
