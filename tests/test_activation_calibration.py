@@ -144,3 +144,24 @@ def test_the_engine_config_and_the_flag_carry_the_option():
     with pytest.raises(EngineConfigError, match="calibration_prompts") as error:
         EngineConfig(activation_scales="static").resolve(dynamic)
     assert error.value.field == "activation_scales"
+
+
+def test_convert_calibrates_and_serve_loads_the_static_scales(tmp_path):
+    from jaxinfer.cli import main
+
+    text = tmp_path / "calibration.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog.\n\nA second paragraph, about something else.\n")
+    out = tmp_path / "orbax"
+    assert main(["convert", "--model", str(TINY), "--output", str(out), "--quantization", "fp8",
+                 "--calibration-file", str(text)]) == 0
+    converted = load_model(out, "float32")
+    assert converted.config.activation_scales == "static"
+    expected = with_static_input_scales(fp8_model(), calibrate_activation_scales(
+        fp8_model(), [fp8_model().tokenizer.encode(t) for t in ("The quick brown fox jumps over the lazy dog.",
+                                                                "A second paragraph, about something else.")]))
+    for group, scales in input_scales(converted).items():
+        np.testing.assert_array_equal(scales, input_scales(expected)[group])
+    assert apply_activation_scales(converted, "static") is converted
+    with pytest.raises(SystemExit, match="--quantization fp8"):
+        main(["convert", "--model", str(TINY), "--output", str(tmp_path / "int8"), "--quantization", "int8",
+              "--calibration-file", str(text)])

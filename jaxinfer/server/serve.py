@@ -97,8 +97,8 @@ def build_engine(args: argparse.Namespace):
     from jaxinfer.kv_cache_dtype import check_kv_cache_dtype_supported
 
     check_kv_cache_dtype_supported(args.kv_cache_dtype)  # a device without FP8 refuses before the weights load
-    # --activation-scales static takes the checkpoint's scales: a compressed-tensors FP8 one's, or those of
-    # an Orbax checkpoint saved from a calibrated model (jaxinfer.activation_calibration).
+    # --activation-scales static takes the checkpoint's scales: a compressed-tensors FP8 one's, or those
+    # `jaxinfer convert --calibration-file` stored (jaxinfer.activation_calibration).
     loaded = apply_activation_scales(load_model(args.model, args.dtype, quantization=args.quantization),
                                      args.activation_scales)
     engine = engine_factory.build_engine(
