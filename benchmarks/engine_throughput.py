@@ -461,6 +461,22 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def calibrated_on_random_tokens(model, log, num_prompts: int = 4, num_tokens: int = 512, seed: int = 0):
+    """``model`` (fp8, random weights) with static activation scales calibrated on random-token prompts."""
+    import numpy as np
+
+    from jaxinfer.activation_calibration import calibrate_activation_scales
+    from jaxinfer.activation_scales import with_static_input_scales
+
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, model.config.vocab_size, num_tokens).tolist() for _ in range(num_prompts)]
+    start = time.perf_counter()
+    model = with_static_input_scales(model, calibrate_activation_scales(model, prompts))
+    log(f"static activation scales: calibrated on {num_prompts} random-token prompts of {num_tokens} tokens "
+        f"(random weights have no checkpoint scales) in {time.perf_counter() - start:.1f} s")
+    return model
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -468,6 +484,9 @@ def main():
     parser.add_argument("--shape", default="llama-3.1-8b")
     parser.add_argument("--quantization", choices=["fp8", "int8"], default=None,
                         help="the main shape's projections quantized (docs/QUANTIZATION.md); default bf16")
+    parser.add_argument("--activation-scales", choices=["dynamic", "static"], default="dynamic",
+                        help="fp8 W8A8 activation scales (jaxinfer.activation_scales); static: calibrated in this run "
+                             "on random-token prompts, since random weights come with no checkpoint scales")
     parser.add_argument("--nano-shape", default="qwen3-0.6b")
     parser.add_argument("--hf", type=Path, help="hf_peer.json from benchmarks/hf_peer.py, for the ratios")
     # 384: about as many 2,000-token requests as the H200's page pool holds (~848k tokens), so
@@ -498,6 +517,8 @@ def main():
                         help="cProfile this many steady decode steps of throughput-1k, after the trace if any "
                              "(DIR/host_profile_throughput-1k/host_profile.txt)")
     args = parser.parse_args()
+    if args.activation_scales == "static" and args.quantization != "fp8":
+        parser.error("--activation-scales static needs --quantization fp8")
 
     log = Log()
     results_path = args.out / f"{NAME}.json"
@@ -519,6 +540,8 @@ def main():
     main_loads = [w for w in workloads if w != "throughput-nano"]
     if main_loads:
         model = random_model(args.shape, quantization=args.quantization)
+        if args.activation_scales == "static":
+            model = calibrated_on_random_tokens(model, log)
         if args.structured_fraction:
             from structured_output_host import load_tokenizer
 
@@ -529,7 +552,7 @@ def main():
             page_size=args.page_size, memory_utilization=args.memory_utilization, log=log, num_pages=args.num_pages,
             kv_cache_dtype=args.kv_cache_dtype, attention_impl=args.attention_impl, admission=args.admission,
         )
-        results["engines"][args.shape] = engine_info
+        results["engines"][args.shape] = {**engine_info, "activation_scales": model.config.activation_scales}
         if "startup" in workloads:
             # Cold when the persistent compilation cache was empty, warm when an earlier run filled it.
             key = "startup-warm" if cached_before else "startup"

@@ -26,13 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.activation_scales import share_input_scales
 from jaxinfer.architectures import hf_tensors
 from jaxinfer.config import ModelConfig
 from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.params import Weights, is_declared_weight, param_specs
 from jaxinfer.quantization import (QuantizationError, QuantizedWeight, check_platform_supports, check_quantization,
                                    quantize)
-from jaxinfer.quantized_checkpoint import (CheckpointQuantization, check_input_scale, parse_quantization_config,
+from jaxinfer.quantized_checkpoint import (CheckpointQuantization, parse_quantization_config, read_input_scale,
                                            read_kv_cache_scales, read_weight_scale)
 from jaxinfer.safetensors_reader import SafetensorsFile
 from jaxinfer.tokenizer import Tokenizer
@@ -86,7 +87,8 @@ def weights_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray], dtype
         # Once the copy has landed the host array is gone: transfers cannot queue up host memory.
         jax.block_until_ready(array)
         arrays.append(array if place is None else jax.device_put(array, place))
-    return jax.tree.unflatten(treedef, arrays)
+    # q/k/v (and gate/up) are quantized together, with the largest of their static input scales.
+    return share_input_scales(jax.tree.unflatten(treedef, arrays))
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
@@ -108,10 +110,15 @@ def _load_quantized(get, name: str, spec: QuantizedWeight, quantization: str,
             if payload.dtype != jnp.float8_e4m3fn or payload.size != np.prod(spec.payload.shape):
                 raise QuantizationError(f"{name} is {payload.dtype} {list(payload.shape)}; a {stored.scheme} "
                                         f"checkpoint stores it as float8_e4m3fn {list(spec.payload.shape)}")
+            input_scale = None
             if stored.scheme == "FP8":
-                check_input_scale(get, name)
+                input_scale = read_input_scale(get, name)
+                input_scale = jax.device_put(input_scale) if spec.input_scale is not None else None
             return QuantizedWeight(payload=jax.device_put(payload.reshape(spec.payload.shape)),
-                                   scale=jax.device_put(scale.reshape(spec.scale.shape)))
+                                   scale=jax.device_put(scale.reshape(spec.scale.shape)), input_scale=input_scale)
+    if spec.input_scale is not None:
+        raise QuantizationError(f"{name} is stored dense in a checkpoint with static activation scales: it has no "
+                                f"input_scale to serve W8A8 with; supported: every Linear quantized, or FP8_DYNAMIC")
     return _quantize_in_layout(jax.device_put(get(name)), tuple(spec.payload.shape), quantization, num_out)
 
 

@@ -86,13 +86,26 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from jaxinfer.checkpoint import load_model
     from jaxinfer.orbax_checkpoint import check_output_dir, save
 
     check_output_dir(args.output)  # before the load, which may take minutes
+    if args.calibration_file and args.quantization != "fp8":
+        raise SystemExit("--calibration-file calibrates static FP8 activation scales: it needs --quantization fp8")
     dtype = {"bf16": "bfloat16", "f32": "float32"}.get(args.dtype, args.dtype)
     # Quantized here, once: the checkpoint stores the payloads and scales, and restoring it skips quantizing.
-    print(save(load_model(args.model, dtype, quantization=args.quantization), args.output))
+    model = load_model(args.model, dtype, quantization=args.quantization)
+    if args.calibration_file:
+        from jaxinfer.activation_calibration import calibrate_activation_scales
+        from jaxinfer.activation_scales import with_static_input_scales
+
+        # Samples are the file's paragraphs (separated by blank lines); the scales are saved with the weights.
+        texts = [t.strip() for t in Path(args.calibration_file).read_text().split("\n\n") if t.strip()]
+        samples = [model.tokenizer.encode(t)[:model.config.max_position_embeddings] for t in texts]
+        model = with_static_input_scales(model, calibrate_activation_scales(model, samples))
+    print(save(model, args.output))
     return 0
 
 
@@ -182,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store the projections quantized (fp8 e4m3 or int8, per-channel scales), as "
                         "serve --quantization would quantize them at load; embedding, norms and lm_head "
                         "stay in --dtype. Default: as the source stores them")
+    c.add_argument("--calibration-file", default=None, metavar="TEXT",
+                   help="with --quantization fp8: calibrate static activation scales on this text file's "
+                        "paragraphs and store them (serve then runs W8A8 with them; docs/QUANTIZATION.md)")
     c.set_defaults(func=_convert)
 
     m = sub.add_parser("models", help="list the built-in model names")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxinfer.quantized_checkpoint import weight_quantization
+from jaxinfer.quantized_checkpoint import checkpoint_activation_scales, weight_quantization
 
 # model_type in config.json -> the flags that distinguish it from plain Llama.
 SUPPORTED_MODEL_TYPES = {
@@ -60,6 +60,9 @@ class ModelConfig:
     # "fp8" / "int8": the projections are QuantizedWeights (jaxinfer.quantization); None: dense.
     # Set from a checkpoint's quantization_config, or by quantize-at-load (jaxinfer.checkpoint).
     quantization: str | None = None
+    # "static": every FP8 projection carries a per-tensor input_scale (QuantizedWeight.input_scale,
+    # jaxinfer.activation_scales) and W8A8 quantizes activations with it; "dynamic": per token.
+    activation_scales: str = "dynamic"
 
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
         """The design's memory formula: 2 (K and V) * layers * kv_heads * head_dim * bytes."""
@@ -104,6 +107,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             quantization=weight_quantization(hf.get("quantization_config")),
+            activation_scales=checkpoint_activation_scales(hf.get("quantization_config")),
         )
 
 

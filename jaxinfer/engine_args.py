@@ -15,6 +15,7 @@ from jaxinfer.attention import IMPLEMENTATIONS
 from jaxinfer.engine_config import PLATFORM_DEFAULTS, EngineConfig
 from jaxinfer.kv_cache_dtype import KV_CACHE_DTYPES, SUPPORTED_FP8_DEVICES
 from jaxinfer.quantization import QUANTIZATIONS
+from jaxinfer.quantized_checkpoint import ACTIVATION_SCALES
 
 # The fields a flag sets, named as the flags' destinations.
 ENGINE_FLAGS = tuple(field.name for field in dataclasses.fields(EngineConfig) if field.name != "overlap")
@@ -63,6 +64,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
       help="quantize the projections' weights at load, per output channel: fp8 (e4m3; GPUs sm_89+, TPU v7+, "
            "CPU emulated) or int8 (weight-only, every platform); default: as the checkpoint stores them "
            "(docs/QUANTIZATION.md)")
+    a("--activation-scales", choices=ACTIVATION_SCALES, default=None,
+      help="how FP8 W8A8 scales activations: dynamic (per token) or static (per tensor, fused into the "
+           "producer; needs a checkpoint with input scales, compressed-tensors FP8 or a calibrated jaxinfer "
+           "convert); default: the checkpoint's")
     a("--tensor-parallel-size", type=int, default=1, help="devices each model replica is split over")
     a("--data-parallel-size", type=int, default=1, help="model replicas, each with its own scheduler")
 

@@ -25,6 +25,7 @@ Defaults, by ``platform`` (``jax.default_backend()`` unless given):
 | ``kv_cache_dtype`` | ``"auto"`` (float32 pages) | ``"auto"`` (bfloat16 pages) | ``"auto"`` (bfloat16 pages) |
 | ``speculative_config`` | none | none | none |
 | ``quantization`` | the model's | the model's | the model's |
+| ``activation_scales`` | the model's (FP8) | the model's (FP8) | the model's (FP8) |
 
 Why:
 
@@ -65,6 +66,9 @@ Why:
   sampled request returns (the target's distribution is kept, not a plain run's samples).
 - ``quantization``: the weights are quantized when the model is loaded (``load_model(...,
   quantization=)``); the engine serves what was loaded, and a value given here must match it.
+- ``activation_scales``: likewise set when the model is loaded (``LLM(activation_scales=,
+  calibration_prompts=)``, ``jaxinfer.activation_calibration``): ``"static"`` for a
+  compressed-tensors ``FP8`` checkpoint or a calibrated model, else ``"dynamic"``, as vLLM does.
 
 ``max_num_seqs`` and ``max_num_batched_tokens`` follow each other: a default ``max_num_seqs``
 is capped at the budget, and a default budget is raised to ``max_num_seqs``, because each
@@ -87,6 +91,7 @@ from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.memory import DEFAULT_MEMORY_UTILIZATION, max_num_pages, num_pages_for_device, pages_for
 from jaxinfer.spec_decode.config import SpeculativeConfig
 from jaxinfer.quantization import QUANTIZATIONS
+from jaxinfer.quantized_checkpoint import ACTIVATION_SCALES
 from sharding.mesh import tp_size
 
 logger = logging.getLogger(__name__)
@@ -120,6 +125,8 @@ class EngineConfig:
     # jaxinfer.spec_decode.SpeculativeConfig, or its dict / JSON (vLLM's keys); None: no speculation.
     speculative_config: object = None
     quantization: str | None = None  # "fp8" / "int8" weights (jaxinfer.quantization); resolved: the model's
+    # "dynamic" / "static" FP8 activation scales (jaxinfer.activation_scales); resolved: the model's
+    activation_scales: str | None = None
 
     def __post_init__(self):
         # A dict or JSON string (LLM, --speculative-config) is checked and parsed now.
@@ -146,6 +153,9 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise EngineConfigError(f"quantization {self.quantization!r} is not one of {sorted(QUANTIZATIONS)} "
                                     f"or None", field="quantization")
+        if self.activation_scales is not None and self.activation_scales not in ACTIVATION_SCALES:
+            raise EngineConfigError(f"activation_scales {self.activation_scales!r} is not one of "
+                                    f"{list(ACTIVATION_SCALES)} or None", field="activation_scales")
         if (self.max_num_seqs is not None and self.max_num_batched_tokens is not None
                 and self.max_num_batched_tokens < self.max_num_seqs):
             # Every running sequence needs a token of each step's budget: with fewer, the first
@@ -189,6 +199,14 @@ class EngineConfig:
                 f"{model.config.quantization or 'not quantized'}: pass quantization to load_model / LLM",
                 field="quantization",
             )
+        # Only FP8 weights have activation scales: the others resolve to None (and run no W8A8).
+        activation_scales = model.config.activation_scales if model.config.quantization == "fp8" else None
+        if config.activation_scales not in (None, activation_scales or "dynamic"):
+            raise EngineConfigError(
+                f"activation_scales {config.activation_scales!r} was asked for, but the loaded model's are "
+                f"{model.config.activation_scales}: pass activation_scales (and calibration_prompts) to LLM",
+                field="activation_scales",
+            )
         context = model.config.max_position_embeddings
         max_model_len = config.max_model_len or context
         if max_model_len > context:
@@ -214,7 +232,8 @@ class EngineConfig:
             num_pages = cap_gpu_num_pages(num_pages, model.config, mesh, config.page_size,
                                           explicit=config.num_pages is not None)
         return dataclasses.replace(config, max_model_len=max_model_len, num_pages=num_pages,
-                                   kv_cache_dtype=kv_cache_dtype, quantization=model.config.quantization)
+                                   kv_cache_dtype=kv_cache_dtype, quantization=model.config.quantization,
+                                   activation_scales=activation_scales)
 
 
 def cap_gpu_num_pages(num_pages: int, model_config, mesh, page_size: int, explicit: bool) -> int:

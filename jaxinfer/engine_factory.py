@@ -58,6 +58,7 @@ def build_engine(model: LoadedModel, config: EngineConfig | None = None, *, tens
         storage_dtype(config.kv_cache_dtype, model.weights.embed.dtype).name, config.kv_cache_dtype,
         usable_pages // pages_for(config.max_model_len, config.page_size), config.max_model_len,
         config.max_num_seqs, config.max_num_batched_tokens,
-        f"quantized {config.quantization}" if config.quantization else f"in {model.weights.embed.dtype}",
+        (f"quantized {config.quantization}" + (" (static activation scales)" if config.activation_scales == "static"
+                                               else "")) if config.quantization else f"in {model.weights.embed.dtype}",
     )
     return engines[0] if len(engines) == 1 else DataParallelEngine(engines)

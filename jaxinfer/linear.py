@@ -18,11 +18,16 @@ The path is chosen per step bucket at trace time (``M``, the token count, is sta
 - int8 elsewhere, and FP8 with fewer than :data:`FP8_W8A8_MIN_TOKENS` tokens: **weight-only**. The payload
   is converted to the activations' dtype inside the dot's fusion and the activations stay in
   bf16/f32: a decode step is bound by reading the weights, which are half of bf16's bytes.
-- FP8 with at least :data:`FP8_W8A8_MIN_TOKENS` tokens: **W8A8**. Each token row is scaled to
-  e4m3 by its own absmax, the dot runs FP8 x FP8 with float32 accumulation, M padded to a
-  multiple of 16 (cuBLASLt's FP8 GEMM wants it), and both scales multiply the output.
+- FP8 with at least :data:`FP8_W8A8_MIN_TOKENS` tokens: **W8A8**. The activations are scaled
+  to e4m3, the dot runs FP8 x FP8 with float32 accumulation, M padded to a multiple of 16
+  (cuBLASLt's FP8 GEMM wants it), and both scales multiply the output. The activations' scale is
+  either *dynamic*, each token row by its own absmax (a row-max reduction over x, then a second
+  pass to quantize), or *static*, the weight's ``input_scale`` (``jaxinfer.activation_scales``):
+  ``clip(x / s, -448, 448)`` with no reduction, an elementwise op XLA can fuse into x's producer
+  (the RMSNorm, the silu-mul: an MLP block compiles to 9 fusions instead of 15 on XLA:CPU,
+  ``benchmarks/w8a8_epilogue.py``), and the output multiply is by ``s * w_scale[n]``.
   Projections that share one input (q/k/v, gate/up) go through :func:`linear_many`, which
-  quantizes that input once for all of them.
+  quantizes that input once for all of them (with one static scale: the largest of theirs).
 - FP8 weight-only, and dense bf16, on one GPU at few tokens: the Pallas GEMV kernels of
   ``pallas_kernels.quantized_matmul`` where the committed measurement table says they beat
   XLA for that shape and M (``jaxinfer.decode_gemv``); XLA's path everywhere else.
@@ -30,11 +35,14 @@ The path is chosen per step bucket at trace time (``M``, the token count, is sta
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.activation_scales import ActivationObserver
 from jaxinfer.cpu_int8_matmul import int8_matmul_cpu, int8_matmul_many_cpu
 from jaxinfer.cpu_int8_matmul import is_available as cpu_int8_kernel_is_available
 from jaxinfer.decode_gemv import dense_gemv_shape, dense_pallas_matmul, use_pallas_gemv
@@ -92,19 +100,44 @@ def linear_many(subscripts: str, x: jax.Array, weights, preferred_element_type=N
 
     The same as one :func:`linear` per weight, except that an input which runs FP8 W8A8 is
     quantized once for all of them: quantizing is a pass over ``x`` (absmax reduce, scale,
-    convert) that would otherwise repeat per weight (XLA may merge the copies, or not).
+    convert) that would otherwise repeat per weight (XLA may merge the copies, or not). With
+    static scales the FP8 weights must all have one (:func:`shared_input_scale`).
     """
     n_in, _ = split_subscripts(subscripts)
     m = math.prod(x.shape[:x.ndim - n_in])
     if len(weights) > 1 and all(isinstance(w, QuantizedWeight) and w.quantization == "int8" for w in weights) \
             and _use_cpu_int8_kernel(m):
         return int8_linear_many_cpu(subscripts, x, weights, preferred_element_type)
+    x2 = x.reshape(m, math.prod(x.shape[x.ndim - n_in:]))  # [M, K]
+    weights = [observed(x2, w) for w in weights]
     prequantized = None
-    if any(isinstance(w, QuantizedWeight) and w.quantization == "fp8" for w in weights) and uses_fp8_w8a8(m):
-        prequantized = quantize_activations_fp8(x.reshape(m, math.prod(x.shape[x.ndim - n_in:])))
+    fp8 = [w for w in weights if isinstance(w, QuantizedWeight) and w.quantization == "fp8"]
+    if fp8 and uses_fp8_w8a8(m):
+        prequantized = quantize_activations_fp8(x2, shared_input_scale(fp8))
     return [quantized_linear(subscripts, x, w, preferred_element_type, prequantized)
             if isinstance(w, QuantizedWeight) else linear(subscripts, x, w, preferred_element_type)
             for w in weights]
+
+
+def shared_input_scale(weights: list[QuantizedWeight]) -> jax.Array | None:
+    """The one static activation scale of FP8 weights that read one input: the largest of theirs
+    (loaders and calibration already make them equal: ``jaxinfer.activation_scales``); ``None``
+    when they are dynamic. A mix of static and dynamic weights is refused."""
+    scales = [w.input_scale for w in weights]
+    if all(s is None for s in scales):
+        return None
+    if any(s is None for s in scales):
+        raise ValueError("linear_many: FP8 weights that share one input mix static and dynamic activation scales")
+    return functools.reduce(jnp.maximum, [jnp.asarray(s, jnp.float32) for s in scales])
+
+
+def observed(x2: jax.Array, w):
+    """``w`` itself, or, when calibration put an :class:`ActivationObserver` in its input_scale,
+    ``w`` dynamic after the observer has seen ``x2`` [M, K]."""
+    if isinstance(w, QuantizedWeight) and isinstance(w.input_scale, ActivationObserver):
+        w.input_scale.observe(x2)
+        return dataclasses.replace(w, input_scale=None)
+    return w
 
 
 def int8_linear_many_cpu(subscripts: str, x: jax.Array, weights, preferred_element_type=None) -> list[jax.Array]:
@@ -144,7 +177,8 @@ def split_subscripts(subscripts: str) -> tuple[int, int]:
 def quantized_linear(subscripts: str, x: jax.Array, w: QuantizedWeight, preferred_element_type=None,
                      prequantized: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """``linear`` over a quantized weight; ``prequantized``: ``quantize_activations_fp8`` of x
-    as [M, K] (:func:`linear_many`), used when the step runs FP8 W8A8."""
+    as [M, K] (:func:`linear_many`), used when the step runs FP8 W8A8. A static ``input_scale``
+    is used by W8A8 only; the weight-only paths (few tokens) keep x as it is."""
     n_in, n_out = split_subscripts(subscripts)
     if w.num_out_axes != n_out:
         raise ValueError(f"linear({subscripts!r}): the weight has {w.num_out_axes} output axes, "
@@ -155,10 +189,15 @@ def quantized_linear(subscripts: str, x: jax.Array, w: QuantizedWeight, preferre
         raise ValueError(f"linear({subscripts!r}): x {x.shape} does not fit the payload {w.payload.shape}")
     m, k, n = math.prod(lead_shape), math.prod(in_shape), math.prod(out_shape)
     x2 = x.reshape(m, k)  # [M, K]
+    w = observed(x2, w)
+    if w.input_scale is not None and w.quantization != "fp8":
+        raise ValueError(f"linear({subscripts!r}): a static input_scale needs an FP8 weight, not {w.quantization}")
     payload = w.payload.reshape(n, k)  # [N, K]: contiguous axes merged, no copy
     scale = w.scale.reshape(n)  # [N]
     out_dtype = preferred_element_type or x.dtype
     if w.quantization == "fp8" and uses_fp8_w8a8(m):
+        if prequantized is None:
+            prequantized = quantize_activations_fp8(x2, w.input_scale)
         y = fp8_w8a8_matmul(x2, payload, scale, prequantized)
     elif w.quantization == "int8" and _use_cpu_int8_kernel(m):
         y = int8_matmul_cpu(x2, payload, scale, max_threads=CPU_INT8_MAX_THREADS)
@@ -179,18 +218,27 @@ def weight_only_matmul(x: jax.Array, payload: jax.Array, scale: jax.Array) -> ja
     return y * scale[None, :]
 
 
-def quantize_activations_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-token (row) absmax scaling of x [M, K] to e4m3: (xq [M, K] float8_e4m3fn, scale [M] float32)."""
+def quantize_activations_fp8(x: jax.Array, input_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] in e4m3 and its scale: (xq [M, K] float8_e4m3fn, scale float32).
+
+    ``input_scale`` ``None``: per-token (row) absmax scaling, scale [M]. A static ``input_scale``
+    []: ``clip(x / input_scale, -448, 448)``, saturating values past the calibrated range rather
+    than letting them overflow to NaN (e4m3fn has no infinity), scale [].
+    """
     x32 = x.astype(jnp.float32)
+    if input_scale is not None:
+        input_scale = jnp.asarray(input_scale, jnp.float32)
+        return jnp.clip(x32 / input_scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), input_scale
     scale = jnp.maximum(jnp.max(jnp.abs(x32), axis=-1) / FP8_MAX, 1e-12)  # [M]
     return (x32 / scale[:, None]).astype(jnp.float8_e4m3fn), scale
 
 
 def fp8_w8a8_matmul(x: jax.Array, payload: jax.Array, scale: jax.Array,
                     prequantized: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-    """W8A8: x [M, K] quantized per token, times the e4m3 payload [N, K] -> [M, N] float32.
+    """W8A8: x [M, K] quantized to e4m3, times the e4m3 payload [N, K] -> [M, N] float32.
 
-    ``prequantized``: ``quantize_activations_fp8(x)`` already made (shared by several weights).
+    ``prequantized``: ``quantize_activations_fp8(x, ...)`` already made (shared by several
+    weights, or with a static scale); default: x quantized per token here.
     """
     m = x.shape[0]
     xq, x_scale = prequantized if prequantized is not None else quantize_activations_fp8(x)
@@ -198,6 +246,8 @@ def fp8_w8a8_matmul(x: jax.Array, payload: jax.Array, scale: jax.Array,
     if padded:
         xq = jnp.pad(xq, ((0, padded), (0, 0)))
     y = jax.lax.dot_general(xq, payload, _CONTRACT_MINOR, preferred_element_type=jnp.float32)[:m]
+    if x_scale.ndim == 0:
+        return y * (x_scale * scale)[None, :]  # static: one [N] multiplier, s * w_scale
     return y * x_scale[:, None] * scale[None, :]
 
 

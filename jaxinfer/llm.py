@@ -18,6 +18,8 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxinfer.activation_calibration import apply_activation_scales
+from jaxinfer.activation_scales import check_activation_scales
 from jaxinfer.checkpoint import load_model
 from jaxinfer.engine_config import EngineConfig
 from jaxinfer.engine_factory import build_engine
@@ -41,6 +43,13 @@ class LLM:
         quantization: ``"fp8"`` or ``"int8"``: quantize the projections' weights at load, per
             output channel (docs/QUANTIZATION.md); ``None``: as the checkpoint stores them (a
             pre-quantized FP8 checkpoint stays FP8).
+        activation_scales: how FP8 W8A8 scales activations: ``"dynamic"`` (per token at run time),
+            ``"static"`` (one calibrated scale per projection input: a compressed-tensors ``FP8``
+            checkpoint's own, or calibrated on ``calibration_prompts``); ``None``: the checkpoint's
+            (static for ``FP8``, else dynamic), or static when ``calibration_prompts`` are given.
+        calibration_prompts: texts or token-id lists run through the model to calibrate static
+            activation scales (``jaxinfer.activation_calibration``); a few thousand tokens of text
+            like the traffic to serve.
         seed: seeds requests that do not set their own ``seed``.
         max_model_len, max_num_seqs, max_num_batched_tokens, page_size, num_pages,
             memory_utilization, enable_prefix_caching, max_wait_s, scheduling_admission, attention_impl,
@@ -80,10 +89,16 @@ class LLM:
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
         quantization: str | None = None,
+        activation_scales: str | None = None,
+        calibration_prompts: Sequence[Prompt] | None = None,
     ):
         # Before the weights load: a device without FP8 refuses an FP8 cache before anything is allocated.
         check_kv_cache_dtype_supported(kv_cache_dtype)
+        check_activation_scales(activation_scales)
         loaded = loaded or load_model(model, dtype, quantization=quantization)
+        if activation_scales is not None or calibration_prompts:
+            samples = [loaded.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in calibration_prompts or ()]
+            loaded = apply_activation_scales(loaded, activation_scales, samples)
         self._config = loaded.config
         config = EngineConfig(
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -92,6 +107,7 @@ class LLM:
             scheduling_admission=scheduling_admission, attention_impl=attention_impl,
             async_scheduling=async_scheduling, overlap=overlap, kv_cache_dtype=kv_cache_dtype,
             speculative_config=speculative_config, quantization=quantization,
+            activation_scales=activation_scales,
         )
         self.engine = build_engine(loaded, config, tensor_parallel_size=tensor_parallel_size,
                                    data_parallel_size=data_parallel_size, warm_up=warm_up, use_tqdm=use_tqdm)

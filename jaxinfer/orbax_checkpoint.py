@@ -19,7 +19,8 @@ casts it on the way, so a model sharded 8 ways never exists whole on the host, l
 
 A quantized model (``config.quantization``) saves its ``QuantizedWeight`` leaves (payload and
 scale) like any other, and ``config.json`` says ``"quantization_config": {"quant_method":
-"jaxinfer", "weights": "fp8"}``, so its declaration, and hence the restore target, is quantized too.
+"jaxinfer", "weights": "fp8"}`` (with ``"activation_scales": "static"`` when the FP8 weights carry
+static input scales), so its declaration, and hence the restore target, is quantized too.
 """
 
 from __future__ import annotations
@@ -99,9 +100,14 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         "use_sliding_window": config.sliding_window is not None,  # read by Qwen2/3 configs only
         "bos_token_id": config.bos_token_id,
         "eos_token_id": list(config.eos_token_ids),
-        **({"quantization_config": {"quant_method": "jaxinfer", "weights": config.quantization}}
-           if config.quantization else {}),
+        **({"quantization_config": _quantization_config(config)} if config.quantization else {}),
     }
+
+
+def _quantization_config(config: ModelConfig) -> dict[str, Any]:
+    # "activation_scales" only when static, so that dynamic checkpoints are written as before.
+    static = {"activation_scales": "static"} if config.activation_scales == "static" else {}
+    return {"quant_method": "jaxinfer", "weights": config.quantization, **static}
 
 
 def save(model: LoadedModel, out_dir: str | Path, chunk_bytes: int = CHUNK_BYTES) -> Path:

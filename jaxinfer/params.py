@@ -11,8 +11,10 @@ einsums read ``"te,ehd->thd"``; loaders transpose Hugging Face's ``[out, in]`` t
 With ``config.quantization`` set (``"fp8"``/``"int8"``) each projection (q, k, v, o, gate, up,
 down) is declared as a :class:`~jaxinfer.quantization.QuantizedWeight` of two specs: the payload
 ``[out..., in...]`` (Hugging Face's order, no transpose on loading) in the quantized dtype and the
-per-output-channel scale ``[out...]`` in float32, both with the dense weight's axis names. The
-embedding, norms and lm_head stay in the serving dtype.
+per-output-channel scale ``[out...]`` in float32, both with the dense weight's axis names. With
+``config.activation_scales == "static"`` (FP8) each also declares its ``input_scale``, a float32
+scalar with no axes (so replicated everywhere). The embedding, norms and lm_head stay in the
+serving dtype.
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ def param_specs(config: ModelConfig) -> Weights:
     def quantized_layer() -> LayerWeights:
         dense = layer()
         return dataclasses.replace(dense, **{
-            name: quantized_spec(getattr(dense, name), num_in, config.quantization)
+            name: quantized_spec(getattr(dense, name), num_in, config.quantization,
+                                 static_input_scale=config.activation_scales == "static")
             for name, num_in in QUANTIZED_PROJECTIONS.items()
         })
 
@@ -107,14 +110,17 @@ def param_specs(config: ModelConfig) -> Weights:
     )
 
 
-def quantized_spec(dense: ParamSpec, num_in_axes: int, quantization: str) -> QuantizedWeight:
-    """The declaration of a quantized projection: payload [out..., in...] and scale [out...]."""
+def quantized_spec(dense: ParamSpec, num_in_axes: int, quantization: str,
+                   static_input_scale: bool = False) -> QuantizedWeight:
+    """The declaration of a quantized projection: payload [out..., in...], scale [out...], and with
+    ``static_input_scale`` the activations' scale [] (initialised to one, a placeholder until calibrated)."""
     in_shape, out_shape = dense.shape[:num_in_axes], dense.shape[num_in_axes:]
     in_axes, out_axes = dense.logical_axes[:num_in_axes], dense.logical_axes[num_in_axes:]
     return QuantizedWeight(
         payload=ParamSpec(out_shape + in_shape, out_axes + in_axes, dense.init,
                           jnp.dtype(QUANTIZATIONS[quantization]).name),
         scale=ParamSpec(out_shape, out_axes, "ones", "float32"),
+        input_scale=ParamSpec((), (), "ones", "float32") if static_input_scale else None,
     )
 
 
@@ -173,11 +179,16 @@ def init_random(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, out_sha
         # Drawn dense in the [out..., in...] layout (fan-in: the trailing axes), then quantized.
         num_out = len(spec.scale.shape)
         shape, quantization = spec.payload.shape, quantization_of_dtype(spec.payload.dtype)
-        signature = (shape, num_out, quantization, sharding)
+        static = spec.input_scale is not None
+        signature = (shape, num_out, quantization, static, sharding)
         if signature not in programs:
             fan_in = math.prod(shape[num_out:])
-            make = lambda k: quantize(  # noqa: E731
-                jax.random.normal(k, shape, jnp.float32) / fan_in**0.5, quantization, num_out)
+
+            def make(k, shape=shape, fan_in=fan_in, num_out=num_out, quantization=quantization, static=static):
+                w = quantize(jax.random.normal(k, shape, jnp.float32) / fan_in**0.5, quantization, num_out)
+                # A static scale of one until calibrated (jaxinfer.activation_calibration).
+                return dataclasses.replace(w, input_scale=jnp.ones((), jnp.float32)) if static else w
+
             programs[signature] = jax.jit(make, out_shardings=sharding)
         return programs[signature]
 

@@ -2,8 +2,11 @@
 
 A projection weight is either a plain array (the serving dtype) or a :class:`QuantizedWeight`:
 
-    payload  [out..., in...]  float8_e4m3fn or int8
-    scale    [out...]         float32; the weight is ``payload * scale[..., None]``
+    payload      [out..., in...]  float8_e4m3fn or int8
+    scale        [out...]         float32; the weight is ``payload * scale[..., None]``
+    input_scale  []               float32, FP8 only, optional: a *static* per-tensor scale of the
+                                  activations this weight multiplies (``None``: scaled per token at
+                                  run time). ``jaxinfer.activation_scales`` says where it comes from.
 
 The payload is stored *output axes first*, the transpose of the dense declaration
 (``jaxinfer.params``: ``q`` is ``[embed, q_heads, head_dim]`` dense, ``[q_heads, head_dim, embed]``
@@ -74,6 +77,10 @@ class QuantizationError(ValueError):
 class QuantizedWeight:
     payload: Any  # [out..., in...] float8_e4m3fn or int8 (or a ParamSpec / sharding in a spec tree)
     scale: Any  # [out...] float32
+    # [] float32: the static activation scale of W8A8 (x is quantized as clip(x / input_scale)); None:
+    # per-token dynamic scales. A pytree child like the others (replicated, saved by Orbax); None is
+    # an empty subtree, so the trees of dynamic models are what they were before the field existed.
+    input_scale: Any = None
 
     @property
     def quantization(self) -> str:

@@ -12,9 +12,12 @@ Two FP8 formats of Hugging Face checkpoints are read, both with e4m3 weights ``[
 
 The ``compressed-tensors`` package needs torch, so the config JSON is parsed here. Both formats
 load into the same :class:`~jaxinfer.quantization.QuantizedWeight` (a per-tensor scale is
-broadcast over the output channels, which is exact). Activations are always scaled per token at
-run time (``jaxinfer.linear``): a static ``input_scale`` is read and checked, not used, because
-a per-token scale is at least as accurate and costs one row-max.
+broadcast over the output channels, which is exact). A compressed-tensors ``FP8`` checkpoint's
+static per-tensor ``input_scale`` becomes the weight's ``input_scale`` and the model serves W8A8
+with it (``ModelConfig.activation_scales == "static"``, as vLLM does): quantizing an activation
+is then one elementwise pass fused into its producer instead of a row-max plus a pass
+(``jaxinfer.activation_scales``). q/k/v and gate/up, which share one input, share the largest of
+their scales. ``FP8_DYNAMIC`` and fbgemm-fp8 scale activations per token at run time.
 
 Anything else (FP8_BLOCK, group scales, int4/int8 compressed-tensors, AWQ, GPTQ, ...) is refused
 with a :class:`~jaxinfer.quantization.QuantizationError` that names what is supported, before any
@@ -31,6 +34,8 @@ import numpy as np
 
 from jaxinfer.quantization import QUANTIZATIONS, QuantizationError
 
+# How W8A8 scales activations: per token at run time, or by a fixed per-tensor scale per projection.
+ACTIVATION_SCALES = ("dynamic", "static")
 SUPPORTED = ("compressed-tensors FP8 and FP8_DYNAMIC (8-bit float weights with per-tensor or per-channel "
              "scales; tensor-wise FP8 KV scales), fbgemm_fp8, or quantize at load with quantization='fp8' "
              "or 'int8' from a bf16/f32 checkpoint")
@@ -45,6 +50,7 @@ class CheckpointQuantization:
     scheme: str  # "FP8", "FP8_DYNAMIC", "FP8_WEIGHT_ONLY", "fbgemm_fp8" or "jaxinfer"
     has_kv_scales: bool = False  # k_scale / v_scale tensors per layer (compressed-tensors kv_cache_scheme)
     stores_quantized: bool = True  # the safetensors hold payload + weight_scale (not jaxinfer's own)
+    activation_scales: str = "dynamic"  # "static": one input_scale per projection (jaxinfer.activation_scales)
 
 
 def parse_quantization_config(config: dict[str, Any] | None) -> CheckpointQuantization | None:
@@ -60,8 +66,20 @@ def parse_quantization_config(config: dict[str, Any] | None) -> CheckpointQuanti
         weights = config.get("weights")
         if weights not in QUANTIZATIONS:
             raise QuantizationError(f"quantization_config.weights {weights!r}: expected one of {sorted(QUANTIZATIONS)}")
-        return CheckpointQuantization("jaxinfer", weights, "jaxinfer", stores_quantized=False)
+        activation_scales = config.get("activation_scales", "dynamic")
+        if activation_scales not in ACTIVATION_SCALES or (activation_scales == "static" and weights != "fp8"):
+            raise QuantizationError(f"quantization_config.activation_scales {activation_scales!r} with "
+                                    f"{weights} weights: expected 'dynamic', or 'static' with fp8 weights")
+        return CheckpointQuantization("jaxinfer", weights, "jaxinfer", stores_quantized=False,
+                                      activation_scales=activation_scales)
     raise QuantizationError(f"quantization_config.quant_method {method!r} is not supported; supported: {SUPPORTED}")
+
+
+def checkpoint_activation_scales(config: dict[str, Any] | None) -> str:
+    """``"static"`` when a checkpoint's ``quantization_config`` gives each projection a static
+    activation scale (compressed-tensors ``FP8``; jaxinfer's own, when saved with them), else ``"dynamic"``."""
+    parsed = parse_quantization_config(config)
+    return "dynamic" if parsed is None else parsed.activation_scales
 
 
 def weight_quantization(config: dict[str, Any] | None) -> str | None:
@@ -88,7 +106,9 @@ def _compressed_tensors(config: dict[str, Any]) -> CheckpointQuantization:
                 and not kv.get("dynamic", False)):
             raise QuantizationError(f"compressed-tensors kv_cache_scheme {kv} is not supported; supported: "
                                     f"static 8-bit float with tensor strategy (one k_scale and v_scale per layer)")
-    return CheckpointQuantization("compressed-tensors", "fp8", schemes.pop(), has_kv_scales=kv is not None)
+    scheme = schemes.pop()
+    return CheckpointQuantization("compressed-tensors", "fp8", scheme, has_kv_scales=kv is not None,
+                                  activation_scales="static" if scheme == "FP8" else "dynamic")
 
 
 def _group_scheme(name: str, group: dict[str, Any]) -> str:
@@ -137,13 +157,15 @@ def read_weight_scale(get: Callable[[str], np.ndarray], weight_name: str, num_ou
                             f"[{num_out}] / [{num_out}, 1] (block or group scales are not)")
 
 
-def check_input_scale(get: Callable[[str], np.ndarray], weight_name: str) -> None:
-    """A static scheme's ``input_scale`` must be one positive number (it is not used: module docstring)."""
+def read_input_scale(get: Callable[[str], np.ndarray], weight_name: str) -> np.ndarray:
+    """The static ``input_scale`` of the module of ``weight_name``: one positive float32 number, as a
+    ``[]`` array (``QuantizedWeight.input_scale``); any other shape or value is refused."""
     name = weight_name.removesuffix(".weight") + ".input_scale"
     scale = np.asarray(get(name), np.float32)
     if scale.size != 1 or not np.isfinite(scale).all() or scale.reshape(()) <= 0:
         raise QuantizationError(f"{name} has shape {list(scale.shape)} and values {scale.ravel()[:4]}; "
                                 f"supported: one positive per-tensor scale")
+    return scale.reshape(())
 
 
 def kv_scale_names(layer: int) -> dict[str, tuple[str, ...]]:

@@ -90,6 +90,7 @@ def _take_projection_heads(w, source: tuple[int, ...], axis: int, quantized_axes
     return QuantizedWeight(
         payload=_take_heads(w.payload, source, payload_axis),
         scale=w.scale if scale_axis is None else _take_heads(w.scale, source, scale_axis),
+        input_scale=w.input_scale,  # per tensor: padded heads read the same input
     )
 
 

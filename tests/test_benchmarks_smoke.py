@@ -367,10 +367,30 @@ def test_w8a8_epilogue_times_both_output_dtypes_and_the_gemms(tmp_path):
     run_script([BENCHMARKS / "w8a8_epilogue.py", "--shape", "tiny", "--ms", "128", "--layers", "1", "--out", tmp_path],
                tmp_path)
     rows = {r["variant"]: r for r in json.loads((tmp_path / "w8a8_epilogue.json").read_text())["rows"]}
-    assert set(rows) == {"engine", "bf16_out", "gemm_only"}
+    assert set(rows) == {"engine", "bf16_out", "gemm_only", "engine_static"}
     assert all(r["ms_per_layer"] > 0 for r in rows.values())
     assert 0 < rows["engine"]["rel_error_vs_f32"] < 0.1
     assert abs(rows["bf16_out"]["rel_error_vs_f32"] - rows["engine"]["rel_error_vs_f32"]) < 0.01
+    # Static scales: near the dynamic error, in fewer fusions (no row-max, the quantize fused into its producer).
+    assert abs(rows["engine_static"]["rel_error_vs_f32"] - rows["engine"]["rel_error_vs_f32"]) < 0.02
+    assert rows["engine_static"]["fusions"] < rows["engine"]["fusions"]
+
+
+def test_static_activation_accuracy_checks_which_path_ran(tmp_path):
+    """The static-vs-dynamic accuracy benchmark on the tiny fixture: every row runs W8A8 (7 FP8 x
+    FP8 dots a layer), the dynamic row 4 row-max reductions a layer more than the static ones."""
+    run_script([BENCHMARKS / "static_activation_accuracy.py", "--model", TINY_TOKENIZER, "--out", tmp_path], tmp_path)
+    results = json.loads((tmp_path / "static_activation_scales.json").read_text())
+    num_layers = 2
+    dynamic, *static = results["rows"]
+    assert dynamic["name"].startswith("dynamic") and len(static) >= 2
+    for row in results["rows"]:
+        assert all(p["fp8_x_fp8_dots"] == 7 * num_layers for p in row["paths"])
+        assert 0 <= row["kl_mean"] and 0 < row["top1_agreement"] <= 1
+    for row in static:
+        for d, s in zip(dynamic["paths"], row["paths"]):
+            assert d["reduce_max"] - s["reduce_max"] == 4 * num_layers
+    assert (tmp_path / "static_activation_scales.md").read_text().count("| static:") == len(static)
 
 
 def test_host_step_cost_with_a_fake_device_times_host_work_only(tmp_path):

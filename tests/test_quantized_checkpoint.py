@@ -70,7 +70,9 @@ def compressed_tensors_checkpoint(out, scheme="FP8_DYNAMIC", kv_scales=True, qua
             payload, scale = fp8_rows(w, per_channel=scheme == "FP8_DYNAMIC")
             tensors[name], tensors[module + ".weight_scale"] = payload, scale
             if scheme == "FP8":
-                tensors[module + ".input_scale"] = np.array([0.05], np.float32)
+                # Different per projection, so that sharing one per input (the largest) is seen.
+                projection = PROJECTIONS.index(module.split(".", 3)[-1])
+                tensors[module + ".input_scale"] = np.array([0.02 + 0.01 * projection], np.float32)
             written[name] = (payload, scale)
         else:
             tensors[name] = w
@@ -108,6 +110,7 @@ def test_compressed_tensors_checkpoint_loads_as_written(tmp_path, scheme):
         == scheme
     model = load_model(path, "float32")
     assert model.quantization == "fp8" and model.config.quantization == "fp8"
+    assert model.config.activation_scales == ("static" if scheme == "FP8" else "dynamic")
     layer = model.weights.layers[1]
     payload, scale = written["model.layers.1.self_attn.q_proj.weight"]
     assert isinstance(layer.q, QuantizedWeight) and layer.q.payload.shape == (4, 64, 128)

@@ -46,10 +46,12 @@ class ModelSpec:
 
     def __call__(self):
         from jaxinfer import engine_factory
+        from jaxinfer.activation_calibration import apply_activation_scales
         from jaxinfer.checkpoint import load_model
 
         # Compiled by the replica's EngineLoop.start (warmup), before Serve routes to it.
         loaded = load_model(self.model, self.dtype, quantization=self.engine_config.quantization)
+        loaded = apply_activation_scales(loaded, self.engine_config.activation_scales)  # as `jaxinfer serve`
         return engine_factory.build_engine(loaded, self.engine_config, warm_up=False,
                                            tensor_parallel_size=self.tensor_parallel_size, use_tqdm=False)
 

@@ -92,12 +92,17 @@ def build_engine(args: argparse.Namespace):
     can say ``warming`` meanwhile.
     """
     from jaxinfer import engine_factory
+    from jaxinfer.activation_calibration import apply_activation_scales
     from jaxinfer.checkpoint import load_model
     from jaxinfer.kv_cache_dtype import check_kv_cache_dtype_supported
 
     check_kv_cache_dtype_supported(args.kv_cache_dtype)  # a device without FP8 refuses before the weights load
+    # --activation-scales static takes the checkpoint's scales: a compressed-tensors FP8 one's, or those
+    # `jaxinfer convert --calibration-file` stored (jaxinfer.activation_calibration).
+    loaded = apply_activation_scales(load_model(args.model, args.dtype, quantization=args.quantization),
+                                     args.activation_scales)
     engine = engine_factory.build_engine(
-        load_model(args.model, args.dtype, quantization=args.quantization), engine_config_from_args(args),
+        loaded, engine_config_from_args(args),
         warm_up=False,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
     )
