@@ -84,8 +84,10 @@
 #           fresh prompts (8x1000, 4x2000, 2x4000) through Triton, the one-prompt fresh path and the
 #           several-prompt one, over bf16 and fp8 pages (prefill_peers.py).
 #   s12b    one GPU (carry .whl): s11a with "reserve" now learning its ratio from finished requests.
+#   s12c    one GPU: fp8 throughput-1k (fp8 weights + fp8 KV, 1024 sequences) with static activation
+#           scales (calibrated on random prompts in the run) against dynamic ones, in one call.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a or s12b}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b or s12c}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -450,6 +452,14 @@ s12a)
     (( left > 120 )) && on_gpu 0 peers.log "$left" python3 benchmarks/prefill_peers.py --out "$R/pp_multi" \
         --shapes 8x1000,4x2000,2x4000 --impls ours,fresh_single,fresh_path,fresh_branchless --kv-dtypes bf16,fp8 \
         --min-fresh-tokens 960 --budget-s $(( left - 40 )) ;;
+s12c)
+    for scales in static dynamic; do
+        left=$(( 590 - SECONDS )); limit=$left
+        [[ $scales == static ]] && limit=300  # leave the second its share
+        (( left > 150 )) && on_gpu 0 fp8_$scales.log "$limit" python3 \
+            benchmarks/engine_throughput.py --out "$R/fp8_$scales" --workloads throughput-1k --max-num-seqs 1024 \
+            --quantization fp8 --kv-cache-dtype fp8 --activation-scales $scales --profile-prefill-steps 1
+    done ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac
