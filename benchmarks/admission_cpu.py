@@ -61,10 +61,11 @@ def log(line: str, lines: list[str]) -> None:
 def simulate(policy: str, *, num_requests: int, prompt_len: int, output_len: int, num_pages: int, page_size: int,
              max_num_seqs: int, budget: int, early_stop_fraction: float, read_tb_s: float, matmul_tflop_s: float,
              attention_efficiency: float, step_overhead_s: float, learn_from_finished: bool = True,
-             seed: int = 0) -> dict:
+             initial_ratio: float = 1.0, seed: int = 0) -> dict:
     allocator = PageAllocator(num_pages, page_size, "simulated")
     config = SchedulerConfig(max_num_seqs, budget, 2 * (prompt_len + output_len), page_size, 0.0,
-                             AdmissionConfig(policy=policy, learn_from_finished=learn_from_finished))
+                             AdmissionConfig(policy=policy, learn_from_finished=learn_from_finished,
+                                             initial_ratio=initial_ratio))
     scheduler = Scheduler(config, allocator)
     rng = random.Random(seed)
     stop_after = {}
@@ -92,7 +93,7 @@ def simulate(policy: str, *, num_requests: int, prompt_len: int, output_len: int
                     scheduler.finish(item.seq, "stop")
     output_tokens = sum(stop_after.values())
     return dict(policy=policy, max_num_seqs=max_num_seqs, learn_from_finished=learn_from_finished,
-                early_stop_fraction=early_stop_fraction, preemptions=scheduler.num_preemptions,
+                initial_ratio=initial_ratio, early_stop_fraction=early_stop_fraction, preemptions=scheduler.num_preemptions,
                 steps=num_steps, tokens_computed=num_computed,
                 tokens_recomputed=num_computed - num_requests * prompt_len - output_tokens + num_requests,
                 most_running=most_running, output_tokens=output_tokens,
@@ -208,15 +209,18 @@ def main() -> None:
     markdown = [f"# Admission on the scheduler alone (CPU)\n\n`{info['command']}`\n"]
     if "simulate" in sections:
         rows = []
-        # (policy, max_num_seqs, learned ratio): greedy at 384 is the bf16 run that never preempts.
-        variants = [("greedy", 384, True), ("greedy", 1024, True), ("reserve", 1024, False), ("reserve", 1024, True)]
+        # (policy, max_num_seqs, learned ratio, initial ratio): greedy at 384 is the bf16 run that
+        # never preempts; SGLang's schedule starts at 0.7 (session 10's default).
+        variants = [("greedy", 384, True, 1.0), ("greedy", 1024, True, 1.0), ("reserve", 1024, False, 0.7),
+                    ("reserve", 1024, True, 1.0)]
         for fraction in map(float, args.early_stop_fractions.split(",")):
-            for policy, max_num_seqs, learn in variants:
+            for policy, max_num_seqs, learn, initial in variants:
                 row = simulate(policy, num_requests=1000, prompt_len=1000, output_len=1000, num_pages=args.num_pages,
                                page_size=32, max_num_seqs=max_num_seqs, budget=8192, early_stop_fraction=fraction,
                                read_tb_s=args.read_tb_s, matmul_tflop_s=args.matmul_tflop_s,
                                attention_efficiency=args.attention_efficiency,
-                               step_overhead_s=args.step_overhead_ms / 1e3, learn_from_finished=learn)
+                               step_overhead_s=args.step_overhead_ms / 1e3, learn_from_finished=learn,
+                               initial_ratio=initial)
                 log(f"simulate {row}", lines)
                 rows.append(row)
         results["simulate"] = rows
