@@ -30,12 +30,11 @@ import numpy as np
 
 from jaxinfer.activation_scales import (INPUT_GROUPS, ActivationObserver, check_activation_scales,
                                         with_static_input_scales, without_static_input_scales)
-from jaxinfer.batch import StepBatch
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import RequestError
-from jaxinfer.kv_cache import KVCache
 from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.model import hidden_states
+from jaxinfer.one_sequence_step import one_sequence_step
 from jaxinfer.params import Weights
 from jaxinfer.prompt_logprobs import bucket_for
 from jaxinfer.quantization import FP8_MAX
@@ -71,27 +70,6 @@ def projection_input_absmax(weights: Weights, token_ids: jax.Array, length: jax.
     # q, k and v each saw the same input (as gate and up): one row per layer.
     return {group: jnp.stack([functools.reduce(jnp.maximum, per_layer) for per_layer in seen[group]])
             for group in INPUT_GROUPS}
-
-
-def one_sequence_step(token_ids: jax.Array, length: jax.Array, config: ModelConfig, page_size: int,
-                      dtype) -> tuple[StepBatch, KVCache]:
-    """The step of one sequence's first ``length`` of ``token_ids`` [T] from position 0, over a
-    fresh cache in ``dtype`` (the serving dtype: nothing quantized) made inside the calling
-    program, as the prompt scorer's and ``jaxinfer.kv_calibration``'s."""
-    num_tokens = token_ids.shape[0]
-    num_pages = -(-num_tokens // page_size)
-    batch = StepBatch(
-        token_ids=token_ids,
-        positions=jnp.arange(num_tokens, dtype=jnp.int32),
-        cu_q_lens=jnp.stack([jnp.int32(0), length.astype(jnp.int32)]),
-        kv_lens=length.astype(jnp.int32)[None],
-        page_tables=jnp.arange(1, num_pages + 1, dtype=jnp.int32)[None, :],  # page 0 is scratch
-        logits_indices=jnp.asarray([num_tokens - 1], jnp.int32),
-    )
-    shape = (config.num_kv_heads, num_pages + 1, page_size, config.head_dim)
-    cache = KVCache(k=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)],
-                    v=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)])
-    return batch, cache
 
 
 def calibrate_activation_scales(model: LoadedModel, samples: Sequence[Sequence[int]], *,

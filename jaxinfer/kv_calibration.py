@@ -19,12 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.batch import StepBatch
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import KVCache
 from jaxinfer.kv_cache_dtype import kv_scales_from_amax
 from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.model import hidden_states
+from jaxinfer.one_sequence_step import one_sequence_step
 from jaxinfer.params import Weights
 from jaxinfer.prompt_logprobs import bucket_for
 
@@ -36,20 +35,7 @@ def kv_amax(weights: Weights, token_ids: jax.Array, length: jax.Array, *, config
     sequence, the first ``length`` of ``token_ids`` [T], from position 0: two [num_layers] float32
     arrays. Tokens past ``length`` are padding (not written), so one program serves every length
     up to T."""
-    num_tokens = token_ids.shape[0]
-    num_pages = -(-num_tokens // page_size)
-    batch = StepBatch(
-        token_ids=token_ids,
-        positions=jnp.arange(num_tokens, dtype=jnp.int32),
-        cu_q_lens=jnp.stack([jnp.int32(0), length.astype(jnp.int32)]),
-        kv_lens=length.astype(jnp.int32)[None],
-        page_tables=jnp.arange(1, num_pages + 1, dtype=jnp.int32)[None, :],  # page 0 is scratch
-        logits_indices=jnp.asarray([num_tokens - 1], jnp.int32),
-    )
-    shape = (config.num_kv_heads, num_pages + 1, page_size, config.head_dim)
-    dtype = weights.embed.dtype
-    cache = KVCache(k=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)],
-                    v=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)])
+    batch, cache = one_sequence_step(token_ids, length, config, page_size, weights.embed.dtype)
     _, cache = hidden_states(weights, cache, batch, config, attention_impl)
     # Unwritten rows are zero, so the page-wide max is the tokens' max.
     k = jnp.stack([jnp.max(jnp.abs(pages.astype(jnp.float32))) for pages in cache.k])

@@ -27,12 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.batch import StepBatch
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import RequestError
-from jaxinfer.kv_cache import KVCache, kv_scale_arrays
+from jaxinfer.kv_cache import kv_scale_arrays
 from jaxinfer.kv_cache_dtype import page_array_dtype, storage_dtype
 from jaxinfer.model import compute_logits, hidden_states
+from jaxinfer.one_sequence_step import one_sequence_step
 from jaxinfer.params import Weights
 from jaxinfer.sampling_params import MAX_TOP_LOGPROBS
 
@@ -73,23 +73,10 @@ def score_tokens(
     Pure; jit it with everything but ``weights``, ``token_ids`` and ``kv_scales`` static.
     """
     num_tokens = token_ids.shape[0]
-    num_pages = -(-num_tokens // page_size)
-    # One sequence of T tokens from position 0 over pages 1..num_pages (page 0 is the kernels'
-    # scratch page). The cache lives only inside this program: XLA frees it when it returns.
-    batch = StepBatch(
-        token_ids=token_ids,
-        positions=jnp.arange(num_tokens, dtype=jnp.int32),
-        cu_q_lens=jnp.asarray([0, num_tokens], jnp.int32),
-        kv_lens=jnp.asarray([num_tokens], jnp.int32),
-        page_tables=jnp.arange(1, num_pages + 1, dtype=jnp.int32)[None, :],
-        logits_indices=jnp.asarray([num_tokens - 1], jnp.int32),
-    )
-    shape = (config.num_kv_heads, num_pages + 1, page_size, config.head_dim)
     # As the engine's cache holds it: e4m3 pages on a CPU are uint8 bit patterns (kv_cache_dtype).
     dtype = page_array_dtype(weights.embed.dtype if kv_dtype is None else kv_dtype)
     k_scale, v_scale = (None, None) if kv_scales is None else kv_scales
-    cache = KVCache(k=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)],
-                    v=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)], k_scale=k_scale, v_scale=v_scale)
+    batch, cache = one_sequence_step(token_ids, num_tokens, config, page_size, dtype, k_scale, v_scale)
     x, _ = hidden_states(weights, cache, batch, config, attention_impl)  # [T, E]
     targets = jnp.concatenate([token_ids[1:], jnp.zeros((1,), token_ids.dtype)])  # row i predicts token i+1
 
