@@ -58,6 +58,16 @@ def log(line: str, lines: list[str]) -> None:
     lines.append(line)
 
 
+def step_seconds(schedule, read_tb_s: float, matmul_tflop_s: float, attention_efficiency: float,
+                 step_overhead_s: float) -> float:
+    """The model of one step's time (the module docstring): the larger of the weight read and the
+    tokens' matmuls, the K/V its sequences attend over, a fixed overhead."""
+    read_bytes_per_s = read_tb_s * 1e12
+    num_context = sum(item.start_position + item.num_new_tokens for item in schedule.items)
+    return (max(WEIGHT_BYTES / read_bytes_per_s, schedule.num_batched_tokens * FLOP_PER_TOKEN / (matmul_tflop_s * 1e12))
+            + num_context * KV_BYTES_PER_TOKEN / (attention_efficiency * read_bytes_per_s) + step_overhead_s)
+
+
 def simulate(policy: str, *, num_requests: int, prompt_len: int, output_len: int, num_pages: int, page_size: int,
              max_num_seqs: int, budget: int, early_stop_fraction: float, read_tb_s: float, matmul_tflop_s: float,
              attention_efficiency: float, step_overhead_s: float, learn_from_finished: bool = True,
@@ -76,12 +86,9 @@ def simulate(policy: str, *, num_requests: int, prompt_len: int, output_len: int
         stop_after[i] = rng.randrange(1, output_len) if early else output_len
     num_steps = num_computed = most_running = 0
     modelled_s = 0.0
-    read_bytes_per_s = read_tb_s * 1e12
     while scheduler.num_waiting or scheduler.num_running:
         schedule = scheduler.schedule(1e9)
-        num_context = sum(item.start_position + item.num_new_tokens for item in schedule.items)
-        modelled_s += max(WEIGHT_BYTES / read_bytes_per_s, schedule.num_batched_tokens * FLOP_PER_TOKEN / (matmul_tflop_s * 1e12))
-        modelled_s += num_context * KV_BYTES_PER_TOKEN / (attention_efficiency * read_bytes_per_s) + step_overhead_s
+        modelled_s += step_seconds(schedule, read_tb_s, matmul_tflop_s, attention_efficiency, step_overhead_s)
         scheduler.postprocess(schedule)
         num_steps += 1
         num_computed += schedule.num_batched_tokens
@@ -114,12 +121,10 @@ def chat_burst(policy: str, *, learn_from_finished: bool, initial_ratio: float, 
         prompt = [rng.randrange(1, 100_000) for _ in range(rng.randint(200, 2000))]
         scheduler.add(Sequence(i, f"r{i}", prompt, arrival_time=0.0))
         stop_after[i] = min(int(rng.expovariate(1 / 300)) + 1, 4000)
-    modelled_s, read_bytes_per_s = 0.0, read_tb_s * 1e12
+    modelled_s = 0.0
     while scheduler.num_waiting or scheduler.num_running:
         schedule = scheduler.schedule(1e9)
-        num_context = sum(item.start_position + item.num_new_tokens for item in schedule.items)
-        modelled_s += max(WEIGHT_BYTES / read_bytes_per_s, schedule.num_batched_tokens * FLOP_PER_TOKEN / (matmul_tflop_s * 1e12))
-        modelled_s += num_context * KV_BYTES_PER_TOKEN / (attention_efficiency * read_bytes_per_s) + step_overhead_s
+        modelled_s += step_seconds(schedule, read_tb_s, matmul_tflop_s, attention_efficiency, step_overhead_s)
         scheduler.postprocess(schedule)
         for item in schedule.items:
             if item.samples_token:
