@@ -322,7 +322,11 @@ def test_models_endpoint_reports_the_quantization():
     engine.config = types.SimpleNamespace(quantization="int8")  # the resolved EngineConfig's field
     with RunningServer(engine) as server:
         card = requests.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]
-    assert card["quantization"] == "int8"
+    assert card["quantization"] == "int8" and "activation_scales" not in card
+    engine.config = types.SimpleNamespace(quantization="fp8", activation_scales="static")
+    with RunningServer(engine) as server:
+        card = requests.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]
+    assert (card["quantization"], card["activation_scales"]) == ("fp8", "static")
 
 
 def test_an_fp8_lm_head_is_dequantized_into_the_serving_dtype(tmp_path):

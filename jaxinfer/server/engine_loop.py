@@ -86,6 +86,11 @@ class EngineLoop:
         """The weights' quantization (``"fp8"``, ``"int8"``; None: dense or not loaded yet)."""
         return getattr(getattr(self.engine, "config", None), "quantization", None)
 
+    @property
+    def activation_scales(self) -> str | None:
+        """FP8 weights' activation scales (``"dynamic"``, ``"static"``; None: not FP8 or not loaded yet)."""
+        return getattr(getattr(self.engine, "config", None), "activation_scales", None)
+
     def stats(self) -> dict:
         return {**self._last_stats, "server_num_requests_waiting": self.admission.num_waiting}
 

@@ -19,6 +19,8 @@ def _model_card() -> dict:
         card["max_model_len"] = max_model_len
         # Clients that are not the in-process engine loop (a Ray replica's) may not know it.
         card["quantization"] = getattr(state.client, "quantization", None)
+        if getattr(state.client, "activation_scales", None) is not None:  # FP8 weights only
+            card["activation_scales"] = state.client.activation_scales
     # How the engine stores its KV cache (EngineLoop's; a client that does not say leaves it out).
     card.update(getattr(state.client, "kv_cache_metadata", None) or {})
     return card

@@ -166,8 +166,10 @@ def run_server(args: argparse.Namespace, engine_factory=build_engine) -> int:
         # This process lives to serve this engine: keep the start-up heap out of full collections,
         # whose ~100 ms pauses would land inside engine steps (jaxinfer/gc_freeze.py).
         frozen = freeze_startup_heap()
+        config = getattr(engine, "config", None)
         logger.info("ready", extra={"max_model_len": engine.max_model_len, "threads": threads,
-                                  "quantization": getattr(getattr(engine, "config", None), "quantization", None),
+                                  "quantization": getattr(config, "quantization", None),
+                                  "activation_scales": getattr(config, "activation_scales", None),
                                   "gc_frozen_objects": frozen})
     while not stop.wait(0.5):
         pass
