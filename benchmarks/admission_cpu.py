@@ -30,6 +30,7 @@ rounds' means kept, the reserve/greedy ratio beside them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import random
 import shlex
@@ -58,74 +59,45 @@ def log(line: str, lines: list[str]) -> None:
     lines.append(line)
 
 
-def step_seconds(schedule, read_tb_s: float, matmul_tflop_s: float, attention_efficiency: float,
-                 step_overhead_s: float) -> float:
+@dataclasses.dataclass(frozen=True)
+class StepModel:
     """The model of one step's time (the module docstring): the larger of the weight read and the
     tokens' matmuls, the K/V its sequences attend over, a fixed overhead."""
-    read_bytes_per_s = read_tb_s * 1e12
-    num_context = sum(item.start_position + item.num_new_tokens for item in schedule.items)
-    return (max(WEIGHT_BYTES / read_bytes_per_s, schedule.num_batched_tokens * FLOP_PER_TOKEN / (matmul_tflop_s * 1e12))
-            + num_context * KV_BYTES_PER_TOKEN / (attention_efficiency * read_bytes_per_s) + step_overhead_s)
+
+    read_tb_s: float
+    matmul_tflop_s: float
+    attention_efficiency: float
+    step_overhead_s: float
+
+    def seconds(self, schedule) -> float:
+        read_bytes_per_s = self.read_tb_s * 1e12
+        num_context = sum(item.start_position + item.num_new_tokens for item in schedule.items)
+        matmul_s = schedule.num_batched_tokens * FLOP_PER_TOKEN / (self.matmul_tflop_s * 1e12)
+        return (max(WEIGHT_BYTES / read_bytes_per_s, matmul_s) + self.step_overhead_s
+                + num_context * KV_BYTES_PER_TOKEN / (self.attention_efficiency * read_bytes_per_s))
 
 
-def simulate(policy: str, *, num_requests: int, prompt_len: int, output_len: int, num_pages: int, page_size: int,
-             max_num_seqs: int, budget: int, early_stop_fraction: float, read_tb_s: float, matmul_tflop_s: float,
-             attention_efficiency: float, step_overhead_s: float, learn_from_finished: bool = True,
-             initial_ratio: float = 1.0, seed: int = 0) -> dict:
-    allocator = PageAllocator(num_pages, page_size, "simulated")
-    config = SchedulerConfig(max_num_seqs, budget, 2 * (prompt_len + output_len), page_size, 0.0,
-                             AdmissionConfig(policy=policy, learn_from_finished=learn_from_finished,
-                                             initial_ratio=initial_ratio))
-    scheduler = Scheduler(config, allocator)
-    rng = random.Random(seed)
-    stop_after = {}
-    for i in range(num_requests):
-        scheduler.add(Sequence(i, f"r{i}", [rng.randrange(1, 100_000) for _ in range(prompt_len)],
-                               arrival_time=0.0, max_tokens=output_len))
-        early = rng.random() < early_stop_fraction
-        stop_after[i] = rng.randrange(1, output_len) if early else output_len
+def make_scheduler(policy: str, *, learn_from_finished: bool, initial_ratio: float, num_pages: int, page_size: int,
+                   max_num_seqs: int, budget: int, max_model_len: int) -> Scheduler:
+    admission = AdmissionConfig(policy=policy, learn_from_finished=learn_from_finished, initial_ratio=initial_ratio)
+    config = SchedulerConfig(max_num_seqs, budget, max_model_len, page_size, 0.0, admission)
+    return Scheduler(config, PageAllocator(num_pages, page_size, "simulated"))
+
+
+def run_to_completion(scheduler: Scheduler, stop_after: dict[int, int], model: StepModel) -> dict:
+    """Step a fake engine (a token per sampling item; sequence ``i`` stops after ``stop_after[i]``)
+    until every sequence is done: steps, tokens computed, the most running at once, the modelled
+    seconds, and each sequence's first token's modelled time."""
     num_steps = num_computed = most_running = 0
     modelled_s = 0.0
+    first_token_s: dict[int, float] = {}
     while scheduler.num_waiting or scheduler.num_running:
         schedule = scheduler.schedule(1e9)
-        modelled_s += step_seconds(schedule, read_tb_s, matmul_tflop_s, attention_efficiency, step_overhead_s)
+        modelled_s += model.seconds(schedule)
         scheduler.postprocess(schedule)
         num_steps += 1
         num_computed += schedule.num_batched_tokens
         most_running = max(most_running, scheduler.num_running)
-        for item in schedule.items:
-            if item.samples_token:
-                item.seq.append_token(7)
-                if item.seq.num_generated_tokens >= stop_after[item.seq.seq_id]:
-                    scheduler.finish(item.seq, "stop")
-    output_tokens = sum(stop_after.values())
-    return dict(policy=policy, max_num_seqs=max_num_seqs, learn_from_finished=learn_from_finished,
-                initial_ratio=initial_ratio, early_stop_fraction=early_stop_fraction, preemptions=scheduler.num_preemptions,
-                steps=num_steps, tokens_computed=num_computed,
-                tokens_recomputed=num_computed - num_requests * prompt_len - output_tokens + num_requests,
-                most_running=most_running, output_tokens=output_tokens,
-                modelled_output_tokens_per_s=output_tokens / modelled_s)
-
-
-def chat_burst(policy: str, *, learn_from_finished: bool, initial_ratio: float, num_pages: int, read_tb_s: float,
-               matmul_tflop_s: float, attention_efficiency: float, step_overhead_s: float, seed: int = 0) -> dict:
-    page_size, max_model_len = 32, 8192
-    allocator = PageAllocator(num_pages, page_size, "simulated")
-    config = SchedulerConfig(256, 8192, max_model_len, page_size, 0.0,
-                             AdmissionConfig(policy=policy, learn_from_finished=learn_from_finished,
-                                             initial_ratio=initial_ratio))
-    scheduler = Scheduler(config, allocator)
-    rng = random.Random(seed)
-    stop_after, first_token_s = {}, {}
-    for i in range(512):
-        prompt = [rng.randrange(1, 100_000) for _ in range(rng.randint(200, 2000))]
-        scheduler.add(Sequence(i, f"r{i}", prompt, arrival_time=0.0))
-        stop_after[i] = min(int(rng.expovariate(1 / 300)) + 1, 4000)
-    modelled_s = 0.0
-    while scheduler.num_waiting or scheduler.num_running:
-        schedule = scheduler.schedule(1e9)
-        modelled_s += step_seconds(schedule, read_tb_s, matmul_tflop_s, attention_efficiency, step_overhead_s)
-        scheduler.postprocess(schedule)
         for item in schedule.items:
             if item.samples_token:
                 seq_id = item.seq.seq_id
@@ -133,10 +105,49 @@ def chat_burst(policy: str, *, learn_from_finished: bool, initial_ratio: float, 
                 item.seq.append_token(7)
                 if item.seq.num_generated_tokens >= stop_after[seq_id]:
                     scheduler.finish(item.seq, "stop")
-    ttft = sorted(first_token_s.values())
+    return dict(steps=num_steps, tokens_computed=num_computed, most_running=most_running, seconds=modelled_s,
+                first_token_s=first_token_s)
+
+
+def simulate(policy: str, model: StepModel, *, num_requests: int, prompt_len: int, output_len: int, num_pages: int,
+             page_size: int, max_num_seqs: int, budget: int, early_stop_fraction: float,
+             learn_from_finished: bool = True, initial_ratio: float = 1.0, seed: int = 0) -> dict:
+    scheduler = make_scheduler(policy, learn_from_finished=learn_from_finished, initial_ratio=initial_ratio,
+                               num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs, budget=budget,
+                               max_model_len=2 * (prompt_len + output_len))
+    rng = random.Random(seed)
+    stop_after = {}
+    for i in range(num_requests):
+        scheduler.add(Sequence(i, f"r{i}", [rng.randrange(1, 100_000) for _ in range(prompt_len)],
+                               arrival_time=0.0, max_tokens=output_len))
+        early = rng.random() < early_stop_fraction
+        stop_after[i] = rng.randrange(1, output_len) if early else output_len
+    run = run_to_completion(scheduler, stop_after, model)
+    output_tokens = sum(stop_after.values())
+    return dict(policy=policy, max_num_seqs=max_num_seqs, learn_from_finished=learn_from_finished,
+                initial_ratio=initial_ratio, early_stop_fraction=early_stop_fraction, preemptions=scheduler.num_preemptions,
+                steps=run["steps"], tokens_computed=run["tokens_computed"],
+                tokens_recomputed=run["tokens_computed"] - num_requests * prompt_len - output_tokens + num_requests,
+                most_running=run["most_running"], output_tokens=output_tokens,
+                modelled_output_tokens_per_s=output_tokens / run["seconds"])
+
+
+def chat_burst(policy: str, model: StepModel, *, learn_from_finished: bool, initial_ratio: float, num_pages: int,
+               seed: int = 0) -> dict:
+    scheduler = make_scheduler(policy, learn_from_finished=learn_from_finished, initial_ratio=initial_ratio,
+                               num_pages=num_pages, page_size=32, max_num_seqs=256, budget=8192, max_model_len=8192)
+    rng = random.Random(seed)
+    stop_after = {}
+    for i in range(512):
+        prompt = [rng.randrange(1, 100_000) for _ in range(rng.randint(200, 2000))]
+        scheduler.add(Sequence(i, f"r{i}", prompt, arrival_time=0.0))
+        stop_after[i] = min(int(rng.expovariate(1 / 300)) + 1, 4000)
+    run = run_to_completion(scheduler, stop_after, model)
+    ttft = sorted(run["first_token_s"].values())
     return dict(policy=policy, learn_from_finished=learn_from_finished, initial_ratio=initial_ratio,
                 preemptions=scheduler.num_preemptions, ttft_mean_s=statistics.fmean(ttft),
-                ttft_p90_s=ttft[int(0.9 * len(ttft))], modelled_output_tokens_per_s=sum(stop_after.values()) / modelled_s)
+                ttft_p90_s=ttft[int(0.9 * len(ttft))],
+                modelled_output_tokens_per_s=sum(stop_after.values()) / run["seconds"])
 
 
 def label(row: dict) -> str:
@@ -211,6 +222,7 @@ def main() -> None:
     for key, value in info.items():
         log(f"{key}: {value}", lines)
     results: dict = {"info": info}
+    model = StepModel(args.read_tb_s, args.matmul_tflop_s, args.attention_efficiency, args.step_overhead_ms / 1e3)
     markdown = [f"# Admission on the scheduler alone (CPU)\n\n`{info['command']}`\n"]
     if "simulate" in sections:
         rows = []
@@ -220,12 +232,9 @@ def main() -> None:
                     ("reserve", 1024, True, 1.0)]
         for fraction in map(float, args.early_stop_fractions.split(",")):
             for policy, max_num_seqs, learn, initial in variants:
-                row = simulate(policy, num_requests=1000, prompt_len=1000, output_len=1000, num_pages=args.num_pages,
-                               page_size=32, max_num_seqs=max_num_seqs, budget=8192, early_stop_fraction=fraction,
-                               read_tb_s=args.read_tb_s, matmul_tflop_s=args.matmul_tflop_s,
-                               attention_efficiency=args.attention_efficiency,
-                               step_overhead_s=args.step_overhead_ms / 1e3, learn_from_finished=learn,
-                               initial_ratio=initial)
+                row = simulate(policy, model, num_requests=1000, prompt_len=1000, output_len=1000,
+                               num_pages=args.num_pages, page_size=32, max_num_seqs=max_num_seqs, budget=8192,
+                               early_stop_fraction=fraction, learn_from_finished=learn, initial_ratio=initial)
                 log(f"simulate {row}", lines)
                 rows.append(row)
         results["simulate"] = rows
@@ -238,9 +247,7 @@ def main() -> None:
     if "chat-burst" in sections:
         rows = []
         for policy, learn, initial in [("greedy", True, 1.0), ("reserve", False, 0.7), ("reserve", True, 1.0)]:
-            row = chat_burst(policy, learn_from_finished=learn, initial_ratio=initial, num_pages=args.num_pages,
-                             read_tb_s=args.read_tb_s, matmul_tflop_s=args.matmul_tflop_s,
-                             attention_efficiency=args.attention_efficiency, step_overhead_s=args.step_overhead_ms / 1e3)
+            row = chat_burst(policy, model, learn_from_finished=learn, initial_ratio=initial, num_pages=args.num_pages)
             log(f"chat-burst {row}", lines)
             rows.append(row)
         results["chat_burst"] = rows

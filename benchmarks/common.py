@@ -26,14 +26,17 @@ from model_shapes import SHAPES  # noqa: E402,F401  (re-exported)
 
 
 class Log:
-    """Prints each line at once and keeps them for the results file."""
+    """Prints each line at once and keeps them for the results file; with ``elapsed``, each
+    printed line starts with the seconds since the log was made (the kept lines do not)."""
 
-    def __init__(self):
+    def __init__(self, elapsed: bool = False):
         self.lines: list[str] = []
+        self.elapsed = elapsed
+        self.start = time.time()
 
     def __call__(self, *parts) -> None:
         line = " ".join(str(p) for p in parts)
-        print(line, flush=True)
+        print(f"[{time.time() - self.start:6.1f}s] {line}" if self.elapsed else line, flush=True)
         self.lines.append(line)
 
 

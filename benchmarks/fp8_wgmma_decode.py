@@ -41,7 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import header, measure_ceilings, time_in_loop  # noqa: E402
+from common import Log, header, measure_ceilings, time_in_loop  # noqa: E402
 from kernel_attention import pseudo_random  # noqa: E402
 from pallas_kernels.paged_attention import gpu as engine_gpu  # noqa: E402
 from pallas_kernels.paged_attention.block_sizes import gpu_block_sizes  # noqa: E402
@@ -59,14 +59,7 @@ TOLERANCE_VS_REFERENCE = 0.06
 CHECK_K_SCALE, CHECK_V_SCALE = 0.5, 3.0
 SHAPES = [(b, c) for c in (4096, 16384, 1024) for b in (32, 64, 256, 1)]  # goal shapes first
 NUM_SMS = 132  # H200; only sizes the split heuristic below
-LOG: list[str] = []
-T0 = time.time()
-
-
-def say(*parts):
-    line = " ".join(str(p) for p in parts)
-    print(f"[{time.time() - T0:6.1f}s] {line}", flush=True)
-    LOG.append(line)
+say = Log(elapsed=True)
 
 
 def engine_sizes(batch, context):
@@ -228,7 +221,7 @@ def summarize(row, ceiling_tbs):
 
 def write_outputs(out_dir, report):
     os.makedirs(out_dir, exist_ok=True)
-    report["log"] = LOG
+    report["log"] = say.lines
     with open(os.path.join(out_dir, "fp8_wgmma_decode.json"), "w") as f:
         json.dump(report, f, indent=1)
     ceiling = report.get("ceilings", {}).get("hbm_read_tbs", float("nan"))
@@ -267,7 +260,7 @@ def main():
     if interpret:
         SHAPES, REPEATS = [(2, 64)], 2
     report = {"header": header(say), "rows": [], "skipped": []}
-    budget_end = T0 + args.budget_s
+    budget_end = say.start + args.budget_s
     report["check"] = check(interpret)
     write_outputs(args.out, report)
     if not report["check"]["passed"]:
@@ -293,7 +286,7 @@ def main():
         report["rows"].append(row)
         write_outputs(args.out, report)
     write_outputs(args.out, report)
-    say(f"done in {time.time() - T0:.0f}s; wrote {args.out}/fp8_wgmma_decode.json and .md")
+    say(f"done in {time.time() - say.start:.0f}s; wrote {args.out}/fp8_wgmma_decode.json and .md")
 
 
 if __name__ == "__main__":

@@ -153,24 +153,27 @@ def test_several_fresh_prompts_go_through_one_batched_window_call():
         return dense_causal(q, k, v, sm_scale=sm_scale)
 
     run_against_reference(MULTI, recording)  # the outputs of all five kinds of sequence match the reference
+    # Branch (256 rows, 3 slots): the three fresh prompts, exactly their rows; the 30-row prompt,
+    # the cached prefix, the decodes and the padding rows stay with Triton.
+    case, rows = rows_from_the_window(MULTI)
+    starts = np.asarray(case.cu_q_lens)
+    want = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in (1, 2, 6)])
+    np.testing.assert_array_equal(rows, want)
+    # One prompt per step (the path before session 11): only the longest.
+    _, rows = rows_from_the_window(MULTI, max_fresh_prompts=1)
+    np.testing.assert_array_equal(rows, np.arange(starts[1], starts[2]))
+
+
+def rows_from_the_window(seqs, **options):
+    """The case of ``seqs`` and the output rows the fresh window served, with a window attention
+    that answers 7 everywhere (no other path can produce exact 7s)."""
     seven = lambda q, k, v, *, sm_scale: jnp.full(q.shape, 7, q.dtype)  # noqa: E731
-    case = make_case(7, MULTI, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+    case = make_case(7, seqs, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
                      pad_tokens=5)
     out, _, _ = fp.ragged_paged_attention_gpu_fresh_prefill(
         *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=seven,
-        interpret=True, max_window_waste=4.0)
-    # Branch (256 rows, 3 slots): the three fresh prompts, exactly their rows; the 30-row prompt,
-    # the cached prefix, the decodes and the padding rows stay with Triton.
-    is_seven = np.all(np.asarray(out, np.float32) == 7, axis=(1, 2))
-    starts = np.asarray(case.cu_q_lens)
-    want = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in (1, 2, 6)])
-    np.testing.assert_array_equal(np.flatnonzero(is_seven), want)
-    # One prompt per step (the path before session 11): only the longest.
-    out, _, _ = fp.ragged_paged_attention_gpu_fresh_prefill(
-        *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=seven,
-        interpret=True, max_window_waste=4.0, max_fresh_prompts=1)
-    np.testing.assert_array_equal(np.flatnonzero(np.all(np.asarray(out, np.float32) == 7, axis=(1, 2))),
-                                  np.arange(starts[1], starts[2]))
+        interpret=True, max_window_waste=4.0, **options)
+    return case, np.flatnonzero(np.all(np.asarray(out, np.float32) == 7, axis=(1, 2)))
 
 
 def test_nothing_qualifies_nothing_is_taken():
@@ -181,15 +184,9 @@ def test_nothing_qualifies_nothing_is_taken():
 
 
 def test_fresh_kernel_output_is_used_for_the_taken_sequence_only():
-    # A window attention that answers 7 everywhere: only the fresh sequence's 150 rows may show it.
-    seven = lambda q, k, v, *, sm_scale: jnp.full(q.shape, 7, q.dtype)  # noqa: E731
-    case = make_case(7, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
-                     pad_tokens=5)
-    out, _, _ = fp.ragged_paged_attention_gpu_fresh_prefill(
-        *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=seven,
-        interpret=True, max_window_waste=4.0)
-    is_seven = np.all(np.asarray(out, np.float32) == 7, axis=(1, 2))
-    np.testing.assert_array_equal(np.flatnonzero(is_seven), np.arange(1, 151))
+    # Only the fresh sequence's 150 rows may come from the window.
+    _, rows = rows_from_the_window(MIXED)
+    np.testing.assert_array_equal(rows, np.arange(1, 151))
 
 
 def test_out_of_float16_range_and_unsupported_options_keep_the_paged_kernel():
