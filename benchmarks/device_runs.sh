@@ -92,6 +92,7 @@ OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
 R=$OUT/$PLAN
+END=${END:-590}  # seconds into the call by which the plan ends (a session with less device time lowers it)
 cd "$(dirname "$0")/.."
 
 on_gpu() {  # on_gpu GPU LOG TIMEOUT CMD...: one job on one GPU with its own compile cache
@@ -443,18 +444,19 @@ s11a|s12b)
     # The first compiles (~65 s cold) and runs (~110 s); the second finds the programs cached.
     on_gpu 0 bf16_greedy.log 210 python3 benchmarks/engine_throughput.py --out "$R/bf16_greedy" \
         --workloads throughput-1k --max-num-seqs 1024 --admission greedy
-    left=$(( 590 - SECONDS ))
+    left=$(( END - SECONDS ))
     (( left > 130 )) && on_gpu 0 bf16_reserve.log "$left" python3 benchmarks/engine_throughput.py \
         --out "$R/bf16_reserve" --workloads throughput-1k --max-num-seqs 1024 --admission reserve ;;
 s12a)
     on_gpu 0 wgmma.log 300 python3 benchmarks/fp8_wgmma_decode.py --out "$R/fp8wgmma" --budget-s 240
-    left=$(( 590 - SECONDS ))
+    left=$(( END - SECONDS ))
     (( left > 120 )) && on_gpu 0 peers.log "$left" python3 benchmarks/prefill_peers.py --out "$R/pp_multi" \
         --shapes 8x1000,4x2000,2x4000 --impls ours,fresh_single,fresh_path,fresh_branchless --kv-dtypes bf16,fp8 \
         --min-fresh-tokens 960 --budget-s $(( left - 40 )) ;;
 s12c)
+    wheels
     for scales in static dynamic; do
-        left=$(( 590 - SECONDS )); limit=$left
+        left=$(( END - SECONDS )); limit=$left
         [[ $scales == static ]] && limit=300  # leave the second its share
         (( left > 150 )) && on_gpu 0 fp8_$scales.log "$limit" python3 \
             benchmarks/engine_throughput.py --out "$R/fp8_$scales" --workloads throughput-1k --max-num-seqs 1024 \

@@ -349,7 +349,7 @@ class Scheduler:
             num_remaining = seq.num_tokens - num_cached
             num_new = min(num_remaining, budget)
             # Out of pages, now or for what runs already: later arrivals do not overtake (FCFS).
-            if not self.admission.can_admit(seq, totals, self.allocator):
+            if not self.admission.can_admit(seq, self.running, totals, self.allocator, len(self.waiting)):
                 break
             if not self.allocator.allocate_prompt(seq, num_new):
                 break

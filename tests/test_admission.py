@@ -4,7 +4,9 @@ ratio, FCFS without starvation, config errors; driven by test_scheduler's hand-c
 import pytest
 from prometheus_client import generate_latest
 
-from jaxinfer.admission import Admission, AdmissionConfig, AdmissionConfigError, RunningTotals
+import numpy as np
+
+from jaxinfer.admission import Admission, AdmissionConfig, AdmissionConfigError, Projection, RunningTotals
 from jaxinfer.engine_config import EngineConfig, EngineConfigError
 from jaxinfer.page_allocator import PageAllocator
 from jaxinfer.scheduler import Scheduler, SchedulerConfig
@@ -48,7 +50,7 @@ def test_reserve_preempts_far_less_than_greedy_with_the_same_tokens(is_async):
             assert seq.finish_reason == "length"
             assert seq.token_ids == reference_run(prompt, 40 - len(prompt))
         assert engine.scheduler.allocator.num_used_pages == 0
-        assert engine.scheduler.admission.sum_max_num_tokens == 0  # every start matched by a stop
+        assert not engine.scheduler.admission.limits  # every start matched by a stop
         preemptions[policy] = engine.scheduler.num_preemptions
     assert preemptions["greedy"] >= 10
     assert preemptions["reserve"] <= preemptions["greedy"] / 4, preemptions
@@ -199,37 +201,101 @@ def test_the_first_request_is_never_held_back_and_later_ones_keep_their_order():
     assert [seq.finish_reason for seq in engine.seqs] == ["length"] * 3
 
 
-def test_the_reservation_is_counted_in_pages_and_prefix_hits_cost_nothing():
-    allocator = PageAllocator(40, PAGE_SIZE, "fake")
+@pytest.mark.parametrize("is_async", [False, True])
+def test_the_last_requests_of_a_burst_start_at_once_instead_of_running_alone_afterwards(is_async):
+    # 20 requests of 4 + 28 tokens (8 pages each at full length) over 155 usable pages: all 20
+    # at full length need 160, 19 fit. Held to the projection, the 20th would wait until the
+    # first are about to finish and then run most of its 28 steps alone. It is one request behind 19 running (within
+    # tail_fraction 0.1): admitted against a projected overflow in its last half, it starts
+    # at once and at worst is preempted late and finishes a few steps after the others.
+    steps = {}
+    for name, config in {"tail": AdmissionConfig(), "no tail": AdmissionConfig(tail_fraction=0.0)}.items():
+        engine = FakeEngine(make_scheduler(config, num_pages=156, max_num_seqs=32, max_num_batched_tokens=32,
+                                           max_model_len=32), is_async)
+        prompts = [[seq_id + 1] * 4 for seq_id in range(20)]
+        for seq_id, prompt in enumerate(prompts):
+            engine.add(make_seq(seq_id, prompt), 28)
+        _, ratios = run_counting(engine)
+        assert [seq.token_ids for seq in engine.seqs] == [reference_run(p, 28) for p in prompts]
+        steps[name] = len(ratios)
+        assert engine.scheduler.num_preemptions <= 1
+    # 28 decode steps + the prompts' steps + a few: against the 20th's 28 steps alone after the peak.
+    assert steps["tail"] <= 36 and steps["no tail"] >= steps["tail"] + 8, steps
+
+
+def running_seq(seq_id, num_prompt, max_tokens, num_generated=0):
+    seq = Sequence(seq_id, f"r{seq_id}", [seq_id + 1] * num_prompt, max_tokens=max_tokens)
+    seq.token_ids += [7] * num_generated
+    return seq
+
+
+def test_the_projection_peaks_just_before_a_sequence_ends():
+    # Two running: one expected to run 3 more steps, then free its 10 tokens; one 8 more steps,
+    # freeing 20. After step t (0 = the next) the pool holds (t+1) more per running sequence,
+    # less what ended.
+    projection = Projection.of(np.array([8, 3]), np.array([20, 10]))
+    assert projection.growth(np.arange(10)).tolist() == [2, 4, 6, -6, -5, -4, -3, -2, -30, -30]
+    assert projection.peak_growth(10, with_candidate=False) == 6
+    # With a candidate beside them for 5 steps: +t+1 each step, the peak is step 2's 6 + 3.
+    assert projection.peak_growth(5, with_candidate=True) == 9
+    assert projection.peak_growth(0, with_candidate=True) == 0
+    # A third sequence joins (admitted this step): ending after 3 steps, freeing 5.
+    grown = projection.with_sequence(3, 5)
+    assert grown.ends.tolist() == [3, 3, 8]
+    assert grown.growth(np.arange(5)).tolist() == [3, 6, 9, -11, -10]
+
+
+@pytest.mark.parametrize("num_free, admitted", [(6, True), (5, False)])
+def test_the_check_counts_pages_pending_prompt_tokens_and_the_projected_peak(num_free, admitted):
+    allocator = PageAllocator(40, PAGE_SIZE, "fake")  # 39 usable pages of 4 tokens
     admission = Admission(AdmissionConfig(initial_ratio=0.5), PAGE_SIZE, max_model_len=64)
-    # Running: 2 sequences with 30 tokens in all, 50 more they may generate, 3 prompt tokens
-    # not yet in a page: 0.5 * 50 + 3 = 28 tokens, 7 pages.
-    for seq_id, (prompt, max_tokens) in enumerate([(10, 20), (20, 30)]):
-        admission.on_start(Sequence(seq_id, f"r{seq_id}", [1] * prompt, max_tokens=max_tokens))
-    assert admission.reserved_pages(RunningTotals(num_seqs=2, num_tokens=30, num_pending_tokens=3)) == 7
-    # A cap on what one sequence's output is expected to be: at most 4 tokens each here.
-    capped = Admission(AdmissionConfig(initial_ratio=1.0, max_reserved_tokens=4), PAGE_SIZE, max_model_len=64)
-    capped.sum_max_num_tokens = 80
-    assert capped.reserved_pages(RunningTotals(num_seqs=2, num_tokens=30, num_pending_tokens=0)) == 2
-    # A candidate of 9 tokens (max_tokens 6: 3 expected) needs 3 pages; sharing its first two
-    # full pages with a running sequence, only 1.
-    holder = Sequence(10, "holder", list(range(1, 10)))
+    # Running: 10 + 20 tokens (3 + 5 pages), max_tokens 20 and 30: at ratio 0.5 expected to run
+    # 10 and 15 more steps. 3 of their prompt tokens have no page yet.
+    running = [running_seq(0, 10, 20), running_seq(1, 20, 30)]
+    for seq in running:
+        assert allocator.allocate_prompt(seq, seq.num_tokens)
+        admission.on_start(seq)
+    blocker = Sequence(9, "blocker", [5] * (4 * (31 - num_free)))  # holds pages, leaves num_free
+    assert allocator.allocate_prompt(blocker, blocker.num_tokens)
+    assert allocator.num_free_pages == num_free
+    # The candidate: 9 tokens (3 pages), max_tokens 6: expected to run 3 steps. Over them the
+    # pool grows 3 tokens a step (two running, the candidate): 9 by the third, + 3 pending = 12
+    # tokens, 3 pages; 6 pages in all. (Summing every remaining output instead, as if all peaked
+    # together: 10 + 15 + 3 + 3 + 9 tokens = 10 pages.)
     candidate = Sequence(11, "candidate", list(range(1, 10)), max_tokens=6)
-    assert admission.candidate_tokens(candidate) == 12
-    assert allocator.num_pages_to_admit(candidate, 12) == 3
+    totals = RunningTotals(num_seqs=2, num_tokens=30, num_pending_tokens=3)
+    assert admission.can_admit(candidate, running, totals, allocator) is admitted
+    # The running set's own peak: 2 tokens a step for 10 steps + 3 pending = 23 tokens, 6 pages.
+    assert admission.num_reserved_pages == 6
+
+
+def test_a_prefix_another_sequence_holds_costs_the_candidate_nothing():
+    allocator = PageAllocator(12, PAGE_SIZE, "fake")  # 11 usable pages
+    admission = Admission(AdmissionConfig(), PAGE_SIZE, max_model_len=64)
+    holder = running_seq(0, 9, 1)  # 9 tokens, 3 pages; expected to run 1 step
     assert allocator.allocate_prompt(holder, 9)
     holder.num_computed_tokens = 9
     allocator.register_computed(holder)
-    assert allocator.num_pages_to_admit(candidate, 12) == 1
-    # Once the holder is gone its cached pages are free: reviving them costs them again.
-    allocator.free(holder)
-    assert allocator.num_pages_to_admit(candidate, 12) == 3
+    admission.on_start(holder)
+    blocker = Sequence(9, "blocker", [5] * 28)  # 7 pages: 1 of the 11 left
+    assert allocator.allocate_prompt(blocker, 28)
+    # 11 tokens sharing the holder's 2 full pages: 1 page of its own. Over its 1 expected step
+    # the pool grows 2 tokens (1 page): 2 pages needed, 1 free.
+    candidate = Sequence(1, "candidate", [1] * 8 + [4, 2, 3], max_tokens=1)
+    totals = RunningTotals(num_seqs=1, num_tokens=9, num_pending_tokens=0)
+    assert allocator.num_pages_to_admit(candidate, candidate.num_tokens) == 1
+    assert not admission.can_admit(candidate, [holder], totals, allocator)
+    allocator.free(blocker)
+    assert admission.can_admit(candidate, [holder], totals, allocator)
 
 
-def test_greedy_reserves_nothing_and_keeps_its_ratio_at_zero():
+def test_greedy_never_checks_and_keeps_its_ratio_at_zero():
+    allocator = PageAllocator(3, PAGE_SIZE, "fake")
     admission = Admission(AdmissionConfig(policy="greedy"), PAGE_SIZE, max_model_len=64)
-    admission.on_start(Sequence(0, "r0", [1] * 10, max_tokens=50))
-    assert admission.reserved_pages(RunningTotals(1, 10, 0)) == 0
+    running = [running_seq(0, 4, 50)]
+    admission.on_start(running[0])
+    # Even a candidate that cannot fit passes: the allocator alone decides under "greedy".
+    assert admission.can_admit(running_seq(1, 40, 50), running, RunningTotals(1, 4, 0), allocator)
     admission.end_step(preempted=True)
     assert admission.ratio == 0.0
 
@@ -238,6 +304,9 @@ def test_greedy_reserves_nothing_and_keeps_its_ratio_at_zero():
     (dict(policy="optimistic"), "policy"),
     (dict(initial_ratio=0.0), "initial_ratio"),
     (dict(initial_ratio=1.5), "initial_ratio"),
+    (dict(horizon=0.0), "horizon"),
+    (dict(horizon=0.5, tail_horizon=0.6), "tail_horizon"),
+    (dict(tail_fraction=-0.1), "tail_fraction"),
     (dict(min_ratio=-0.1), "min_ratio"),
     (dict(initial_ratio=0.5, min_ratio=0.6), "min_ratio"),
     (dict(decay_steps=0), "decay_steps"),
@@ -272,3 +341,13 @@ def test_a_sequences_limit_is_its_prompt_and_max_tokens_within_max_model_len():
     assert max_num_tokens(Sequence(2, "r", [1] * 10), max_model_len=64) == 64  # no max_tokens: the context
     with pytest.raises(ValueError, match="max_tokens"):
         Sequence(3, "r", [1], max_tokens=-1)
+
+
+def test_the_cpu_benchmarks_host_cost_cases_refuse_as_they_say():
+    # benchmarks/admission_cpu.py's host-cost harness asserts that nothing is admitted while it
+    # times; the "projected" case must be refused by the projection, not by the prompt's pages.
+    import benchmarks.admission_cpu as admission_cpu
+
+    for policy, waiting in [("greedy", "too-big"), ("reserve", "too-big"), ("reserve", "projected"),
+                            ("reserve", "empty")]:
+        assert admission_cpu.host_cost_round(policy, num_running=64, waiting=waiting, num_steps=4) > 0
