@@ -9,13 +9,13 @@ TPU) and the context-bounded CPU path on a CPU (a native call per layer for floa
 benchmark: GPU run 2 measured it slower than ``"pallas_gpu"`` at large batches (docs/KERNELS.md).
 ``"pallas_gpu_fresh_prefill"`` (issue 21) is ``"pallas_gpu"`` with a prefill-heavy step's fresh
 prompts (no cached prefix, >= 1024 tokens; over bf16 or fp8 pages) sent through jax's bundled Mosaic GPU flash
-attention (``pallas_kernels.paged_attention.gpu_fresh_prefill``): the longest one a step, or up to
-``fresh_prompts.ENGINE_MAX_FRESH_PROMPTS`` once a GPU run shows that several pay; on other
-platforms it is ``"auto"``.
+attention (``pallas_kernels.paged_attention.gpu_fresh_prefill``): the longest one a step
+(``fresh_prompts.ENGINE_MAX_FRESH_PROMPTS`` = 1: session 12 measured several a step slower than the
+Triton kernel at 1-2k-token prompts, docs/KERNELS.md); on other platforms it is ``"auto"``.
 ``"pallas_gpu_fresh_prefill_branchless"`` is the same with our bf16 Mosaic GPU window kernel
 (``gpu_fresh_window``), which needs no device conditional.
 What ``"auto"`` runs on a Hopper GPU is ``HOPPER_AUTO_IMPL``: the fresh path, since
-``benchmarks/prefill_engine.py`` measured it faster in the engine (below); ``attention_impl="pallas_gpu"``
+``benchmarks/prefill_engine.py`` measured it faster in the engine with one fresh prompt a step (below); ``attention_impl="pallas_gpu"``
 keeps the Triton kernel for every step.
 
 FP8 pages (``kv_cache_dtype="fp8"``) are scaled here, so that every kernel only converts the
