@@ -161,6 +161,20 @@ def random_model(shape: str, dtype=jnp.bfloat16, seed: int = 0, mesh=None, quant
                        source=Path(f"random:{shape}"))
 
 
+def calibrated_on_random_tokens(model, log, num_prompts: int = 4, num_tokens: int = 512, seed: int = 0):
+    """``model`` (fp8, random weights) with static activation scales calibrated on random-token prompts."""
+    from jaxinfer.activation_calibration import calibrate_activation_scales
+    from jaxinfer.activation_scales import with_static_input_scales
+
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, model.config.vocab_size, num_tokens).tolist() for _ in range(num_prompts)]
+    start = time.perf_counter()
+    model = with_static_input_scales(model, calibrate_activation_scales(model, prompts))
+    log(f"static activation scales: calibrated on {num_prompts} random-token prompts of {num_tokens} tokens "
+        f"(random weights have no checkpoint scales) in {time.perf_counter() - start:.1f} s")
+    return model
+
+
 def decode_weight_bytes(weights) -> int:
     """Bytes of every weight a decode step reads, at their stored width (fp8 payloads + scales count as
     they are): all leaves but the input embedding, of which a step gathers a row per token. A tied

@@ -1,6 +1,7 @@
 """How long each step program takes to compile, one at a time (Llama-3.1-8B shapes, random weights).
 
     python3 benchmarks/compile_time.py --out DIR [--quantization fp8] [--kv-cache-dtype fp8] [--tokens 8,128,2048]
+        [--activation-scales static]
 
 Why it exists: the engine compiles its step programs on a thread pool at warm-up, so a slow or
 hung program is hidden among the others (session 7's FP8 engine was still compiling after
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
-from common import Log, header, random_model  # noqa: E402
+from common import Log, calibrated_on_random_tokens, header, random_model  # noqa: E402
 
 from jaxinfer.runner import ModelRunner  # noqa: E402
 
@@ -40,18 +41,25 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=384)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--num-pages", type=int, default=2048)
+    parser.add_argument("--activation-scales", choices=["dynamic", "static"], default="dynamic",
+                        help="fp8 W8A8 activation scales; static: calibrated on random tokens first (as engine_throughput.py)")
     parser.add_argument("--tag", default="", help="a name for this run's rows (e.g. the XLA flags tried)")
     args = parser.parse_args()
+    if args.activation_scales == "static" and args.quantization != "fp8":
+        parser.error("--activation-scales static needs --quantization fp8")
 
     args.out.mkdir(parents=True, exist_ok=True)
     log = Log()
     results = {"header": header(log), "tag": args.tag, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-               "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype, "programs": []}
+               "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+               "activation_scales": args.activation_scales, "programs": []}
     path = args.out / f"compile_time{('.' + args.tag) if args.tag else ''}.json"
 
     start = time.perf_counter()
     model = random_model(args.shape, quantization=args.quantization)
     jax.block_until_ready(model.weights)
+    if args.activation_scales == "static":
+        model = calibrated_on_random_tokens(model, log)
     results["model_seconds"] = time.perf_counter() - start
     log(f"model {args.shape} quantization={args.quantization} made in {results['model_seconds']:.1f} s")
     runner = ModelRunner(model, num_pages=args.num_pages, page_size=32, max_model_len=4096,

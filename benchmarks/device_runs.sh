@@ -86,8 +86,14 @@
 #   s12b    one GPU (carry .whl): s11a with "reserve" now learning its ratio from finished requests.
 #   s12c    one GPU: fp8 throughput-1k (fp8 weights + fp8 KV, 1024 sequences) with static activation
 #           scales (calibrated on random prompts in the run) against dynamic ones, in one call.
+#   s13a    one GPU (carry .whl), queued by session 12: the static-scale fp8 engine's programs
+#           compiled one by one (compile_time.py, each bucket's seconds flushed before the next; the
+#           W8A8 buckets first) with an HLO/PTX dump of what was compiled, to name the program
+#           ptxas takes minutes on; then bf16 throughput-1k at 1024 under the projected admission.
+#   s13b    one GPU (carry .whl): fp8 throughput-1k at 1024 with static against dynamic scales, if
+#           s13a found the static engine compiles within its limit (else fix that first).
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b or s12c}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a or s13b}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -461,6 +467,28 @@ s12c)
         (( left > 150 )) && on_gpu 0 fp8_$scales.log "$limit" python3 \
             benchmarks/engine_throughput.py --out "$R/fp8_$scales" --workloads throughput-1k --max-num-seqs 1024 \
             --quantization fp8 --kv-cache-dtype fp8 --activation-scales $scales --profile-prefill-steps 1
+    done ;;
+s13a)
+    wheels
+    # The largest buckets first: W8A8 runs there (jaxinfer.compile_options.uses_fp8_w8a8).
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$R/xla_dump --xla_dump_hlo_as_text" \
+    on_gpu 0 compile_static.log 330 python3 benchmarks/compile_time.py --out "$R/compile_static" \
+        --quantization fp8 --kv-cache-dtype fp8 --activation-scales static --max-num-seqs 1024 \
+        --tokens 8192,4096,2048,1024,512,256
+    # Its own archive beside the plan's (files over 16 MB do not come back; the list of the largest does).
+    (cd "$R" && [[ -d xla_dump ]] && ls -laS xla_dump | head -40 >xla_dump_largest.txt \
+        && tar czf "$OUT/$PLAN-xla_dump.tgz" xla_dump && rm -rf xla_dump)
+    left=$(( END - SECONDS ))
+    (( left > 150 )) && on_gpu 0 bf16_projected.log "$left" python3 benchmarks/engine_throughput.py \
+        --out "$R/bf16_projected" --workloads throughput-1k --max-num-seqs 1024 --admission reserve ;;
+s13b)
+    wheels
+    for scales in static dynamic; do
+        left=$(( END - SECONDS )); limit=$left
+        [[ $scales == static ]] && limit=$(( left / 2 + 60 ))
+        (( left > 150 )) && on_gpu 0 fp8_$scales.log "$limit" python3 \
+            benchmarks/engine_throughput.py --out "$R/fp8_$scales" --workloads throughput-1k --max-num-seqs 1024 \
+            --quantization fp8 --kv-cache-dtype fp8 --activation-scales $scales
     done ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;

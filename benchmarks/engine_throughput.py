@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from common import (  # noqa: E402
-    Log, decode_weight_bytes, header, measure_ceilings, random_model, random_prompts, write_results,
+    Log, calibrated_on_random_tokens, decode_weight_bytes, header, measure_ceilings, random_model, random_prompts, write_results,
 )
 
 from jaxinfer.engine import Engine, EngineConfig  # noqa: E402
@@ -459,22 +459,6 @@ def markdown(results: dict) -> str:
     for shape, e in results.get("engines", {}).items():
         lines.append(f"- {shape}: " + ", ".join(f"{k} {v if not isinstance(v, float) else round(v, 1)}" for k, v in e.items()))
     return "\n".join(lines) + "\n"
-
-
-def calibrated_on_random_tokens(model, log, num_prompts: int = 4, num_tokens: int = 512, seed: int = 0):
-    """``model`` (fp8, random weights) with static activation scales calibrated on random-token prompts."""
-    import numpy as np
-
-    from jaxinfer.activation_calibration import calibrate_activation_scales
-    from jaxinfer.activation_scales import with_static_input_scales
-
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(0, model.config.vocab_size, num_tokens).tolist() for _ in range(num_prompts)]
-    start = time.perf_counter()
-    model = with_static_input_scales(model, calibrate_activation_scales(model, prompts))
-    log(f"static activation scales: calibrated on {num_prompts} random-token prompts of {num_tokens} tokens "
-        f"(random weights have no checkpoint scales) in {time.perf_counter() - start:.1f} s")
-    return model
 
 
 def main():
