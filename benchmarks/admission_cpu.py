@@ -25,6 +25,11 @@ of up to 4096 tokens each), outputs exponentially distributed around 300 tokens,
 256, the same pool and step-time model: what holding the ratio at 1.0 until requests finish costs
 the time to first token, against SGLang's schedule and greedy.
 
+``online``: 3000 requests arriving one by one (``--online-rates`` a second), prompts of 200-2000
+tokens, outputs exponential around 400, with and without ``max_tokens`` 1024: whether admitting the
+tail of a short queue early (the tail exception) starts preemption storms when arrivals outrun
+the pool, against greedy and against no tail exception.
+
 ``host-cost``: ``Scheduler.schedule`` + ``postprocess`` per step with 1024 running decodes: with
 no waiting queue, with one whose prompt the pool cannot take (both policies check the head and
 refuse it each step), and, for reserve alone, with one refused by the projection (built each
@@ -170,6 +175,54 @@ def chat_burst(policy: str, model: StepModel, *, learn_from_finished: bool, init
                 modelled_output_tokens_per_s=sum(stop_after.values()) / run["seconds"])
 
 
+def online(policy: str, model: StepModel, *, rate: float, max_tokens: int | None, num_pages: int,
+           tail_fraction: float | None = None, num_requests: int = 3000, seed: int = 0) -> dict:
+    """Requests arriving one by one (Poisson, ``rate`` a second of modelled time), prompts of
+    200-2000 tokens, outputs exponential around 400 tokens (at most 4000 or ``max_tokens``),
+    ``max_num_seqs`` 1024: preemptions, time to first token and end to end, in modelled seconds."""
+    scheduler = make_scheduler(policy, learn_from_finished=True, initial_ratio=1.0, num_pages=num_pages, page_size=32,
+                               max_num_seqs=1024, budget=8192, max_model_len=8192, tail_fraction=tail_fraction)
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    for _ in range(num_requests):
+        t += rng.expovariate(rate)
+        arrivals.append(t)
+    stop_after, first_token_s, done_s = {}, {}, {}
+    now, num_added = 0.0, 0
+    while num_added < num_requests or scheduler.num_waiting or scheduler.num_running:
+        while num_added < num_requests and arrivals[num_added] <= now:
+            prompt = [rng.randrange(1, 100_000) for _ in range(rng.randint(200, 2000))]
+            scheduler.add(Sequence(num_added, f"r{num_added}", prompt, arrival_time=now, max_tokens=max_tokens))
+            stop_after[num_added] = min(int(rng.expovariate(1 / 400)) + 1, max_tokens or 4000)
+            num_added += 1
+        if not (scheduler.num_waiting or scheduler.num_running):
+            now = arrivals[num_added]  # idle until the next arrival
+            continue
+        schedule = scheduler.schedule(1e9)
+        now += model.seconds(schedule)
+        scheduler.postprocess(schedule)
+        for item in schedule.items:
+            if item.samples_token:
+                seq_id = item.seq.seq_id
+                first_token_s.setdefault(seq_id, now)
+                item.seq.append_token(7)
+                if item.seq.num_generated_tokens >= stop_after[seq_id]:
+                    scheduler.finish(item.seq, "stop")
+                    done_s[seq_id] = now
+    ttft = sorted(first_token_s[i] - arrivals[i] for i in range(num_requests))
+    return dict(policy=policy, learn_from_finished=True, tail_fraction=scheduler.config.admission.tail_fraction,
+                rate=rate, max_tokens=max_tokens, preemptions=scheduler.num_preemptions,
+                ttft_mean_s=statistics.fmean(ttft), ttft_p90_s=ttft[int(0.9 * len(ttft))],
+                e2e_mean_s=statistics.fmean(done_s[i] - arrivals[i] for i in range(num_requests)),
+                modelled_output_tokens_per_s=sum(stop_after.values()) / now)
+
+
+def table(title: str, columns: list[str], rows: list[list]) -> list[str]:
+    """A markdown section: its title and a table of ``rows`` (cells already formatted)."""
+    return [f"\n## {title}\n", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns),
+            *("| " + " | ".join(map(str, row)) + " |" for row in rows)]
+
+
 def label(row: dict) -> str:
     if row["policy"] == "greedy":
         return "greedy"
@@ -236,7 +289,8 @@ def host_cost_round(policy: str, *, num_running: int, waiting: str, num_steps: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--sections", default="simulate,chat-burst,host-cost")
+    parser.add_argument("--sections", default="simulate,chat-burst,online,host-cost")
+    parser.add_argument("--online-rates", default="20,30", help="arrivals a second for the online section")
     parser.add_argument("--early-stop-fractions", default="0,0.5,0.9")
     parser.add_argument("--kv-cache-dtype", choices=sorted(POOLS), default="bf16",
                         help="the pool and step-time constants below default to this dtype's (POOLS)")
@@ -283,12 +337,12 @@ def main() -> None:
                 log(f"simulate {row}", lines)
                 rows.append(row)
         results["simulate"] = rows
-        markdown.append("## throughput-1k's shape, simulated\n\n| early-stop fraction | admission | max_num_seqs "
-                        "| preemptions | steps | tokens recomputed | most running | modelled output tok/s |\n"
-                        "| --- | --- | --- | --- | --- | --- | --- | --- |")
-        markdown += [f"| {r['early_stop_fraction']} | {label(r)} | {r['max_num_seqs']} | {r['preemptions']} | "
-                     f"{r['steps']} | {r['tokens_recomputed']} | {r['most_running']} | "
-                     f"{r['modelled_output_tokens_per_s']:.0f} |" for r in rows]
+        markdown += table("throughput-1k's shape, simulated",
+                          ["early-stop fraction", "admission", "max_num_seqs", "preemptions", "steps",
+                           "tokens recomputed", "most running", "modelled output tok/s"],
+                          [[r["early_stop_fraction"], label(r), r["max_num_seqs"], r["preemptions"], r["steps"],
+                            r["tokens_recomputed"], r["most_running"], f"{r['modelled_output_tokens_per_s']:.0f}"]
+                           for r in rows])
     if "chat-burst" in sections:
         rows = []
         for policy, learn, initial in [("greedy", True, 1.0), ("reserve", False, 0.7), ("reserve", True, 1.0)]:
@@ -296,11 +350,26 @@ def main() -> None:
             log(f"chat-burst {row}", lines)
             rows.append(row)
         results["chat_burst"] = rows
-        markdown.append("\n## A burst of 512 chat requests without max_tokens, 256 sequences at most, simulated\n\n"
-                        "| admission | preemptions | mean TTFT s | p90 TTFT s | modelled output tok/s |\n"
-                        "| --- | --- | --- | --- | --- |")
-        markdown += [f"| {label(r)} | {r['preemptions']} | {r['ttft_mean_s']:.2f} | {r['ttft_p90_s']:.2f} | "
-                     f"{r['modelled_output_tokens_per_s']:.0f} |" for r in rows]
+        markdown += table("A burst of 512 chat requests without max_tokens, 256 sequences at most, simulated",
+                          ["admission", "preemptions", "mean TTFT s", "p90 TTFT s", "modelled output tok/s"],
+                          [[label(r), r["preemptions"], f"{r['ttft_mean_s']:.2f}", f"{r['ttft_p90_s']:.2f}",
+                            f"{r['modelled_output_tokens_per_s']:.0f}"] for r in rows])
+    if "online" in sections:
+        rows = []
+        for rate in map(float, args.online_rates.split(",")):
+            for max_tokens in (None, 1024):
+                for policy, tail_fraction in [("greedy", None), ("reserve", None), ("reserve", 0.0)]:
+                    row = online(policy, model, rate=rate, max_tokens=max_tokens, num_pages=args.num_pages,
+                                 tail_fraction=tail_fraction)
+                    log(f"online {row}", lines)
+                    rows.append(row)
+        results["online"] = rows
+        markdown += table("Steady arrivals, 3000 requests, outputs ~400 tokens, 1024 sequences at most, simulated",
+                          ["arrivals/s", "max_tokens", "admission", "preemptions", "mean TTFT s", "p90 TTFT s",
+                           "mean end to end s", "modelled output tok/s"],
+                          [[f"{r['rate']:g}", r["max_tokens"] or "none (4096 held)", label(r), r["preemptions"],
+                            f"{r['ttft_mean_s']:.2f}", f"{r['ttft_p90_s']:.2f}", f"{r['e2e_mean_s']:.2f}",
+                            f"{r['modelled_output_tokens_per_s']:.0f}"] for r in rows])
     if "host-cost" in sections:
         cases = [(policy, waiting) for waiting in WAITING_CASES for policy in ADMISSION_POLICIES
                  if not (waiting == "projected" and policy == "greedy")]
@@ -320,12 +389,12 @@ def main() -> None:
             log(f"host-cost {row}", lines)
             rows.append(row)
         results["host_cost"] = rows
-        markdown.append(f"\n## schedule + postprocess per decode step, {args.num_running} running "
-                        f"(median of {args.rounds} interleaved rounds of {args.steps} steps)\n\n"
-                        "| waiting queue | greedy µs | reserve µs | reserve / greedy |\n| --- | --- | --- | --- |")
-        markdown += [f"| {WAITING_CASES[r['waiting_queue']]} | {r['greedy_us']:.0f}"
-                     f"{' (empty queue)' if r['greedy_case'] != r['waiting_queue'] else ''} | "
-                     f"{r['reserve_us']:.0f} | {r['reserve_over_greedy']:.3f} |" for r in rows]
+        markdown += table(f"schedule + postprocess per decode step, {args.num_running} running "
+                          f"(median of {args.rounds} interleaved rounds of {args.steps} steps)",
+                          ["waiting queue", "greedy µs", "reserve µs", "reserve / greedy"],
+                          [[WAITING_CASES[r["waiting_queue"]],
+                            f"{r['greedy_us']:.0f}" + (" (empty queue)" if r["greedy_case"] != r["waiting_queue"] else ""),
+                            f"{r['reserve_us']:.0f}", f"{r['reserve_over_greedy']:.3f}"] for r in rows])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{NAME}.json").write_text(json.dumps(results, indent=2))
     (args.out / f"{NAME}.md").write_text("\n".join(markdown) + "\n")
