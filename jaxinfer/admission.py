@@ -337,7 +337,10 @@ class Admission:
 
     def can_admit(self, seq: Sequence, running: typing.Sequence[Sequence], totals: RunningTotals,
                   allocator: PageAllocator, num_waiting: int = 1) -> bool:
-        """Whether ``seq`` may start beside ``running`` (whose sums ``totals`` holds).
+        """Whether ``seq`` may start beside ``running`` (the scheduler's running list, in
+        admission order; ``totals`` its sums) with ``num_waiting`` sequences waiting, ``seq``
+        included: its pages now plus the projected peak of the pool's growth over its expected
+        run (half of it for the tail of a burst) must fit in the free pages.
 
         Always true under "greedy" and with nothing running: the allocator alone then decides
         (by whether the first chunk fits).

@@ -79,7 +79,7 @@ class ServerMetrics:
             "Fraction of the running requests' remaining max_tokens that admission holds KV pages for.")
         self.admission_reserved_pages = gauge(
             "scheduler_admission_reserved_pages",
-            "KV pages admission held back for the running requests' growth at its last check.")
+            "KV pages admission held back for the running requests' projected peak growth at its last check.")
         self.num_compilations = gauge("num_compilations_after_warmup",
                                       "XLA compilations after warm-up (each one stalls serving).")
         self.num_prompt_scoring_programs = gauge(
