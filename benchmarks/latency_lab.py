@@ -5,6 +5,7 @@
     python3 benchmarks/latency_lab.py --out DIR --weights bf16 \
         --xla-options xla_gpu_unsupported_enable_triton_multi_output_fusion=true   # a fusion choice, same run
     python3 benchmarks/latency_lab.py --out DIR --attention pallas_gpu_fused   # the fused-write kernel at batch 1
+    python3 benchmarks/latency_lab.py --out DIR --weights fp8 --batches 16,32,64,128   # moderate batches too
 
 For each weight format (``fp8``: the projections quantized per channel, as
 ``--quantization fp8`` does; embedding and lm_head stay bf16), one sequence at a 384-token
@@ -21,8 +22,14 @@ count, so XLA's while loop never waits on the host; each step feeds its token to
   ours), lm_head, attention kernel, KV-write scatter, sampler, other fusions (norms, rope,
   residual adds), and the gaps between kernels; plus the top kernels by name.
 
+With ``--batches``, decode steps of N sequences (bucket NxN, every row a sequence at
+``--batch-context`` tokens, bf16 cache) as well: fp8 decode steps of 16-128 sequences ran 5-11 ms
+in throughput-1k (session 12), 1.5-3x a weight-and-K/V-read estimate, and the weight path changes
+there (our GEMV to M = 16, XLA weight-only below ``FP8_W8A8_MIN_TOKENS``, W8A8 from it).
+
 Each is compared with the roofline: bytes of every weight a step reads (all but the input
-embedding) / the HBM read ceiling measured in the same run. Writes DIR/latency_lab.{json,md,log}
+embedding; for the ``--batches`` rows plus the K/V they attend over) / the HBM read ceiling
+measured in the same run. Writes DIR/latency_lab.{json,md,log}
 and the traces under DIR/profile_<format>_<variant>/.
 """
 
@@ -156,14 +163,21 @@ def breakdown(trace_path: Path, steps: int, top: int, scopes: dict[str, str] | N
     }
 
 
-def decode_batch(num_tokens: int, num_seqs: int, max_pages: int):
-    pages = list(range(1, CONTEXT // PAGE_SIZE + 2))
-    return build_step_batch([([1], CONTEXT, pages)], num_tokens=num_tokens, num_seqs=num_seqs,
-                            pages_per_seq=max_pages, padding_page=0)
+def pages_needed(num_active: int, context: int) -> int:
+    """Cache pages for ``num_active`` sequences of ``context`` tokens and their next token (+ the padding page)."""
+    return 1 + num_active * (context // PAGE_SIZE + 1)
 
 
-def step_body(model, impl: str, num_seqs: int):
-    """One engine decode step (forward, lm_head over the sequence rows, basic sampler), feeding its token back."""
+def decode_batch(num_tokens: int, num_seqs: int, max_pages: int, num_active: int = 1, context: int = CONTEXT):
+    """A decode step of ``num_active`` sequences at ``context`` tokens each (pages of their own), padded to the bucket."""
+    per_seq = context // PAGE_SIZE + 1
+    chunks = [([1], context, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))) for i in range(num_active)]
+    return build_step_batch(chunks, num_tokens=num_tokens, num_seqs=num_seqs, pages_per_seq=max_pages, padding_page=0)
+
+
+def step_body(model, impl: str, num_seqs: int, num_active: int = 1):
+    """One engine decode step (forward, lm_head over the sequence rows, basic sampler), feeding
+    each active sequence its token back."""
     sampling = jax.tree.map(jnp.asarray, SamplingTensors.neutral(num_seqs))
 
     def body(carry, weights):
@@ -172,8 +186,8 @@ def step_body(model, impl: str, num_seqs: int):
         with jax.named_scope("lm_head"):
             logits = compute_logits(weights, x[batch.logits_indices])  # [B, V] f32
         with jax.named_scope("sampler"):
-            token = sample(logits, sampling, BASIC_SAMPLER).token_ids[0]
-        return cache, dataclasses.replace(batch, token_ids=batch.token_ids.at[0].set(token))
+            tokens = sample(logits, sampling, BASIC_SAMPLER).token_ids[:num_active]
+        return cache, dataclasses.replace(batch, token_ids=batch.token_ids.at[:num_active].set(tokens))
 
     return body
 
@@ -257,8 +271,16 @@ def measure_format(log: Log, args, fmt: str, ceiling_tbs: float) -> dict:
     extra += [(f"decode step, bucket 8x8, XLA {text}", 8, 8, parse_xla_options(text), impl)
               for text in args.xla_options]
     variants[1:1] = extra
+    # Moderate batches: every row a sequence at --batch-context tokens (throughput-1k's tail ran
+    # ~76 sequences at ~1500 tokens, 11.2 ms a step in fp8, session 12). Their roofline adds the
+    # K/V the step reads.
+    variants += [(f"decode step, bucket {n}x{n}, {n} sequences at {args.batch_context} tokens", n, n, {}, impl)
+                 for n in args.batches]
+    kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2  # bf16 cache
     for i, (label, t, b, options, step_impl) in enumerate(variants):
         trace_dir = None
+        batched = b is not None and label.startswith(f"decode step, bucket {b}x{b}, {b} sequences")
+        num_active, context = (b, args.batch_context) if batched else (1, CONTEXT)
         if not args.no_trace and b is not None:
             trace_dir = args.out / (f"profile_{fmt}_{t}x{b}" + (f"_v{i}" if 0 < i <= len(extra) else ""))
         try:
@@ -266,18 +288,21 @@ def measure_format(log: Log, args, fmt: str, ceiling_tbs: float) -> dict:
                 carry = jnp.ones((t, config.hidden_size), jnp.bfloat16) * 0.01
                 run = static_loop(weight_layer_body(model), args.steps)
             else:
-                cache = create_kv_cache(config, 64, PAGE_SIZE, jnp.bfloat16)
-                carry = (cache, jax.tree.map(jnp.asarray, decode_batch(t, b, max_pages)))
-                run = static_loop(step_body(model, step_impl, b), args.steps)
+                num_pages = max(64, pages_needed(num_active, context + args.steps))
+                cache = create_kv_cache(config, num_pages, PAGE_SIZE, jnp.bfloat16)
+                max_pages_here = max(max_pages, -(-(context + args.steps) // PAGE_SIZE) + 1)
+                carry = (cache, jax.tree.map(jnp.asarray, decode_batch(t, b, max_pages_here, num_active, context)))
+                run = static_loop(step_body(model, step_impl, b, num_active), args.steps)
             run, scopes = compile_loop(run, carry, weights, options)
             seconds = time_and_trace(log, run, carry, weights, args.steps, args.repeats, trace_dir)
         except Exception as error:  # noqa: BLE001  (reported, not hidden)
             log(f"[{fmt}] {label}: failed: {type(error).__name__}: {str(error)[:300]}")
             rows.append({"variant": label, "error": str(error)[:300]})
             continue
-        row = {"variant": label, "ms": seconds * 1e3, "ratio_to_roofline": seconds / roofline,
+        row_roofline = roofline + (num_active * context * kv_bytes_per_token / (ceiling_tbs * 1e12) if batched else 0)
+        row = {"variant": label, "ms": seconds * 1e3, "ratio_to_roofline": seconds / row_roofline,
                "weights_tbs": per_token / seconds / 1e12}
-        log(f"[{fmt}] {label}: {seconds * 1e3:.3f} ms = {seconds / roofline:.2f}x roofline "
+        log(f"[{fmt}] {label}: {seconds * 1e3:.3f} ms = {seconds / row_roofline:.2f}x roofline "
             f"({row['weights_tbs']:.2f} TB/s of weights)")
         if trace_dir is not None:
             traces = sorted(trace_dir.glob("plugins/profile/*/*.trace.json.gz"))
@@ -338,6 +363,9 @@ def main():
     parser.add_argument("--no-trace", action="store_true", help="time only: no profiler traces, no breakdown")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls of the loop (median)")
     parser.add_argument("--top", type=int, default=30, help="kernels listed by time per step")
+    parser.add_argument("--batches", type=lambda text: [int(x) for x in text.split(",") if x], default=[],
+                        help="also time and trace decode steps of this many sequences (bucket NxN), e.g. 32,64,128")
+    parser.add_argument("--batch-context", type=int, default=1536, help="tokens of context of each --batches sequence")
     parser.add_argument("--attention", type=lambda text: [x for x in text.split(",") if x], default=[],
                         help="also time and trace the 8x8 step with these attention kernels (pallas_gpu_fused, ...)")
     parser.add_argument("--xla-options", action="append", default=[], metavar="NAME=VALUE,...",

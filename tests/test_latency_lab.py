@@ -86,15 +86,27 @@ def test_latency_lab_runs_on_cpu_with_tiny_shapes(tmp_path):
     import subprocess
 
     done = subprocess.run([sys.executable, "benchmarks/latency_lab.py", "--out", str(tmp_path), "--shape", "tiny",
-                           "--steps", "2", "--repeats", "1"], cwd=REPO, capture_output=True, text=True, timeout=600)
+                           "--steps", "2", "--repeats", "1", "--batches", "4", "--batch-context", "64"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "latency_lab.json").read_text())
     assert list(results["formats"]) == ["bf16", "fp8"]
     for fmt in results["formats"].values():
-        assert [v["ms"] > 0 for v in fmt["variants"]] == [True, True, True]
+        assert [v["ms"] > 0 for v in fmt["variants"]] == [True, True, True, True]
+        assert fmt["variants"][3]["variant"] == "decode step, bucket 4x4, 4 sequences at 64 tokens"
         assert "no GPU kernel events" in fmt["variants"][0]["breakdown"]["error"]
     # fp8 projections are half the bytes of bf16 ones; the lm_head stays bf16.
     assert results["formats"]["fp8"]["per_token_bytes"] < results["formats"]["bf16"]["per_token_bytes"]
+
+
+def test_a_batched_decode_step_gives_each_sequence_its_own_pages():
+    from latency_lab import PAGE_SIZE, decode_batch, pages_needed
+
+    batch = decode_batch(8, 8, max_pages=4, num_active=3, context=64)
+    assert batch.kv_lens[:3].tolist() == [65, 65, 65] and batch.kv_lens[3:].tolist() == [0] * 5
+    pages = batch.page_tables[:3, :64 // PAGE_SIZE + 1]
+    assert len(set(pages.ravel().tolist())) == pages.size and pages.min() >= 1  # distinct, never the padding page
+    assert pages.max() < pages_needed(3, 64)
 
 
 def test_kernels_take_their_named_scope_from_the_compiled_hlo(tmp_path):
