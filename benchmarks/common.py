@@ -175,6 +175,25 @@ def calibrated_on_random_tokens(model, log, num_prompts: int = 4, num_tokens: in
     return model
 
 
+def jaxpr_equations(jaxpr):
+    """Every equation of a jaxpr, nested ones (jit, scan, while, cond, custom_jvp) included."""
+    import jax.extend
+
+    for e in jaxpr.eqns:
+        yield e
+        for param in e.params.values():
+            for inner in (param if isinstance(param, (tuple, list)) else (param,)):
+                inner = getattr(inner, "jaxpr", inner)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    yield from jaxpr_equations(inner)
+
+
+def count_fp8_dots(equations) -> int:
+    """How many of ``equations`` are FP8 x FP8 dots (W8A8 projections)."""
+    return sum(e.primitive.name == "dot_general" and all(str(v.aval.dtype) == "float8_e4m3fn" for v in e.invars)
+               for e in equations)
+
+
 def decode_weight_bytes(weights) -> int:
     """Bytes of every weight a decode step reads, at their stored width (fp8 payloads + scales count as
     they are): all leaves but the input embedding, of which a step gathers a row per token. A tied

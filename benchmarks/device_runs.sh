@@ -94,7 +94,8 @@
 #           s13a found the static engine compiles within its limit (else fix that first).
 #   s13c    one GPU: where moderate-batch decode steps go (latency_lab --batches 16,32,64,128 at 1536
 #           tokens of context, fp8 and bf16 weights, traced): fp8 steps of 16-128 sequences ran
-#           5-11 ms in session 12's throughput-1k, 1.5-3x a weight-and-K/V-read estimate.
+#           5-11 ms in session 12's throughput-1k, 1.5-3x a weight-and-K/V-read estimate; the 16-64-row
+#           steps again as W8A8 (--w8a8-min-tokens 16), to place FP8_W8A8_MIN_TOKENS by measurement.
 set -u
 PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b or s13c}
 OUT=${OUT:-$PWD/device-out}
@@ -495,7 +496,7 @@ s13b)
     done ;;
 s13c)
     on_gpu 0 lab.log $(( END - 20 )) python3 benchmarks/latency_lab.py --out "$R/lab" --weights fp8,bf16 \
-        --batches 16,32,64,128 --batch-context 1536 --steps 8 --repeats 3 ;;
+        --batches 16,32,64,128 --batch-context 1536 --w8a8-min-tokens 16 --steps 8 --repeats 3 ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac

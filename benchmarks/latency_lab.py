@@ -50,10 +50,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import Log, decode_weight_bytes, header, measure_ceilings, random_model, write_results  # noqa: E402
+from common import (  # noqa: E402
+    Log, count_fp8_dots, decode_weight_bytes, header, jaxpr_equations, measure_ceilings, random_model, write_results,
+)
 from profile_collectives import busy_time, load_trace  # noqa: E402
 
 from jaxinfer.batch import build_step_batch  # noqa: E402
+import jaxinfer.linear as linear_lib  # noqa: E402
+from jaxinfer.compile_options import quantized_gemm_options  # noqa: E402
 from jaxinfer.kv_cache import create_kv_cache  # noqa: E402
 from jaxinfer.linear import linear  # noqa: E402
 from jaxinfer.model import compute_logits, hidden_states  # noqa: E402
@@ -276,6 +280,11 @@ def measure_format(log: Log, args, fmt: str, ceiling_tbs: float) -> dict:
     # K/V the step reads.
     variants += [(f"decode step, bucket {n}x{n}, {n} sequences at {args.batch_context} tokens", n, n, {}, impl)
                  for n in args.batches]
+    # The same with FP8 W8A8 from fewer rows than FP8_W8A8_MIN_TOKENS: where to put the switch.
+    if fmt == "fp8" and args.w8a8_min_tokens:
+        variants += [(f"decode step, bucket {n}x{n}, {n} sequences at {args.batch_context} tokens, "
+                      f"W8A8 from {args.w8a8_min_tokens} rows", n, n, {}, impl)
+                     for n in args.batches if args.w8a8_min_tokens <= n < linear_lib.FP8_W8A8_MIN_TOKENS]
     kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2  # bf16 cache
     for i, (label, t, b, options, step_impl) in enumerate(variants):
         trace_dir = None
@@ -283,7 +292,13 @@ def measure_format(log: Log, args, fmt: str, ceiling_tbs: float) -> dict:
         num_active, context = (b, args.batch_context) if batched else (1, CONTEXT)
         if not args.no_trace and b is not None:
             trace_dir = args.out / (f"profile_{fmt}_{t}x{b}" + (f"_v{i}" if 0 < i <= len(extra) else ""))
+        w8a8_min = args.w8a8_min_tokens if label.endswith(f"W8A8 from {args.w8a8_min_tokens} rows") else None
+        default_w8a8_min = linear_lib.FP8_W8A8_MIN_TOKENS
         try:
+            if w8a8_min:
+                linear_lib.FP8_W8A8_MIN_TOKENS = w8a8_min  # read at trace time (compile_loop below)
+            # As the engine compiles a step that runs FP8 W8A8: without Triton GEMMs.
+            options = {**quantized_gemm_options(model.config.quantization, t, jax.default_backend()), **options}
             if b is None:
                 carry = jnp.ones((t, config.hidden_size), jnp.bfloat16) * 0.01
                 run = static_loop(weight_layer_body(model), args.steps)
@@ -293,15 +308,18 @@ def measure_format(log: Log, args, fmt: str, ceiling_tbs: float) -> dict:
                 max_pages_here = max(max_pages, -(-(context + args.steps) // PAGE_SIZE) + 1)
                 carry = (cache, jax.tree.map(jnp.asarray, decode_batch(t, b, max_pages_here, num_active, context)))
                 run = static_loop(step_body(model, step_impl, b, num_active), args.steps)
+            num_fp8_dots = count_fp8_dots(jaxpr_equations(jax.make_jaxpr(run)(carry, weights).jaxpr))
             run, scopes = compile_loop(run, carry, weights, options)
             seconds = time_and_trace(log, run, carry, weights, args.steps, args.repeats, trace_dir)
         except Exception as error:  # noqa: BLE001  (reported, not hidden)
             log(f"[{fmt}] {label}: failed: {type(error).__name__}: {str(error)[:300]}")
             rows.append({"variant": label, "error": str(error)[:300]})
             continue
+        finally:
+            linear_lib.FP8_W8A8_MIN_TOKENS = default_w8a8_min
         row_roofline = roofline + (num_active * context * kv_bytes_per_token / (ceiling_tbs * 1e12) if batched else 0)
         row = {"variant": label, "ms": seconds * 1e3, "ratio_to_roofline": seconds / row_roofline,
-               "weights_tbs": per_token / seconds / 1e12}
+               "weights_tbs": per_token / seconds / 1e12, "fp8_x_fp8_dots": num_fp8_dots}
         log(f"[{fmt}] {label}: {seconds * 1e3:.3f} ms = {seconds / row_roofline:.2f}x roofline "
             f"({row['weights_tbs']:.2f} TB/s of weights)")
         if trace_dir is not None:
@@ -333,10 +351,11 @@ def markdown(results: dict, args) -> str:
           f"{args.steps} steps per jitted loop", ""]
     for fmt, r in results["formats"].items():
         md += [f"## {fmt} weights: roofline {r['roofline_ms']:.3f} ms ({r['per_token_bytes'] / 1e9:.2f} GB a step)",
-               "", "| variant | ms per step | x roofline | weight TB/s |", "| --- | --- | --- | --- |"]
+               "", "| variant | ms per step | x roofline | weight TB/s | FP8 x FP8 dots a step |",
+               "| --- | --- | --- | --- | --- |"]
         for v in r["variants"]:
-            md.append(f"| {v['variant']} | {v['ms']:.3f} | {v['ratio_to_roofline']:.2f} | {v['weights_tbs']:.2f} |"
-                      if "ms" in v else f"| {v['variant']} | failed: {v['error'][:80]} | | |")
+            md.append(f"| {v['variant']} | {v['ms']:.3f} | {v['ratio_to_roofline']:.2f} | {v['weights_tbs']:.2f} | "
+                      f"{v.get('fp8_x_fp8_dots', '')} |" if "ms" in v else f"| {v['variant']} | failed: {v['error'][:80]} | | | |")
         for v in r["variants"]:
             b = v.get("breakdown")
             if not b or "error" in b:
@@ -366,6 +385,8 @@ def main():
     parser.add_argument("--batches", type=lambda text: [int(x) for x in text.split(",") if x], default=[],
                         help="also time and trace decode steps of this many sequences (bucket NxN), e.g. 32,64,128")
     parser.add_argument("--batch-context", type=int, default=1536, help="tokens of context of each --batches sequence")
+    parser.add_argument("--w8a8-min-tokens", type=int, default=0,
+                        help="fp8: also run the --batches steps below FP8_W8A8_MIN_TOKENS rows as W8A8 from this many rows")
     parser.add_argument("--attention", type=lambda text: [x for x in text.split(",") if x], default=[],
                         help="also time and trace the 8x8 step with these attention kernels (pallas_gpu_fused, ...)")
     parser.add_argument("--xla-options", action="append", default=[], metavar="NAME=VALUE,...",

@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import jax  # noqa: E402
 
+from common import count_fp8_dots, jaxpr_equations  # noqa: E402
 from quantization_accuracy import PUBLISHED, load_texts, run_info  # noqa: E402
 
 CALIBRATION_TEXTS = REPO / "benchmarks" / "data" / "activation_calibration_texts.jsonl"
@@ -60,28 +61,14 @@ def passage_logprobs(weights, token_ids, length, *, config):
     return jax.nn.log_softmax(compute_logits(weights, x), axis=-1)
 
 
-def _equations(jaxpr):
-    """Every equation of a jaxpr, nested ones (jit, scan, cond, custom_jvp) included."""
-    import jax.extend
-
-    for e in jaxpr.eqns:
-        yield e
-        for param in e.params.values():
-            for inner in (param if isinstance(param, (tuple, list)) else (param,)):
-                inner = getattr(inner, "jaxpr", inner)
-                if isinstance(inner, jax.extend.core.Jaxpr):
-                    yield from _equations(inner)
-
-
 def path_check(model, num_tokens: int) -> dict:
     """What the traced step of ``num_tokens`` runs: FP8 x FP8 dots and row-max reductions."""
     import numpy as np
 
     jaxpr = jax.make_jaxpr(functools.partial(passage_logprobs, config=model.config))(
         model.weights, np.zeros(num_tokens, np.int32), np.int32(num_tokens)).jaxpr
-    eqns = list(_equations(jaxpr))
-    fp8_dots = sum(e.primitive.name == "dot_general" and all(str(v.aval.dtype) == "float8_e4m3fn" for v in e.invars)
-                   for e in eqns)
+    eqns = list(jaxpr_equations(jaxpr))
+    fp8_dots = count_fp8_dots(eqns)
     return {"num_tokens": num_tokens, "fp8_x_fp8_dots": fp8_dots,
             "reduce_max": sum(e.primitive.name == "reduce_max" for e in eqns)}
 

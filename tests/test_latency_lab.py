@@ -86,14 +86,22 @@ def test_latency_lab_runs_on_cpu_with_tiny_shapes(tmp_path):
     import subprocess
 
     done = subprocess.run([sys.executable, "benchmarks/latency_lab.py", "--out", str(tmp_path), "--shape", "tiny",
-                           "--steps", "2", "--repeats", "1", "--batches", "4", "--batch-context", "64"],
+                           "--steps", "2", "--repeats", "1", "--batches", "4", "--batch-context", "64",
+                           "--w8a8-min-tokens", "4"],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "latency_lab.json").read_text())
     assert list(results["formats"]) == ["bf16", "fp8"]
-    for fmt in results["formats"].values():
-        assert [v["ms"] > 0 for v in fmt["variants"]] == [True, True, True, True]
-        assert fmt["variants"][3]["variant"] == "decode step, bucket 4x4, 4 sequences at 64 tokens"
+    for name, fmt in results["formats"].items():
+        labels = [v["variant"] for v in fmt["variants"]]
+        assert all(v["ms"] > 0 for v in fmt["variants"]), fmt["variants"]
+        assert labels[3] == "decode step, bucket 4x4, 4 sequences at 64 tokens"
+        # fp8 also runs the 4-row step as W8A8 (--w8a8-min-tokens 4): its FP8 x FP8 dots, 7 a layer.
+        if name == "fp8":
+            assert labels[4:] == ["decode step, bucket 4x4, 4 sequences at 64 tokens, W8A8 from 4 rows"]
+            assert [v["fp8_x_fp8_dots"] for v in fmt["variants"][3:]] == [0, 14]
+        else:
+            assert len(labels) == 4
         assert "no GPU kernel events" in fmt["variants"][0]["breakdown"]["error"]
     # fp8 projections are half the bytes of bf16 ones; the lm_head stays bf16.
     assert results["formats"]["fp8"]["per_token_bytes"] < results["formats"]["bf16"]["per_token_bytes"]
