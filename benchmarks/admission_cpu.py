@@ -107,6 +107,27 @@ def make_scheduler(policy: str, *, learn_from_finished: bool, initial_ratio: flo
     return Scheduler(config, PageAllocator(num_pages, page_size, "simulated"))
 
 
+def fake_step(scheduler: Scheduler, model: StepModel, stop_after: dict[int, int], now: float,
+              first_token_s: dict[int, float], done_s: dict[int, float] | None = None):
+    """One step of a fake engine at modelled time ``now``: a token per sampling item, sequence
+    ``i`` finishing after ``stop_after[i]``; records first-token (and finish) times at the
+    step's end. Returns the schedule, the step's modelled end and how many ran in it."""
+    schedule = scheduler.schedule(1e9)
+    now += model.seconds(schedule)
+    scheduler.postprocess(schedule)
+    num_running = scheduler.num_running
+    for item in schedule.items:
+        if item.samples_token:
+            seq_id = item.seq.seq_id
+            first_token_s.setdefault(seq_id, now)
+            item.seq.append_token(7)
+            if item.seq.num_generated_tokens >= stop_after[seq_id]:
+                scheduler.finish(item.seq, "stop")
+                if done_s is not None:
+                    done_s[seq_id] = now
+    return schedule, now, num_running
+
+
 def run_to_completion(scheduler: Scheduler, stop_after: dict[int, int], model: StepModel) -> dict:
     """Step a fake engine (a token per sampling item; sequence ``i`` stops after ``stop_after[i]``)
     until every sequence is done: steps, tokens computed, the most running at once, the modelled
@@ -115,19 +136,10 @@ def run_to_completion(scheduler: Scheduler, stop_after: dict[int, int], model: S
     modelled_s = 0.0
     first_token_s: dict[int, float] = {}
     while scheduler.num_waiting or scheduler.num_running:
-        schedule = scheduler.schedule(1e9)
-        modelled_s += model.seconds(schedule)
-        scheduler.postprocess(schedule)
+        schedule, modelled_s, num_running = fake_step(scheduler, model, stop_after, modelled_s, first_token_s)
         num_steps += 1
         num_computed += schedule.num_batched_tokens
-        most_running = max(most_running, scheduler.num_running)
-        for item in schedule.items:
-            if item.samples_token:
-                seq_id = item.seq.seq_id
-                first_token_s.setdefault(seq_id, modelled_s)
-                item.seq.append_token(7)
-                if item.seq.num_generated_tokens >= stop_after[seq_id]:
-                    scheduler.finish(item.seq, "stop")
+        most_running = max(most_running, num_running)
     return dict(steps=num_steps, tokens_computed=num_computed, most_running=most_running, seconds=modelled_s,
                 first_token_s=first_token_s)
 
@@ -198,17 +210,7 @@ def online(policy: str, model: StepModel, *, rate: float, max_tokens: int | None
         if not (scheduler.num_waiting or scheduler.num_running):
             now = arrivals[num_added]  # idle until the next arrival
             continue
-        schedule = scheduler.schedule(1e9)
-        now += model.seconds(schedule)
-        scheduler.postprocess(schedule)
-        for item in schedule.items:
-            if item.samples_token:
-                seq_id = item.seq.seq_id
-                first_token_s.setdefault(seq_id, now)
-                item.seq.append_token(7)
-                if item.seq.num_generated_tokens >= stop_after[seq_id]:
-                    scheduler.finish(item.seq, "stop")
-                    done_s[seq_id] = now
+        _, now, _ = fake_step(scheduler, model, stop_after, now, first_token_s, done_s)
     ttft = sorted(first_token_s[i] - arrivals[i] for i in range(num_requests))
     return dict(policy=policy, learn_from_finished=True, tail_fraction=scheduler.config.admission.tail_fraction,
                 rate=rate, max_tokens=max_tokens, preemptions=scheduler.num_preemptions,
