@@ -96,8 +96,16 @@
 #           tokens of context, fp8 and bf16 weights, traced): fp8 steps of 16-128 sequences ran
 #           5-11 ms in session 12's throughput-1k, 1.5-3x a weight-and-K/V-read estimate; the 16-64-row
 #           steps again as W8A8 (--w8a8-min-tokens 16), to place FP8_W8A8_MIN_TOKENS by measurement.
+#   s13d    one GPU (carry .whl), session 13: W8A8 programs without XLA's dot merger (the merged
+#           gate/up and q/k/v weights were copied every step): fp8 throughput-1k at 1024 with it
+#           off, the FP8 HLO check (no weight concatenation), latency_lab at 64 and 128 sequences
+#           with the merger off (traced) and on (XLA_FLAGS, timed), then throughput-1k with it on.
+#   s13e    one GPU, session 13: compile time of the fp8 engine's programs with dynamic against
+#           static activation scales, same call (each with an XLA dump of the 2048-token program,
+#           summarized on the machine by hlo_dump_summary.py), then latency_lab at 32 and 64
+#           sequences as weight-only and as W8A8 (where FP8_W8A8_MIN_TOKENS belongs, merger off).
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b or s13c}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d or s13e}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -497,6 +505,33 @@ s13b)
 s13c)
     on_gpu 0 lab.log $(( END - 20 )) python3 benchmarks/latency_lab.py --out "$R/lab" --weights fp8,bf16 \
         --batches 16,32,64,128 --batch-context 1536 --w8a8-min-tokens 16 --steps 8 --repeats 3 ;;
+s13d)
+    wheels
+    on_gpu 0 fp8_merger_off.log 210 python3 benchmarks/engine_throughput.py --out "$R/fp8_merger_off" \
+        --workloads throughput-1k --max-num-seqs 1024 --quantization fp8 --kv-cache-dtype fp8
+    on_gpu 0 hlo.log 75 python3 benchmarks/fp8_hlo_check.py --out "$R/hlo" --buckets 16,128,1024 --layers 2
+    on_gpu 0 lab_unmerged.log 80 python3 benchmarks/latency_lab.py --out "$R/lab_unmerged" --weights fp8 \
+        --batches 64,128 --batch-context 1536 --steps 8 --repeats 3
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_dot_merger_threshold_mb=32" \
+    on_gpu 0 lab_merged.log 60 python3 benchmarks/latency_lab.py --out "$R/lab_merged" --weights fp8 \
+        --batches 64,128 --batch-context 1536 --steps 8 --repeats 3 --no-trace
+    left=$(( END - SECONDS ))
+    (( left > 150 )) && XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_dot_merger_threshold_mb=32" \
+    on_gpu 0 fp8_merger_on.log "$left" python3 benchmarks/engine_throughput.py --out "$R/fp8_merger_on" \
+        --workloads throughput-1k --max-num-seqs 1024 --quantization fp8 --kv-cache-dtype fp8 ;;
+s13e)
+    for scales in dynamic static; do
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$R/dump_$scales --xla_dump_hlo_as_text" \
+        on_gpu 0 compile_${scales}_2048.log 100 python3 benchmarks/compile_time.py --out "$R/compile_$scales" \
+            --quantization fp8 --kv-cache-dtype fp8 --activation-scales $scales --max-num-seqs 1024 --tokens 2048
+        python3 benchmarks/hlo_dump_summary.py "$R/dump_$scales" >"$R/dump_$scales.json" 2>&1
+        ls -laS "$R/dump_$scales" | head -12 >"$R/dump_${scales}_largest.txt"; rm -rf "$R/dump_$scales"
+    done
+    on_gpu 0 compile_dynamic.log 110 python3 benchmarks/compile_time.py --out "$R/compile_dynamic" \
+        --quantization fp8 --kv-cache-dtype fp8 --max-num-seqs 1024 --tokens 8192,4096,1024,512,256 --tag rest
+    left=$(( END - SECONDS ))
+    (( left > 60 )) && on_gpu 0 lab.log "$left" python3 benchmarks/latency_lab.py --out "$R/lab" --weights fp8 \
+        --batches 32,64 --batch-context 1536 --w8a8-min-tokens 32 --steps 8 --repeats 3 --no-trace ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac

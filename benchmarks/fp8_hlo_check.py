@@ -4,8 +4,10 @@ and where weight-only and W8A8 cross over.
     python3 benchmarks/fp8_hlo_check.py --out /tmp/fp8_hlo   [--shape tiny: CPU smoke, no assertions]
 
 1. **HLO checks** (the assertions; exit status 1 when one fails), for the Llama-3.1-8B MLP shapes
-   (``[M, 4096] x up/gate [14336, 4096]``, ``[M, 14336] x down [4096, 14336]``) through
-   ``jaxinfer.linear.linear`` with FP8 ``QuantizedWeight``s, at each token bucket ``M``:
+   (``[M, 4096] x gate/up [14336, 4096]``, ``[M, 14336] x down [4096, 14336]``) as the model runs
+   it (gate and up through ``jaxinfer.linear.linear_many``, down through ``linear``) with FP8
+   ``QuantizedWeight``s, compiled with the engine's options for that bucket
+   (``jaxinfer.compile_options.quantized_gemm_options``), at each token bucket ``M``:
 
    - at ``M >= FP8_W8A8_MIN_TOKENS`` (W8A8) the optimized HLO holds a GEMM whose operands are both
      ``f8e4m3fn``: a cuBLASLt custom call (``__cublas$lt$matmul$f8`` in XLA of 2024-25; any
@@ -14,6 +16,9 @@ and where weight-only and W8A8 cross over.
    - at every ``M`` no instruction transposes the weight: no ``transpose`` and no layout-changing
      ``copy`` of an ``f8e4m3fn[N, K]`` array into ``[K, N]`` (or of the weight's layout
      ``{1,0}`` into ``{0,1}``);
+   - at every ``M`` no instruction concatenates the weights: XLA's dot merger rewrites gate and up
+     into one dot over ``concatenate(gate, up)``, which a cuBLASLt GEMM reads only once it is
+     written out, every step (2.3 ms a step of the 8B model on an H200; compile_options.py);
    - below the threshold (weight-only), which form XLA picked is reported (a GEMM over a
      converted bf16 copy of the weight would read 3 bytes per weight where 1 is the goal).
 
@@ -29,6 +34,7 @@ Writes ``fp8_hlo_check.{json,md,log}`` into ``--out``.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from pathlib import Path
@@ -42,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import Log, header, measure_ceilings, time_in_loop, write_results  # noqa: E402
 
 from jaxinfer import linear as linear_module  # noqa: E402
+from jaxinfer.compile_options import quantized_gemm_options  # noqa: E402
 from jaxinfer.quantization import QuantizedWeight, quantize  # noqa: E402
 
 SHAPES = {"llama8b": (4096, 14336), "tiny": (256, 512)}
@@ -59,8 +66,14 @@ def mlp_down_up(x, up: QuantizedWeight, down: QuantizedWeight):
     return linear_module.linear("tf,fe->te", h, down)
 
 
-def hlo_of(fn, *args) -> str:
-    return jax.jit(fn).lower(*args).compile().as_text()
+def gated_mlp(x, gate: QuantizedWeight, up: QuantizedWeight, down: QuantizedWeight):
+    """The model's MLP (jaxinfer.model): gate and up share x, so they go through linear_many."""
+    g, u = linear_module.linear_many("te,ef->tf", x, (gate, up))
+    return linear_module.linear("tf,fe->te", jax.nn.silu(g) * u, down)
+
+
+def hlo_of(fn, *args, compiler_options=None) -> str:
+    return jax.jit(fn, compiler_options=compiler_options or None).lower(*args).compile().as_text()
 
 
 INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|\S+)\s+([\w\-]+)\((.*?)\)(.*)$")
@@ -124,21 +137,41 @@ def weight_transposes(hlo: str, n: int, k: int) -> list[str]:
     return bad
 
 
+def weight_concatenations(hlo: str, weight_elements: int) -> list[str]:
+    """Instructions that concatenate f8 arrays into one of at least ``weight_elements`` elements
+    (merged weights: activations of a few hundred token rows are far smaller)."""
+    bad = []
+    for line in hlo.splitlines():
+        match = INSTRUCTION.match(line)
+        if not match or match.group(3) != "concatenate" or element_type(match.group(2)) != F8:
+            continue
+        dims = re.search(r"\[([\d,]*)\]", match.group(2)).group(1)
+        if math.prod(int(d) for d in dims.split(",") if d) >= weight_elements:
+            bad.append(line.strip()[:200])
+    return bad
+
+
 def check_hlo(log: Log, e: int, f: int, buckets: list[int], strict: bool) -> tuple[list[dict], list[str]]:
-    keys = jax.random.split(jax.random.key(0), 2)
-    up, down = random_fp8_weight(keys[0], f, e), random_fp8_weight(keys[1], e, f)
+    keys = jax.random.split(jax.random.key(0), 3)
+    gate, up, down = (random_fp8_weight(keys[0], f, e), random_fp8_weight(keys[1], f, e),
+                      random_fp8_weight(keys[2], e, f))
+    platform = jax.default_backend()
     rows, failures = [], []
     for m in buckets:
         x = jnp.ones((m, e), jnp.bfloat16)
-        hlo = hlo_of(mlp_down_up, x, up, down)
+        options = quantized_gemm_options("fp8", m, platform)
+        hlo = hlo_of(gated_mlp, x, gate, up, down, compiler_options=options)
         forms = gemm_forms(hlo)
         fp8 = fp8_gemm_found(forms)
         transposes = weight_transposes(hlo, f, e) + weight_transposes(hlo, e, f)
+        concatenations = weight_concatenations(hlo, f * e)
         path = "W8A8" if m >= linear_module.FP8_W8A8_MIN_TOKENS else "weight-only"
         row = {"m": m, "path": path, "fp8_gemm": fp8, "weight_transposes": transposes,
+               "weight_concatenations": concatenations, "compiler_options": options,
                "gemm_forms": {k: v[:4] for k, v in forms.items()}}
         rows.append(row)
         log(f"M={m:5d} {path:11s}: fp8 GEMM: {fp8 or 'none'}; weight transposes: {len(transposes)}; "
+            f"weight concatenations: {len(concatenations)}; "
             f"custom calls {[c['target'] for c in forms['cublas_custom_calls']]}")
         if not strict:
             continue
@@ -146,6 +179,8 @@ def check_hlo(log: Log, e: int, f: int, buckets: list[int], strict: bool) -> tup
             failures.append(f"M={m}: no FP8 x FP8 GEMM in the W8A8 program ({forms})")
         if transposes:
             failures.append(f"M={m}: the weight is transposed: {transposes[:2]}")
+        if concatenations:
+            failures.append(f"M={m}: the weights are concatenated (merged dots): {concatenations[:2]}")
     return rows, failures
 
 
@@ -210,9 +245,10 @@ def markdown(results: dict) -> str:
              f"HBM read ceiling (same run): {results['ceilings']['hbm_read_tbs']:.2f} TB/s. "
              f"`FP8_W8A8_MIN_TOKENS` in the tree: {results['threshold_in_tree']}; measured crossover: "
              f"{results['measured_crossover']}.", "",
-             "| M | path | FP8 GEMM | weight transposes |", "| --- | --- | --- | --- |"]
+             "| M | path | FP8 GEMM | weight transposes | weight concatenations |", "| --- | --- | --- | --- | --- |"]
     for row in results["hlo"]:
-        lines.append(f"| {row['m']} | {row['path']} | {row['fp8_gemm'] or 'none'} | {len(row['weight_transposes'])} |")
+        lines.append(f"| {row['m']} | {row['path']} | {row['fp8_gemm'] or 'none'} | {len(row['weight_transposes'])} "
+                     f"| {len(row['weight_concatenations'])} |")
     lines += ["", f"{results['layers']} layers of the MLP chained in one program:", "",
               "| M | weight-only ms (TB/s, % ceiling) | W8A8 ms | bf16 ms |", "| --- | --- | --- | --- |"]
     for row in results["sweep"]:

@@ -56,6 +56,19 @@ GRAPHS_WITH_COLLECTIVES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLIC
 # dots become cuBLASLt's FP8 GEMM, which the autotuner chose anyway (module docstring).
 FP8_W8A8_GEMM_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
+# ... and, below FP8_UNMERGED_BELOW_TOKENS token rows, no dot merging. XLA's DotMerger rewrites
+# dots that share an input (q/k/v, gate/up) into one dot over the concatenation of their weights.
+# A Triton GEMM fuses that concatenation into its operand reads; cuBLASLt cannot, so XLA writes
+# the concatenated FP8 weights out every step. Measured on an H200 (session 13, latency_lab
+# --batches, 8B shapes): at 128 rows gate/up and q/k/v were both merged, 2.27 + 0.69 ms of copies
+# in a 15.3 ms step; with merging off the step took 12.7 ms. From ~1000 rows only q/k/v merge,
+# and there the one larger GEMM pays for its copy: throughput-1k's prefill-carrying steps ran
+# 91.1 ms unmerged against 88.3 merged, its ~935-row decode steps 47.7 against 48.0 (one run
+# each), so the large buckets keep XLA's default. linear_many quantizes a shared input once
+# either way (jaxinfer.linear).
+FP8_UNMERGED_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+FP8_UNMERGED_BELOW_TOKENS = 1024
+
 
 def _is_in_xla_flags(option: str) -> bool:
     # The "=" keeps out options that share the prefix.
@@ -65,10 +78,14 @@ def _is_in_xla_flags(option: str) -> bool:
 def quantized_gemm_options(quantization: str | None, num_tokens: int, platform: str) -> dict:
     """Compiler options for a step of ``num_tokens`` token rows over projections quantized as
     ``quantization`` (None: dense) on ``platform``: :data:`FP8_W8A8_GEMM_OPTIONS` for a GPU step
-    that runs FP8 W8A8, else none. An option the user set in ``XLA_FLAGS`` stays theirs."""
+    that runs FP8 W8A8, with :data:`FP8_UNMERGED_OPTIONS` below :data:`FP8_UNMERGED_BELOW_TOKENS`
+    rows; else none. An option the user set in ``XLA_FLAGS`` stays theirs."""
     if platform != "gpu" or quantization != "fp8" or not uses_fp8_w8a8(num_tokens):
         return {}
-    return {k: v for k, v in FP8_W8A8_GEMM_OPTIONS.items() if not _is_in_xla_flags(k)}
+    options = dict(FP8_W8A8_GEMM_OPTIONS)
+    if num_tokens < FP8_UNMERGED_BELOW_TOKENS:
+        options.update(FP8_UNMERGED_OPTIONS)
+    return {k: v for k, v in options.items() if not _is_in_xla_flags(k)}
 
 
 def graph_options(num_devices: int) -> dict:

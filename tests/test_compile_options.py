@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxinfer.compile_options import (FP8_W8A8_GEMM_OPTIONS, XLA_OVERLAP_OPTIONS, OverlapConfig, PhasedJit,
-                                      quantized_gemm_options)
+from jaxinfer.compile_options import (FP8_UNMERGED_BELOW_TOKENS, FP8_UNMERGED_OPTIONS, FP8_W8A8_GEMM_OPTIONS,
+                                      XLA_OVERLAP_OPTIONS, OverlapConfig, PhasedJit, quantized_gemm_options)
 from jaxinfer.linear import FP8_W8A8_MIN_TOKENS, uses_fp8_w8a8
 from jaxinfer.runner import default_buckets
 
@@ -22,25 +22,46 @@ def gpu_token_buckets(max_num_seqs=384):
     return default_buckets(max_num_seqs, 8192, 64, "gpu").num_tokens
 
 
+def fp8_gpu_options(tokens):
+    """What an FP8 step of ``tokens`` rows should compile with on a GPU (compile_options.py)."""
+    if not uses_fp8_w8a8(tokens):
+        return {}
+    if tokens < FP8_UNMERGED_BELOW_TOKENS:
+        return {**FP8_W8A8_GEMM_OPTIONS, **FP8_UNMERGED_OPTIONS}
+    return FP8_W8A8_GEMM_OPTIONS
+
+
 def test_fp8_w8a8_buckets_compile_without_triton_gemms_and_weight_only_ones_keep_it():
     buckets = gpu_token_buckets()
     jitted = PhasedJit(step, None, 384, quantization="fp8", platform="gpu")
     for tokens in buckets:
         options = jitted.compiler_options(tokens)
         if tokens >= FP8_W8A8_MIN_TOKENS:
-            assert options == FP8_W8A8_GEMM_OPTIONS, tokens
+            assert options == fp8_gpu_options(tokens), tokens
+            assert options["xla_gpu_enable_triton_gemm"] is False
         else:
             assert options is None, tokens  # weight-only: the dequant fuses into a Triton GEMM
-    # Both kinds occur among the default buckets, and the two families are two jit objects.
-    assert min(buckets) < FP8_W8A8_MIN_TOKENS <= max(buckets)
-    assert jitted.for_tokens(min(buckets)) is not jitted.for_tokens(max(buckets))
-    assert jitted.for_tokens(FP8_W8A8_MIN_TOKENS) is jitted.for_tokens(max(buckets))
+    # All three kinds occur among the default buckets, each family one jit object.
+    assert min(buckets) < FP8_W8A8_MIN_TOKENS < FP8_UNMERGED_BELOW_TOKENS <= max(buckets)
+    families = {id(jitted.for_tokens(t)) for t in buckets}
+    assert len(families) == 3
+    assert jitted.for_tokens(FP8_W8A8_MIN_TOKENS) is jitted.for_tokens(FP8_UNMERGED_BELOW_TOKENS - 1)
+    assert jitted.for_tokens(FP8_UNMERGED_BELOW_TOKENS) is jitted.for_tokens(max(buckets))
+
+
+def test_moderate_fp8_w8a8_steps_merge_no_dots_and_large_ones_keep_xlas_default():
+    # A merged pair of FP8 dots costs a copy of their concatenated weights every step: 3 ms of a
+    # 15 ms step at 128 rows on an H200; from ~1000 rows the merged q/k/v GEMM paid for it.
+    assert FP8_UNMERGED_OPTIONS == {"xla_gpu_dot_merger_threshold_mb": 0}
+    assert quantized_gemm_options("fp8", FP8_W8A8_MIN_TOKENS, "gpu")["xla_gpu_dot_merger_threshold_mb"] == 0
+    assert quantized_gemm_options("fp8", FP8_UNMERGED_BELOW_TOKENS - 1, "gpu")["xla_gpu_dot_merger_threshold_mb"] == 0
+    assert "xla_gpu_dot_merger_threshold_mb" not in quantized_gemm_options("fp8", FP8_UNMERGED_BELOW_TOKENS, "gpu")
+    assert quantized_gemm_options("fp8", FP8_W8A8_MIN_TOKENS - 1, "gpu") == {}  # weight-only: Triton fuses it
 
 
 def test_the_options_follow_the_path_linear_takes():
-    for tokens in (1, FP8_W8A8_MIN_TOKENS - 1, FP8_W8A8_MIN_TOKENS, 4 * FP8_W8A8_MIN_TOKENS):
-        expected = FP8_W8A8_GEMM_OPTIONS if uses_fp8_w8a8(tokens) else {}
-        assert quantized_gemm_options("fp8", tokens, "gpu") == expected
+    for tokens in (1, FP8_W8A8_MIN_TOKENS - 1, FP8_W8A8_MIN_TOKENS, 4 * FP8_W8A8_MIN_TOKENS, 8192):
+        assert quantized_gemm_options("fp8", tokens, "gpu") == fp8_gpu_options(tokens)
 
 
 @pytest.mark.parametrize("quantization,platform", [(None, "gpu"), ("int8", "gpu"), ("fp8", "cpu"), ("fp8", "tpu")])
@@ -50,9 +71,12 @@ def test_other_models_and_platforms_get_no_gemm_options(quantization, platform):
     assert len({id(jitted.for_tokens(t)) for t in gpu_token_buckets()}) == 1  # one program family
 
 
-def test_a_triton_choice_in_xla_flags_stays_the_users(monkeypatch):
+def test_a_choice_in_xla_flags_stays_the_users(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
     assert quantized_gemm_options("fp8", 4096, "gpu") == {}
+    assert quantized_gemm_options("fp8", 256, "gpu") == FP8_UNMERGED_OPTIONS
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true --xla_gpu_dot_merger_threshold_mb=32")
+    assert quantized_gemm_options("fp8", 256, "gpu") == {}
 
 
 def test_overlap_and_base_options_merge_with_the_gemm_options():
@@ -60,13 +84,13 @@ def test_overlap_and_base_options_merge_with_the_gemm_options():
                        base_compiler_options={"xla_gpu_enable_command_buffer": ""}, quantization="fp8",
                        platform="gpu")
     assert jitted.compiler_options(8) == {"xla_gpu_enable_command_buffer": ""}
-    assert jitted.compiler_options(256) == {"xla_gpu_enable_command_buffer": "", **FP8_W8A8_GEMM_OPTIONS}
-    assert jitted.compiler_options(512) == {"xla_gpu_enable_command_buffer": "", **XLA_OVERLAP_OPTIONS,
-                                            **FP8_W8A8_GEMM_OPTIONS}
+    assert jitted.compiler_options(256) == {"xla_gpu_enable_command_buffer": "", **fp8_gpu_options(256)}
+    assert jitted.compiler_options(2048) == {"xla_gpu_enable_command_buffer": "", **XLA_OVERLAP_OPTIONS,
+                                             **FP8_W8A8_GEMM_OPTIONS}
 
 
 def test_xla_accepts_the_gemm_options():
     # XLA refuses an option name it does not know ("No such compile option"), on any backend.
-    jitted = jax.jit(step, compiler_options=FP8_W8A8_GEMM_OPTIONS)
+    jitted = jax.jit(step, compiler_options={**FP8_W8A8_GEMM_OPTIONS, **FP8_UNMERGED_OPTIONS})
     x = jnp.eye(4)
     assert jnp.array_equal(jitted(x), x)
