@@ -70,7 +70,7 @@ def share_input_scales(weights):
                 continue
             # On the host (a few scalars at load time), then back where the first member's scale is.
             shared = np.float32(max(float(w.input_scale) for w in members))
-            shared = (jax.device_put(shared, _replicated_like(members[0].input_scale))
+            shared = (put_beside(shared, members[0].input_scale)
                       if isinstance(members[0].input_scale, jax.Array) else jnp.asarray(shared))
             updates.update({name: dataclasses.replace(w, input_scale=shared) for name, w in zip(names, members)})
         return dataclasses.replace(layer, **updates)
@@ -98,13 +98,28 @@ def with_static_input_scales(model: "LoadedModel", scales: dict[str, np.ndarray]
     def one(i, layer):
         updates = {}
         for group, names in INPUT_GROUPS.items():
-            s = jax.device_put(np.float32(scales[group][i]), _replicated_like(getattr(layer, names[0]).scale))
+            s = put_beside(np.float32(scales[group][i]), getattr(layer, names[0]).scale)
             updates.update({name: dataclasses.replace(getattr(layer, name), input_scale=s) for name in names})
         return dataclasses.replace(layer, **updates)
 
     weights = dataclasses.replace(model.weights, layers=[one(i, layer) for i, layer in enumerate(model.weights.layers)])
     config = dataclasses.replace(model.config, activation_scales="static")
     return dataclasses.replace(model, config=config, weights=weights)
+
+
+def put_beside(value, array) -> jax.Array:
+    """``value`` (a host scalar) on the device(s) of ``array``, committed only if ``array`` is.
+
+    An uncommitted model (one device, its arrays made by jit on the default device) must get an
+    uncommitted scale: jit keys its programs on which inputs are committed, and outputs of a call
+    with any committed input are committed. With committed scales in an uncommitted model the
+    donated cache came back committed after a step's first run, so the next call of each program
+    missed the one the engine's warm-up had compiled and compiled it again, serially: session 12's
+    static-scale engine did not finish warming up in 300 s on an H200 (8 forward compilations for
+    5 programs in a tiny CPU model; tests/test_activation_scales.py)."""
+    if not array.committed:
+        return jnp.asarray(value)
+    return jax.device_put(value, _replicated_like(array))
 
 
 def _replicated_like(array) -> jax.sharding.Sharding:

@@ -165,3 +165,19 @@ def test_convert_calibrates_and_serve_loads_the_static_scales(tmp_path):
     with pytest.raises(SystemExit, match="--quantization fp8"):
         main(["convert", "--model", str(TINY), "--output", str(tmp_path / "int8"), "--quantization", "int8",
               "--calibration-file", str(text)])
+
+
+def test_static_scales_are_committed_as_the_model_is_and_warm_up_compiles_each_program_once():
+    # Committed scales in an uncommitted model made every step program compile a second time at
+    # its first run after warm-up (jaxinfer.activation_scales.put_beside): on an H200 the static
+    # engine never finished warming up (session 12).
+    from jaxinfer.runner import ModelRunner
+
+    model = fp8_model()
+    static = apply_activation_scales(model, "static", [SAMPLE])
+    leaves = jax.tree_util.tree_leaves(static.weights)
+    assert {leaf.committed for leaf in leaves} == {False}
+    runner = ModelRunner(static, num_pages=40, page_size=16, max_model_len=256, max_num_seqs=4,
+                         max_num_batched_tokens=64)
+    runner.warm_up(use_tqdm=False)
+    assert runner._step._cache_size() == len(runner.buckets.all())
