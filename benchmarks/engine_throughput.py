@@ -84,10 +84,12 @@ def build_engine(model, *, max_model_len, max_num_seqs, max_num_batched_tokens, 
     programs = engine.runner.num_programs
     log(f"engine: {num_pages} pages x {page_size} tokens (kv_cache_dtype {kv_cache_dtype}), "
         f"max_num_seqs {max_num_seqs}, admission {engine.config.scheduling_admission}, "
-        f"token budget {max_num_batched_tokens}; compiled {programs} programs in {seconds:.1f} s")
+        f"token budget {max_num_batched_tokens}; compiled {programs} programs in {seconds:.1f} s "
+        f"({engine.runner.warmup_recompiles} compiled again at their first run)")
     return engine, {"num_pages": num_pages, "page_size": page_size, "max_num_seqs": max_num_seqs,
                     "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
-                    "num_programs": programs, "compile_seconds": seconds, "kv_cache_dtype": kv_cache_dtype,
+                    "num_programs": programs, "compile_seconds": seconds,
+                    "warmup_recompiles": engine.runner.warmup_recompiles, "kv_cache_dtype": kv_cache_dtype,
                     "attention_impl": attention_impl or "auto", "admission": engine.config.scheduling_admission}
 
 

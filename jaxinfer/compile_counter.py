@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
+import jax
+
 
 class CompilationCounter:
     """Compilations of the programs behind ``cache_size`` (the summed ``_cache_size()`` of some jits).
@@ -55,3 +57,33 @@ class CompilationCounter:
         """From now on, compilations of programs not called so far count."""
         self._last_size = self._cache_size()
         self.is_warm = True
+
+
+# What jax records around each XLA compilation that is not served from a compilation cache.
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class BackendCompiles:
+    """Counts XLA compilations (any thread) while the ``with`` block runs.
+
+    The jit caches cannot tell this: a program compiled ahead of time (``lower().compile()``, as
+    warm-up does on its thread pool) enters no jit cache, and its first call adds an entry either
+    way, reusing the compiled program when the call lowers to the same module and compiling it
+    again when it does not (inputs committed or sharded unlike the ahead-of-time arguments).
+    """
+
+    def __init__(self):
+        self.count = 0
+        self.seconds = 0.0
+
+    def _listener(self, event: str, duration: float, **_) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            self.count += 1
+            self.seconds += duration
+
+    def __enter__(self) -> "BackendCompiles":
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._listener)

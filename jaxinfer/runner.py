@@ -38,7 +38,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxinfer.bad_words import gather_output_tail
-from jaxinfer.compile_counter import CompilationCounter
+from jaxinfer.compile_counter import BackendCompiles, CompilationCounter
 from jaxinfer.compile_options import PhasedJit, graph_options
 from jaxinfer.input_batch import PackedStep, StepInputs, empty_step_inputs, is_full_path, pack_step
 from jaxinfer.kv_cache import create_kv_cache
@@ -282,6 +282,7 @@ class ModelRunner:
             **self.placement.jit_kwargs(),
         )
         self.warmup_done = False
+        self.warmup_recompiles = 0  # programs warm-up compiled twice (warm_up)
         # Forward and sampler programs apart: warm-up pairs each sampler with one forward bucket
         # only, and a new pairing of two warmed programs compiles nothing.
         self.forward_compilations = CompilationCounter(self._step._cache_size)
@@ -307,8 +308,16 @@ class ModelRunner:
             compiled = pool.map(lambda job: job(), jobs)
             for _ in tqdm(compiled, total=len(jobs), desc="Compiling", unit="program", disable=not use_tqdm):
                 pass
-        for inputs in [*all_inputs, *sampler_inputs]:
-            jax.block_until_ready(self.execute(inputs))
+        # Each program's first run must find what the pool compiled; one that compiles again does
+        # so serially (session 12's static-scale engine never finished warming up on an H200: its
+        # scales were committed to a device in an uncommitted model, activation_scales.put_beside).
+        with BackendCompiles() as recompiles:
+            for inputs in [*all_inputs, *sampler_inputs]:
+                jax.block_until_ready(self.execute(inputs))
+        self.warmup_recompiles = recompiles.count
+        if recompiles.count:
+            logger.warning("warm-up: %d programs compiled again at their first run (%.1f s): their inputs were "
+                           "committed or sharded unlike warm-up's", recompiles.count, recompiles.seconds)
         self.warmup_done = True
         self.forward_compilations.end_warm_up()
         self.sampler_compilations.end_warm_up()

@@ -1,6 +1,7 @@
 """Calibrating static FP8 activation scales in the model's own forward, and the option that turns
 them on (``LLM(activation_scales=..., calibration_prompts=...)``)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -177,7 +178,28 @@ def test_static_scales_are_committed_as_the_model_is_and_warm_up_compiles_each_p
     static = apply_activation_scales(model, "static", [SAMPLE])
     leaves = jax.tree_util.tree_leaves(static.weights)
     assert {leaf.committed for leaf in leaves} == {False}
-    runner = ModelRunner(static, num_pages=40, page_size=16, max_model_len=256, max_num_seqs=4,
-                         max_num_batched_tokens=64)
+    runner = ModelRunner(static, num_pages=64, page_size=16, max_model_len=256, max_num_seqs=16,
+                         max_num_batched_tokens=256, kv_cache_dtype="fp8")
     runner.warm_up(use_tqdm=False)
-    assert runner._step._cache_size() == len(runner.buckets.all())
+    assert runner.warmup_recompiles == 0
+
+
+def test_warm_up_says_when_programs_compile_again_at_their_first_run(caplog):
+    from jaxinfer.runner import ModelRunner
+
+    model = fp8_model()
+    static = apply_activation_scales(model, "static", [SAMPLE])
+    # Scales committed to the device, as session 12's were: the runs no longer match warm-up's programs.
+    def committed(layer):
+        return dataclasses.replace(layer, **{
+            name: dataclasses.replace(w, input_scale=jax.device_put(w.input_scale, jax.devices()[0]))
+            for name, w in vars(layer).items() if getattr(w, "input_scale", None) is not None})
+
+    layers = [committed(layer) for layer in static.weights.layers]
+    static = dataclasses.replace(static, weights=dataclasses.replace(static.weights, layers=layers))
+    runner = ModelRunner(static, num_pages=64, page_size=16, max_model_len=256, max_num_seqs=16,
+                         max_num_batched_tokens=256, kv_cache_dtype="fp8")
+    with caplog.at_level("WARNING", logger="jaxinfer.runner"):
+        runner.warm_up(use_tqdm=False)
+    assert runner.warmup_recompiles > 0
+    assert "compiled again at their first run" in caplog.text
