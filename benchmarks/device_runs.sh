@@ -90,8 +90,10 @@
 #           compiled one by one (compile_time.py, each bucket's seconds flushed before the next; the
 #           W8A8 buckets first) with an HLO/PTX dump of what was compiled, to name the program
 #           ptxas takes minutes on; then bf16 throughput-1k at 1024 under the projected admission.
-#   s13b    one GPU (carry .whl): fp8 throughput-1k at 1024 with static against dynamic scales, if
-#           s13a found the static engine compiles within its limit (else fix that first).
+#   s13b    one GPU (carry .whl): fp8 throughput-1k at 1024 with static against dynamic scales
+#           (session 13 found why session 12's static engine never finished warming up: committed
+#           scales made each program compile twice; fixed, and the engine log now counts such
+#           recompilations, "compiled again at their first run", which must be 0 here).
 #   s13c    one GPU: where moderate-batch decode steps go (latency_lab --batches 16,32,64,128 at 1536
 #           tokens of context, fp8 and bf16 weights, traced): fp8 steps of 16-128 sequences ran
 #           5-11 ms in session 12's throughput-1k, 1.5-3x a weight-and-K/V-read estimate; the 16-64-row
