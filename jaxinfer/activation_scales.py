@@ -111,12 +111,12 @@ def put_beside(value, array) -> jax.Array:
     """``value`` (a host scalar) on the device(s) of ``array``, committed only if ``array`` is.
 
     An uncommitted model (one device, its arrays made by jit on the default device) must get an
-    uncommitted scale: jit keys its programs on which inputs are committed, and outputs of a call
-    with any committed input are committed. With committed scales in an uncommitted model the
-    donated cache came back committed after a step's first run, so the next call of each program
-    missed the one the engine's warm-up had compiled and compiled it again, serially: session 12's
-    static-scale engine did not finish warming up in 300 s on an H200 (8 forward compilations for
-    5 programs in a tiny CPU model; tests/test_activation_scales.py)."""
+    uncommitted scale: jit keys and lowers its programs by which inputs are committed, and outputs
+    of a call with a committed input are committed. With committed scales in an uncommitted model
+    the step programs' runs no longer lowered to what the engine's warm-up had compiled ahead of
+    time, and compiled again, serially: session 12's static-scale engine did not finish warming up
+    in 300 s on an H200; a tiny CPU model compiled its 5 forward programs 8 times and its samplers
+    twice (tests/test_activation_calibration.py)."""
     if not array.committed:
         return jnp.asarray(value)
     return jax.device_put(value, _replicated_like(array))
