@@ -106,8 +106,12 @@
 #           static activation scales, same call (each with an XLA dump of the 2048-token program,
 #           summarized on the machine by hlo_dump_summary.py), then latency_lab at 32 and 64
 #           sequences as weight-only and as W8A8 (where FP8_W8A8_MIN_TOKENS belongs, merger off).
+#   s14b    one GPU, queued by session 13: the decode kernel's tiles at moderate batches, where it
+#           reads at 75-81% inside whole steps (16-32 sequences at 1.5k tokens; issue 21's B=32
+#           goal is 88%): kernel_frontier.py's decode sweep at 16/32 sequences x 1.5k/4k tokens
+#           (adopt with adopt_frontier_run.py if it wins), then latency_lab at 16 and 32 sequences.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d or s13e}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e or s14b}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -534,6 +538,12 @@ s13e)
     left=$(( END - SECONDS ))
     (( left > 60 )) && on_gpu 0 lab.log "$left" python3 benchmarks/latency_lab.py --out "$R/lab" --weights fp8 \
         --batches 32,64 --batch-context 1536 --w8a8-min-tokens 32 --steps 8 --repeats 3 --no-trace ;;
+s14b)
+    on_gpu 0 frontier.log $(( END - 150 )) python3 benchmarks/kernel_frontier.py --out "$R/frontier" \
+        --only check,ceilings,decode --shapes 16x1536,32x1536,16x4096,32x4096 --budget-s $(( END - 220 ))
+    left=$(( END - SECONDS ))
+    (( left > 90 )) && on_gpu 0 lab.log "$left" python3 benchmarks/latency_lab.py --out "$R/lab" --weights bf16 \
+        --batches 16,32 --batch-context 1536 --steps 8 --repeats 3 ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac
