@@ -38,6 +38,9 @@ def test_the_input_scales_are_read_and_each_input_gets_the_largest_of_its_projec
                                                                     "self_attn.v_proj")))
     assert scales["o"][1] == np.float32(written["self_attn.o_proj"])
     assert scales["gate_up"][1] == np.float32(max(written["mlp.gate_proj"], written["mlp.up_proj"]))
+    # Committed like every other weight (none are, on one device): a committed scale in an
+    # uncommitted model made the engine compile each step program twice (activation_scales.put_beside).
+    assert {leaf.committed for leaf in jax.tree.leaves(model.weights)} == {False}
     assert scales["down"][1] == np.float32(written["mlp.down_proj"])
     layer = model.weights.layers[1]
     assert float(layer.q.input_scale) == float(layer.k.input_scale) == float(layer.v.input_scale)
