@@ -55,7 +55,7 @@ from jaxinfer.spec_decode.lagged import DeviceDrafts, continue_batch, continue_v
 from jaxinfer.spec_decode.layout import expand_to_rows
 from jaxinfer.spec_decode.rejection import VerifyOutput, verify
 from jaxinfer.token_history import gather_history, write_tokens
-from sharding.placement import StepPlacement
+from sharding.placement import StepPlacement, committed_device
 
 logger = logging.getLogger(__name__)
 
@@ -259,6 +259,14 @@ class ModelRunner:
         if self.aux_hidden_layers:
             width = len(self.aux_hidden_layers) * self.config.hidden_size
             self.aux_pages = create_aux_pages(num_pages, page_size, width, model.weights.embed.dtype)
+        # On one device the step's state is committed to it exactly when the weights are
+        # (sharding.placement.commit_beside says why); the sampler's logits follow.
+        self.committed_device = committed_device(model.weights) if mesh is None else None
+        if self.committed_device is not None:
+            state = (self.cache, self.last_sampled, self.device_drafts, self.token_pages, self.input_slot,
+                     self.aux_pages)
+            (self.cache, self.last_sampled, self.device_drafts, self.token_pages, self.input_slot,
+             self.aux_pages) = jax.device_put(state, self.committed_device)
         # Programs may compile with different options per token count: overlap per phase, no
         # Triton GEMMs for FP8 W8A8 steps on GPU (jaxinfer.compile_options).
         self._step = PhasedJit(
@@ -342,8 +350,11 @@ class ModelRunner:
     def _sampler_call(self, inputs: StepInputs):
         """The sampler's arguments for ``inputs``, its logits as a shape: what warm-up compiles."""
         num_rows = inputs.batch.logits_indices.shape[0]
-        logits = jax.ShapeDtypeStruct((num_rows, self.config.vocab_size), jnp.float32,
-                                      sharding=self.placement.replicated)
+        # The logits come from the forward, committed when its state is.
+        logits_sharding = self.placement.replicated
+        if self.committed_device is not None:
+            logits_sharding = jax.sharding.SingleDeviceSharding(self.committed_device)
+        logits = jax.ShapeDtypeStruct((num_rows, self.config.vocab_size), jnp.float32, sharding=logits_sharding)
         packed, packing = pack_host_arrays(_sampler_tree(inputs))
         packed = jax.device_put(packed, self.placement.replicated)
         bitmask = None

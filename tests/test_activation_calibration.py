@@ -189,16 +189,18 @@ def test_warm_up_says_when_programs_compile_again_at_their_first_run(caplog):
 
     model = fp8_model()
     static = apply_activation_scales(model, "static", [SAMPLE])
-    # Scales committed to the device, as session 12's were: the runs no longer match warm-up's programs.
+    runner = ModelRunner(static, num_pages=64, page_size=16, max_model_len=256, max_num_seqs=16,
+                         max_num_batched_tokens=256, kv_cache_dtype="fp8")
+
+    # Scales committed to the device behind the runner's back, as session 12's were before the
+    # runner committed its state beside committed weights: the runs no longer match warm-up's programs.
     def committed(layer):
         return dataclasses.replace(layer, **{
             name: dataclasses.replace(w, input_scale=jax.device_put(w.input_scale, jax.devices()[0]))
             for name, w in vars(layer).items() if getattr(w, "input_scale", None) is not None})
 
     layers = [committed(layer) for layer in static.weights.layers]
-    static = dataclasses.replace(static, weights=dataclasses.replace(static.weights, layers=layers))
-    runner = ModelRunner(static, num_pages=64, page_size=16, max_model_len=256, max_num_seqs=16,
-                         max_num_batched_tokens=256, kv_cache_dtype="fp8")
+    runner.model = dataclasses.replace(static, weights=dataclasses.replace(static.weights, layers=layers))
     with caplog.at_level("WARNING", logger="jaxinfer.runner"):
         runner.warm_up(use_tqdm=False)
     assert runner.warmup_recompiles > 0

@@ -80,6 +80,20 @@ def test_optional_weights_and_config_flags_round_trip(tmp_path, name):
     _assert_same_tokenizer(restored.tokenizer, source.tokenizer)
 
 
+def test_a_restored_model_warms_up_compiling_each_program_once(tmp_path):
+    # Orbax restores committed arrays; the runner's state was not, so each program's first run
+    # after warm-up compiled it again, serially (17 of a tiny model's; sharding.placement.commit_beside).
+    from jaxinfer.runner import ModelRunner
+
+    restored = restore(save(load_model(FIXTURES / "tiny-llama3", dtype="float32"), tmp_path / "orbax"))
+    assert {leaf.committed for leaf in jax.tree.leaves(restored.weights)} == {True}
+    runner = ModelRunner(restored, num_pages=64, page_size=16, max_model_len=256, max_num_seqs=16,
+                         max_num_batched_tokens=256)
+    runner.warm_up(use_tqdm=False)
+    assert runner.warmup_recompiles == 0
+    assert runner.cache.k[0].committed and runner.token_pages.committed
+
+
 def test_restore_casts_to_the_requested_dtype(tmp_path):
     source = load_model(FIXTURES / "tiny-qwen2", dtype="float32")
     restored = restore(save(source, tmp_path / "orbax"), dtype=jnp.bfloat16)

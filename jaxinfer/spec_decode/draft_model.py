@@ -33,6 +33,7 @@ from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.model import forward
 from jaxinfer.page_allocator import SCRATCH_PAGE, PageAllocator
 from jaxinfer.sequence import Sequence
+from sharding.placement import commit_beside
 
 
 def draft_decode_batch(batch: StepBatch, token: jax.Array, i: int) -> StepBatch:
@@ -190,7 +191,7 @@ class DraftModelProposer(PagedDraftProposer):
         super().__init__(
             functools.partial(_draft_round, config=model.config, attention_impl=attention_impl,
                               num_drafts=num_speculative_tokens),
-            create_kv_cache(model.config, num_pages, page_size, model.weights.embed.dtype),
+            commit_beside(create_kv_cache(model.config, num_pages, page_size, model.weights.embed.dtype), model.weights),
             buckets=buckets, num_speculative_tokens=num_speculative_tokens, allocator=allocator)
 
     def accept(self, seq: Sequence, num_accepted: int, num_drafted: int) -> None:

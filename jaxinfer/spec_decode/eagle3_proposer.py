@@ -31,6 +31,7 @@ from jaxinfer.spec_decode.config import SpeculativeConfig, SpeculativeConfigErro
 from jaxinfer.spec_decode.draft_model import PagedDraftProposer
 from jaxinfer.spec_decode.eagle3 import Eagle3Config, Eagle3Weights, draft_round
 from jaxinfer.spec_decode.eagle3_checkpoint import load_eagle3_head
+from sharding.placement import commit_beside
 
 
 def load_head_for(speculative: SpeculativeConfig, target, mesh) -> tuple[Eagle3Config, Eagle3Weights]:
@@ -63,7 +64,8 @@ class Eagle3Proposer(PagedDraftProposer):
         super().__init__(
             functools.partial(draft_round, config=config, attention_impl=attention_impl,
                               num_drafts=num_speculative_tokens),
-            create_kv_cache(config.layer, num_pages, page_size, weights.final_norm.dtype),
+            commit_beside(create_kv_cache(config.layer, num_pages, page_size, weights.final_norm.dtype),
+                          weights, target_embed()),
             buckets=buckets, num_speculative_tokens=num_speculative_tokens, allocator=allocator)
 
     def _call(self, batch):
