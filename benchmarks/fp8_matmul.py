@@ -132,6 +132,14 @@ def bytes_read(m: int, n: int, k: int, method: str) -> int:
 # timing
 
 
+def set_repeats(repeats: int):
+    """``--repeats``: programs per timed batch, here and in the scripts that time with ``time_program``."""
+    global REPEATS
+    if repeats < 1:
+        raise SystemExit(f"--repeats: {repeats} must be at least 1")
+    REPEATS = repeats
+
+
 def time_program(fn, *args):
     """``(seconds per call, first outputs)`` of the jitted ``fn(*args)``: REPEATS calls enqueued, one wait; median of 3 batches."""
     first = jax.block_until_ready(fn(*args))
@@ -592,7 +600,11 @@ def main():
     parser.add_argument("--sweep-shapes", default="gate,down,q,k")
     parser.add_argument("--sweep-share", type=float, default=SWEEP_SHARE,
                         help="share of --budget-s after which the sweep starts nothing new")
+    parser.add_argument("--repeats", type=int, default=REPEATS,
+                        help=f"programs enqueued back to back per timed batch (default {REPEATS}, the GPU runs'); "
+                             "the CPU smoke test passes 1, since interpreted programs take long and time nothing")
     args = parser.parse_args()
+    set_repeats(args.repeats)
     start = time.perf_counter()
     log = Log()
     info = header(log)
