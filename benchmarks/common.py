@@ -58,12 +58,14 @@ def header(log: Log) -> dict:
     return info
 
 
-def time_in_loop(body, carry, *args, min_seconds: float = 0.05, unroll: int | None = None) -> float:
+def time_in_loop(body, carry, *args, min_seconds: float = 0.05, unroll: int | None = None,
+                 timed_runs: int = 3) -> float:
     """Seconds per iteration of ``carry = body(carry, *args)``, run many times inside one jit.
 
     A ``fori_loop`` on the GPU syncs its predicate with the host every iteration (~10-20 µs):
     fine for a multi-millisecond body; for short ones pass ``unroll`` to chain that many
-    calls in one straight-line program instead.
+    calls in one straight-line program instead, timed ``timed_runs`` times after a warm-up
+    (the median; a CPU smoke run of an interpreted kernel passes 1: its numbers mean nothing).
     """
     if unroll:
 
@@ -75,7 +77,7 @@ def time_in_loop(body, carry, *args, min_seconds: float = 0.05, unroll: int | No
 
         jax.block_until_ready(chain(carry, *args))
         times = []
-        for _ in range(3):
+        for _ in range(timed_runs):
             start = time.perf_counter()
             jax.block_until_ready(chain(carry, *args))
             times.append(time.perf_counter() - start)
