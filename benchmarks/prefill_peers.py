@@ -28,8 +28,8 @@ all in one jitted step). TFLOP/s count 4 * D * Hq per visible (query, key) pair 
 (``kernel_attention.causal_flops``, through ``ragged_inputs``), beside the bf16 matmul rate (8192^3) measured in this run.
 Each implementation's output is checked in the same run against the XLA reference (chunks up to
 4k) or cuDNN (rel. Frobenius error). Timing: ``kernel_frontier.time_chain`` (calls chained,
-unrolled in one jit, median of 3); a time budget skips what is left, results are written after
-every implementation.
+unrolled in one jit, median of 3; ``--smoke`` times once); a time budget skips what is left,
+results are written after every implementation.
 
     python3 benchmarks/prefill_peers.py --out DIR [--budget-s 270] [--shapes 4096,8192,...,ragged] \
         [--impls cudnn,ours,fresh_path,bundled_64_128_2]   # a subset: names, or families (bundled, proto)
@@ -120,6 +120,21 @@ def per_sequence(attend):
     def step(qs, ks, vs):
         return tuple(attend(q, k, v) for q, k, v in zip(qs, ks, vs))
     return step
+
+
+SMOKE_SHAPES = "256,ragged"  # --smoke's default --shapes
+SMOKE_RAGGED = (128, 256)
+
+
+def parse_shape(shape: str, smoke: bool) -> tuple[str, tuple[int, ...]]:
+    """One ``--shapes`` item -> (row name, prompt lengths): ``L`` one prompt ("1xL"), ``NxL`` N equal
+    fresh prompts in one step, ``ragged`` the ragged mix (``SMOKE_RAGGED`` under ``--smoke``)."""
+    if shape == "ragged":
+        return "ragged", SMOKE_RAGGED if smoke else RAGGED
+    if "x" in shape:  # N prompts of L tokens in one step: "8x1000"
+        count, length = (int(part) for part in shape.split("x"))
+        return shape, (length,) * count
+    return f"1x{shape}", (int(shape),)
 
 
 def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, budget: Budget, ceil: dict, save):
@@ -415,12 +430,16 @@ def main():
                              f"{gpu_fresh_prefill.MIN_FRESH_TOKENS}); 1000-token prompts need <= 1000")
     parser.add_argument("--max-fresh-prompts", type=int, default=gpu_fresh_prefill.MAX_FRESH_PROMPTS,
                         help="fresh prompts a step of fresh_path / fresh_branchless (fresh_single: 1)")
-    parser.add_argument("--smoke", action="store_true", help="CPU check of this script: interpreter, tiny shapes")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"CPU check of this script: interpreter, tiny heads, --shapes {SMOKE_SHAPES} unless "
+                             "given, each chain timed once (without it the GPU defaults hold)")
     args = parser.parse_args()
     setup = Setup(args.smoke, args.page_size, args.impls, args.min_fresh_tokens, args.kv_dtypes,
                   args.max_fresh_prompts)
     if args.smoke and args.shapes == parser.get_default("shapes"):
-        args.shapes = "256,ragged"
+        args.shapes = SMOKE_SHAPES
+    if args.smoke:  # the interpreter's numbers mean nothing: one timed run of each chain
+        kf.TIMED_RUNS = 1
     budget = Budget(args.budget_s)
     device = jax.devices()[0]
     report = {"command": " ".join(["python3"] + sys.argv), "device": device.device_kind,
@@ -433,15 +452,8 @@ def main():
         if not args.smoke:
             report["ceilings"] = kf.guarded("ceilings", kf.measure_ceilings)
         save()
-        ragged = (128, 256) if args.smoke else RAGGED
         for shape in args.shapes.split(","):
-            if shape == "ragged":
-                name, lens = "ragged", ragged
-            elif "x" in shape:  # N prompts of L tokens in one step: "8x1000"
-                count, length = (int(part) for part in shape.split("x"))
-                name, lens = shape, (length,) * count
-            else:
-                name, lens = f"1x{shape}", (int(shape),)
+            name, lens = parse_shape(shape, args.smoke)
             if budget.left() < 15:
                 say(f"{name}: skipped, out of time")
                 continue
