@@ -37,7 +37,8 @@ layer's weights once), enqueued 8 times back to back (``--repeats``) before one 
 TB/s count each method's own minimum bytes (fp8: 1 byte a weight + scales; bf16: 2).
 
     python3 benchmarks/gemv_decode.py --out DIR [--budget-s 280] [--ms 1,8,4,16,2] [--layers 16]
-    python3 benchmarks/gemv_decode.py --out DIR --shape tiny --layers 1 --ms 1,4 --repeats 1 --max-candidates 4  # CPU smoke
+    python3 benchmarks/gemv_decode.py --out DIR --shape tiny --layers 1 --ms 1,4 \
+        --repeats 1 --max-candidates 4   # CPU smoke (interpret)
 
 Writes DIR/gemv_decode.{json,md,log}, DIR/gpu_gemv_table.json (right after the sweep) and
 DIR/gemv_decode.partial.json as it goes. JSON: ``hbm_read_tbs``; ``sweep`` (per shape, M,
