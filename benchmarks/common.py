@@ -58,12 +58,14 @@ def header(log: Log) -> dict:
     return info
 
 
-def time_in_loop(body, carry, *args, min_seconds: float = 0.05, unroll: int | None = None) -> float:
+def time_in_loop(body, carry, *args, min_seconds: float = 0.05, unroll: int | None = None,
+                 timed_runs: int = 3) -> float:
     """Seconds per iteration of ``carry = body(carry, *args)``, run many times inside one jit.
 
     A ``fori_loop`` on the GPU syncs its predicate with the host every iteration (~10-20 µs):
     fine for a multi-millisecond body; for short ones pass ``unroll`` to chain that many
-    calls in one straight-line program instead.
+    calls in one straight-line program instead, timed ``timed_runs`` times after a warm-up
+    (the median; a CPU smoke run of an interpreted kernel passes 1: its numbers mean nothing).
     """
     if unroll:
 
@@ -75,7 +77,7 @@ def time_in_loop(body, carry, *args, min_seconds: float = 0.05, unroll: int | No
 
         jax.block_until_ready(chain(carry, *args))
         times = []
-        for _ in range(3):
+        for _ in range(timed_runs):
             start = time.perf_counter()
             jax.block_until_ready(chain(carry, *args))
             times.append(time.perf_counter() - start)
@@ -97,21 +99,27 @@ def time_in_loop(body, carry, *args, min_seconds: float = 0.05, unroll: int | No
 
 
 def measure_ceilings(log: Log, read_gib: float | None = None) -> dict:
-    """HBM read ceiling (a jitted read-only reduction) and the bf16 matmul rate (8192^3)."""
+    """HBM read ceiling (a jitted read-only reduction) and the bf16 matmul rate (8192^3).
+
+    On a CPU (the smoke runs, whose numbers mean nothing): a 16 MiB read and a 256^3 matmul, each
+    timed once; 0.25 GiB and 512^3 timed three times took 3-14 s of every smoke test that measured them.
+    """
+    is_cpu = jax.default_backend() == "cpu"
+    timed_runs = 1 if is_cpu else 3
     if read_gib is None:
-        read_gib = 8.0 if jax.default_backend() != "cpu" else 0.25
+        read_gib = 1 / 64 if is_cpu else 8.0
     n_elems = int(read_gib * 2**30 / 2)
     x = jax.jit(lambda: jnp.ones((n_elems,), jnp.bfloat16))()
     t = time_in_loop(lambda c, x: c + jnp.sum(x + c.astype(x.dtype), dtype=jnp.float32) * 1e-30, jnp.float32(0), x,
-                     unroll=16)
+                     unroll=16, timed_runs=timed_runs)
     read_tbs = x.size * 2 / t / 1e12
     del x
-    n = 8192 if jax.default_backend() != "cpu" else 512
+    n = 256 if is_cpu else 8192
     a = jax.jit(lambda: jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16))()
     b = jax.jit(lambda: jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16) / math.sqrt(n))()
-    t = time_in_loop(lambda a, b: (a @ b).astype(jnp.bfloat16), a, b, unroll=16)
+    t = time_in_loop(lambda a, b: (a @ b).astype(jnp.bfloat16), a, b, unroll=16, timed_runs=timed_runs)
     matmul_tflops = 2 * n**3 / t / 1e12
-    log(f"ceiling: HBM read {read_tbs:.2f} TB/s ({read_gib:.0f} GiB bf16 sum); bf16 matmul {matmul_tflops:.0f} TFLOP/s ({n}^3)")
+    log(f"ceiling: HBM read {read_tbs:.2f} TB/s ({read_gib:g} GiB bf16 sum); bf16 matmul {matmul_tflops:.0f} TFLOP/s ({n}^3)")
     return {"hbm_read_tbs": read_tbs, "matmul_tflops": matmul_tflops}
 
 

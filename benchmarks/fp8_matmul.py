@@ -132,6 +132,14 @@ def bytes_read(m: int, n: int, k: int, method: str) -> int:
 # timing
 
 
+def set_repeats(repeats: int):
+    """``--repeats``: programs per timed batch, here and in the scripts that time with ``time_program``."""
+    global REPEATS
+    if repeats < 1:
+        raise SystemExit(f"--repeats: {repeats} must be at least 1")
+    REPEATS = repeats
+
+
 def time_program(fn, *args):
     """``(seconds per call, first outputs)`` of the jitted ``fn(*args)``: REPEATS calls enqueued, one wait; median of 3 batches."""
     first = jax.block_until_ready(fn(*args))
@@ -329,8 +337,12 @@ def check_correctness(log: Log, shapes, ms, interpret: bool) -> list[dict]:
 
 
 def run_sweep(log: Log, layers, shapes, ms, interpret: bool, deadline: float, ceiling: float, rows: list,
-              save, candidate_set: str = "curated", shape_keys=("gate", "down", "q", "k")) -> list[dict]:
+              save, candidate_set: str = "curated", shape_keys=("gate", "down", "q", "k"),
+              max_candidates: int | None = None) -> list[dict]:
     """Per shape and M: our defaults, XLA's three paths, then our other candidates in rounds until the deadline.
+
+    ``max_candidates``: at most that many of our sizes per shape and M, the default first (the CPU
+    smoke run compiles fewer programs; None: every candidate).
 
     Appends to ``rows`` as it goes and calls ``save()`` after each entry, so a crash keeps what was measured.
     """
@@ -371,7 +383,7 @@ def run_sweep(log: Log, layers, shapes, ms, interpret: bool, deadline: float, ce
     refs = {}
     order = list(shape_keys)
     make = grid_candidates if candidate_set == "grid" else sweep_candidates
-    candidates = {(s, m): make(m, *shapes[s]) for s in order for m in ms}
+    candidates = {(s, m): make(m, *shapes[s])[:max_candidates] for s in order for m in ms}
     max_rounds = max(len(v) for v in candidates.values())
     skipped = 0
     for round_index in range(max_rounds):
@@ -592,7 +604,16 @@ def main():
     parser.add_argument("--sweep-shapes", default="gate,down,q,k")
     parser.add_argument("--sweep-share", type=float, default=SWEEP_SHARE,
                         help="share of --budget-s after which the sweep starts nothing new")
+    parser.add_argument("--repeats", type=int, default=REPEATS,
+                        help=f"programs enqueued back to back per timed batch (default {REPEATS}, the GPU runs'); "
+                             "the CPU smoke test passes 1, since interpreted programs take long and time nothing")
+    parser.add_argument("--max-candidates", type=int, default=None,
+                        help="our sizes swept per shape and M, the default first (default: every candidate, the "
+                             "GPU runs'); the CPU smoke test passes 3")
     args = parser.parse_args()
+    set_repeats(args.repeats)
+    if args.max_candidates is not None and args.max_candidates < 1:
+        raise SystemExit(f"--max-candidates: {args.max_candidates} must be at least 1")
     start = time.perf_counter()
     log = Log()
     info = header(log)
@@ -624,7 +645,8 @@ def main():
     results["sweep"], results["chains"] = [], []
     sweep_ms = [int(v) for v in args.sweep_ms.split(",")] if args.sweep_ms else ms
     run_sweep(log, layers, shapes, sweep_ms, interpret, sweep_deadline, ceiling, results["sweep"], save,
-              candidate_set=args.sweep_set, shape_keys=args.sweep_shapes.split(","))
+              candidate_set=args.sweep_set, shape_keys=args.sweep_shapes.split(","),
+              max_candidates=args.max_candidates)
     run_chains(log, layers, shapes, ms, results["sweep"], interpret, ceiling, start + args.budget_s,
                results["chains"], save)
     results["best_sizes"] = {s: {m: (dataclasses.asdict(b) if (b := best_sizes(results["sweep"], s, m)) else None)

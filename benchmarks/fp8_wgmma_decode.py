@@ -15,13 +15,15 @@ One run, on one GPU (Hopper: the new kernel's wgmmas are sm_90a):
    to f16, the engine's sizes for fp8 pages) and the new kernel at a few launch variants (splits,
    pages in flight, pages a step; the goal shapes B >= 32, ctx >= 4k get the most). Each is
    ``REPEATS`` chained calls unrolled in one jitted program (each output the next query), median
-   of 3; microseconds, TB/s of fp8 bytes (one byte a K or V value), % of the read ceiling.
+   of ``TIMED_RUNS`` (3); microseconds, TB/s of fp8 bytes (one byte a K or V value), % of the read
+   ceiling.
    Neither writes K/V: both are attention over written pages.
 
     python3 benchmarks/fp8_wgmma_decode.py --out DIR [--budget-s 240]
 
 Writes DIR/fp8_wgmma_decode.json and .md (after every shape, so a run cut short keeps its rows).
-``--smoke``: the Pallas interpreters on CPU, tiny shapes, to check this script without a GPU.
+``--smoke``: the Pallas interpreters on CPU, tiny shapes, to check this script without a GPU
+(one shape, 2 chained calls a program timed once: the numbers mean nothing).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from pallas_kernels.paged_attention.reference import attend_reference  # noqa: E
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16  # Llama-3.1-8B, the engine's pages
 SM_SCALE = HEAD_DIM**-0.5
 REPEATS = 32
+TIMED_RUNS = 3  # timed runs of each program after its warm-up (median)
 MAX_ARRAY_ELEMENTS = 2**31  # an fp8 K or V array of more elements is not built (jaxinfer.memory's cap)
 # Same bound as the interpreter tests (tests/test_paged_attention_fp8_wgmma.py says why).
 TOLERANCE_VS_REFERENCE = 0.06
@@ -119,16 +122,21 @@ def error_of(got, want, lengths) -> dict:
             "finite": bool(np.isfinite(got).all()), "empty_slots_zero": bool(np.all(got[~live] == 0))}
 
 
-def check(interpret: bool) -> dict:
+# (page size, splits, row sums, gates the run): page 16 is the engine's (the packed f = 2 path), page 64 f = 1.
+CHECK_CASES = ((16, 1, "registers", True), (16, 3, "registers", True), (16, 1, "mma", False),
+               (64, 1, "registers", False))
+
+
+def check(interpret: bool, cases=CHECK_CASES) -> dict:
     """Compiled kernel vs the reference; ``passed`` is False on any mismatch or failure (main then exits 1).
 
     Page 16 (the engine's; the packed f = 2 path) at 1 and 3 splits gates the run; the MMA row
     sums are checked too (their variants are timed only if it passes), and page 64 (f = 1), so a
     failure tells which path broke. The engine's kernel's error on the same batch is printed for scale.
+    ``cases``: a subset of ``CHECK_CASES`` (a test of the gate itself needs only one).
     """
     results, ok = {}, True
-    for page_size, splits, row_sums, gates in ((16, 1, "registers", True), (16, 3, "registers", True),
-                                               (16, 1, "mma", False), (64, 1, "registers", False)):
+    for page_size, splits, row_sums, gates in cases:
         key = f"new_page{page_size}_splits{splits}_{row_sums}"
         try:
             (q, k_pages, v_pages, lengths, page_tables), want = check_batch(page_size, interpret)
@@ -177,7 +185,8 @@ def time_shape(batch, context, is_goal, interpret, budget_end, row_sums_ok) -> d
     row["engine_sizes"] = {f: getattr(sizes, f) for f in sizes.__dataclass_fields__}
     try:
         step = lambda x, k, v, t, n: engine_attend(x, k, v, t, n, interpret=interpret, sizes=sizes)
-        row["engine_s"] = time_in_loop(step, q, k_pages, v_pages, page_tables, lengths, unroll=REPEATS)
+        row["engine_s"] = time_in_loop(step, q, k_pages, v_pages, page_tables, lengths, unroll=REPEATS,
+                                       timed_runs=TIMED_RUNS)
     except Exception as e:  # noqa: BLE001  (a failure is a result; the run goes on)
         row["engine_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     del v_pages
@@ -191,7 +200,8 @@ def time_shape(batch, context, is_goal, interpret, budget_end, row_sums_ok) -> d
             def step(x, k, v, t, n, variant=dict(variant)):
                 return paged_decode_fp8_wgmma(x, k, v, n, t, k_scale=1.0, v_scale=1.0, sm_scale=SM_SCALE,
                                               interpret=interpret, **variant)
-            variant["seconds"] = time_in_loop(step, q, k_pages, v_pages_t, page_tables, lengths, unroll=REPEATS)
+            variant["seconds"] = time_in_loop(step, q, k_pages, v_pages_t, page_tables, lengths, unroll=REPEATS,
+                                              timed_runs=TIMED_RUNS)
         except Exception as e:  # noqa: BLE001
             variant["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         row["new"].append(variant)
@@ -250,15 +260,17 @@ def write_outputs(out_dir, report):
 
 
 def main():
-    global SHAPES, REPEATS
+    global SHAPES, REPEATS, TIMED_RUNS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for fp8_wgmma_decode.json and .md")
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new shapes after this")
-    parser.add_argument("--smoke", action="store_true", help="CPU: the Pallas interpreters, tiny shapes")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU: the Pallas interpreters, one tiny shape, 2 chained calls a program timed once "
+                             "(the GPU defaults are unchanged without it)")
     args = parser.parse_args()
     interpret = args.smoke
     if interpret:
-        SHAPES, REPEATS = [(2, 64)], 2
+        SHAPES, REPEATS, TIMED_RUNS = [(2, 64)], 2, 1
     report = {"header": header(say), "rows": [], "skipped": []}
     budget_end = say.start + args.budget_s
     report["check"] = check(interpret)

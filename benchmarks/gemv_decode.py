@@ -33,11 +33,12 @@ bf16 weights in the dense ``[in, out]`` layout the model keeps them in ("bf16kn"
 
 Timing as in ``fp8_matmul.py``: a timed program holds many distinct calls (a sweep program calls
 one shape on every layer's copy of it, more bytes than the 50 MB L2; a chain touches every
-layer's weights once), enqueued 8 times back to back before one wait, median of 3 such batches.
+layer's weights once), enqueued 8 times back to back (``--repeats``) before one wait, median of 3 such batches.
 TB/s count each method's own minimum bytes (fp8: 1 byte a weight + scales; bf16: 2).
 
     python3 benchmarks/gemv_decode.py --out DIR [--budget-s 280] [--ms 1,8,4,16,2] [--layers 16]
-    python3 benchmarks/gemv_decode.py --out DIR --shape tiny --layers 1 --ms 1,4   # CPU smoke (interpret)
+    python3 benchmarks/gemv_decode.py --out DIR --shape tiny --layers 1 --ms 1,4 \
+        --repeats 1 --max-candidates 4   # CPU smoke (interpret)
 
 Writes DIR/gemv_decode.{json,md,log}, DIR/gpu_gemv_table.json (right after the sweep) and
 DIR/gemv_decode.partial.json as it goes. JSON: ``hbm_read_tbs``; ``sweep`` (per shape, M,
@@ -67,7 +68,8 @@ import numpy as np  # noqa: E402
 
 from common import Log, header, write_results  # noqa: E402
 from fp8_matmul import (  # noqa: E402
-    fitting_candidates, layer_shapes, measure_read_ceiling, rel_error, time_program, xla_bf16, xla_w8a16,
+    REPEATS, fitting_candidates, layer_shapes, measure_read_ceiling, rel_error, set_repeats, time_program, xla_bf16,
+    xla_w8a16,
 )
 
 from pallas_kernels.quantized_matmul import (  # noqa: E402
@@ -338,8 +340,12 @@ def run_compiled(log: Log, job: Job) -> tuple | None:
 # stages
 
 
-def sweep_jobs(layers, shapes, ms, fmts, interpret: bool) -> list[Job]:
-    """Per shape, M and format: XLA's peer and our defaults first (all combinations), then our candidates in rounds."""
+def sweep_jobs(layers, shapes, ms, fmts, interpret: bool, max_candidates: int | None = None) -> list[Job]:
+    """Per shape, M and format: XLA's peer and our defaults first (all combinations), then our candidates in rounds.
+
+    ``max_candidates``: at most that many of our sizes per combination, the defaults included (the
+    first of each list: the CPU smoke run compiles fewer programs; None: every candidate).
+    """
     rounds: list[list[Job]] = []
 
     def job_for(shape_key, m, fmt, method, apply, sizes):
@@ -361,7 +367,7 @@ def sweep_jobs(layers, shapes, ms, fmts, interpret: bool) -> list[Job]:
         for shape_key in SWEEP_SHAPES:
             for fmt in fmts:
                 n, k = shapes[shape_key]
-                cands = candidates(m, n, k, fmt)
+                cands = candidates(m, n, k, fmt)[:max_candidates]
                 jobs = [job_for(shape_key, m, fmt, XLA_PEER[fmt], xla_peer(fmt), None)]
                 jobs += [job_for(shape_key, m, fmt, "ours " + describe(s), ours(fmt, s, interpret), s) for s in cands]
                 jobs[1].entry["default"] = True
@@ -608,7 +614,17 @@ def main():
     parser.add_argument("--keep-table", type=Path, default=GPU_TABLE_PATH,
                         help="table whose entries this run does not measure are carried into the written one "
                              "(default: the committed table; a missing path keeps nothing)")
+    parser.add_argument("--repeats", type=int, default=REPEATS,
+                        help=f"programs enqueued back to back per timed batch (default {REPEATS}, the GPU runs'); "
+                             "the CPU smoke test passes 1, since interpreted programs take long and time nothing")
+    parser.add_argument("--max-candidates", type=int, default=None,
+                        help="our sizes swept per shape, M and format, the defaults first (default: every "
+                             "candidate, the GPU runs'); the CPU smoke test passes 4 (the exactness probe still "
+                             "covers every fp8 form)")
     args = parser.parse_args()
+    set_repeats(args.repeats)
+    if args.max_candidates is not None and args.max_candidates < 1:
+        raise SystemExit(f"--max-candidates: {args.max_candidates} must be at least 1")
     start = time.perf_counter()
     log = Log()
     info = header(log)
@@ -636,7 +652,7 @@ def main():
         forms = [s for m in ms for key in SWEEP_SHAPES for s in candidates(m, *shapes[key], "fp8")]
         results["exactness"] = exactness_probe(log, forms, interpret)
     save()
-    jobs = sweep_jobs(layers, shapes, ms, fmts, interpret)
+    jobs = sweep_jobs(layers, shapes, ms, fmts, interpret, args.max_candidates)
     compile_all(log, jobs, args.compile_threads, start + args.sweep_share * args.budget_s)
     time_sweep(log, jobs, ceiling, results["sweep"], save, start + args.sweep_timing_share * args.budget_s)
     results["table"] = build_table(results["sweep"], results.get("exactness", {}))

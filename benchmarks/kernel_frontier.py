@@ -79,6 +79,7 @@ NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
 GROUP = NUM_Q_HEADS // NUM_KV_HEADS
 SM_SCALE = HEAD_DIM**-0.5
 REPEATS = 32
+TIMED_RUNS = 3  # timed runs of a compiled chain after its warm-up (median); --smoke times once
 INTERPRET = False  # --smoke: Pallas interpreter on CPU, tiny shapes, to check this script without a GPU
 LOG: list[str] = []
 T0 = time.time()
@@ -122,10 +123,10 @@ def compile_chain(step, carry, *consts, donate: bool):
 
 
 def time_compiled(run, carry, *consts):
-    """Seconds per call of a compiled chain (median of 3 after a warm-up). Returns (seconds, last carry)."""
+    """Seconds per call of a compiled chain (median of ``TIMED_RUNS`` after a warm-up). Returns (seconds, last carry)."""
     carry = jax.block_until_ready(run(carry, *consts))
     times = []
-    for _ in range(3):
+    for _ in range(TIMED_RUNS):
         start = time.perf_counter()
         carry = jax.block_until_ready(run(carry, *consts))
         times.append(time.perf_counter() - start)
@@ -913,7 +914,7 @@ def guarded(what: str, fn, *args, **kwargs):
 
 
 def main():
-    global INTERPRET, REPEATS, TILE_VARIANTS, PREFILL_VARIANTS, MOSAIC_STEPS, STAGE2_NEEDS_S
+    global INTERPRET, REPEATS, TIMED_RUNS, TILE_VARIANTS, PREFILL_VARIANTS, MOSAIC_STEPS, STAGE2_NEEDS_S
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop sweeping after this many seconds")
@@ -923,7 +924,9 @@ def main():
                         help="decode shapes to sweep, BxCONTEXT")
     parser.add_argument("--no-sweep", action="store_true",
                         help="time the table's sizes only (baseline, current, cuDNN), e.g. after adopting a table")
-    parser.add_argument("--smoke", action="store_true", help="CPU check of this script: interpreter, tiny shapes")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU check of this script: interpreter, tiny shapes, each chain timed once (without it "
+                             "the GPU defaults hold)")
     parser.add_argument("--quick-check", action="store_true", help="only the correctness cases in QUICK_CHECKS")
     parser.add_argument("--repeats", type=int, default=REPEATS, help="chained calls per timed program")
     parser.add_argument("--regression", default="256x4096,256x1024,1x1024",
@@ -939,7 +942,7 @@ def main():
     REPEATS, STAGE2_NEEDS_S = args.repeats, args.stage2_needs_s
     MOSAIC_STEPS = tuple(int(x) for x in args.mosaic_steps.split(",") if x)
     if args.smoke:
-        INTERPRET, REPEATS, TILE_VARIANTS = True, 2, TILE_VARIANTS[:2]
+        INTERPRET, REPEATS, TIMED_RUNS, TILE_VARIANTS = True, 2, 1, TILE_VARIANTS[:2]
         args.shapes = "1x512,2x256"
     if args.no_sweep:
         PREFILL_VARIANTS = []

@@ -28,8 +28,8 @@ all in one jitted step). TFLOP/s count 4 * D * Hq per visible (query, key) pair 
 (``kernel_attention.causal_flops``, through ``ragged_inputs``), beside the bf16 matmul rate (8192^3) measured in this run.
 Each implementation's output is checked in the same run against the XLA reference (chunks up to
 4k) or cuDNN (rel. Frobenius error). Timing: ``kernel_frontier.time_chain`` (calls chained,
-unrolled in one jit, median of 3); a time budget skips what is left, results are written after
-every implementation.
+unrolled in one jit, median of 3; ``--smoke`` times once); a time budget skips what is left,
+results are written after every implementation.
 
     python3 benchmarks/prefill_peers.py --out DIR [--budget-s 270] [--shapes 4096,8192,...,ragged] \
         [--impls cudnn,ours,fresh_path,bundled_64_128_2]   # a subset: names, or families (bundled, proto)
@@ -122,6 +122,21 @@ def per_sequence(attend):
     return step
 
 
+SMOKE_SHAPES = "256,ragged"  # --smoke's default --shapes
+SMOKE_RAGGED = (128, 256)
+
+
+def parse_shape(shape: str, smoke: bool) -> tuple[str, tuple[int, ...]]:
+    """One ``--shapes`` item -> (row name, prompt lengths): ``L`` one prompt ("1xL"), ``NxL`` N equal
+    fresh prompts in one step, ``ragged`` the ragged mix (``SMOKE_RAGGED`` under ``--smoke``)."""
+    if shape == "ragged":
+        return "ragged", SMOKE_RAGGED if smoke else RAGGED
+    if "x" in shape:  # N prompts of L tokens in one step: "8x1000"
+        count, length = (int(part) for part in shape.split("x"))
+        return shape, (length,) * count
+    return f"1x{shape}", (int(shape),)
+
+
 def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, budget: Budget, ceil: dict, save):
     """Time every implementation on fresh prefills of ``lens`` tokens, packed in one ragged batch."""
     kf.REPEATS = setup.repeats(sum(lens))
@@ -199,9 +214,17 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
 
     attempt("reference-for-check", reference_outputs)
 
+    def checked_chain(step, carry, *consts):
+        """(seconds per call, the output to check) of ``carry = step(carry, *consts)`` (a dense peer, nothing donated).
+
+        With one call a chain (--smoke) the chain's first run is that output: the kernel compiles once.
+        """
+        program = kf.compile_chain(step, carry, *consts, donate=False)
+        out = program(carry, *consts) if kf.REPEATS == 1 else jax.jit(step)(carry, *consts)
+        return kf.time_compiled(program, carry, *consts)[0], out
+
     def time_cudnn():
-        out = jax.jit(per_sequence(cudnn))(qs, ks, vs)
-        record("cudnn", time_chain(per_sequence(cudnn), qs, ks, vs, donate=False)[0], out)
+        record("cudnn", *checked_chain(per_sequence(cudnn), qs, ks, vs))
 
     sizes = gpu_block_sizes(num_tokens=num_tokens, max_num_seqs=len(lens), max_kv_len=page_tables.shape[1] * ps,
                             num_kv_heads=hkv, group=hq // hkv, head_dim=d, page_size=ps, itemsize=2)
@@ -224,20 +247,26 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
         nonlocal k_pages, v_pages, want_fp8
         kn, vn = (k_new8, v_new8) if over_fp8 else (k_new, v_new)
         kp, vp = (k_pages.astype(fp8), v_pages.astype(fp8)) if over_fp8 else (k_pages, v_pages)
-        out = kernel(q, kn, vn, jnp.copy(kp), jnp.copy(vp), page_tables, cu_q_lens, kv_lens,
-                     sm_scale=setup.sm_scale, interpret=interpret, **options)[0]
+        consts = (kn, vn, page_tables, cu_q_lens, kv_lens)
         repeats = kf.REPEATS
         # Fewer chained calls: session 8 compiled the fresh path's chain of 8-32 in 30-44 s (a loop compiles once).
         if max_repeats and not is_multi:
             kf.REPEATS = row.setdefault("repeats_by_impl", {})[impl] = min(repeats, max_repeats)
         try:
-            # The carry is donated: a copy of q rides in it, so q itself stays for the next implementation.
+            step = full_step(kernel, **options)
             if is_multi:  # one compiled step in a loop: a fresh path's branches compile once, not per call
-                seconds, (_, kp, vp) = time_loop(full_step(kernel, **options), (jnp.copy(q), kp, vp), kn, vn,
-                                                 page_tables, cu_q_lens, kv_lens)
+                program = loop_program(step)
             else:
-                seconds, (_, kp, vp) = time_chain(full_step(kernel, **options), (jnp.copy(q), kp, vp), kn, vn,
-                                                  page_tables, cu_q_lens, kv_lens, donate=True)
+                program = kf.compile_chain(step, (q, kp, vp), *consts, donate=True)
+            if kf.REPEATS == 1:
+                # One call a program (--smoke): its first run is the call to check, so the interpreted
+                # kernel compiles once (checked apart, it compiled again: ~4 s a fresh path on CPU).
+                out = program((jnp.copy(q), jnp.copy(kp), jnp.copy(vp)), *consts)[0]
+            else:
+                out = kernel(q, kn, vn, jnp.copy(kp), jnp.copy(vp), page_tables, cu_q_lens, kv_lens,
+                             sm_scale=setup.sm_scale, interpret=interpret, **options)[0]
+            # The carry is donated: a copy of q rides in it, so q itself stays for the next implementation.
+            seconds, (_, kp, vp) = kf.time_compiled(program, (jnp.copy(q), kp, vp), *consts)
         finally:
             kf.REPEATS = repeats
         if over_fp8:
@@ -250,11 +279,11 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
         if "max_fresh_prompts" in options or "branchless" in options:
             row.setdefault("fresh_prompts_served", {})[impl] = prompts_served(options)
 
-    def time_loop(step, carry, *consts):
-        """Seconds per call of ``step`` run ``kf.REPEATS`` times in one ``fori_loop`` (the carry donated)."""
-        run = jax.jit(lambda carry, *consts: jax.lax.fori_loop(0, kf.REPEATS, lambda i, c: step(c, *consts), carry),
-                      donate_argnums=(0,))
-        return kf.time_compiled(run, carry, *consts)
+    def loop_program(step):
+        """``step`` run ``kf.REPEATS`` times in one jitted ``fori_loop`` (the carry donated)."""
+        repeats = kf.REPEATS
+        return jax.jit(lambda carry, *consts: jax.lax.fori_loop(0, repeats, lambda i, c: step(c, *consts), carry),
+                       donate_argnums=(0,))
 
     def prompts_served(options) -> int:
         """How many of the step's fresh prompts the path hands its window kernel (its choice, on the host)."""
@@ -305,19 +334,16 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
             return attention_mgpu.attention(q, k, v, config)
         half = lambda xs: tuple(x.astype(jnp.float16) for x in xs)  # noqa: E731
         qs16 = tuple((q.astype(jnp.float32) * setup.sm_scale).astype(jnp.float16) for q in qs)
-        out = jax.jit(per_sequence(attend))(qs16, half(ks), half(vs))
         tag = f"bundled_{config.block_q}_{config.block_kv}_{config.max_concurrent_steps}"
-        record(tag, time_chain(per_sequence(attend), qs16, half(ks), half(vs), donate=False)[0], out)
+        record(tag, *checked_chain(per_sequence(attend), qs16, half(ks), half(vs)))
 
     def time_proto(steps):
         attend = functools.partial(causal_prefill_attention_mosaic_gpu, sm_scale=setup.sm_scale,
                                    max_concurrent_steps=steps, interpret=interpret)
-        out = jax.jit(per_sequence(attend))(qs, ks, vs)
-        record(f"proto_{steps}", time_chain(per_sequence(attend), qs, ks, vs, donate=False)[0], out)
+        record(f"proto_{steps}", *checked_chain(per_sequence(attend), qs, ks, vs))
 
     def time_xla():
-        out = jax.jit(per_sequence(xla))(qs, ks, vs)
-        record("xla", time_chain(per_sequence(xla), qs, ks, vs, donate=False)[0], out)
+        record("xla", *checked_chain(per_sequence(xla), qs, ks, vs))
 
     from jax.experimental.pallas.ops.gpu import attention_mgpu
     attempt("cudnn", time_cudnn)
@@ -415,12 +441,16 @@ def main():
                              f"{gpu_fresh_prefill.MIN_FRESH_TOKENS}); 1000-token prompts need <= 1000")
     parser.add_argument("--max-fresh-prompts", type=int, default=gpu_fresh_prefill.MAX_FRESH_PROMPTS,
                         help="fresh prompts a step of fresh_path / fresh_branchless (fresh_single: 1)")
-    parser.add_argument("--smoke", action="store_true", help="CPU check of this script: interpreter, tiny shapes")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"CPU check of this script: interpreter, tiny heads, --shapes {SMOKE_SHAPES} unless "
+                             "given, each chain timed once (without it the GPU defaults hold)")
     args = parser.parse_args()
     setup = Setup(args.smoke, args.page_size, args.impls, args.min_fresh_tokens, args.kv_dtypes,
                   args.max_fresh_prompts)
     if args.smoke and args.shapes == parser.get_default("shapes"):
-        args.shapes = "256,ragged"
+        args.shapes = SMOKE_SHAPES
+    if args.smoke:  # the interpreter's numbers mean nothing: one timed run of each chain
+        kf.TIMED_RUNS = 1
     budget = Budget(args.budget_s)
     device = jax.devices()[0]
     report = {"command": " ".join(["python3"] + sys.argv), "device": device.device_kind,
@@ -433,15 +463,8 @@ def main():
         if not args.smoke:
             report["ceilings"] = kf.guarded("ceilings", kf.measure_ceilings)
         save()
-        ragged = (128, 256) if args.smoke else RAGGED
         for shape in args.shapes.split(","):
-            if shape == "ragged":
-                name, lens = "ragged", ragged
-            elif "x" in shape:  # N prompts of L tokens in one step: "8x1000"
-                count, length = (int(part) for part in shape.split("x"))
-                name, lens = shape, (length,) * count
-            else:
-                name, lens = f"1x{shape}", (int(shape),)
+            name, lens = parse_shape(shape, args.smoke)
             if budget.left() < 15:
                 say(f"{name}: skipped, out of time")
                 continue

@@ -329,7 +329,7 @@ def main():
         results["workloads"]["prefill-overlap"] = prefill_overlap(args.shape, args.tp, args, log, args.out)
         save()
     if "latency" in workloads or "throughput-1k" in workloads:
-        results["ceilings"] = measure_ceilings(log, read_gib=0.25 if args.smoke else 8.0)
+        results["ceilings"] = measure_ceilings(log, read_gib=1 / 64 if args.smoke else 8.0)
         results["workloads"]["engine"] = engine_workloads(args.shape, args.tp, args, workloads, results["ceilings"], log)
         save()
 

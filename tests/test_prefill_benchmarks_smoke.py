@@ -2,6 +2,9 @@
 
 ``prefill_engine.py`` builds one engine per attention impl and measures compile, TTFT and a
 prefill-heavy mix; ``prefill_peers.py --impls`` runs only the named implementations.
+Each ``prefill_peers`` run costs ~5 s an implementation and shape (interpreted kernels
+compiled), so each shape kind runs end to end once: the ragged mix (the one-prompt shape,
+``1xL``, times through the same chain) and several equal fresh prompts (``NxL``, in a loop).
 """
 
 import json
@@ -25,14 +28,24 @@ def test_prefill_engine_measures_every_impl_and_compiles_nothing_after_warmup(tm
     assert "TTFT 96 tokens" in (out / "prefill_engine.md").read_text()
 
 
+def test_prefill_peers_parses_each_kind_of_shape():
+    import prefill_peers
+
+    smoke_default = [prefill_peers.parse_shape(s, smoke=True) for s in prefill_peers.SMOKE_SHAPES.split(",")]
+    assert smoke_default == [("1x256", (256,)), ("ragged", (128, 256))]
+    assert prefill_peers.parse_shape("3x128", smoke=True) == ("3x128", (128, 128, 128))
+    assert prefill_peers.parse_shape("ragged", smoke=False) == ("ragged", prefill_peers.RAGGED)
+    assert prefill_peers.parse_shape("4096", smoke=False) == ("1x4096", (4096,))
+
+
 @pytest.mark.slow
 def test_prefill_peers_runs_only_the_named_impls(tmp_path):
     out = tmp_path / "pp"
     impls = "ours,fresh_path,fresh_branchless,proto"
-    run_script([BENCHMARKS / "prefill_peers.py", "--out", out, "--smoke", "--impls", impls, "--budget-s", "1500"],
-               tmp_path)
+    run_script([BENCHMARKS / "prefill_peers.py", "--out", out, "--smoke", "--shapes", "ragged", "--impls", impls,
+                "--budget-s", "1500"], tmp_path)
     rows = json.loads((out / "prefill_peers.json").read_text())["results"]
-    assert [r["shape"] for r in rows] == ["1x256", "ragged"]
+    assert [r["shape"] for r in rows] == ["ragged"]
     for r in rows:
         assert set(r["tflops"]) == {"ours", "fresh_path", "fresh_branchless", "proto_2"}, r["errors"]
         assert r["rel_err"]["fresh_path"] < 1e-2 and r["rel_err"]["fresh_branchless"] < 1e-2

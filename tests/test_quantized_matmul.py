@@ -368,7 +368,8 @@ def test_benchmark_runs_on_cpu_with_tiny_shapes(tmp_path):
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "benchmarks/fp8_matmul.py", "--out", str(tmp_path), "--shape", "tiny",
-                           "--layers", "1", "--ms", "1,3", "--budget-s", "120"],
+                           "--layers", "1", "--ms", "1,3", "--budget-s", "120", "--repeats", "1",
+                           "--max-candidates", "3"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "fp8_matmul.json").read_text())
@@ -395,7 +396,8 @@ def test_gemv_benchmark_runs_on_cpu_with_tiny_shapes(tmp_path):
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "benchmarks/gemv_decode.py", "--out", str(tmp_path), "--shape", "tiny",
-                           "--layers", "1", "--ms", "1,8", "--budget-s", "400", "--compile-threads", "2"],
+                           "--layers", "1", "--ms", "1,8", "--budget-s", "400", "--compile-threads", "2",
+                           "--repeats", "1", "--max-candidates", "4"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "gemv_decode.json").read_text())
