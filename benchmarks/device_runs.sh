@@ -110,8 +110,12 @@
 #           reads at 75-81% inside whole steps (16-32 sequences at 1.5k tokens; issue 21's B=32
 #           goal is 88%): kernel_frontier.py's decode sweep at 16/32 sequences x 1.5k/4k tokens
 #           (adopt with adopt_frontier_run.py if it wins), then latency_lab at 16 and 32 sequences.
+#   s14c    one GPU (carry .whl), queued by session 13: the 8B engine's cold start-up restored from
+#           an Orbax checkpoint (engine_throughput.py --via-orbax: a converted model's arrays come
+#           back committed; before session 13's fix every program compiled twice at warm-up), then
+#           cold from random weights, each with an empty compilation cache; "twice" must read 0.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e or s14b}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b or s14c}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -544,6 +548,14 @@ s14b)
     left=$(( END - SECONDS ))
     (( left > 90 )) && on_gpu 0 lab.log "$left" python3 benchmarks/latency_lab.py --out "$R/lab" --weights bf16 \
         --batches 16,32 --batch-context 1536 --steps 8 --repeats 3 ;;
+s14c)
+    wheels
+    on_gpu 0 orbax.log 300 python3 benchmarks/engine_throughput.py --out "$R/orbax" --workloads startup \
+        --max-num-seqs 1024 --via-orbax /tmp/orbax8b
+    rm -rf /tmp/orbax8b /tmp/jcc0
+    left=$(( END - SECONDS ))
+    (( left > 120 )) && on_gpu 0 random.log "$left" python3 benchmarks/engine_throughput.py --out "$R/random" \
+        --workloads startup --max-num-seqs 1024 ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac

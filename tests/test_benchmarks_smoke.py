@@ -45,6 +45,8 @@ def test_engine_throughput_workloads_complete(tmp_path):
     run_script([*args, "--profile-steps", "2", "--profile-prefill-steps", "1", "--structured-fraction", "0.5",
                 "--structured-tokenizer", TINY_TOKENIZER], tmp_path)
     run_script([*args[:-1], "startup", "--resume"], tmp_path)  # the cache the first run filled: warm
+    # A converted model's start-up: restored from Orbax, committed to its device, compiled once.
+    run_script([*args[:-1], "startup", "--resume", "--via-orbax", tmp_path / "orbax"], tmp_path)
     assert list(out.glob("profile_throughput-1k_decode/plugins/profile/*/*.xplane.pb"))
     profile = json.loads((out / "engine_throughput.json").read_text())["workloads"]["throughput-1k"]["profile"]
     assert profile["num_traced_steps"] == 2 and len(profile["trace_files"]) == 1
@@ -54,6 +56,8 @@ def test_engine_throughput_workloads_complete(tmp_path):
     workloads = results["workloads"]
     assert workloads["startup"]["cache_files_before"] == 0
     assert workloads["startup-warm"]["cache_files_before"] > 0
+    assert workloads["startup-warm-orbax"]["warmup_recompiles"] == 0
+    assert workloads["startup"]["warmup_recompiles"] == 0
     for name in ("throughput-1k", "throughput-nano"):
         assert workloads[name]["compilations_after_warmup"] == 0
         assert workloads[name]["output_tokens"] > 0
