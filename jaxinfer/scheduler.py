@@ -181,12 +181,12 @@ class Scheduler:
         if wait_until is not None:
             return Schedule(wait_until=wait_until)
         budget = self.config.max_num_batched_tokens
-        items, preempted, budget, num_tokens, num_uncomputed = self._schedule_running(budget)
+        items, preempted, budget, num_uncomputed = self._schedule_running(budget)
         if not preempted:
             # The chunks scheduled above have their page slots; the rest of their prompts do not
             # (draft tokens spent budget too, which only makes this smaller by as many).
             num_pending = max(num_uncomputed - (self.config.max_num_batched_tokens - budget), 0)
-            totals = RunningTotals(len(self.running), num_tokens, num_pending)
+            totals = RunningTotals(len(self.running), num_pending)
             admitted, budget = self._schedule_waiting(budget, totals)
             items += admitted
         if items or preempted:
@@ -227,19 +227,18 @@ class Scheduler:
         deadline = min(seq.arrival_time for seq in self.waiting) + self.config.max_wait_s
         return deadline if now < deadline else None
 
-    def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], list[Sequence], int, int, int]:
+    def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], list[Sequence], int, int]:
         """The running sequences' items, the preempted, the budget left, and (for admission) the
-        running sequences' token count and uncomputed token count before this step."""
+        running sequences' uncomputed token count before this step."""
         running = self.running
         n = len(running)
         if not n:
-            return [], [], budget, 0, 0
+            return [], [], budget, 0
         # Runs over every running sequence each step (1000 at a time): counts are read by
         # whole-list passes, and the plain decodes (most of every step) are scheduled in bulk.
         num_tokens = np.fromiter(map(len, map(_token_ids_of, running)), np.int64, n)
         num_computed = np.fromiter(map(_num_computed_tokens_of, running), np.int64, n)
-        num_tokens_total = int(num_tokens.sum())
-        num_uncomputed_total = num_tokens_total - int(num_computed.sum())
+        num_uncomputed_total = int(num_tokens.sum()) - int(num_computed.sum())
         is_decode = num_tokens - num_computed == 1
         decodes = self._bulk_decodes(is_decode, num_tokens, num_computed, budget)
         if decodes is not None:
@@ -253,7 +252,7 @@ class Scheduler:
             rest += [seq for seq, decode in zip(running, is_decode) if not decode]
         preempted: list[Sequence] = []
         budget = self._schedule_one_by_one(rest, items, preempted, budget)
-        return items, preempted, budget, num_tokens_total, num_uncomputed_total
+        return items, preempted, budget, num_uncomputed_total
 
     def _bulk_decodes(self, is_decode: np.ndarray, num_tokens: np.ndarray, num_computed: np.ndarray,
                       budget: int) -> list[ScheduledSeq] | None:
@@ -328,9 +327,8 @@ class Scheduler:
         if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
             return items, budget  # nothing to admit: skip the pass over the running sequences below
         if totals is None:
-            num_tokens = sum(seq.num_tokens for seq in self.running)
-            totals = RunningTotals(len(self.running), num_tokens,
-                                   num_tokens - sum(seq.num_computed_tokens for seq in self.running))
+            totals = RunningTotals(len(self.running), sum(seq.num_tokens - seq.num_computed_tokens
+                                                          for seq in self.running))
         deferred: list[Sequence] = []
         # Fewest computed tokens among each request's running samples: a sibling whose prompt
         # pages are still being computed will register them for the others to share.
@@ -357,7 +355,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self.admission.on_start(seq)
-            totals = RunningTotals(totals.num_seqs + 1, totals.num_tokens + seq.num_tokens,
+            totals = RunningTotals(totals.num_seqs + 1,
                                    totals.num_pending_tokens + seq.num_tokens - seq.num_computed_tokens - num_new)
             items.append(self._item(seq, num_new))
             budget -= num_new

@@ -263,7 +263,7 @@ def test_the_check_counts_pages_pending_prompt_tokens_and_the_projected_peak(num
     # tokens, 3 pages; 6 pages in all. (Summing every remaining output instead, as if all peaked
     # together: 10 + 15 + 3 + 3 + 9 tokens = 10 pages.)
     candidate = Sequence(11, "candidate", list(range(1, 10)), max_tokens=6)
-    totals = RunningTotals(num_seqs=2, num_tokens=30, num_pending_tokens=3)
+    totals = RunningTotals(num_seqs=2, num_pending_tokens=3)
     assert admission.can_admit(candidate, running, totals, allocator) is admitted
     # The running set's own peak: 2 tokens a step for 10 steps + 3 pending = 23 tokens, 6 pages.
     assert admission.num_reserved_pages == 6
@@ -282,7 +282,7 @@ def test_a_prefix_another_sequence_holds_costs_the_candidate_nothing():
     # 11 tokens sharing the holder's 2 full pages: 1 page of its own. Over its 1 expected step
     # the pool grows 2 tokens (1 page): 2 pages needed, 1 free.
     candidate = Sequence(1, "candidate", [1] * 8 + [4, 2, 3], max_tokens=1)
-    totals = RunningTotals(num_seqs=1, num_tokens=9, num_pending_tokens=0)
+    totals = RunningTotals(num_seqs=1, num_pending_tokens=0)
     assert allocator.num_pages_to_admit(candidate, candidate.num_tokens) == 1
     assert not admission.can_admit(candidate, [holder], totals, allocator)
     allocator.free(blocker)
@@ -295,7 +295,7 @@ def test_greedy_never_checks_and_keeps_its_ratio_at_zero():
     running = [running_seq(0, 4, 50)]
     admission.on_start(running[0])
     # Even a candidate that cannot fit passes: the allocator alone decides under "greedy".
-    assert admission.can_admit(running_seq(1, 40, 50), running, RunningTotals(1, 4, 0), allocator)
+    assert admission.can_admit(running_seq(1, 40, 50), running, RunningTotals(1, 0), allocator)
     admission.end_step(preempted=True)
     assert admission.ratio == 0.0
 
