@@ -21,11 +21,12 @@
 // (a prefill); a decode step's few hundred positions run on the calling thread.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <latch>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -163,28 +164,51 @@ void Run(ffi::ThreadPool& pool, const float* q, const T* k_new, const T* v_new, 
   }
   const int64_t group = g.num_q_heads / g.num_kv_heads;
   const int64_t items = g.num_tokens * g.num_kv_heads;
+  const size_t scratch = static_cast<size_t>(std::max<int64_t>(1, group * longest));
   // Below ~256k multiply-adds the hand-off to another thread costs more than it saves.
   const int64_t work = positions * g.num_q_heads * g.head_dim * 2;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), max_threads));
-  const int64_t shares = work < (256 << 10) ? 1 : std::min(threads, items);
-  const int64_t per_share = (items + shares - 1) / shares;
-  auto share = [&, longest, group](int64_t begin, int64_t end) {
-    std::vector<float> scores(std::max<int64_t>(1, group * longest));
-    for (int64_t item = begin; item < end; ++item) {
+  if (threads == 1 || items == 1 || work < (256 << 10)) {
+    std::vector<float> scores(scratch);
+    for (int64_t item = 0; item < items; ++item) {
       AttendOne(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, g, sm_scale, sliding_window, soft_cap,
                 item / g.num_kv_heads, item % g.num_kv_heads, scores.data(), out);
     }
-  };
-  std::latch done(shares - 1);
-  for (int64_t s = 1; s < shares; ++s) {
-    const int64_t begin = std::min(items, s * per_share), end = std::min(items, begin + per_share);
-    pool.Schedule([&share, &done, begin, end] {
-      share(begin, end);
-      done.count_down();
-    });
+    return;
   }
-  share(0, std::min(items, per_share));
-  done.wait();
+  // Items are claimed a chunk at a time from a shared counter (as in int8_matmul_cpu.cc), never
+  // dealt out as fixed shares. The caller is often one of the pool's own threads: with fixed
+  // shares, two calls running at once (the two devices of a tensor-parallel CPU run) each queued
+  // a share, took both of a 2-core pool's threads and waited on their latches forever (2 hangs in
+  // 34 runs of tests/test_static_activation_checkpoint.py's check under CPU load; none in 80
+  // since). Now the caller runs every chunk no helper has started and waits only for chunks a
+  // running helper has claimed. Dynamic chunks also balance causal prefill, whose later tokens
+  // see more positions: a 2048-token prefill takes 137 ms against 189 with halves. The state
+  // lives on the heap: a helper that starts after the call returned finds no chunk left and
+  // touches nothing else.
+  struct Chunks {
+    std::atomic<int64_t> next{0}, done{0};
+    int64_t count = 0;
+  };
+  const int64_t chunk_items = std::max<int64_t>(1, items / (threads * 8));
+  auto chunks = std::make_shared<Chunks>();
+  chunks->count = (items + chunk_items - 1) / chunk_items;
+  auto attend = [=] {
+    std::vector<float> scores;
+    for (int64_t c = chunks->next.fetch_add(1); c < chunks->count; c = chunks->next.fetch_add(1)) {
+      if (scores.empty()) scores.resize(scratch);
+      for (int64_t item = c * chunk_items, end = std::min(items, item + chunk_items); item < end; ++item) {
+        AttendOne(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, g, sm_scale, sliding_window, soft_cap,
+                  item / g.num_kv_heads, item % g.num_kv_heads, scores.data(), out);
+      }
+      if (chunks->done.fetch_add(1) + 1 == chunks->count) chunks->done.notify_all();
+    }
+  };
+  for (int64_t s = 1; s < threads; ++s) pool.Schedule([attend] { attend(); });
+  attend();
+  for (int64_t done = chunks->done.load(); done < chunks->count; done = chunks->done.load()) {
+    chunks->done.wait(done);
+  }
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_new,
