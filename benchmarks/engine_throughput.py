@@ -81,15 +81,17 @@ def build_engine(model, *, max_model_len, max_num_seqs, max_num_batched_tokens, 
     start = time.perf_counter()
     engine = Engine(model, config, warm_up=True, use_tqdm=False)
     seconds = time.perf_counter() - start
-    programs = engine.runner.num_programs
+    programs, times = engine.runner.num_programs, engine.runner.warmup_compile_times
     log(f"engine: {num_pages} pages x {page_size} tokens (kv_cache_dtype {kv_cache_dtype}), "
         f"max_num_seqs {max_num_seqs}, admission {engine.config.scheduling_admission}, "
         f"token budget {max_num_batched_tokens}; compiled {programs} programs in {seconds:.1f} s "
-        f"({engine.runner.warmup_recompiles} compiled again at their first run)")
+        f"({engine.runner.warmup_recompiles} compiled again at their first run; "
+        f"compile pool {times.pool_seconds:.1f} s, its longest program {times.longest_seconds:.1f} s)")
     return engine, {"num_pages": num_pages, "page_size": page_size, "max_num_seqs": max_num_seqs,
                     "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
                     "num_programs": programs, "compile_seconds": seconds,
-                    "warmup_recompiles": engine.runner.warmup_recompiles, "kv_cache_dtype": kv_cache_dtype,
+                    "warmup_recompiles": engine.runner.warmup_recompiles, "compile_pool_seconds": times.pool_seconds,
+                    "longest_compile_seconds": times.longest_seconds, "kv_cache_dtype": kv_cache_dtype,
                     "attention_impl": attention_impl or "auto", "admission": engine.config.scheduling_admission}
 
 
@@ -439,7 +441,8 @@ def markdown(results: dict) -> str:
         if key in w:
             s = w[key]
             lines.append(f"| startup, {cache} | {s['shape']} | {s['num_programs']} programs compiled in "
-                         f"{s['compile_seconds']:.1f} s ({s.get('warmup_recompiles', 0)} twice) | goal {goal} |")
+                         f"{s['compile_seconds']:.1f} s ({s.get('warmup_recompiles', 0)} twice; longest program "
+                         f"{s.get('longest_compile_seconds', float('nan')):.1f} s) | goal {goal} |")
     if "latency" in w:
         s = w["latency"]
         lines.append(f"| latency (128 in / 256 out, batch 1) | {s['shape']} | TPOT {s['tpot_ms']:.2f} ms, TTFT {s['ttft_ms']:.1f} ms | {s['ratio_to_roofline']:.2f}x roofline ({s['roofline_ms']:.2f} ms); HF: {s.get('hf_tpot_ms', float('nan')):.2f} ms |")

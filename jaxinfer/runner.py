@@ -30,7 +30,7 @@ import logging
 import math
 import os
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +86,14 @@ def powers_of_two(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
         out.append(n)
         n *= factor
     return tuple(out) + (high,)
+
+
+class WarmupCompileTimes(NamedTuple):
+    """Seconds of warm-up's ahead-of-time compilation: the pool's wall time, its longest program, all programs summed."""
+
+    pool_seconds: float
+    longest_seconds: float
+    total_seconds: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,6 +299,7 @@ class ModelRunner:
         )
         self.warmup_done = False
         self.warmup_recompiles = 0  # programs warm-up compiled twice (warm_up)
+        self.warmup_compile_times: WarmupCompileTimes | None = None  # warm_up's compile pool
         # Forward and sampler programs apart: warm-up pairs each sampler with one forward bucket
         # only, and a new pairing of two warmed programs compiles nothing.
         self.forward_compilations = CompilationCounter(self._step._cache_size)
@@ -303,19 +312,33 @@ class ModelRunner:
         while it compiles, and the programs are independent), then each is run once.
         """
         start = time.perf_counter()
-        shapes = self.buckets.all()
+        # Largest buckets first: compile time grows with a program's rows (H200, Llama-3.1-8B
+        # fp8: 35 s at 8192 tokens, 9 s at 256, benchmarks/results/compile_time.session13_*), and
+        # queued behind the small ones (the buckets' own order) the largest started seconds late
+        # and set when the pool finished. Longest-first is the classic bound on that makespan.
+        shapes = sorted(self.buckets.all(), key=lambda shape: (shape[0], shape[2]), reverse=True)
         kinds = (False, True) if self.num_speculative_tokens else (False,)
         all_inputs = [self.empty_inputs(t, b, p, verify=v) for t, b, p in shapes for v in kinds]
         sampler_inputs = [self.empty_inputs(t, b, p, path, verify=v)
-                          for t, b, p in self._sampler_shapes() for path in SAMPLER_PATHS for v in kinds
+                          for t, b, p in reversed(self._sampler_shapes()) for path in SAMPLER_PATHS for v in kinds
                           if not (v and path in MASKED_SAMPLER_PATHS)]  # a verify step is never masked
         jobs = [functools.partial(self._compile, inputs) for inputs in all_inputs]
         jobs += [functools.partial(self._compile_sampler, inputs) for inputs in sampler_inputs]
         num_threads = num_threads or min(len(jobs), max(1, (os.cpu_count() or 1) // 2))
+
+        def timed(job) -> float:
+            begin = time.perf_counter()
+            job()
+            return time.perf_counter() - begin
+
+        pool_start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
-            compiled = pool.map(lambda job: job(), jobs)
-            for _ in tqdm(compiled, total=len(jobs), desc="Compiling", unit="program", disable=not use_tqdm):
-                pass
+            compiled = pool.map(timed, jobs)
+            program_seconds = list(tqdm(compiled, total=len(jobs), desc="Compiling", unit="program",
+                                        disable=not use_tqdm))
+        # The pool's wall time against its longest program: near it, no order of the jobs can do better.
+        self.warmup_compile_times = WarmupCompileTimes(time.perf_counter() - pool_start, max(program_seconds, default=0.0),
+                                                       sum(program_seconds))
         # Each program's first run must find what the pool compiled; one that compiles again does
         # so serially (session 12's static-scale engine never finished warming up on an H200: its
         # scales were committed to a device in an uncommitted model, activation_scales.put_beside).
@@ -330,8 +353,10 @@ class ModelRunner:
         self.forward_compilations.end_warm_up()
         self.sampler_compilations.end_warm_up()
         seconds = time.perf_counter() - start
-        logger.info("compiled %d forward and %d sampler programs in %.1f s on %d threads", len(all_inputs),
-                    len(sampler_inputs), seconds, num_threads)
+        times = self.warmup_compile_times
+        logger.info("compiled %d forward and %d sampler programs in %.1f s on %d threads (compiling %.1f s, the "
+                    "longest program %.1f s, all programs %.1f s)", len(all_inputs), len(sampler_inputs), seconds,
+                    num_threads, times.pool_seconds, times.longest_seconds, times.total_seconds)
         return seconds
 
     def _compile(self, inputs: StepInputs) -> None:

@@ -25,3 +25,25 @@ def test_one_token_budget_keeps_a_single_bucket_either_way():
 
 def test_accelerator_buckets_ignore_the_one_row_choice():
     assert default_buckets(64, 2048, 8, "gpu") == default_buckets(64, 2048, 8, "gpu", one_row_bucket=False)
+
+
+def test_warm_up_compiles_the_largest_programs_first(monkeypatch):
+    # Compile time grows with a bucket's rows (8.8x from 256 to 8192 tokens on the H200); queued
+    # behind the small ones, the largest started late and set when the compile pool finished.
+    from jaxinfer.checkpoint import load_model
+    from jaxinfer.runner import ModelRunner
+    from tests.conftest import FIXTURES
+
+    runner = ModelRunner(load_model(FIXTURES / "tiny-llama3", "float32"), num_pages=64, page_size=16,
+                         max_model_len=256, max_num_seqs=16, max_num_batched_tokens=256)
+    order = []
+    monkeypatch.setattr(runner, "_compile", lambda inputs: order.append(("forward", len(inputs.batch.token_ids))))
+    monkeypatch.setattr(runner, "_compile_sampler",
+                        lambda inputs: order.append(("sampler", len(inputs.batch.logits_indices))))
+    monkeypatch.setattr(runner, "execute", lambda inputs: None)
+    runner.warm_up(use_tqdm=False, num_threads=1)
+    forwards = [rows for kind, rows in order if kind == "forward"]
+    samplers = [rows for kind, rows in order if kind == "sampler"]
+    assert forwards == sorted(forwards, reverse=True) and len(set(forwards)) == len(runner.buckets.all()) > 2
+    assert samplers == sorted(samplers, reverse=True) and len(set(samplers)) > 2
+    assert order[:len(forwards)] == [("forward", rows) for rows in forwards]  # the samplers are short: last
