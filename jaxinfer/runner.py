@@ -89,7 +89,8 @@ def powers_of_two(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
 
 
 class WarmupCompileTimes(NamedTuple):
-    """Seconds of warm-up's ahead-of-time compilation: the pool's wall time, its longest program, all programs summed."""
+    """Seconds of warm-up's ahead-of-time compilation: the pool's wall time, its longest program,
+    and all its programs summed."""
 
     pool_seconds: float
     longest_seconds: float
@@ -337,8 +338,8 @@ class ModelRunner:
             program_seconds = list(tqdm(compiled, total=len(jobs), desc="Compiling", unit="program",
                                         disable=not use_tqdm))
         # The pool's wall time against its longest program: near it, no order of the jobs can do better.
-        self.warmup_compile_times = WarmupCompileTimes(time.perf_counter() - pool_start, max(program_seconds, default=0.0),
-                                                       sum(program_seconds))
+        self.warmup_compile_times = WarmupCompileTimes(
+            time.perf_counter() - pool_start, max(program_seconds, default=0.0), sum(program_seconds))
         # Each program's first run must find what the pool compiled; one that compiles again does
         # so serially (session 12's static-scale engine never finished warming up on an H200: its
         # scales were committed to a device in an uncommitted model, activation_scales.put_beside).
