@@ -86,12 +86,14 @@ def build_engine(model, *, max_model_len, max_num_seqs, max_num_batched_tokens, 
         f"max_num_seqs {max_num_seqs}, admission {engine.config.scheduling_admission}, "
         f"token budget {max_num_batched_tokens}; compiled {programs} programs in {seconds:.1f} s "
         f"({engine.runner.warmup_recompiles} compiled again at their first run; "
-        f"compile pool {times.pool_seconds:.1f} s, its longest program {times.longest_seconds:.1f} s)")
+        f"compile pool {times.pool_seconds:.1f} s, its longest program {times.longest_seconds:.1f} s; summed: "
+        f"forward programs {times.forward_seconds:.1f} s, samplers {times.sampler_seconds:.1f} s)")
     return engine, {"num_pages": num_pages, "page_size": page_size, "max_num_seqs": max_num_seqs,
                     "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
                     "num_programs": programs, "compile_seconds": seconds,
                     "warmup_recompiles": engine.runner.warmup_recompiles, "compile_pool_seconds": times.pool_seconds,
-                    "longest_compile_seconds": times.longest_seconds, "kv_cache_dtype": kv_cache_dtype,
+                    "longest_compile_seconds": times.longest_seconds, "forward_compile_seconds": times.forward_seconds,
+                    "sampler_compile_seconds": times.sampler_seconds, "kv_cache_dtype": kv_cache_dtype,
                     "attention_impl": attention_impl or "auto", "admission": engine.config.scheduling_admission}
 
 

@@ -90,11 +90,12 @@ def powers_of_two(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
 
 class WarmupCompileTimes(NamedTuple):
     """Seconds of warm-up's ahead-of-time compilation: the pool's wall time, its longest program,
-    and all its programs summed."""
+    and its forward and sampler programs each summed."""
 
     pool_seconds: float
     longest_seconds: float
-    total_seconds: float
+    forward_seconds: float
+    sampler_seconds: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,8 +339,10 @@ class ModelRunner:
             program_seconds = list(tqdm(compiled, total=len(jobs), desc="Compiling", unit="program",
                                         disable=not use_tqdm))
         # The pool's wall time against its longest program: near it, no order of the jobs can do better.
+        num_forward = len(all_inputs)
         self.warmup_compile_times = WarmupCompileTimes(
-            time.perf_counter() - pool_start, max(program_seconds, default=0.0), sum(program_seconds))
+            time.perf_counter() - pool_start, max(program_seconds, default=0.0), sum(program_seconds[:num_forward]),
+            sum(program_seconds[num_forward:]))
         # Each program's first run must find what the pool compiled; one that compiles again does
         # so serially (session 12's static-scale engine never finished warming up on an H200: its
         # scales were committed to a device in an uncommitted model, activation_scales.put_beside).
@@ -356,8 +359,9 @@ class ModelRunner:
         seconds = time.perf_counter() - start
         times = self.warmup_compile_times
         logger.info("compiled %d forward and %d sampler programs in %.1f s on %d threads (compiling %.1f s, the "
-                    "longest program %.1f s, all programs %.1f s)", len(all_inputs), len(sampler_inputs), seconds,
-                    num_threads, times.pool_seconds, times.longest_seconds, times.total_seconds)
+                    "longest program %.1f s; forward programs %.1f s, samplers %.1f s summed)", len(all_inputs),
+                    len(sampler_inputs), seconds, num_threads, times.pool_seconds, times.longest_seconds,
+                    times.forward_seconds, times.sampler_seconds)
         return seconds
 
     def _compile(self, inputs: StepInputs) -> None:

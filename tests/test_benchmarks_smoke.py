@@ -60,6 +60,7 @@ def test_engine_throughput_workloads_complete(tmp_path):
     assert workloads["startup"]["warmup_recompiles"] == 0
     startup = workloads["startup"]
     assert 0 < startup["longest_compile_seconds"] <= startup["compile_pool_seconds"] <= startup["compile_seconds"]
+    assert startup["forward_compile_seconds"] > 0 and startup["sampler_compile_seconds"] > 0
     for name in ("throughput-1k", "throughput-nano"):
         assert workloads[name]["compilations_after_warmup"] == 0
         assert workloads[name]["output_tokens"] > 0
