@@ -28,7 +28,7 @@ def test_accelerator_buckets_ignore_the_one_row_choice():
 
 
 def test_warm_up_compiles_the_largest_programs_first(monkeypatch):
-    # Compile time grows with a bucket's rows (8.8x from 256 to 8192 tokens on the H200); queued
+    # Compile time grows with a bucket's rows (H200, 8B fp8: 9 s at 256 tokens, 35 s at 8192); queued
     # behind the small ones, the largest started late and set when the compile pool finished.
     from jaxinfer.checkpoint import load_model
     from jaxinfer.runner import ModelRunner
