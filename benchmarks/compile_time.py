@@ -1,7 +1,7 @@
 """How long each step program takes to compile, one at a time (Llama-3.1-8B shapes, random weights).
 
     python3 benchmarks/compile_time.py --out DIR [--quantization fp8] [--kv-cache-dtype fp8] [--tokens 8,128,2048]
-        [--activation-scales static]
+        [--activation-scales static] [--attention-impl pallas_gpu]
 
 Why it exists: the engine compiles its step programs on a thread pool at warm-up, so a slow or
 hung program is hidden among the others (session 7's FP8 engine was still compiling after
@@ -43,6 +43,8 @@ def main() -> None:
     parser.add_argument("--num-pages", type=int, default=2048)
     parser.add_argument("--activation-scales", choices=["dynamic", "static"], default="dynamic",
                         help="fp8 W8A8 activation scales; static: calibrated on random tokens first (as engine_throughput.py)")
+    parser.add_argument("--attention-impl", default="auto",
+                        help="the engine's attention path (auto; pallas_gpu: no fresh-prefill branches)")
     parser.add_argument("--tag", default="", help="a name for this run's rows (e.g. the XLA flags tried)")
     args = parser.parse_args()
     if args.activation_scales == "static" and args.quantization != "fp8":
@@ -52,7 +54,7 @@ def main() -> None:
     log = Log()
     results = {"header": header(log), "tag": args.tag, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-               "activation_scales": args.activation_scales, "programs": []}
+               "activation_scales": args.activation_scales, "attention_impl": args.attention_impl, "programs": []}
     path = args.out / f"compile_time{('.' + args.tag) if args.tag else ''}.json"
 
     start = time.perf_counter()
@@ -64,7 +66,7 @@ def main() -> None:
     log(f"model {args.shape} quantization={args.quantization} made in {results['model_seconds']:.1f} s")
     runner = ModelRunner(model, num_pages=args.num_pages, page_size=32, max_model_len=4096,
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                         kv_cache_dtype=args.kv_cache_dtype)
+                         kv_cache_dtype=args.kv_cache_dtype, attention_impl=args.attention_impl)
     by_tokens = {t: (t, b, p) for t, b, p in runner.buckets.all()}
     for t in [int(x) for x in args.tokens.split(",")]:
         if t not in by_tokens:
@@ -72,15 +74,19 @@ def main() -> None:
             continue
         inputs = runner.empty_inputs(*by_tokens[t])
         begin = time.perf_counter()
-        runner._compile(inputs)
+        lowered = runner._lower(inputs)
+        lowering = time.perf_counter() - begin
+        begin = time.perf_counter()
+        lowered.compile()
         compiled = time.perf_counter() - begin
         begin = time.perf_counter()
         jax.block_until_ready(runner.execute(inputs))
         first_run = time.perf_counter() - begin
         options = runner._step.compiler_options(t)  # per token count: jaxinfer.compile_options
-        results["programs"].append({"bucket": by_tokens[t], "compile_seconds": compiled, "first_run_seconds": first_run,
-                                    "compiler_options": options})
-        log(f"bucket {by_tokens[t]}: compiled in {compiled:.1f} s, first run {first_run:.2f} s, options {options}")
+        results["programs"].append({"bucket": by_tokens[t], "lowering_seconds": lowering, "compile_seconds": compiled,
+                                    "first_run_seconds": first_run, "compiler_options": options})
+        log(f"bucket {by_tokens[t]}: lowered in {lowering:.1f} s, compiled in {compiled:.1f} s, first run "
+            f"{first_run:.2f} s, options {options}")
         path.write_text(json.dumps(results, indent=1))
     log(f"done in {time.perf_counter() - start:.1f} s -> {path}")
 

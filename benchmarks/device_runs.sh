@@ -114,8 +114,15 @@
 #           an Orbax checkpoint (engine_throughput.py --via-orbax: a converted model's arrays come
 #           back committed; before session 13's fix every program compiled twice at warm-up), then
 #           cold from random weights, each with an empty compilation cache; "twice" must read 0.
+#   s15b    one GPU, queued by session 15: what the fresh-prefill path's branches cost the compiler (each
+#           ~5.5 s of a program in s15a's pool): the 8192-, 2048- and 1024-token bf16 programs compiled alone
+#           with attention "auto" (the fresh path, 7/3/0 branches), "pallas_gpu" (none) and the branchless one.
+#   s15a    one GPU, session 15: where the 8B cold start-up goes (90 s in s14c, longest program = the pool's
+#           wall): bf16 start-up with warm-up lowering in one thread (each program's lowering and compile
+#           seconds logged), then with XLA's autotuning at level 1 (no buffer checks) and at 0 (none),
+#           each with an empty compilation cache.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b or s14c}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a or s15b}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -543,8 +550,9 @@ s13e)
     (( left > 60 )) && on_gpu 0 lab.log "$left" python3 benchmarks/latency_lab.py --out "$R/lab" --weights fp8 \
         --batches 32,64 --batch-context 1536 --w8a8-min-tokens 32 --steps 8 --repeats 3 --no-trace ;;
 s14b)
+    # No "check" here: it took 287 of the 320 s budget in session 15 (every case passed) and the sweep never ran.
     on_gpu 0 frontier.log $(( END - 150 )) python3 benchmarks/kernel_frontier.py --out "$R/frontier" \
-        --only check,ceilings,decode --shapes 16x1536,32x1536,16x4096,32x4096 --budget-s $(( END - 220 ))
+        --only ceilings,decode --shapes 16x1536,32x1536,16x4096,32x4096 --budget-s $(( END - 220 ))
     left=$(( END - SECONDS ))
     (( left > 90 )) && on_gpu 0 lab.log "$left" python3 benchmarks/latency_lab.py --out "$R/lab" --weights bf16 \
         --batches 16,32 --batch-context 1536 --steps 8 --repeats 3 ;;
@@ -556,6 +564,20 @@ s14c)
     left=$(( END - SECONDS ))
     (( left > 120 )) && on_gpu 0 random.log "$left" python3 benchmarks/engine_throughput.py --out "$R/random" \
         --workloads startup --max-num-seqs 1024 ;;
+s15a)
+    for level in default 1 0; do
+        rm -rf /tmp/jcc0
+        flags="${XLA_FLAGS:-}"; [[ $level != default ]] && flags="$flags --xla_gpu_autotune_level=$level"
+        left=$(( END - SECONDS ))
+        (( left > 100 )) && XLA_FLAGS="$flags" on_gpu 0 autotune_$level.log $(( left < 160 ? left : 160 )) \
+            python3 benchmarks/engine_throughput.py --out "$R/autotune_$level" --workloads startup --max-num-seqs 1024
+    done ;;
+s15b)
+    for impl in auto pallas_gpu pallas_gpu_fresh_prefill_branchless; do
+        left=$(( END - SECONDS ))
+        (( left > 90 )) && on_gpu 0 compile_$impl.log $(( left < 190 ? left : 190 )) python3 benchmarks/compile_time.py \
+            --out "$R/compile_$impl" --attention-impl $impl --max-num-seqs 1024 --tokens 8192,2048,1024 --tag $impl
+    done ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac

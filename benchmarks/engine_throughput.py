@@ -87,13 +87,17 @@ def build_engine(model, *, max_model_len, max_num_seqs, max_num_batched_tokens, 
         f"token budget {max_num_batched_tokens}; compiled {programs} programs in {seconds:.1f} s "
         f"({engine.runner.warmup_recompiles} compiled again at their first run; "
         f"compile pool {times.pool_seconds:.1f} s, its longest program {times.longest_seconds:.1f} s; summed: "
-        f"forward programs {times.forward_seconds:.1f} s, samplers {times.sampler_seconds:.1f} s)")
+        f"forward programs {times.forward_seconds:.1f} s, samplers {times.sampler_seconds:.1f} s; lowering "
+        f"{times.lowering_seconds:.1f} s of them, in one thread)")
+    for program in times.programs:  # in the order they started: which ones set the pool's end
+        log(f"  {program.name}: lowered in {program.lowering_seconds:.2f} s, compiled in {program.compile_seconds:.1f} s")
     return engine, {"num_pages": num_pages, "page_size": page_size, "max_num_seqs": max_num_seqs,
                     "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
                     "num_programs": programs, "compile_seconds": seconds,
                     "warmup_recompiles": engine.runner.warmup_recompiles, "compile_pool_seconds": times.pool_seconds,
                     "longest_compile_seconds": times.longest_seconds, "forward_compile_seconds": times.forward_seconds,
-                    "sampler_compile_seconds": times.sampler_seconds, "kv_cache_dtype": kv_cache_dtype,
+                    "sampler_compile_seconds": times.sampler_seconds, "lowering_seconds": times.lowering_seconds,
+                    "programs": [list(program) for program in times.programs], "kv_cache_dtype": kv_cache_dtype,
                     "attention_impl": attention_impl or "auto", "admission": engine.config.scheduling_admission}
 
 
@@ -467,7 +471,8 @@ def markdown(results: dict) -> str:
         lines.append(f"| throughput-1k, {s['structured_fraction']:.0%} under a JSON schema | {s['shape']} | {s['output_tokens_per_s']:.0f} output tok/s; mask fill p50 {s.get('mask_fill_ms_p50', float('nan')):.2f} ms, p99 {s.get('mask_fill_ms_p99', float('nan')):.2f} ms a step | {s.get('ratio_to_unconstrained', float('nan')):.1%} of unconstrained (goal {goal}) |")
     lines += ["", "Engine settings per model:", ""]
     for shape, e in results.get("engines", {}).items():
-        lines.append(f"- {shape}: " + ", ".join(f"{k} {v if not isinstance(v, float) else round(v, 1)}" for k, v in e.items()))
+        lines.append(f"- {shape}: " + ", ".join(f"{k} {v if not isinstance(v, float) else round(v, 1)}"
+                                                for k, v in e.items() if k != "programs"))  # each program: the JSON
     return "\n".join(lines) + "\n"
 
 

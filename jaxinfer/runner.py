@@ -88,14 +88,25 @@ def powers_of_two(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
     return tuple(out) + (high,)
 
 
+class ProgramCompileTime(NamedTuple):
+    """One warm-up program: what it is and its seconds of lowering and of XLA compilation."""
+
+    name: str  # "forward 8192x1024x128", "sampler full 1024x1024x128", ...
+    lowering_seconds: float
+    compile_seconds: float
+
+
 class WarmupCompileTimes(NamedTuple):
     """Seconds of warm-up's ahead-of-time compilation: the pool's wall time, its longest program,
-    and its forward and sampler programs each summed."""
+    its forward and sampler programs each summed (lowering and compiling), the lowering summed
+    (serial, in the calling thread), and every program's own times in the order they started."""
 
     pool_seconds: float
     longest_seconds: float
     forward_seconds: float
     sampler_seconds: float
+    lowering_seconds: float = 0.0
+    programs: tuple[ProgramCompileTime, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,8 +321,9 @@ class ModelRunner:
     def warm_up(self, use_tqdm: bool = True, num_threads: int | None = None) -> float:
         """Compile every bucket's forward and every sequence bucket's samplers (one per path) now; returns seconds spent.
 
-        Programs are compiled ahead of time on ``num_threads`` threads (XLA releases the GIL
-        while it compiles, and the programs are independent), then each is run once.
+        Programs are lowered in this thread, largest first, and compiled ahead of time on
+        ``num_threads`` threads (XLA releases the GIL while it compiles, and the programs are
+        independent), then each is run once. ``warmup_compile_times`` keeps what each took.
         """
         start = time.perf_counter()
         # Largest buckets first: compile time grows with a program's rows (H200, Llama-3.1-8B
@@ -324,25 +336,40 @@ class ModelRunner:
         sampler_inputs = [self.empty_inputs(t, b, p, path, verify=v)
                           for t, b, p in reversed(self._sampler_shapes()) for path in SAMPLER_PATHS for v in kinds
                           if not (v and path in MASKED_SAMPLER_PATHS)]  # a verify step is never masked
-        jobs = [functools.partial(self._compile, inputs) for inputs in all_inputs]
-        jobs += [functools.partial(self._compile_sampler, inputs) for inputs in sampler_inputs]
+        jobs = [(f"forward {_shape_name(inputs)}", functools.partial(self._lower, inputs)) for inputs in all_inputs]
+        jobs += [(f"sampler {inputs.sampler_path} {_shape_name(inputs)}", functools.partial(self._lower_sampler, inputs))
+                 for inputs in sampler_inputs]
         num_threads = num_threads or min(len(jobs), max(1, (os.cpu_count() or 1) // 2))
 
-        def timed(job) -> float:
+        def compile_timed(lowered) -> float:
             begin = time.perf_counter()
-            job()
+            lowered.compile()
             return time.perf_counter() - begin
 
+        # Lowering (tracing to StableHLO) holds the GIL; XLA's compilation releases it. So this
+        # thread lowers the programs one by one, in order, and hands each to the pool at once:
+        # the largest starts compiling after its own lowering alone, not after a share of every
+        # thread's (lowered in the pool, 8 programs at once took turns on the GIL).
         pool_start = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
-            compiled = pool.map(timed, jobs)
-            program_seconds = list(tqdm(compiled, total=len(jobs), desc="Compiling", unit="program",
-                                        disable=not use_tqdm))
+        lowering_seconds, futures = [], []
+        with concurrent.futures.ThreadPoolExecutor(num_threads) as pool, \
+                tqdm(total=len(jobs), desc="Compiling", unit="program", disable=not use_tqdm) as progress:
+            for _, lower in jobs:
+                begin = time.perf_counter()
+                lowered = lower()
+                lowering_seconds.append(time.perf_counter() - begin)
+                future = pool.submit(compile_timed, lowered)
+                future.add_done_callback(lambda _: progress.update())
+                futures.append(future)
+            compile_seconds = [future.result() for future in futures]
+        programs = tuple(ProgramCompileTime(name, lowering, compiling) for (name, _), lowering, compiling
+                         in zip(jobs, lowering_seconds, compile_seconds))
+        totals = [p.lowering_seconds + p.compile_seconds for p in programs]
         # The pool's wall time against its longest program: near it, no order of the jobs can do better.
         num_forward = len(all_inputs)
         self.warmup_compile_times = WarmupCompileTimes(
-            time.perf_counter() - pool_start, max(program_seconds, default=0.0), sum(program_seconds[:num_forward]),
-            sum(program_seconds[num_forward:]))
+            time.perf_counter() - pool_start, max(totals, default=0.0), sum(totals[:num_forward]),
+            sum(totals[num_forward:]), sum(lowering_seconds), programs)
         # Each program's first run must find what the pool compiled; one that compiles again does
         # so serially (session 12's static-scale engine never finished warming up on an H200: its
         # scales were committed to a device in an uncommitted model, activation_scales.put_beside).
@@ -359,23 +386,22 @@ class ModelRunner:
         seconds = time.perf_counter() - start
         times = self.warmup_compile_times
         logger.info("compiled %d forward and %d sampler programs in %.1f s on %d threads (compiling %.1f s, the "
-                    "longest program %.1f s; forward programs %.1f s, samplers %.1f s summed)", len(all_inputs),
-                    len(sampler_inputs), seconds, num_threads, times.pool_seconds, times.longest_seconds,
-                    times.forward_seconds, times.sampler_seconds)
+                    "longest program %.1f s; forward programs %.1f s, samplers %.1f s summed, of which lowering "
+                    "%.1f s)", len(all_inputs), len(sampler_inputs), seconds, num_threads, times.pool_seconds,
+                    times.longest_seconds, times.forward_seconds, times.sampler_seconds, times.lowering_seconds)
         return seconds
 
-    def _compile(self, inputs: StepInputs) -> None:
+    def _lower(self, inputs: StepInputs) -> jax.stages.Lowered:
         fn, args, kwargs = self._step_call(inputs)
         with self.placement.context():
-            fn.lower(*args, **kwargs).compile()
+            return fn.lower(*args, **kwargs)
 
-    def _compile_sampler(self, inputs: StepInputs) -> None:
+    def _lower_sampler(self, inputs: StepInputs) -> jax.stages.Lowered:
         args, kwargs = self._sampler_call(inputs)
         with self.placement.context():
             if inputs.is_verify:  # the verifier takes no bitmask
-                self._verifier.lower(*args[:3], self.device_drafts, **kwargs).compile()
-            else:
-                self._sampler.lower(*args, **kwargs).compile()
+                return self._verifier.lower(*args[:3], self.device_drafts, **kwargs)
+            return self._sampler.lower(*args, **kwargs)
 
     def _sampler_call(self, inputs: StepInputs):
         """The sampler's arguments for ``inputs``, its logits as a shape: what warm-up compiles."""
@@ -506,6 +532,13 @@ class ModelRunner:
         if self.aux_hidden_layers:
             args += (self.aux_pages,)
         return self._step.for_tokens(inputs.batch.num_tokens), args, {"packing": packing}, (sampler_packed, sampler_packing)
+
+
+def _shape_name(inputs: StepInputs) -> str:
+    """A step's bucket as warm-up's report names it: tokens x sequences x pages, "verify" if it is one."""
+    batch = inputs.batch
+    name = f"{batch.num_tokens}x{batch.num_seqs}x{batch.page_tables.shape[1]}"
+    return f"{name} verify" if inputs.is_verify else name
 
 
 def _forward_tree(inputs: StepInputs):

@@ -61,6 +61,8 @@ def test_engine_throughput_workloads_complete(tmp_path):
     startup = workloads["startup"]
     assert 0 < startup["longest_compile_seconds"] <= startup["compile_pool_seconds"] <= startup["compile_seconds"]
     assert startup["forward_compile_seconds"] > 0 and startup["sampler_compile_seconds"] > 0
+    assert 0 < startup["lowering_seconds"] < startup["forward_compile_seconds"] + startup["sampler_compile_seconds"]
+    assert len(startup["programs"]) == startup["num_programs"]
     for name in ("throughput-1k", "throughput-nano"):
         assert workloads[name]["compilations_after_warmup"] == 0
         assert workloads[name]["output_tokens"] > 0
@@ -430,3 +432,4 @@ def test_compile_time_compiles_static_activation_scale_programs_one_by_one(tmp_p
     results = json.loads((tmp_path / "compile_time.json").read_text())
     assert results["activation_scales"] == "static"
     assert [program["bucket"][0] for program in results["programs"]] == [16, 64]
+    assert all(program["lowering_seconds"] > 0 and program["compile_seconds"] > 0 for program in results["programs"])

@@ -1,5 +1,8 @@
 """The CPU step buckets: a 1-row bucket for float32/int8 models, none for bfloat16 (runner.default_buckets)."""
 
+import threading
+import types
+
 from jaxinfer.runner import default_buckets
 
 
@@ -37,9 +40,11 @@ def test_warm_up_compiles_the_largest_programs_first(monkeypatch):
     runner = ModelRunner(load_model(FIXTURES / "tiny-llama3", "float32"), num_pages=64, page_size=16,
                          max_model_len=256, max_num_seqs=16, max_num_batched_tokens=256)
     order = []
-    monkeypatch.setattr(runner, "_compile", lambda inputs: order.append(("forward", len(inputs.batch.token_ids))))
-    monkeypatch.setattr(runner, "_compile_sampler",
-                        lambda inputs: order.append(("sampler", len(inputs.batch.logits_indices))))
+    lowered = types.SimpleNamespace(compile=lambda: None)
+    monkeypatch.setattr(runner, "_lower",
+                        lambda inputs: order.append(("forward", len(inputs.batch.token_ids))) or lowered)
+    monkeypatch.setattr(runner, "_lower_sampler",
+                        lambda inputs: order.append(("sampler", len(inputs.batch.logits_indices))) or lowered)
     monkeypatch.setattr(runner, "execute", lambda inputs: None)
     runner.warm_up(use_tqdm=False, num_threads=1)
     forwards = [rows for kind, rows in order if kind == "forward"]
@@ -47,3 +52,34 @@ def test_warm_up_compiles_the_largest_programs_first(monkeypatch):
     assert forwards == sorted(forwards, reverse=True) and len(set(forwards)) == len(runner.buckets.all()) > 2
     assert samplers == sorted(samplers, reverse=True) and len(set(samplers)) > 2
     assert order[:len(forwards)] == [("forward", rows) for rows in forwards]  # the samplers are short: last
+
+
+def test_warm_up_lowers_in_the_calling_thread_and_compiles_in_the_pool(monkeypatch):
+    # Lowering holds the GIL: done in the pool, the largest program's lowering took turns with
+    # every other thread's before its compilation could start.
+    from jaxinfer.checkpoint import load_model
+    from jaxinfer.runner import ModelRunner
+    from tests.conftest import FIXTURES
+
+    runner = ModelRunner(load_model(FIXTURES / "tiny-llama3", "float32"), num_pages=64, page_size=16,
+                         max_model_len=256, max_num_seqs=16, max_num_batched_tokens=256)
+    lowering_threads, compiling_threads = set(), set()
+
+    def lower(inputs):
+        lowering_threads.add(threading.get_ident())
+        return types.SimpleNamespace(compile=lambda: compiling_threads.add(threading.get_ident()))
+
+    monkeypatch.setattr(runner, "_lower", lower)
+    monkeypatch.setattr(runner, "_lower_sampler", lower)
+    monkeypatch.setattr(runner, "execute", lambda inputs: None)
+    runner.warm_up(use_tqdm=False, num_threads=2)
+    assert lowering_threads == {threading.get_ident()}
+    assert compiling_threads and threading.get_ident() not in compiling_threads
+    times = runner.warmup_compile_times
+    assert len(times.programs) == runner.num_programs
+    largest = max(runner.buckets.all())
+    assert times.programs[0].name == "forward {}x{}x{}".format(*largest)
+    assert sum(1 for p in times.programs if p.name.startswith("sampler ")) == runner.num_programs - len(
+        runner.buckets.all())
+    assert times.lowering_seconds == sum(p.lowering_seconds for p in times.programs)
+
