@@ -53,6 +53,8 @@ def header(log: Log) -> dict:
         "python": platform.python_version(),
         "host": platform.node(),
     }
+    if os.environ.get("XLA_FLAGS"):  # a run under other compiler options must say so in its results
+        info["xla_flags"] = os.environ["XLA_FLAGS"].strip()
     for key, value in info.items():
         log(f"{key}: {value}")
     return info
