@@ -1,7 +1,7 @@
 """How long each step program takes to compile, one at a time (Llama-3.1-8B shapes, random weights).
 
     python3 benchmarks/compile_time.py --out DIR [--quantization fp8] [--kv-cache-dtype fp8] [--tokens 8,128,2048]
-        [--activation-scales static] [--attention-impl pallas_gpu]
+        [--activation-scales static] [--attention-impl pallas_gpu] [--shared-kernels]
 
 Why it exists: the engine compiles its step programs on a thread pool at warm-up, so a slow or
 hung program is hidden among the others (session 7's FP8 engine was still compiling after
@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 from common import Log, calibrated_on_random_tokens, header, random_model  # noqa: E402
 
+from jaxinfer.attention import shared_kernel_programs  # noqa: E402
 from jaxinfer.runner import ModelRunner  # noqa: E402
 
 
@@ -45,6 +46,9 @@ def main() -> None:
                         help="fp8 W8A8 activation scales; static: calibrated on random tokens first (as engine_throughput.py)")
     parser.add_argument("--attention-impl", default="auto",
                         help="the engine's attention path (auto; pallas_gpu: no fresh-prefill branches)")
+    parser.add_argument("--shared-kernels", action="store_true",
+                        help="first compile the kernels the buckets share (jaxinfer.attention.shared_kernel_programs), "
+                             "as warm-up does, each timed")
     parser.add_argument("--tag", default="", help="a name for this run's rows (e.g. the XLA flags tried)")
     args = parser.parse_args()
     if args.activation_scales == "static" and args.quantization != "fp8":
@@ -68,6 +72,19 @@ def main() -> None:
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          kv_cache_dtype=args.kv_cache_dtype, attention_impl=args.attention_impl)
     by_tokens = {t: (t, b, p) for t, b, p in runner.buckets.all()}
+    if args.shared_kernels:
+        wanted = [by_tokens[t] for t in (int(x) for x in args.tokens.split(",")) if t in by_tokens]
+        for name, lower in shared_kernel_programs(args.attention_impl, model.config, [(t, b) for t, b, _ in wanted]):
+            begin = time.perf_counter()
+            lowered = lower()
+            lowering = time.perf_counter() - begin
+            begin = time.perf_counter()
+            lowered.compile()
+            compiled = time.perf_counter() - begin
+            results.setdefault("shared_kernels", []).append(
+                {"name": name, "lowering_seconds": lowering, "compile_seconds": compiled})
+            log(f"{name}: lowered in {lowering:.1f} s, compiled in {compiled:.1f} s")
+            path.write_text(json.dumps(results, indent=1))
     for t in [int(x) for x in args.tokens.split(",")]:
         if t not in by_tokens:
             log(f"no bucket of {t} tokens (buckets: {sorted(by_tokens)})")

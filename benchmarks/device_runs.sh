@@ -114,9 +114,10 @@
 #           an Orbax checkpoint (engine_throughput.py --via-orbax: a converted model's arrays come
 #           back committed; before session 13's fix every program compiled twice at warm-up), then
 #           cold from random weights, each with an empty compilation cache; "twice" must read 0.
-#   s15b    one GPU, queued by session 15: what the fresh-prefill path's branches cost the compiler (each
-#           ~5.5 s of a program in s15a's pool): the 8192-, 2048- and 1024-token bf16 programs compiled alone
-#           with attention "auto" (the fresh path, 7/3/0 branches), "pallas_gpu" (none) and the branchless one.
+#   s15b    one GPU, queued by session 15: the fresh-prefill windows compiled once, first (Mosaic GPU kernels
+#           now hash by content, so warm-up's shared kernels are found in jaxlib's cache by the steps):
+#           the 8B bf16 cold start-up (s15a: 72.9 s), then the 8192-, 2048- and 1024-token programs compiled
+#           alone with attention "auto" without and with --shared-kernels, and "pallas_gpu" (no branches).
 #   s15a    one GPU, session 15: where the 8B cold start-up goes (90 s in s14c, longest program = the pool's
 #           wall): bf16 start-up with warm-up lowering in one thread (each program's lowering and compile
 #           seconds logged), then with XLA's autotuning at level 1 (no buffer checks) and at 0 (none),
@@ -573,10 +574,16 @@ s15a)
             python3 benchmarks/engine_throughput.py --out "$R/autotune_$level" --workloads startup --max-num-seqs 1024
     done ;;
 s15b)
-    for impl in auto pallas_gpu pallas_gpu_fresh_prefill_branchless; do
+    rm -rf /tmp/jcc0
+    on_gpu 0 startup.log 180 python3 benchmarks/engine_throughput.py --out "$R/startup" --workloads startup \
+        --max-num-seqs 1024
+    for variant in auto auto_shared pallas_gpu; do
+        rm -rf /tmp/jcc0
+        extra=""; [[ $variant == auto_shared ]] && extra="--shared-kernels"
         left=$(( END - SECONDS ))
-        (( left > 90 )) && on_gpu 0 compile_$impl.log $(( left < 190 ? left : 190 )) python3 benchmarks/compile_time.py \
-            --out "$R/compile_$impl" --attention-impl $impl --max-num-seqs 1024 --tokens 8192,2048,1024 --tag $impl
+        (( left > 90 )) && on_gpu 0 compile_$variant.log $(( left < 130 ? left : 130 )) python3 \
+            benchmarks/compile_time.py --out "$R/compile_$variant" --attention-impl ${variant%_shared} $extra \
+            --max-num-seqs 1024 --tokens 8192,2048,1024 --tag $variant
     done ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;

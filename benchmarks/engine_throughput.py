@@ -87,8 +87,8 @@ def build_engine(model, *, max_model_len, max_num_seqs, max_num_batched_tokens, 
         f"token budget {max_num_batched_tokens}; compiled {programs} programs in {seconds:.1f} s "
         f"({engine.runner.warmup_recompiles} compiled again at their first run; "
         f"compile pool {times.pool_seconds:.1f} s, its longest program {times.longest_seconds:.1f} s; summed: "
-        f"forward programs {times.forward_seconds:.1f} s, samplers {times.sampler_seconds:.1f} s; lowering "
-        f"{times.lowering_seconds:.1f} s of them, in one thread)")
+        f"forward programs {times.forward_seconds:.1f} s, samplers {times.sampler_seconds:.1f} s, shared kernels "
+        f"{times.kernel_seconds:.1f} s; lowering {times.lowering_seconds:.1f} s of them, in one thread)")
     for program in times.programs:  # in the order they started: which ones set the pool's end
         log(f"  {program.name}: lowered in {program.lowering_seconds:.2f} s, compiled in {program.compile_seconds:.1f} s")
     return engine, {"num_pages": num_pages, "page_size": page_size, "max_num_seqs": max_num_seqs,
@@ -97,6 +97,7 @@ def build_engine(model, *, max_model_len, max_num_seqs, max_num_batched_tokens, 
                     "warmup_recompiles": engine.runner.warmup_recompiles, "compile_pool_seconds": times.pool_seconds,
                     "longest_compile_seconds": times.longest_seconds, "forward_compile_seconds": times.forward_seconds,
                     "sampler_compile_seconds": times.sampler_seconds, "lowering_seconds": times.lowering_seconds,
+                    "shared_kernel_compile_seconds": times.kernel_seconds,
                     "programs": [list(program) for program in times.programs], "kv_cache_dtype": kv_cache_dtype,
                     "attention_impl": attention_impl or "auto", "admission": engine.config.scheduling_admission}
 

@@ -28,6 +28,7 @@ such; a Pallas kernel run there in interpret mode is handed the pool bitcast to 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,30 @@ def resolve_impl(impl: str, platform: str | None = None, head_dim: int | None = 
 def _is_hopper(platform: str | None) -> bool:
     """A given platform is taken at its word ("gpu"/"cuda": Hopper; tests); else the device is asked."""
     return platform in ("gpu", "cuda") if platform else _is_hopper_gpu()
+
+
+def shared_kernel_programs(impl: str, config, step_shapes) -> list[tuple[str, Callable[[], jax.stages.Lowered]]]:
+    """Kernels that several step programs compile, each as a program of its own, named, to lower
+    and compile before those steps; ``step_shapes``: their (tokens, sequence slots).
+
+    Today the fresh-prefill path's window kernels on a Hopper GPU: the 2048-, 4096- and
+    8192-token steps compile 3, 5 and 7 of them (~5 s each on the H200), one after another inside
+    each step's compilation. Compiled first and in parallel, they are in jaxlib's kernel cache
+    when the steps need them (``pallas_kernels.mosaic_gpu_names``). Empty for other paths; for
+    per-shard kernels under tensor parallelism the caller passes no shapes.
+    """
+    if resolve_impl(impl, head_dim=config.head_dim) != "pallas_gpu_fresh_prefill":
+        return []
+    from pallas_kernels.paged_attention import gpu_fresh_prefill as fresh
+    from pallas_kernels.paged_attention.fresh_prompts import ENGINE_MAX_FRESH_PROMPTS
+
+    branches = {branch for tokens, seqs in step_shapes  # as _attend calls the path
+                for branch in fresh.step_window_branches(tokens, seqs, max_fresh_prompts=ENGINE_MAX_FRESH_PROMPTS)}
+    # Longest windows first, as the steps: compile time hardly depends on them, but order is kept stable.
+    return [(f"kernel fresh-prefill window {branch.num_slots}x{branch.length}",
+             functools.partial(fresh.lower_window_kernel, branch, config.num_q_heads, config.num_kv_heads,
+                               config.head_dim))
+            for branch in sorted(branches, key=lambda b: (b.length * b.num_slots, b.length), reverse=True)]
 
 
 def _is_hopper_gpu() -> bool:

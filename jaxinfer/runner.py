@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxinfer.attention import shared_kernel_programs
 from jaxinfer.bad_words import gather_output_tail
 from jaxinfer.compile_counter import BackendCompiles, CompilationCounter
 from jaxinfer.compile_options import PhasedJit, graph_options
@@ -99,7 +100,8 @@ class ProgramCompileTime(NamedTuple):
 class WarmupCompileTimes(NamedTuple):
     """Seconds of warm-up's ahead-of-time compilation: the pool's wall time, its longest program,
     its forward and sampler programs each summed (lowering and compiling), the lowering summed
-    (serial, in the calling thread), and every program's own times in the order they started."""
+    (serial, in the calling thread), every program's own times in the order they started, and the
+    kernels compiled apart for the steps to share (``jaxinfer.attention.shared_kernel_programs``)."""
 
     pool_seconds: float
     longest_seconds: float
@@ -107,6 +109,7 @@ class WarmupCompileTimes(NamedTuple):
     sampler_seconds: float
     lowering_seconds: float = 0.0
     programs: tuple[ProgramCompileTime, ...] = ()
+    kernel_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,9 +339,15 @@ class ModelRunner:
         sampler_inputs = [self.empty_inputs(t, b, p, path, verify=v)
                           for t, b, p in reversed(self._sampler_shapes()) for path in SAMPLER_PATHS for v in kinds
                           if not (v and path in MASKED_SAMPLER_PATHS)]  # a verify step is never masked
-        jobs = [(f"forward {_shape_name(inputs)}", functools.partial(self._lower, inputs)) for inputs in all_inputs]
-        jobs += [(f"sampler {inputs.sampler_path} {_shape_name(inputs)}", functools.partial(self._lower_sampler, inputs))
-                 for inputs in sampler_inputs]
+        # Kernels several steps share come first, so the steps find them compiled (on one device:
+        # under a mesh each shard's kernel has its own shapes).
+        kernels = [] if self.placement.mesh is not None else shared_kernel_programs(
+            self.attention_impl, self.config, [(t, b) for t, b, _ in shapes])
+        jobs = [("kernel", name, functools.partial(_lower_shared_kernel, name, lower)) for name, lower in kernels]
+        jobs += [("forward", f"forward {_shape_name(inputs)}", functools.partial(self._lower, inputs))
+                 for inputs in all_inputs]
+        jobs += [("sampler", f"sampler {inputs.sampler_path} {_shape_name(inputs)}",
+                  functools.partial(self._lower_sampler, inputs)) for inputs in sampler_inputs]
         num_threads = num_threads or min(len(jobs), max(1, (os.cpu_count() or 1) // 2))
 
         def compile_timed(lowered) -> float:
@@ -354,7 +363,7 @@ class ModelRunner:
         lowering_seconds, futures = [], []
         with concurrent.futures.ThreadPoolExecutor(num_threads) as pool, \
                 tqdm(total=len(jobs), desc="Compiling", unit="program", disable=not use_tqdm) as progress:
-            for _, lower in jobs:
+            for _, _, lower in jobs:
                 begin = time.perf_counter()
                 lowered = lower()
                 lowering_seconds.append(time.perf_counter() - begin)
@@ -362,14 +371,16 @@ class ModelRunner:
                 future.add_done_callback(lambda _: progress.update())
                 futures.append(future)
             compile_seconds = [future.result() for future in futures]
-        programs = tuple(ProgramCompileTime(name, lowering, compiling) for (name, _), lowering, compiling
+        programs = tuple(ProgramCompileTime(name, lowering, compiling) for (_, name, _), lowering, compiling
                          in zip(jobs, lowering_seconds, compile_seconds))
-        totals = [p.lowering_seconds + p.compile_seconds for p in programs]
+        totals = {kind: 0.0 for kind in ("kernel", "forward", "sampler")}
+        for (kind, _, _), program in zip(jobs, programs):
+            totals[kind] += program.lowering_seconds + program.compile_seconds
         # The pool's wall time against its longest program: near it, no order of the jobs can do better.
-        num_forward = len(all_inputs)
         self.warmup_compile_times = WarmupCompileTimes(
-            time.perf_counter() - pool_start, max(totals, default=0.0), sum(totals[:num_forward]),
-            sum(totals[num_forward:]), sum(lowering_seconds), programs)
+            time.perf_counter() - pool_start, max((p.lowering_seconds + p.compile_seconds for p in programs),
+                                                  default=0.0),
+            totals["forward"], totals["sampler"], sum(lowering_seconds), programs, totals["kernel"])
         # Each program's first run must find what the pool compiled; one that compiles again does
         # so serially (session 12's static-scale engine never finished warming up on an H200: its
         # scales were committed to a device in an uncommitted model, activation_scales.put_beside).
@@ -385,10 +396,12 @@ class ModelRunner:
         self.sampler_compilations.end_warm_up()
         seconds = time.perf_counter() - start
         times = self.warmup_compile_times
-        logger.info("compiled %d forward and %d sampler programs in %.1f s on %d threads (compiling %.1f s, the "
+        logger.info("compiled %d forward and %d sampler programs%s in %.1f s on %d threads (compiling %.1f s, the "
                     "longest program %.1f s; forward programs %.1f s, samplers %.1f s summed, of which lowering "
-                    "%.1f s)", len(all_inputs), len(sampler_inputs), seconds, num_threads, times.pool_seconds,
-                    times.longest_seconds, times.forward_seconds, times.sampler_seconds, times.lowering_seconds)
+                    "%.1f s)", len(all_inputs), len(sampler_inputs),
+                    f" after {len(kernels)} shared kernels ({times.kernel_seconds:.1f} s summed)" if kernels else "",
+                    seconds, num_threads, times.pool_seconds, times.longest_seconds, times.forward_seconds,
+                    times.sampler_seconds, times.lowering_seconds)
         return seconds
 
     def _lower(self, inputs: StepInputs) -> jax.stages.Lowered:
@@ -532,6 +545,31 @@ class ModelRunner:
         if self.aux_hidden_layers:
             args += (self.aux_pages,)
         return self._step.for_tokens(inputs.batch.num_tokens), args, {"packing": packing}, (sampler_packed, sampler_packing)
+
+
+class _SharedKernel(NamedTuple):
+    """A shared kernel's lowered program, compiled best effort: it is only a head start for the
+    steps that contain it, which compile it themselves if this fails."""
+
+    name: str
+    lowered: jax.stages.Lowered | None
+
+    def compile(self) -> None:
+        if self.lowered is None:
+            return
+        try:
+            self.lowered.compile()
+        except Exception as error:  # noqa: BLE001  any failure: the steps still compile the kernel
+            logger.warning("warm-up: shared %s did not compile (%s); the steps that contain it compile it",
+                           self.name, error)
+
+
+def _lower_shared_kernel(name: str, lower: Callable[[], jax.stages.Lowered]) -> _SharedKernel:
+    try:
+        return _SharedKernel(name, lower())
+    except Exception as error:  # noqa: BLE001  as _SharedKernel.compile
+        logger.warning("warm-up: shared %s did not lower (%s); the steps that contain it compile it", name, error)
+        return _SharedKernel(name, None)
 
 
 def _shape_name(inputs: StepInputs) -> str:

@@ -83,3 +83,59 @@ def test_warm_up_lowers_in_the_calling_thread_and_compiles_in_the_pool(monkeypat
         runner.buckets.all())
     assert times.lowering_seconds == sum(p.lowering_seconds for p in times.programs)
 
+
+
+def test_warm_up_compiles_the_shared_kernels_before_the_steps(monkeypatch):
+    # The fresh-prefill windows that several large steps compile (jaxinfer.attention.shared_kernel_programs):
+    # compiled first, each step finds them in jaxlib's kernel cache instead of compiling them in turn.
+    import jaxinfer.runner
+    from jaxinfer.checkpoint import load_model
+    from jaxinfer.runner import ModelRunner
+    from tests.conftest import FIXTURES
+
+    runner = ModelRunner(load_model(FIXTURES / "tiny-llama3", "float32"), num_pages=64, page_size=16,
+                         max_model_len=256, max_num_seqs=16, max_num_batched_tokens=256)
+    order, asked = [], []
+    lowered = types.SimpleNamespace(compile=lambda: None)
+
+    def kernels(impl, config, step_shapes):
+        asked.append(sorted(step_shapes, reverse=True))
+        return [(f"kernel {n}", lambda n=n: order.append(f"kernel {n}") or lowered) for n in (2, 1)]
+
+    monkeypatch.setattr(jaxinfer.runner, "shared_kernel_programs", kernels)
+    monkeypatch.setattr(runner, "_lower", lambda inputs: order.append("forward") or lowered)
+    monkeypatch.setattr(runner, "_lower_sampler", lambda inputs: order.append("sampler") or lowered)
+    monkeypatch.setattr(runner, "execute", lambda inputs: None)
+    runner.warm_up(use_tqdm=False, num_threads=2)
+    assert asked == [sorted(((t, b) for t, b, _ in runner.buckets.all()), reverse=True)]
+    assert order[:3] == ["kernel 2", "kernel 1", "forward"]
+    times = runner.warmup_compile_times
+    assert [p.name for p in times.programs[:2]] == ["kernel 2", "kernel 1"]
+    assert times.kernel_seconds == sum(p.lowering_seconds + p.compile_seconds for p in times.programs[:2])
+
+
+def test_a_shared_kernel_that_fails_only_costs_its_head_start(monkeypatch, caplog):
+    # The steps compile their kernels themselves: a shared kernel that cannot be lowered or compiled
+    # must not stop the engine from starting.
+    import jaxinfer.runner
+    from jaxinfer.checkpoint import load_model
+    from jaxinfer.runner import ModelRunner
+    from tests.conftest import FIXTURES
+
+    runner = ModelRunner(load_model(FIXTURES / "tiny-llama3", "float32"), num_pages=64, page_size=16,
+                         max_model_len=256, max_num_seqs=16, max_num_batched_tokens=256)
+
+    def cannot_lower():
+        raise RuntimeError("no Mosaic GPU here")
+
+    def cannot_compile():
+        return types.SimpleNamespace(compile=lambda: (_ for _ in ()).throw(RuntimeError("ptxas failed")))
+
+    monkeypatch.setattr(jaxinfer.runner, "shared_kernel_programs", lambda *args: [
+        ("kernel fresh-prefill window 1x2048", cannot_lower), ("kernel fresh-prefill window 1x1024", cannot_compile)])
+    monkeypatch.setattr(runner, "execute", lambda inputs: None)
+    with caplog.at_level("WARNING", logger="jaxinfer.runner"):
+        runner.warm_up(use_tqdm=False, num_threads=2)
+    assert runner.warmup_done and runner.forward_compilations.num_after_warmup == 0
+    assert "window 1x2048 did not lower (no Mosaic GPU here)" in caplog.text
+    assert "window 1x1024 did not compile (ptxas failed)" in caplog.text

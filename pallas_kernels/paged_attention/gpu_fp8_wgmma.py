@@ -88,6 +88,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mosaic_gpu_names
 from pallas_kernels.paged_attention import work_tiles as wt
 
 FP8 = jnp.float8_e4m3fn
@@ -355,6 +356,7 @@ def paged_decode_fp8_wgmma(
     operations a score: the benchmark times both). ``interpret``
     runs Pallas's Mosaic GPU interpreter (CPU tests): ``True``, or its parameters (e.g. race detection).
     """
+    mosaic_gpu_names.install()  # equal kernels, equal hashes: one compile per process (see that module)
     page_size = k_pages.shape[2]
     pages_per_step = pages_per_step or default_pages_per_step(page_size)
     _check_inputs(q, k_pages, v_pages_t, lengths, page_tables, pages_per_step, num_splits)

@@ -84,6 +84,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import mosaic_gpu_names
 from pallas_kernels.paged_attention import fresh_prompts as fpr
 from pallas_kernels.paged_attention import work_tiles as wt
 from pallas_kernels.paged_attention.block_sizes import BlockSizes, gpu_block_sizes
@@ -122,12 +123,39 @@ def causal_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale:
     """
     from jax.experimental.pallas.ops.gpu import attention_mgpu
 
+    mosaic_gpu_names.install()  # equal kernels, equal hashes: one compile per process (see that module)
     config = config or default_mgpu_config()
     if not config.causal:
         raise ValueError("causal_attention_mgpu needs a TuningConfig with causal=True")
     q16 = (q.astype(jnp.float32) * sm_scale).astype(jnp.float16)
     out = attention_mgpu.attention(q16, k.astype(jnp.float16), v.astype(jnp.float16), config)
     return out.astype(q.dtype)
+
+
+def step_window_branches(num_tokens: int, num_seqs: int, *, min_fresh_tokens: int = MIN_FRESH_TOKENS,
+                         max_fresh_prompts: int = MAX_FRESH_PROMPTS,
+                         max_window_waste: float = MAX_WINDOW_WASTE) -> tuple[fpr.WindowBranch, ...]:
+    """The window branches a step of ``num_tokens`` rows and ``num_seqs`` sequence slots compiles
+    (``attend_with_fresh_prefill``): none for a decode-like step, else ``fresh_prompts.window_branches``."""
+    if num_tokens <= num_seqs:  # is_prefill_heavy, from shapes alone
+        return ()
+    return fpr.window_branches(num_tokens, min_fresh_tokens, max_fresh_prompts, max_window_waste)
+
+
+def lower_window_kernel(branch: fpr.WindowBranch, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                        platform: str | None = None) -> jax.stages.Lowered:
+    """The bundled kernel of one window branch as a program of its own, lowered for ``platform``
+    (default: this backend; tests lower for "cuda" on a CPU).
+
+    Compiled, it leaves the kernel in jaxlib's process-wide Mosaic GPU cache under the same hash as
+    the branch inside a step program (``mosaic_gpu_names``), so a step compiled after it finds the
+    kernel there instead of compiling it again: the engine's warm-up compiles these first, in
+    parallel, rather than each large step program compiling its branches one after another.
+    """
+    q = jax.ShapeDtypeStruct((branch.num_slots, branch.length, num_q_heads, head_dim), jnp.float16)
+    kv = jax.ShapeDtypeStruct((branch.num_slots, branch.length, num_kv_heads, head_dim), jnp.float16)
+    traced = jax.jit(functools.partial(causal_attention_mgpu, sm_scale=1.0)).trace(q, kv, kv)
+    return traced.lower(lowering_platforms=(platform,)) if platform else traced.lower()
 
 
 def _fits_float16(*xs: jax.Array) -> jax.Array:
@@ -182,8 +210,8 @@ def attend_with_fresh_prefill(
     """
     num_tokens = q.shape[0]
     tiles = wt.plan_work_tiles(cu_q_lens, kv_lens, num_tokens, sizes.block_q)
-    branches = (fpr.window_branches(num_tokens, min_fresh_tokens, max_fresh_prompts, max_window_waste)
-                if is_prefill_heavy(num_tokens, kv_lens) else ())
+    branches = step_window_branches(num_tokens, kv_lens.shape[0], min_fresh_tokens=min_fresh_tokens,
+                                    max_fresh_prompts=max_fresh_prompts, max_window_waste=max_window_waste)
     attend_rest = functools.partial(attend_gpu, q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens,
                                     sm_scale=sm_scale, sizes=sizes, interpret=interpret)
     if not branches:

@@ -44,6 +44,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mosaic_gpu_names
+
 
 def smem_transforms(minor_dim: int, dtype) -> tuple:
     """wgmma-ready shared-memory tiling: rows of up to 128 bytes, swizzled by their width."""
@@ -169,6 +171,7 @@ def packed_causal_attention_mosaic_gpu(
     dead blocks unwritten. ``first_block`` must hold, for every block of one prompt, that prompt's first
     block (``<= b``); a prompt's rows past its end inside its last block must be finite (they are later in
     causal order than its rows, so they never reach them)."""
+    mosaic_gpu_names.install()  # equal kernels, equal hashes: one compile per process (see that module)
     num_seqs, length, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
