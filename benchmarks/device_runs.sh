@@ -114,7 +114,7 @@
 #           an Orbax checkpoint (engine_throughput.py --via-orbax: a converted model's arrays come
 #           back committed; before session 13's fix every program compiled twice at warm-up), then
 #           cold from random weights, each with an empty compilation cache; "twice" must read 0.
-#   s15b    one GPU, queued by session 15: the fresh-prefill windows compiled once, first (Mosaic GPU kernels
+#   s15b    one GPU, queued by session 15: the fresh-prefill windows compiled once, early (Mosaic GPU kernels
 #           now hash by content, so warm-up's shared kernels are found in jaxlib's cache by the steps):
 #           the 8B bf16 cold start-up (s15a: 72.9 s), then the 8192-, 2048- and 1024-token programs compiled
 #           alone with attention "auto" without and with --shared-kernels, and "pallas_gpu" (no branches).

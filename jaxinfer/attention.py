@@ -87,11 +87,11 @@ def _is_hopper(platform: str | None) -> bool:
 
 def shared_kernel_programs(impl: str, config, step_shapes) -> list[tuple[str, Callable[[], jax.stages.Lowered]]]:
     """Kernels that several step programs compile, each as a program of its own, named, to lower
-    and compile before those steps; ``step_shapes``: their (tokens, sequence slots).
+    and compile early in warm-up; ``step_shapes``: their (tokens, sequence slots).
 
     Today the fresh-prefill path's window kernels on a Hopper GPU: the 2048-, 4096- and
     8192-token steps compile 3, 5 and 7 of them (~5 s each on the H200), one after another inside
-    each step's compilation. Compiled first and in parallel, they are in jaxlib's kernel cache
+    each step's compilation. Compiled early and in parallel, they are in jaxlib's kernel cache
     when the steps need them (``pallas_kernels.mosaic_gpu_names``). Empty for other paths; for
     per-shard kernels under tensor parallelism the caller passes no shapes.
     """
@@ -102,7 +102,7 @@ def shared_kernel_programs(impl: str, config, step_shapes) -> list[tuple[str, Ca
 
     branches = {branch for tokens, seqs in step_shapes  # as _attend calls the path
                 for branch in fresh.step_window_branches(tokens, seqs, max_fresh_prompts=ENGINE_MAX_FRESH_PROMPTS)}
-    # Longest windows first, as the steps: compile time hardly depends on them, but order is kept stable.
+    # Longest windows first, as warm-up orders the steps (a stable order keeps logs comparable).
     return [(f"kernel fresh-prefill window {branch.num_slots}x{branch.length}",
              functools.partial(fresh.lower_window_kernel, branch, config.num_q_heads, config.num_kv_heads,
                                config.head_dim))

@@ -339,13 +339,16 @@ class ModelRunner:
         sampler_inputs = [self.empty_inputs(t, b, p, path, verify=v)
                           for t, b, p in reversed(self._sampler_shapes()) for path in SAMPLER_PATHS for v in kinds
                           if not (v and path in MASKED_SAMPLER_PATHS)]  # a verify step is never masked
-        # Kernels several steps share come first, so the steps find them compiled (on one device:
-        # under a mesh each shard's kernel has its own shapes).
+        # Kernels several steps share (on one device: under a mesh each shard's kernel has its own
+        # shapes) go right after the largest step: it starts compiling first, and reaches its
+        # kernels near the end of its compilation, by when the pool has compiled them; the other
+        # steps wait in the queue behind them.
         kernels = [] if self.placement.mesh is not None else shared_kernel_programs(
             self.attention_impl, self.config, [(t, b) for t, b, _ in shapes])
-        jobs = [("kernel", name, functools.partial(_lower_shared_kernel, name, lower)) for name, lower in kernels]
-        jobs += [("forward", f"forward {_shape_name(inputs)}", functools.partial(self._lower, inputs))
-                 for inputs in all_inputs]
+        forwards = [("forward", f"forward {_shape_name(inputs)}", functools.partial(self._lower, inputs))
+                    for inputs in all_inputs]
+        jobs = forwards[:1] + [("kernel", name, functools.partial(_lower_shared_kernel, name, lower))
+                               for name, lower in kernels] + forwards[1:]
         jobs += [("sampler", f"sampler {inputs.sampler_path} {_shape_name(inputs)}",
                   functools.partial(self._lower_sampler, inputs)) for inputs in sampler_inputs]
         num_threads = num_threads or min(len(jobs), max(1, (os.cpu_count() or 1) // 2))
