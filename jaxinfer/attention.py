@@ -90,8 +90,8 @@ def shared_kernel_programs(impl: str, config, step_shapes) -> list[tuple[str, Ca
     and compile early in warm-up; ``step_shapes``: their (tokens, sequence slots).
 
     Today the fresh-prefill path's window kernels on a Hopper GPU: the 2048-, 4096- and
-    8192-token steps compile 3, 5 and 7 of them (~5 s each on the H200), one after another inside
-    each step's compilation. Compiled early and in parallel, they are in jaxlib's kernel cache
+    8192-token steps compile 3, 5 and 7 of them (up to ~5 s each on the H200, inferred), one
+    after another inside each step's compilation. Compiled early and in parallel, they are in jaxlib's kernel cache
     when the steps need them (``pallas_kernels.mosaic_gpu_names``). Empty for other paths; for
     per-shard kernels under tensor parallelism the caller passes no shapes.
     """

@@ -7,9 +7,9 @@ process-wide cache keyed by the kernel's hash, a SHA-256 of the serialized kerne
 (``jaxlib/mosaic/gpu/dump.cc``: ``"<name>_<count>"``), meant only to name dump files. So two
 lowerings of the same kernel hash differently, and the cache never hits between programs: the
 engine's 2048-, 4096- and 8192-token forward programs each compiled their own copies of the
-same fresh-prefill windows (15 compiles of 9 kernels, ~5 s each on the H200's compile pool,
-``benchmarks/results/session15_h200.md``), and a warm start's programs could miss the persistent
-compilation cache whenever lowering order moved the counter.
+same fresh-prefill windows (15 compiles of 9 kernels; between ~0.6 and ~5 s each on the H200
+by two indirect estimates, ``benchmarks/results/session15_h200.md``), and a warm start's programs
+could miss the persistent compilation cache whenever lowering order moved the counter.
 
 ``install()`` stamps the attribute first, from the module's own bytes, so the count is never
 used: equal kernels get equal names and hashes, different kernels different ones (dumps, when

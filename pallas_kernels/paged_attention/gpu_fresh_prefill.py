@@ -149,7 +149,7 @@ def lower_window_kernel(branch: fpr.WindowBranch, num_q_heads: int, num_kv_heads
 
     Compiled, it leaves the kernel in jaxlib's process-wide Mosaic GPU cache under the same hash as
     the branch inside a step program (``mosaic_gpu_names``), so a step compiled after it finds the
-    kernel there instead of compiling it again: the engine's warm-up compiles these first, in
+    kernel there instead of compiling it again: the engine's warm-up compiles these early, in
     parallel, rather than each large step program compiling its branches one after another.
     """
     q = jax.ShapeDtypeStruct((branch.num_slots, branch.length, num_q_heads, head_dim), jnp.float16)
