@@ -72,8 +72,9 @@ def main() -> None:
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          kv_cache_dtype=args.kv_cache_dtype, attention_impl=args.attention_impl)
     by_tokens = {t: (t, b, p) for t, b, p in runner.buckets.all()}
+    tokens = [int(x) for x in args.tokens.split(",")]
     if args.shared_kernels:
-        wanted = [by_tokens[t] for t in (int(x) for x in args.tokens.split(",")) if t in by_tokens]
+        wanted = [by_tokens[t] for t in tokens if t in by_tokens]
         for name, lower in shared_kernel_programs(args.attention_impl, model.config, [(t, b) for t, b, _ in wanted]):
             begin = time.perf_counter()
             lowered = lower()
@@ -85,7 +86,7 @@ def main() -> None:
                 {"name": name, "lowering_seconds": lowering, "compile_seconds": compiled})
             log(f"{name}: lowered in {lowering:.1f} s, compiled in {compiled:.1f} s")
             path.write_text(json.dumps(results, indent=1))
-    for t in [int(x) for x in args.tokens.split(",")]:
+    for t in tokens:
         if t not in by_tokens:
             log(f"no bucket of {t} tokens (buckets: {sorted(by_tokens)})")
             continue

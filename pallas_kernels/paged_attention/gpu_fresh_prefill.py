@@ -137,7 +137,7 @@ def step_window_branches(num_tokens: int, num_seqs: int, *, min_fresh_tokens: in
                          max_window_waste: float = MAX_WINDOW_WASTE) -> tuple[fpr.WindowBranch, ...]:
     """The window branches a step of ``num_tokens`` rows and ``num_seqs`` sequence slots compiles
     (``attend_with_fresh_prefill``): none for a decode-like step, else ``fresh_prompts.window_branches``."""
-    if num_tokens <= num_seqs:  # is_prefill_heavy, from shapes alone
+    if not _more_rows_than_slots(num_tokens, num_seqs):
         return ()
     return fpr.window_branches(num_tokens, min_fresh_tokens, max_fresh_prompts, max_window_waste)
 
@@ -165,7 +165,11 @@ def _fits_float16(*xs: jax.Array) -> jax.Array:
 def is_prefill_heavy(num_tokens: int, kv_lens: jax.Array) -> bool:
     """Static: more token rows than sequence slots. A decode-like step (rows <= slots) never
     takes the fresh path, so it compiles with no device conditional (see the module docstring)."""
-    return num_tokens > kv_lens.shape[0]
+    return _more_rows_than_slots(num_tokens, kv_lens.shape[0])
+
+
+def _more_rows_than_slots(num_tokens: int, num_seqs: int) -> bool:
+    return num_tokens > num_seqs
 
 
 def _take_rows(x: jax.Array, source: jax.Array, dtype=None) -> jax.Array:
