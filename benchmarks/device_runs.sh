@@ -122,8 +122,11 @@
 #           wall): bf16 start-up with warm-up lowering in one thread (each program's lowering and compile
 #           seconds logged), then with XLA's autotuning at level 1 (no buffer checks) and at 0 (none),
 #           each with an empty compilation cache.
+#   s16b    one GPU, session 16: prefill attention re-checked after session 10's restructured
+#           timing path (prefill_peers.py: Triton, the fresh path, the branchless window and cuDNN at
+#           4k-32k, the ragged batch and 8 x 1000), the numbers behind issue 21's prefill goal.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a or s15b}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b or s16b}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -585,6 +588,10 @@ s15b)
             benchmarks/compile_time.py --out "$R/compile_$variant" --attention-impl ${variant%_shared} $extra \
             --max-num-seqs 1024 --tokens 8192,2048,1024 --tag $variant
     done ;;
+s16b)
+    on_gpu 0 prefill.log $(( END - 20 )) python3 benchmarks/prefill_peers.py --out "$R/prefill_peers" \
+        --shapes 4096,8192,16384,32768,ragged,8x1000 --impls cudnn,ours,fresh_path,fresh_branchless \
+        --min-fresh-tokens 1000 --budget-s $(( END - 90 )) ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac
