@@ -125,8 +125,12 @@
 #   s16b    one GPU, session 16: prefill attention re-checked after session 10's restructured
 #           timing path (prefill_peers.py: Triton, the fresh path, the branchless window and cuDNN at
 #           4k-32k, the ragged batch and 8 x 1000), the numbers behind issue 21's prefill goal.
+#   s16c    one GPU, session 16: the fresh-prefill path with cuDNN's flash attention for its windows (each
+#           prompt on its own length: no conditional, no window ladder) against the bundled-kernel path
+#           and cuDNN alone (prefill_peers.py), then inside the engine (prefill_engine.py: compile, TTFT,
+#           a prefill-heavy mix, first-token agreement) with the time left.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b or s16b}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b or s16c}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -592,6 +596,14 @@ s16b)
     on_gpu 0 prefill.log $(( END - 20 )) python3 benchmarks/prefill_peers.py --out "$R/prefill_peers" \
         --shapes 4096,8192,16384,32768,ragged,8x1000 --impls cudnn,ours,fresh_path,fresh_branchless \
         --min-fresh-tokens 1000 --budget-s $(( END - 90 )) ;;
+s16c)
+    on_gpu 0 prefill.log 240 python3 benchmarks/prefill_peers.py --out "$R/prefill_peers" \
+        --shapes 4096,ragged,16384,8x1000,8192,32768 \
+        --impls cudnn,fresh_single,fresh_cudnn_single,fresh_cudnn --min-fresh-tokens 1000 --budget-s 200
+    left=$(( END - SECONDS ))
+    (( left > 120 )) && on_gpu 0 engine.log "$left" python3 benchmarks/prefill_engine.py --out "$R/prefill_engine" \
+        --impls pallas_gpu_fresh_prefill,pallas_gpu_fresh_prefill_cudnn --prompt-lens 4096,16384 --mix-requests 16 \
+        --max-num-batched-tokens 16384 --budget-s $(( left - 45 )) ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac

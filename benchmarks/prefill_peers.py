@@ -15,6 +15,9 @@ error is printed and recorded, the run goes on):
   through Triton), full call with its scatter: the number that decides the dispatcher's default;
 - ``fresh_branchless``: the same path with our bf16 window kernel (``gpu_fresh_window.py``, the
   ``proto`` kernel with a dynamic block count) and no device conditional (``branchless=True``);
+- ``fresh_cudnn`` / ``fresh_cudnn_single``: the same path with cuDNN's flash attention for the
+  windows (``cudnn=True``: each prompt's own length through a padding mask, so no conditional and
+  no window ladder), several fresh prompts a step / the longest only (the engine's count);
 - ``bundled_Q_KV_S``: jax's bundled FA3-style kernel (``jax.experimental.pallas.ops.gpu.attention_mgpu``,
   two consumer warpgroups + a TMA warpgroup) alone, on float16 inputs (in jax 0.11.2 it stages
   through float16 shared memory and refuses bf16), block_q Q, block_kv KV, S pipeline steps;
@@ -288,7 +291,11 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
     def prompts_served(options) -> int:
         """How many of the step's fresh prompts the path hands its window kernel (its choice, on the host)."""
         limit = options.get("max_fresh_prompts", gpu_fresh_prefill.MAX_FRESH_PROMPTS)
-        if options.get("branchless"):
+        if options.get("cudnn"):
+            slots = fpr.max_fresh_prompts_in(num_tokens, setup.min_fresh_tokens, limit)
+            chosen = fpr.choose_longest(cu_q_lens, kv_lens, num_slots=slots,
+                                        min_fresh_tokens=setup.min_fresh_tokens) if slots else None
+        elif options.get("branchless"):
             slots = fpr.max_fresh_prompts_in(num_tokens, setup.min_fresh_tokens, limit)
             chosen = fpr.choose_packed(cu_q_lens, kv_lens, num_slots=slots,
                                        min_fresh_tokens=setup.min_fresh_tokens) if slots else None
@@ -319,11 +326,13 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
 
     fresh_attend = gpu_fresh_prefill.causal_attention_mgpu
     window_attend = None  # the branchless path's own kernel
+    cudnn_attend = None  # the cuDNN path's: cuDNN
     if setup.smoke:  # no Mosaic GPU kernel runs on a CPU: the prototype, interpreted, stands in for the check
         def fresh_attend(q, k, v, *, sm_scale):  # as the bundled kernel's wrapper, it widens e4m3 K/V itself
             return causal_prefill_attention_mosaic_gpu(q, k.astype(q.dtype), v.astype(q.dtype), sm_scale=sm_scale,
                                                        interpret=True)
         window_attend = functools.partial(gpu_fresh_window.packed_causal_attention_mosaic_gpu, interpret=True)
+        cudnn_attend = functools.partial(gpu_fresh_prefill.causal_attention_cudnn, implementation="xla")
     min_fresh = setup.min_fresh_tokens
     row["min_fresh_tokens"] = min_fresh
 
@@ -361,6 +370,14 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
             "fresh_branchless" + suffix, fresh, max_repeats=FRESH_MAX_REPEATS, over_fp8=over_fp8,
             min_fresh_tokens=min_fresh, fresh_attend=window_attend, branchless=True,
             max_fresh_prompts=setup.max_fresh_prompts))
+        # cuDNN's flash attention on each prompt's own length (padding mask): no conditional, no ladder.
+        attempt("fresh_cudnn_single" + suffix, lambda: time_full(
+            "fresh_cudnn_single" + suffix, fresh, max_repeats=FRESH_MAX_REPEATS, over_fp8=over_fp8,
+            min_fresh_tokens=min_fresh, fresh_attend=cudnn_attend, cudnn=True, max_fresh_prompts=1))
+        attempt("fresh_cudnn" + suffix, lambda: time_full(
+            "fresh_cudnn" + suffix, fresh, max_repeats=FRESH_MAX_REPEATS, over_fp8=over_fp8,
+            min_fresh_tokens=min_fresh, fresh_attend=cudnn_attend, cudnn=True,
+            max_fresh_prompts=setup.max_fresh_prompts))
     for block_q, block_kv, steps in BUNDLED_CONFIGS:
         if setup.smoke and block_kv > min(lens):
             continue
@@ -381,12 +398,15 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
             + (f"; ours {row['tflops']['ours']:.0f}" if "ours" in row["tflops"] else "")
             + (f"; fresh_path {row['tflops']['fresh_path']:.0f}" if "fresh_path" in row["tflops"] else "")
             + (f"; fresh_branchless {row['tflops']['fresh_branchless']:.0f}" if "fresh_branchless" in row["tflops"]
-               else ""))
+               else "")
+            + (f"; fresh_cudnn_single {row['tflops']['fresh_cudnn_single']:.0f}"
+               if "fresh_cudnn_single" in row["tflops"] else ""))
     del q, k_pages, v_pages, k_new, v_new, chunks, qs, ks, vs, want
 
 
-IMPLS = ("ours", "ours_attend", "ours_prefix", "fresh_single", "fresh_path", "fresh_branchless", "ours_fp8",
-         "fresh_single_fp8", "fresh_path_fp8", "fresh_branchless_fp8", "cudnn", "xla")
+IMPLS = ("ours", "ours_attend", "ours_prefix", "fresh_single", "fresh_path", "fresh_branchless", "fresh_cudnn_single",
+         "fresh_cudnn", "ours_fp8", "fresh_single_fp8", "fresh_path_fp8", "fresh_branchless_fp8",
+         "fresh_cudnn_single_fp8", "fresh_cudnn_fp8", "cudnn", "xla")
 
 
 def write_outputs(out_dir: str, report: dict):

@@ -13,7 +13,9 @@ attention (``pallas_kernels.paged_attention.gpu_fresh_prefill``): the longest on
 (``fresh_prompts.ENGINE_MAX_FRESH_PROMPTS`` = 1: session 12 measured several a step slower than the
 Triton kernel at 1-2k-token prompts, docs/KERNELS.md); on other platforms it is ``"auto"``.
 ``"pallas_gpu_fresh_prefill_branchless"`` is the same with our bf16 Mosaic GPU window kernel
-(``gpu_fresh_window``), which needs no device conditional.
+(``gpu_fresh_window``), which needs no device conditional; ``"pallas_gpu_fresh_prefill_cudnn"`` with
+cuDNN's flash attention on each prompt's own length (``jax.nn.dot_product_attention``), which needs
+neither a conditional nor a ladder of window lengths.
 What ``"auto"`` runs on a Hopper GPU is ``HOPPER_AUTO_IMPL``: the fresh path, since
 ``benchmarks/prefill_engine.py`` measured it faster in the engine with one fresh prompt a step (below); ``attention_impl="pallas_gpu"``
 keeps the Triton kernel for every step.
@@ -42,8 +44,8 @@ from sharding.rules import shard_over_heads
 
 IMPLEMENTATIONS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret",
                    "pallas_gpu_fused", "pallas_gpu_fused_interpret", "pallas_gpu_fresh_prefill",
-                   "pallas_gpu_fresh_prefill_branchless")
-_FRESH_PREFILL = ("pallas_gpu_fresh_prefill", "pallas_gpu_fresh_prefill_branchless")
+                   "pallas_gpu_fresh_prefill_branchless", "pallas_gpu_fresh_prefill_cudnn")
+_FRESH_PREFILL = ("pallas_gpu_fresh_prefill", "pallas_gpu_fresh_prefill_branchless", "pallas_gpu_fresh_prefill_cudnn")
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 # "auto" on a Hopper GPU (sm_90): each prefill-heavy step's longest fresh prompt (>= MIN_FRESH_TOKENS)
 # goes through the Mosaic GPU kernel. Measured in the engine on an H200 (session 9,
@@ -57,8 +59,8 @@ def resolve_impl(impl: str, platform: str | None = None, head_dim: int | None = 
     """Turn ``"auto"`` into a concrete implementation for ``platform`` (default: JAX's backend).
 
     The GPU kernel tiles head_dim in powers of two; other head sizes take the reference.
-    ``"pallas_gpu_fresh_prefill"`` and ``"pallas_gpu_fresh_prefill_branchless"`` need a Hopper GPU (their
-    Mosaic GPU kernels issue wgmma and TMA);
+    The fresh-prefill paths (``_FRESH_PREFILL``) need a Hopper GPU (the Mosaic GPU kernels issue
+    wgmma and TMA; the cuDNN one is held to the same GPUs, where it is measured);
     elsewhere it is ``"auto"``. With ``platform`` given, the device is not asked (tests).
     """
     if impl not in IMPLEMENTATIONS:
@@ -160,6 +162,7 @@ def _attend(*args, impl, sm_scale, sliding_window):
         from pallas_kernels.paged_attention.fresh_prompts import ENGINE_MAX_FRESH_PROMPTS
 
         return pa.ragged_paged_attention_gpu_fresh_prefill(*args, **kwargs, branchless=impl.endswith("_branchless"),
+                                                           cudnn=impl.endswith("_cudnn"),
                                                            max_fresh_prompts=ENGINE_MAX_FRESH_PROMPTS)
     if impl.startswith("pallas_gpu_fused"):
         return pa.ragged_paged_attention_gpu_fused(*args, **kwargs, interpret=impl.endswith("_interpret"))
