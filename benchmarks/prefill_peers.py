@@ -15,9 +15,9 @@ error is printed and recorded, the run goes on):
   through Triton), full call with its scatter: the number that decides the dispatcher's default;
 - ``fresh_branchless``: the same path with our bf16 window kernel (``gpu_fresh_window.py``, the
   ``proto`` kernel with a dynamic block count) and no device conditional (``branchless=True``);
-- ``fresh_cudnn`` / ``fresh_cudnn_single``: the same path with cuDNN's flash attention for the
-  windows (``cudnn=True``: each prompt's own length through a padding mask, so no conditional and
-  no window ladder), several fresh prompts a step / the longest only (the engine's count);
+- ``fresh_cudnn`` / ``fresh_cudnn_single``: the fresh path's branches with cuDNN's flash attention
+  on bf16 windows instead of the bundled kernel (``cudnn=True``), several fresh prompts a step / the
+  longest only (the engine's count);
 - ``bundled_Q_KV_S``: jax's bundled FA3-style kernel (``jax.experimental.pallas.ops.gpu.attention_mgpu``,
   two consumer warpgroups + a TMA warpgroup) alone, on float16 inputs (in jax 0.11.2 it stages
   through float16 shared memory and refuses bf16), block_q Q, block_kv KV, S pipeline steps;
@@ -291,11 +291,7 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
     def prompts_served(options) -> int:
         """How many of the step's fresh prompts the path hands its window kernel (its choice, on the host)."""
         limit = options.get("max_fresh_prompts", gpu_fresh_prefill.MAX_FRESH_PROMPTS)
-        if options.get("cudnn"):
-            slots = fpr.max_fresh_prompts_in(num_tokens, setup.min_fresh_tokens, limit)
-            chosen = fpr.choose_longest(cu_q_lens, kv_lens, num_slots=slots,
-                                        min_fresh_tokens=setup.min_fresh_tokens) if slots else None
-        elif options.get("branchless"):
+        if options.get("branchless"):
             slots = fpr.max_fresh_prompts_in(num_tokens, setup.min_fresh_tokens, limit)
             chosen = fpr.choose_packed(cu_q_lens, kv_lens, num_slots=slots,
                                        min_fresh_tokens=setup.min_fresh_tokens) if slots else None
@@ -370,7 +366,7 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
             "fresh_branchless" + suffix, fresh, max_repeats=FRESH_MAX_REPEATS, over_fp8=over_fp8,
             min_fresh_tokens=min_fresh, fresh_attend=window_attend, branchless=True,
             max_fresh_prompts=setup.max_fresh_prompts))
-        # cuDNN's flash attention on each prompt's own length (padding mask): no conditional, no ladder.
+        # The bundled path's branches with cuDNN's flash attention on the bf16 windows.
         attempt("fresh_cudnn_single" + suffix, lambda: time_full(
             "fresh_cudnn_single" + suffix, fresh, max_repeats=FRESH_MAX_REPEATS, over_fp8=over_fp8,
             min_fresh_tokens=min_fresh, fresh_attend=cudnn_attend, cudnn=True, max_fresh_prompts=1))

@@ -428,8 +428,8 @@ def test_every_e4m3_value_widens_to_float16_exactly():
                                       np.asarray(values.astype(jnp.float32)))
 
 
-@pytest.mark.parametrize("branchless", [False, True])
-def test_fp8_pages_take_the_window_from_the_quantized_new_kv(branchless):
+@pytest.mark.parametrize("path", ["bundled", "branchless", "cudnn"])
+def test_fp8_pages_take_the_window_from_the_quantized_new_kv(path):
     # e4m3 pages and new K/V (quantized by the dispatcher), bf16 queries: the fresh prompts' windows
     # read this step's e4m3 K/V, as the pages hold them. Oracle: the reference over the same values
     # held in float32 (as the Triton kernel's fp8 tests).
@@ -443,15 +443,19 @@ def test_fp8_pages_take_the_window_from_the_quantized_new_kv(branchless):
                                                              *rest, sm_scale=case.sm_scale)
     seen = []
 
+    window = {"bundled": dense_causal, "branchless": dense_packed, "cudnn": cudnn_on_cpu}[path]
+
     def recording(q, k, v, *extra, sm_scale):
         seen.append((q.shape[0], k.dtype))
-        return dense_packed(q, k, v, *extra, sm_scale=sm_scale) if extra else dense_causal(q, k, v, sm_scale=sm_scale)
+        return window(q, k, v, *extra, sm_scale=sm_scale)
 
     out, k_out, v_out = fp.ragged_paged_attention_gpu_fresh_prefill(
         case.q, k_new, v_new, k_pages, v_pages, *rest, sm_scale=case.sm_scale, min_fresh_tokens=64,
-        fresh_attend=recording, interpret=True, max_window_waste=4.0, branchless=branchless)
-    # The bundled path hands the kernel e4m3 (it widens to float16 itself); the window kernel bf16.
-    assert seen and {dtype for _, dtype in seen} == {jnp.dtype(jnp.bfloat16 if branchless else fp8)}
+        fresh_attend=recording, interpret=True, max_window_waste=4.0, branchless=path == "branchless",
+        cudnn=path == "cudnn")
+    # The branches hand their window attention e4m3 (the bundled kernel widens to float16, cuDNN's
+    # wrapper to bf16); the packed window kernel gets bf16.
+    assert seen and {dtype for _, dtype in seen} == {jnp.dtype(jnp.bfloat16 if path == "branchless" else fp8)}
     assert out.dtype == jnp.bfloat16 and k_out.dtype == fp8 and not np.isnan(np.asarray(out, np.float32)).any()
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32), rtol=3e-2, atol=3e-2)
     np.testing.assert_array_equal(np.asarray(up(k_out)), np.asarray(ref_k))
@@ -500,117 +504,73 @@ def test_fp8_scales_through_the_dispatcher_with_the_fresh_path(monkeypatch, impl
     assert calls  # the window was in the step
 
 
-# The cuDNN path: cuDNN's flash attention through jax.nn.dot_product_attention; on a CPU the same
-# call with implementation="xla" (the same padding-mask contract) stands in.
+# The cuDNN variant: the same branches, cuDNN's flash attention on bf16 windows
+# (jax.nn.dot_product_attention); on a CPU the same call with implementation="xla" stands in.
 cudnn_on_cpu = functools.partial(fp.causal_attention_cudnn, implementation="xla")
 
 
-def test_cudnn_path_matches_reference_serving_the_longest_fresh_prompts_each_on_its_own_length():
+def test_cudnn_variant_matches_reference_and_takes_the_bundled_paths_prompts():
     calls = []
 
-    def recording(q, k, v, lengths, *, sm_scale):  # traced: the window's rows now, its length when it runs
-        jax.debug.callback(lambda n, rows=q.shape[1]: calls.append((rows, int(n[0]))), lengths, ordered=True)
-        return cudnn_on_cpu(q, k, v, lengths, sm_scale=sm_scale)
+    def recording(q, k, v, *, sm_scale):
+        calls.append((q.shape, k.dtype))
+        return cudnn_on_cpu(q, k, v, sm_scale=sm_scale)
 
     run_against_reference(MIXED, recording, cudnn=True)
     run_against_reference(MULTI, recording, cudnn=True)
-    # MIXED: 226 rows, room for 3 prompts of >= 64; one fresh prompt of 150 in the first window.
-    # MULTI: 497 rows, 7 slots; the three fresh prompts (150, 140, 130) longest first, in windows of
-    # 497 // (j + 1) rows rounded up to 128; the empty slots run one row each.
-    assert calls == [(256, 150), (128, 1), (128, 1),
-                     (512, 150), (256, 140), (256, 130), (128, 1), (128, 1), (128, 1), (128, 1)]
-    calls.clear()
-    run_against_reference(MULTI, recording, cudnn=True, max_fresh_prompts=1)
-    assert calls == [(512, 150)]  # the engine's count: the longest only
-
-
-def test_cudnn_path_takes_exactly_the_fresh_prompts_rows_and_nothing_else():
-    seven = lambda q, k, v, lengths, *, sm_scale: jnp.full(q.shape, 7, q.dtype)  # noqa: E731
-    case = make_case(7, MULTI, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
-                     pad_tokens=5)
-    starts = np.asarray(case.cu_q_lens)
-    for limit, seqs in ((8, (1, 2, 6)), (2, (1, 6)), (1, (1,))):
+    assert {dtype for _, dtype in calls} == {jnp.dtype(jnp.bfloat16)}  # bf16 windows: no float16 copies
+    seven = lambda q, k, v, *, sm_scale: jnp.full(q.shape, 7, q.dtype)  # noqa: E731
+    for options in ({}, {"max_fresh_prompts": 1}):  # the same prompts as the bundled kernel's branches
+        case = make_case(7, MULTI, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                         pad_tokens=5)
         out, _, _ = fp.ragged_paged_attention_gpu_fresh_prefill(
             *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=seven,
-            interpret=True, cudnn=True, max_fresh_prompts=limit)
-        is_seven = np.all(np.asarray(out, np.float32) == 7, axis=(1, 2))
-        want = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in seqs])
-        np.testing.assert_array_equal(np.flatnonzero(is_seven), np.sort(want))
+            interpret=True, max_window_waste=4.0, cudnn=True, **options)
+        rows = np.flatnonzero(np.all(np.asarray(out, np.float32) == 7, axis=(1, 2)))
+        np.testing.assert_array_equal(rows, rows_from_the_window(MULTI, **options)[1])
 
 
-def test_cudnn_path_with_nothing_to_serve_is_the_triton_kernel():
-    seqs = [(1, 40), (40, 100), (30, 30), (0, 0)]  # a cached prefix and a fresh prompt under the minimum
-    case = make_case(7, seqs, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
-                     pad_tokens=60)
-    lengths = []
-
-    def recording(q, k, v, length, *, sm_scale):
-        jax.debug.callback(lambda n: lengths.append(int(n[0])), length, ordered=True)
-        return jnp.full(q.shape, 7, q.dtype)
-
-    ref = ragged_paged_attention_reference(*case.args(), sm_scale=case.sm_scale)[0]
-    out, _, _ = fp.ragged_paged_attention_gpu_fresh_prefill(
-        *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=recording,
-        interpret=True, cudnn=True, max_fresh_prompts=1)
-    assert lengths == [1]  # in the step whatever the batch holds; with nothing taken, one row
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=3e-2, atol=3e-2)
-
-
-def test_cudnn_path_over_fp8_pages_widens_the_quantized_new_kv():
-    case = make_case(11, MULTI, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
-                     pad_tokens=5)
-    fp8 = jnp.float8_e4m3fn
-    k_new, v_new, k_pages, v_pages = (x.astype(fp8) for x in (case.k_new, case.v_new, case.k_pages, case.v_pages))
-    rest = (case.page_tables, case.cu_q_lens, case.kv_lens)
-    up = lambda x: x.astype(jnp.float32)  # noqa: E731
-    ref_out = ragged_paged_attention_reference(case.q, up(k_new), up(v_new), up(k_pages), up(v_pages), *rest,
-                                               sm_scale=case.sm_scale)[0]
+def test_cudnn_variant_has_no_float16_limit():
+    # V past float16's range: the bundled path keeps Triton (its float16 check), cuDNN reads bf16.
     seen = []
 
-    def recording(q, k, v, lengths, *, sm_scale):
-        seen.append(k.dtype)
-        return cudnn_on_cpu(q, k, v, lengths, sm_scale=sm_scale)
+    def recording(q, k, v, *, sm_scale):
+        seen.append(q.shape)
+        return cudnn_on_cpu(q, k, v, sm_scale=sm_scale)
 
-    out, _, _ = fp.ragged_paged_attention_gpu_fresh_prefill(
-        case.q, k_new, v_new, k_pages, v_pages, *rest, sm_scale=case.sm_scale, min_fresh_tokens=64,
-        fresh_attend=recording, interpret=True, cudnn=True)
-    assert seen and set(seen) == {jnp.dtype(jnp.bfloat16)}  # cuDNN reads bf16: e4m3 widened, exactly
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32), rtol=3e-2, atol=3e-2)
-
-
-def test_longest_first_windows_hold_any_prompt_of_their_rank():
-    assert fpr.longest_first_lengths(8192, 1) == (8192,)
-    assert fpr.longest_first_lengths(8000, 3) == (8064, 4096, 2688)
-    cu, kv = step_lens([(1, 9), (300, 300), (500, 500), (200, 700), (120, 120), (0, 0)])
-    slots = fpr.choose_longest(cu, kv, num_slots=3, min_fresh_tokens=100)
-    assert [int(n) for n in slots.num_tokens] == [500, 300, 120]  # fresh only, longest first
-    assert [int(s) for s in slots.seq] == [2, 1, 4] and int(slots.branch) == 1
-    assert [int(n) for n in slots.served] == [0, 300, 500, 0, 120, 0]
-    none = fpr.choose_longest(cu, kv, num_slots=2, min_fresh_tokens=600)
-    assert int(none.branch) == 0 and not np.asarray(none.served).any()
+    case = make_case(7, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                     pad_tokens=5)
+    case.v_new = case.v_new * 1e5
+    seven = lambda q, k, v, *, sm_scale: jnp.full(q.shape, 7, q.dtype)  # noqa: E731
+    for cudnn, served in ((False, 0), (True, 150)):
+        out, _, _ = fp.ragged_paged_attention_gpu_fresh_prefill(
+            *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=seven,
+            interpret=True, max_window_waste=4.0, cudnn=cudnn)
+        assert np.all(np.asarray(out, np.float32) == 7, axis=(1, 2)).sum() == served
+    run_against_reference(MIXED, recording, cudnn=True, scale=1e5)
+    assert seen
 
 
 @pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
-def test_cudnn_path_lowers_for_hopper_with_no_conditional(kv_dtype):
+def test_cudnn_variant_lowers_for_hopper_with_one_conditional(kv_dtype):
     # The step with its Triton kernel, lowered for an abstract H200; the window call stands in
     # (cuDNN's own lowering needs a device: the next test lowers it alone).
-    text = lowered_for_hopper(kv_dtype, cudnn=True, fresh_attend=cudnn_on_cpu)
+    text = lowered_for_hopper(kv_dtype, cudnn=True, fresh_attend=cudnn_on_cpu, max_window_waste=4.0)
     assert "triton" in text
-    assert "stablehlo.case" not in text and "stablehlo.while" not in text
+    assert text.count("stablehlo.case") == 1 and "stablehlo.while" not in text
 
 
-def test_cudnn_window_call_lowers_for_cuda_from_cpu(monkeypatch):
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_cudnn_window_call_lowers_for_cuda_from_cpu(monkeypatch, kv_dtype):
     from jax._src.cudnn import fused_attention_stablehlo
 
     # A CPU jaxlib has no cuDNN to ask for its version; pretend to one (9.10) with flash attention.
     monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
     spec = jax.ShapeDtypeStruct  # an 8B step's window: 32 query heads over 8 K/V heads, D = 128
-    q, kv, lengths = spec((1, 8192, 32, 128), jnp.bfloat16), spec((1, 8192, 8, 128), jnp.bfloat16), \
-        spec((1,), jnp.int32)
-    attend = jax.jit(lambda q, k, v, n: fp.causal_attention_cudnn(q, k, v, n, sm_scale=128**-0.5))
-    text = attend.trace(q, kv, kv, lengths).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__cudnn$fmhaSoftmax") == 1
-    assert "PADDING_CAUSAL" in text  # each window attended on its own length, causally
+    q, kv = spec((1, 4608, 32, 128), jnp.bfloat16), spec((1, 4608, 8, 128), kv_dtype)
+    attend = jax.jit(lambda q, k, v: fp.causal_attention_cudnn(q, k, v, sm_scale=128**-0.5))
+    text = attend.trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__cudnn$fmhaSoftmax") == 1 and "\\22CAUSAL\\22" in text
 
 
 def test_cudnn_and_branchless_together_is_an_error():

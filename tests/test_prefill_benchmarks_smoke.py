@@ -49,7 +49,7 @@ def test_prefill_peers_runs_only_the_named_impls(tmp_path):
     for r in rows:
         assert set(r["tflops"]) == {"ours", "fresh_path", "fresh_branchless", "fresh_cudnn", "proto_2"}, r["errors"]
         assert all(r["rel_err"][p] < 1e-2 for p in ("fresh_path", "fresh_branchless", "fresh_cudnn")), r["rel_err"]
-        assert r["fresh_prompts_served"]["fresh_cudnn"] == 2  # the ragged smoke step's two fresh prompts
+        assert r["fresh_prompts_served"]["fresh_cudnn"] == r["fresh_prompts_served"]["fresh_path"]  # same branches
 
 
 @pytest.mark.slow

@@ -1,11 +1,11 @@
 """Ragged paged attention over the paged KV cache: plain-JAX reference, GPU and TPU kernels.
 
-The GPU has two kernels: ``ragged_paged_attention_gpu`` (the default: XLA scatter, then
+The GPU has three entry points: ``ragged_paged_attention_gpu`` (the default: XLA scatter, then
 attention), ``ragged_paged_attention_gpu_fused`` (opt-in: the write fused into the kernel) and
 ``ragged_paged_attention_gpu_fresh_prefill`` (Hopper's ``"auto"``: a step's fresh prompts, up to 8,
-through jax's bundled Mosaic GPU flash attention in one batched call behind a device branch, or
-with ``branchless=True`` packed into our own Mosaic GPU window kernel, ``gpu_fresh_window``; which
-prompts, ``fresh_prompts``; the rest as the default).
+through jax's bundled Mosaic GPU flash attention in one batched call behind a device branch, with
+``cudnn=True`` through cuDNN's in the same branches, or with ``branchless=True`` packed into our own
+Mosaic GPU window kernel, ``gpu_fresh_window``; which prompts, ``fresh_prompts``; the rest as the default).
 All share one signature (``ragged_paged_attention_reference``'s) and return
 ``(out, k_pages, v_pages)``; the kernels take extra keyword-only tile sizes and an
 interpret switch. The cache layout and the ragged-batch metadata are documented in

@@ -232,24 +232,6 @@ def pack_prompts(slots: FreshSlots, length: int, num_tokens: int) -> tuple[jax.A
     return source, dest, first_block
 
 
-def choose_longest(cu_q_lens: jax.Array, kv_lens: jax.Array, *, num_slots: int, min_fresh_tokens: int) -> FreshSlots:
-    """The ``num_slots`` longest fresh prompts, all taken, longest first: slot ``j``'s prompt has at
-    most ``num_tokens // (j + 1)`` rows (the ``j`` before it are as long), the window
-    ``longest_first_lengths`` gives it. For a window kernel that takes each prompt's length (cuDNN's
-    padding mask), so a window's rows past its prompt cost nothing but their copies."""
-    seq, num_tokens, q_lens = fresh_candidates(cu_q_lens, kv_lens, min_fresh_tokens=min_fresh_tokens,
-                                               num_candidates=num_slots)
-    taken = num_tokens > 0  # top_k: the taken candidates come first
-    rank = jnp.cumsum(taken, dtype=jnp.int32) - 1
-    return _fill_slots(seq, num_tokens, taken, rank, cu_q_lens, q_lens.shape[0], num_slots, jnp.any(taken))
-
-
-def longest_first_lengths(num_tokens: int, num_slots: int) -> tuple[int, ...]:
-    """Window rows of each slot of ``choose_longest``: ``num_tokens // (j + 1)`` rounded up to
-    ``WINDOW_MULTIPLE`` (static shapes; the sum grows as ``num_tokens`` times a harmonic number)."""
-    return tuple(_round_up(max(1, num_tokens // (j + 1)), WINDOW_MULTIPLE) for j in range(num_slots))
-
-
 def hide_served(tiles: wt.WorkTiles, served: jax.Array) -> wt.WorkTiles:
     """Empty the paged kernel's work tiles of the rows a window kernel serves (``served [S]`` per sequence).
 

@@ -78,7 +78,6 @@ queries over bf16/f16 or e4m3 pages; head_dim a multiple of 64.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -133,18 +132,19 @@ def causal_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale:
     return out.astype(q.dtype)
 
 
-def causal_attention_cudnn(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, sm_scale: float,
+def causal_attention_cudnn(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float,
                            implementation: str = "cudnn") -> jax.Array:
-    """Causal attention of the first ``lengths[b]`` rows of each window through cuDNN's flash attention.
+    """Causal attention through cuDNN's flash attention (``jax.nn.dot_product_attention``); q [n, L, Hq, D],
+    k/v [n, L, Hkv, D] (GQA: Hq a multiple of Hkv); out in q's dtype.
 
-    q [B, L, Hq, D], k/v [B, L, Hkv, D] (GQA: Hq a multiple of Hkv), bf16 or f16; ``lengths`` [B]
-    int32, at least 1. ``jax.nn.dot_product_attention`` with a causal padding mask: cuDNN reads only
-    the rows and keys below each length, so a window longer than its prompt costs its copies and
-    nothing more. Output rows past a length are unspecified (callers drop them).
+    bf16 in directly (no float16 copies, so no range limit); e4m3 K/V (fp8 pages) are widened to
+    q's dtype here, exactly. A window's rows past its prompt are zeros, later in causal order, so
+    they never reach the prompt's rows. Measured (session 16): cuDNN computes every row of the
+    window, padding masks included, so a window must fit its prompt (the ladder's job).
     ``implementation="xla"``: the same contract on any backend (CPU tests).
     """
-    return jax.nn.dot_product_attention(q, k, v, scale=sm_scale, is_causal=True, query_seq_lengths=lengths,
-                                        key_value_seq_lengths=lengths, implementation=implementation)
+    return jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), scale=sm_scale, is_causal=True,
+                                        implementation=implementation)
 
 
 def step_window_branches(num_tokens: int, num_seqs: int, *, min_fresh_tokens: int = MIN_FRESH_TOKENS,
@@ -209,6 +209,7 @@ def attend_with_fresh_prefill(
     q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sizes: BlockSizes,
     min_fresh_tokens: int, fresh_attend=causal_attention_mgpu, interpret: bool = False,
     max_window_waste: float = MAX_WINDOW_WASTE, max_fresh_prompts: int = MAX_FRESH_PROMPTS,
+    float16_window: bool = True,
 ):
     """Attention of a step whose K/V are already in the pages; up to ``max_fresh_prompts`` fresh prompts
     through ``fresh_attend`` in one batched call, everything else through Triton.
@@ -219,7 +220,9 @@ def attend_with_fresh_prefill(
 
     ``fresh_attend(q [c, L, Hq, D], k [c, L, Hkv, D], v, *, sm_scale) -> [c, L, Hq, D]``: causal
     attention of ``c`` windows (tests pass a CPU-runnable one). ``interpret`` runs the Triton kernel
-    in Pallas's interpreter. Returns out [T, Hq, D].
+    in Pallas's interpreter. ``float16_window``: ``fresh_attend`` computes in float16 (the bundled
+    kernel), so a step whose q, k or v exceed its range stays with Triton (checked on device); False
+    for a window attention that takes q's dtype (cuDNN). Returns out [T, Hq, D].
 
     One device-side branch (``lax.switch``: branch 0 keeps the Triton output, branch i runs the
     windows of ``branches[i - 1]``), because on the GPU every conditional copies its index to the
@@ -237,10 +240,11 @@ def attend_with_fresh_prefill(
         return attend_rest(tiles=tiles)
     slots = fpr.choose_slots(cu_q_lens, kv_lens, branches, min_fresh_tokens=min_fresh_tokens,
                              max_window_waste=max_window_waste)
-    # e4m3 K/V (fp8 pages) always fit float16 (|x| <= 448), and widen to it exactly.
-    fits = _fits_float16(q.astype(jnp.float32) * sm_scale, *[x for x in (k_new, v_new) if x.dtype != E4M3])
-    slots = fpr.FreshSlots(branch=jnp.where(fits, slots.branch, 0), seq=slots.seq, token_start=slots.token_start,
-                           num_tokens=slots.num_tokens, served=jnp.where(fits, slots.served, 0))
+    if float16_window:
+        # e4m3 K/V (fp8 pages) always fit float16 (|x| <= 448), and widen to it exactly.
+        fits = _fits_float16(q.astype(jnp.float32) * sm_scale, *[x for x in (k_new, v_new) if x.dtype != E4M3])
+        slots = fpr.FreshSlots(branch=jnp.where(fits, slots.branch, 0), seq=slots.seq, token_start=slots.token_start,
+                               num_tokens=slots.num_tokens, served=jnp.where(fits, slots.served, 0))
     rest = attend_rest(tiles=fpr.hide_served(tiles, slots.served))  # [T, Hq, D]; the taken prompts' rows are 0
 
     def window(branch: fpr.WindowBranch):
@@ -286,39 +290,6 @@ def attend_with_fresh_window(
     return _merge_rows(rest, out, dest)
 
 
-def attend_with_fresh_cudnn(
-    q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sizes: BlockSizes,
-    min_fresh_tokens: int, window_attend=causal_attention_cudnn, interpret: bool = False,
-    max_fresh_prompts: int = MAX_FRESH_PROMPTS,
-):
-    """As ``attend_with_fresh_prefill``, with cuDNN's flash attention for the windows: no device
-    conditional and no window ladder, since cuDNN takes each prompt's length (a padding mask).
-
-    The step's ``max_fresh_prompts`` longest fresh prompts are taken, longest first; slot ``j`` has a
-    window of ``num_tokens // (j + 1)`` rows (``fresh_prompts.longest_first_lengths``: its prompt
-    cannot be longer) and its own call. ``window_attend(q [1, L, Hq, D], k [1, L, Hkv, D], v,
-    lengths [1], *, sm_scale)``: ``causal_attention_cudnn``'s contract. Inputs in q's dtype (e4m3
-    K/V widened to it, exactly): no float16 copies, no range check. With nothing taken each call
-    runs over one row (a length of 0 is raised to 1; the rows are dropped).
-    """
-    num_tokens = q.shape[0]
-    tiles = wt.plan_work_tiles(cu_q_lens, kv_lens, num_tokens, sizes.block_q)
-    attend_rest = functools.partial(attend_gpu, q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens,
-                                    sm_scale=sm_scale, sizes=sizes, interpret=interpret)
-    num_slots = fpr.max_fresh_prompts_in(num_tokens, min_fresh_tokens, max_fresh_prompts)
-    if num_slots == 0 or not is_prefill_heavy(num_tokens, kv_lens):
-        return attend_rest(tiles=tiles)
-    slots = fpr.choose_longest(cu_q_lens, kv_lens, num_slots=num_slots, min_fresh_tokens=min_fresh_tokens)
-    out = attend_rest(tiles=fpr.hide_served(tiles, slots.served))  # [T, Hq, D]; the served rows are 0
-    for j, length in enumerate(fpr.longest_first_lengths(num_tokens, num_slots)):
-        one = dataclasses.replace(slots, token_start=slots.token_start[j:j + 1], num_tokens=slots.num_tokens[j:j + 1])
-        source, dest = fpr.slot_rows(one, 1, length, num_tokens)  # [1, L] each
-        take = lambda x: _take_rows(x, source, q.dtype)  # noqa: E731  [1, L, H, D]
-        window = window_attend(take(q), take(k_new), take(v_new), jnp.maximum(one.num_tokens, 1), sm_scale=sm_scale)
-        out = _merge_rows(out, window, dest)
-    return out
-
-
 def can_take_fresh_prefill(q_dtype, page_dtype, head_dim: int, sliding_window, soft_cap) -> bool:
     """Whether a step of these static properties may use the fresh-prefill kernel at all.
 
@@ -361,8 +332,8 @@ def ragged_paged_attention_gpu_fresh_prefill(
 
     ``branchless=False``: the bundled kernel on float16 windows behind one ``lax.switch``
     (``attend_with_fresh_prefill``); ``True``: our window kernel over packed prompts with no
-    conditional (``attend_with_fresh_window``); ``cudnn=True``: cuDNN's flash attention on each prompt's
-    own length, no conditional (``attend_with_fresh_cudnn``). ``fresh_attend``: that path's window attention
+    conditional (``attend_with_fresh_window``); ``cudnn=True``: the bundled path's branches with cuDNN's
+    flash attention on bf16 windows (``causal_attention_cudnn``). ``fresh_attend``: that path's window attention
     (default: its Mosaic GPU kernel; tests pass CPU-runnable ones). ``max_fresh_prompts``: fresh
     prompts served per step (1: the longest only, as before session 11; the engine passes
     ``fresh_prompts.ENGINE_MAX_FRESH_PROMPTS``). ``min_fresh_tokens``,
@@ -383,12 +354,7 @@ def ragged_paged_attention_gpu_fresh_prefill(
         page_size=page_size, itemsize=q.dtype.itemsize, kv_itemsize=k_pages.dtype.itemsize,
     )
     k_pages, v_pages = write_kv_reference(k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
-    if can_take_fresh_prefill(q.dtype, k_pages.dtype, head_dim, sliding_window, soft_cap) and cudnn:
-        out = attend_with_fresh_cudnn(
-            q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale, sizes=sizes,
-            min_fresh_tokens=min_fresh_tokens, window_attend=fresh_attend or causal_attention_cudnn,
-            interpret=interpret, max_fresh_prompts=max_fresh_prompts)
-    elif can_take_fresh_prefill(q.dtype, k_pages.dtype, head_dim, sliding_window, soft_cap) and branchless:
+    if can_take_fresh_prefill(q.dtype, k_pages.dtype, head_dim, sliding_window, soft_cap) and branchless:
         out = attend_with_fresh_window(
             q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale, sizes=sizes,
             min_fresh_tokens=min_fresh_tokens, window_attend=fresh_attend or packed_causal_attention_mosaic_gpu,
@@ -396,8 +362,10 @@ def ragged_paged_attention_gpu_fresh_prefill(
     elif can_take_fresh_prefill(q.dtype, k_pages.dtype, head_dim, sliding_window, soft_cap):
         out = attend_with_fresh_prefill(
             q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale, sizes=sizes,
-            min_fresh_tokens=min_fresh_tokens, fresh_attend=fresh_attend or causal_attention_mgpu,
-            interpret=interpret, max_window_waste=max_window_waste, max_fresh_prompts=max_fresh_prompts)
+            min_fresh_tokens=min_fresh_tokens,
+            fresh_attend=fresh_attend or (causal_attention_cudnn if cudnn else causal_attention_mgpu),
+            interpret=interpret, max_window_waste=max_window_waste, max_fresh_prompts=max_fresh_prompts,
+            float16_window=not cudnn)
     else:
         out = attend_gpu(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
                          sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes, interpret=interpret)
