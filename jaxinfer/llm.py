@@ -95,6 +95,9 @@ class LLM:
         # Before the weights load: a device without FP8 refuses an FP8 cache before anything is allocated.
         check_kv_cache_dtype_supported(kv_cache_dtype)
         check_activation_scales(activation_scales)
+        # A model passed in stays the caller's: close() frees only what this LLM made (the cache, and
+        # weights it loaded or derived), so the same LoadedModel can serve another LLM afterwards.
+        self._lent_weights = loaded.weights if loaded is not None else None
         loaded = loaded or load_model(model, dtype, quantization=quantization)
         if activation_scales is not None or calibration_prompts:
             samples = [loaded.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in calibration_prompts or ()]
@@ -182,14 +185,17 @@ class LLM:
     def close(self) -> None:
         """Free the weights and the KV cache now, without waiting for garbage collection.
 
-        The LLM cannot generate afterwards. ``with LLM(...) as llm:`` closes it on exit.
+        The LLM cannot generate afterwards. ``with LLM(...) as llm:`` closes it on exit. Weights of a
+        model passed as ``loaded=`` are the caller's and stay alive (arrays the engine derived from
+        them, e.g. padded for tensor parallelism, are freed).
         """
         engine = self.__dict__.pop("engine", None)
         if engine is None:
             return
+        lent = {id(array) for array in jax.tree.leaves(self._lent_weights)}
         for e in getattr(engine, "engines", [engine]):
             for array in jax.tree.leaves((e.model.weights, e.runner.cache, e.runner.last_sampled)):
-                if isinstance(array, jax.Array) and not array.is_deleted():
+                if isinstance(array, jax.Array) and id(array) not in lent and not array.is_deleted():
                     array.delete()
 
     def __enter__(self) -> LLM:

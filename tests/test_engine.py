@@ -257,6 +257,24 @@ def test_llm_close_frees_weights_and_cache_and_refuses_to_generate():
     llm.close()  # twice is fine
 
 
+def test_llm_close_leaves_a_lent_model_to_its_owner():
+    # A notebook loads once and builds several LLMs over the same model: closing one (a `with`
+    # block) must not free the weights under the next (it did, until session 16).
+    from jaxinfer.checkpoint import load_model
+
+    model = load_model(FIXTURES / "tiny-llama3", dtype="float32")
+    options = dict(max_model_len=64, max_num_seqs=2, num_pages=16, use_tqdm=False, warm_up=False)
+    outputs = []
+    for _ in range(2):
+        with LLM(loaded=model, **options) as llm:
+            engine = llm.engine
+            output = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+            outputs.append(output.outputs[0].token_ids)
+        assert engine.runner.cache.k[0].is_deleted()  # what the LLM made is freed
+        assert not any(a.is_deleted() for a in jax.tree.leaves(model.weights))  # what it was lent is not
+    assert outputs[0] == outputs[1] and outputs[0]
+
+
 def test_clearing_jax_caches_recompiles_without_counting_new_programs(tiny):
     """``jax.clear_caches()`` (a notebook, tests/map_budget.py) makes warmed programs compile
     again: that is no new program, and the count never goes negative."""
