@@ -38,9 +38,10 @@ demo: model
 
 # One pytest process for the whole suite (PYTEST_ARGS: a file, -k, ... to run less). A single
 # process used to die ~1,150 tests in once it ran out of memory mappings (vm.max_map_count);
-# tests/map_budget.py now frees compiled programs first (docs/crash_investigation.md).
+# tests/map_budget.py now frees compiled programs first (docs/crash_investigation.md). The 25
+# slowest tests close every run's log: the suite must stay under 30 minutes on 2 cores.
 test: model
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .cache
