@@ -13,9 +13,9 @@ attention (``pallas_kernels.paged_attention.gpu_fresh_prefill``): the longest on
 (``fresh_prompts.ENGINE_MAX_FRESH_PROMPTS`` = 1: session 12 measured several a step slower than the
 Triton kernel at 1-2k-token prompts, docs/KERNELS.md); on other platforms it is ``"auto"``.
 ``"pallas_gpu_fresh_prefill_branchless"`` is the same with our bf16 Mosaic GPU window kernel
-(``gpu_fresh_window``), which needs no device conditional; ``"pallas_gpu_fresh_prefill_cudnn"`` with
-cuDNN's flash attention on each prompt's own length (``jax.nn.dot_product_attention``), which needs
-neither a conditional nor a ladder of window lengths.
+(``gpu_fresh_window``), which needs no device conditional; ``"pallas_gpu_fresh_prefill_cudnn"`` the
+same branches with cuDNN's flash attention on the windows (``jax.nn.dot_product_attention``: bf16,
+so no float16 range limit and no Mosaic GPU kernel to compile; opt-in until measured in that form).
 What ``"auto"`` runs on a Hopper GPU is ``HOPPER_AUTO_IMPL``: the fresh path, since
 ``benchmarks/prefill_engine.py`` measured it faster in the engine with one fresh prompt a step (below); ``attention_impl="pallas_gpu"``
 keeps the Triton kernel for every step.

@@ -72,6 +72,12 @@ empty room is dead blocks, whose programs exit at once. It runs on every prefill
 needs no branch, no window ladder, no float16 copies and no range check; its work follows the
 prompts. Its kernel is the one-warpgroup prototype, slower than the bundled one (docs/KERNELS.md).
 
+cuDNN variant (``cudnn=True``, ``impl="pallas_gpu_fresh_prefill_cudnn"``): the same branches and
+prompts, each window through cuDNN's flash attention (``causal_attention_cudnn``) in bf16, so no
+float16 copies and no range check. Session 16 measured it faster than the bundled kernel where the
+window is the prompt (4k: 417 vs 511 us a call) and found cuDNN computing every row of a padded
+window, so it keeps the ladder (docs/KERNELS.md).
+
 Limits: chunks over a cached prefix stay with Triton; no sliding window or soft cap; bf16/f16
 queries over bf16/f16 or e4m3 pages; head_dim a multiple of 64.
 """
