@@ -75,8 +75,8 @@ prompts. Its kernel is the one-warpgroup prototype, slower than the bundled one 
 cuDNN variant (``cudnn=True``, ``impl="pallas_gpu_fresh_prefill_cudnn"``): the same branches and
 prompts, each window through cuDNN's flash attention (``causal_attention_cudnn``) in bf16, so no
 float16 copies and no range check. Session 16 measured it faster than the bundled kernel where the
-window is the prompt (4k: 417 vs 511 us a call) and found cuDNN computing every row of a padded
-window, so it keeps the ladder (docs/KERNELS.md).
+window is the prompt (4k: 417 vs 511 us a call) and found cuDNN computing every query row of a
+padded window, so it keeps the ladder (docs/KERNELS.md).
 
 Limits: chunks over a cached prefix stay with Triton; no sliding window or soft cap; bf16/f16
 queries over bf16/f16 or e4m3 pages; head_dim a multiple of 64.
@@ -145,8 +145,8 @@ def causal_attention_cudnn(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale
 
     bf16 in directly (no float16 copies, so no range limit); e4m3 K/V (fp8 pages) are widened to
     q's dtype here, exactly. A window's rows past its prompt are zeros, later in causal order, so
-    they never reach the prompt's rows. Measured (session 16): cuDNN computes every row of the
-    window, padding masks included, so a window must fit its prompt (the ladder's job).
+    they never reach the prompt's rows. Measured (session 16): cuDNN computes every query row of
+    the window, padding masks included, so a window must fit its prompt (the ladder's job).
     ``implementation="xla"``: the same contract on any backend (CPU tests).
     """
     return jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), scale=sm_scale, is_causal=True,
