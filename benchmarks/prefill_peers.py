@@ -322,7 +322,7 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
 
     fresh_attend = gpu_fresh_prefill.causal_attention_mgpu
     window_attend = None  # the branchless path's own kernel
-    cudnn_attend = None  # the cuDNN path's: cuDNN
+    cudnn_attend = None  # the cuDNN variant's default: cuDNN itself
     if setup.smoke:  # no Mosaic GPU kernel runs on a CPU: the prototype, interpreted, stands in for the check
         def fresh_attend(q, k, v, *, sm_scale):  # as the bundled kernel's wrapper, it widens e4m3 K/V itself
             return causal_prefill_attention_mosaic_gpu(q, k.astype(q.dtype), v.astype(q.dtype), sm_scale=sm_scale,

@@ -27,6 +27,11 @@ def dense_causal(q, k, v, *, sm_scale):  # [1, L, H, D]; the window attention a 
                                         is_causal=True).astype(q.dtype)
 
 
+# The cuDNN variant's window attention (jax.nn.dot_product_attention, the same branches as the
+# bundled kernel's); on a CPU the same call with implementation="xla" stands in.
+cudnn_on_cpu = functools.partial(fp.causal_attention_cudnn, implementation="xla")
+
+
 def step_lens(seqs):
     q_lens = np.array([q for q, _ in seqs]); kv_lens = np.array([kv for _, kv in seqs])
     return jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32), jnp.asarray(kv_lens, jnp.int32)
@@ -473,7 +478,8 @@ def test_fp8_scales_through_the_dispatcher_with_the_fresh_path(monkeypatch, impl
     from jaxinfer.batch import StepBatch
     from jaxinfer.kv_cache_dtype import quantize_to_fp8
 
-    dense = {"_branchless": dense_packed, "_cudnn": cudnn_on_cpu}.get(impl[impl.rfind("_"):], dense_causal)
+    dense = {"pallas_gpu_fresh_prefill_branchless": dense_packed,
+             "pallas_gpu_fresh_prefill_cudnn": cudnn_on_cpu}.get(impl, dense_causal)
     calls = []
 
     def window(*args, sm_scale):
@@ -502,11 +508,6 @@ def test_fp8_scales_through_the_dispatcher_with_the_fresh_path(monkeypatch, impl
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(oracle), rtol=3e-2, atol=3e-2 * 3.0)
     np.testing.assert_array_equal(np.asarray(dequantize(new_k, k_scale)), np.asarray(oracle_k))
     assert calls  # the window was in the step
-
-
-# The cuDNN variant: the same branches, cuDNN's flash attention on bf16 windows
-# (jax.nn.dot_product_attention); on a CPU the same call with implementation="xla" stands in.
-cudnn_on_cpu = functools.partial(fp.causal_attention_cudnn, implementation="xla")
 
 
 def test_cudnn_variant_matches_reference_and_takes_the_bundled_paths_prompts():
