@@ -133,7 +133,7 @@
 #           so cuDNN now runs inside the bundled path's window ladder; prefill_peers.py on the shapes
 #           where the windows matter (4k, the ragged batch, 8 x 1000, 8k, 16k), then, with END past ~400,
 #           prefill_engine.py with both paths (compile, TTFT at 4k/16k/32k, the prefill mix): what
-#           decides HOPPER_AUTO_IMPL.
+#           decides HOPPER_AUTO_IMPL. Session 17 added the cuDNN segments path (packed layout, no windows).
 set -u
 PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c or s16d}
 OUT=${OUT:-$PWD/device-out}
@@ -610,13 +610,15 @@ s16c)
         --impls pallas_gpu_fresh_prefill,pallas_gpu_fresh_prefill_cudnn --prompt-lens 4096,16384 --mix-requests 16 \
         --max-num-batched-tokens 16384 --budget-s $(( left - 45 )) ;;
 s16d)
-    peers=$(( END < 400 ? END - 10 : 190 ))
+    peers=$(( END < 400 ? END - 10 : 250 ))
     on_gpu 0 prefill.log $peers python3 benchmarks/prefill_peers.py --out "$R/prefill_peers" \
-        --shapes 4096,ragged,8x1000,8192,16384 --impls cudnn,fresh_single,fresh_cudnn_single \
+        --shapes 4096,ragged,8x1000,8192,16384 \
+        --impls cudnn,fresh_single,fresh_segments_single,fresh_segments,fresh_cudnn_single,ours \
         --min-fresh-tokens 1000 --budget-s $(( peers - 30 ))
     left=$(( END - SECONDS ))
     (( left > 200 )) && on_gpu 0 engine.log "$left" python3 benchmarks/prefill_engine.py --out "$R/prefill_engine" \
-        --impls pallas_gpu_fresh_prefill,pallas_gpu_fresh_prefill_cudnn --budget-s $(( left - 45 )) ;;
+        --impls pallas_gpu_fresh_prefill,pallas_gpu_fresh_prefill_cudnn_segments,pallas_gpu_fresh_prefill_cudnn \
+        --budget-s $(( left - 45 )) ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac

@@ -18,6 +18,9 @@ error is printed and recorded, the run goes on):
 - ``fresh_cudnn`` / ``fresh_cudnn_single``: the fresh path's branches with cuDNN's flash attention
   on bf16 windows instead of the bundled kernel (``cudnn=True``), several fresh prompts a step / the
   longest only (the engine's count);
+- ``fresh_segments`` / ``fresh_segments_single``: cuDNN's flash attention over the fresh prompts where
+  they lie in the step's rows (its packed layout: ragged offsets, ``cudnn_segments=True``), no windows
+  and no device conditional; several prompts a step / the longest only;
 - ``bundled_Q_KV_S``: jax's bundled FA3-style kernel (``jax.experimental.pallas.ops.gpu.attention_mgpu``,
   two consumer warpgroups + a TMA warpgroup) alone, on float16 inputs (in jax 0.11.2 it stages
   through float16 shared memory and refuses bf16), block_q Q, block_kv KV, S pipeline steps;
@@ -291,7 +294,7 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
     def prompts_served(options) -> int:
         """How many of the step's fresh prompts the path hands its window kernel (its choice, on the host)."""
         limit = options.get("max_fresh_prompts", gpu_fresh_prefill.MAX_FRESH_PROMPTS)
-        if options.get("branchless"):
+        if options.get("branchless") or options.get("cudnn_segments"):
             slots = fpr.max_fresh_prompts_in(num_tokens, setup.min_fresh_tokens, limit)
             chosen = fpr.choose_packed(cu_q_lens, kv_lens, num_slots=slots,
                                        min_fresh_tokens=setup.min_fresh_tokens) if slots else None
@@ -323,12 +326,14 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
     fresh_attend = gpu_fresh_prefill.causal_attention_mgpu
     window_attend = None  # the branchless path's own kernel
     cudnn_attend = None  # the cuDNN variant's default: cuDNN itself
+    segments_attend = None  # the cuDNN segments path's default: cuDNN's packed layout
     if setup.smoke:  # no Mosaic GPU kernel runs on a CPU: the prototype, interpreted, stands in for the check
         def fresh_attend(q, k, v, *, sm_scale):  # as the bundled kernel's wrapper, it widens e4m3 K/V itself
             return causal_prefill_attention_mosaic_gpu(q, k.astype(q.dtype), v.astype(q.dtype), sm_scale=sm_scale,
                                                        interpret=True)
         window_attend = functools.partial(gpu_fresh_window.packed_causal_attention_mosaic_gpu, interpret=True)
         cudnn_attend = functools.partial(gpu_fresh_prefill.causal_attention_cudnn, implementation="xla")
+        segments_attend = functools.partial(gpu_fresh_prefill.causal_attention_cudnn_segments, implementation="xla")
     min_fresh = setup.min_fresh_tokens
     row["min_fresh_tokens"] = min_fresh
 
@@ -374,6 +379,14 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
             "fresh_cudnn" + suffix, fresh, max_repeats=FRESH_MAX_REPEATS, over_fp8=over_fp8,
             min_fresh_tokens=min_fresh, fresh_attend=cudnn_attend, cudnn=True,
             max_fresh_prompts=setup.max_fresh_prompts))
+        # cuDNN over the fresh prompts where they lie in the step's rows (packed layout): no windows.
+        attempt("fresh_segments_single" + suffix, lambda: time_full(
+            "fresh_segments_single" + suffix, fresh, max_repeats=FRESH_MAX_REPEATS, over_fp8=over_fp8,
+            min_fresh_tokens=min_fresh, fresh_attend=segments_attend, cudnn_segments=True, max_fresh_prompts=1))
+        attempt("fresh_segments" + suffix, lambda: time_full(
+            "fresh_segments" + suffix, fresh, max_repeats=FRESH_MAX_REPEATS, over_fp8=over_fp8,
+            min_fresh_tokens=min_fresh, fresh_attend=segments_attend, cudnn_segments=True,
+            max_fresh_prompts=setup.max_fresh_prompts))
     for block_q, block_kv, steps in BUNDLED_CONFIGS:
         if setup.smoke and block_kv > min(lens):
             continue
@@ -401,8 +414,9 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
 
 
 IMPLS = ("ours", "ours_attend", "ours_prefix", "fresh_single", "fresh_path", "fresh_branchless", "fresh_cudnn_single",
-         "fresh_cudnn", "ours_fp8", "fresh_single_fp8", "fresh_path_fp8", "fresh_branchless_fp8",
-         "fresh_cudnn_single_fp8", "fresh_cudnn_fp8", "cudnn", "xla")
+         "fresh_cudnn", "fresh_segments_single", "fresh_segments", "ours_fp8", "fresh_single_fp8", "fresh_path_fp8",
+         "fresh_branchless_fp8", "fresh_cudnn_single_fp8", "fresh_cudnn_fp8", "fresh_segments_single_fp8",
+         "fresh_segments_fp8", "cudnn", "xla")
 
 
 def write_outputs(out_dir: str, report: dict):

@@ -15,7 +15,9 @@ Triton kernel at 1-2k-token prompts, docs/KERNELS.md); on other platforms it is 
 ``"pallas_gpu_fresh_prefill_branchless"`` is the same with our bf16 Mosaic GPU window kernel
 (``gpu_fresh_window``), which needs no device conditional; ``"pallas_gpu_fresh_prefill_cudnn"`` the
 same branches with cuDNN's flash attention on the windows (``jax.nn.dot_product_attention``: bf16,
-so no float16 range limit and no Mosaic GPU kernel to compile; opt-in until measured in that form).
+so no float16 range limit and no Mosaic GPU kernel to compile; opt-in until measured in that form);
+``"pallas_gpu_fresh_prefill_cudnn_segments"`` cuDNN over up to 8 fresh prompts a step where they lie in
+the step's rows (its packed layout), with no windows and no device conditional (opt-in, unmeasured).
 What ``"auto"`` runs on a Hopper GPU is ``HOPPER_AUTO_IMPL``: the fresh path, since
 ``benchmarks/prefill_engine.py`` measured it faster in the engine with one fresh prompt a step (below); ``attention_impl="pallas_gpu"``
 keeps the Triton kernel for every step.
@@ -44,8 +46,10 @@ from sharding.rules import shard_over_heads
 
 IMPLEMENTATIONS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret",
                    "pallas_gpu_fused", "pallas_gpu_fused_interpret", "pallas_gpu_fresh_prefill",
-                   "pallas_gpu_fresh_prefill_branchless", "pallas_gpu_fresh_prefill_cudnn")
-_FRESH_PREFILL = ("pallas_gpu_fresh_prefill", "pallas_gpu_fresh_prefill_branchless", "pallas_gpu_fresh_prefill_cudnn")
+                   "pallas_gpu_fresh_prefill_branchless", "pallas_gpu_fresh_prefill_cudnn",
+                   "pallas_gpu_fresh_prefill_cudnn_segments")
+_FRESH_PREFILL = ("pallas_gpu_fresh_prefill", "pallas_gpu_fresh_prefill_branchless", "pallas_gpu_fresh_prefill_cudnn",
+                  "pallas_gpu_fresh_prefill_cudnn_segments")
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 # "auto" on a Hopper GPU (sm_90): each prefill-heavy step's longest fresh prompt (>= MIN_FRESH_TOKENS)
 # goes through the Mosaic GPU kernel. Measured in the engine on an H200 (session 9,
@@ -159,11 +163,12 @@ def _attend(*args, impl, sm_scale, sliding_window):
     import pallas_kernels.paged_attention as pa
 
     if impl in _FRESH_PREFILL:
-        from pallas_kernels.paged_attention.fresh_prompts import ENGINE_MAX_FRESH_PROMPTS
+        from pallas_kernels.paged_attention.fresh_prompts import ENGINE_MAX_FRESH_PROMPTS, MAX_FRESH_PROMPTS
 
-        return pa.ragged_paged_attention_gpu_fresh_prefill(*args, **kwargs, branchless=impl.endswith("_branchless"),
-                                                           cudnn=impl.endswith("_cudnn"),
-                                                           max_fresh_prompts=ENGINE_MAX_FRESH_PROMPTS)
+        segments = impl.endswith("_cudnn_segments")  # cuDNN's work follows the prompts: up to 8 a step
+        return pa.ragged_paged_attention_gpu_fresh_prefill(
+            *args, **kwargs, branchless=impl.endswith("_branchless"), cudnn=impl.endswith("_cudnn"),
+            cudnn_segments=segments, max_fresh_prompts=MAX_FRESH_PROMPTS if segments else ENGINE_MAX_FRESH_PROMPTS)
     if impl.startswith("pallas_gpu_fused"):
         return pa.ragged_paged_attention_gpu_fused(*args, **kwargs, interpret=impl.endswith("_interpret"))
     if impl.startswith("pallas_gpu"):

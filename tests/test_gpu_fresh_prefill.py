@@ -30,6 +30,9 @@ def dense_causal(q, k, v, *, sm_scale):  # [1, L, H, D]; the window attention a 
 # The cuDNN variant's window attention (jax.nn.dot_product_attention, the same branches as the
 # bundled kernel's); on a CPU the same call with implementation="xla" stands in.
 cudnn_on_cpu = functools.partial(fp.causal_attention_cudnn, implementation="xla")
+# The cuDNN segments path: the fresh prompts where they lie in the step's rows (cuDNN's packed layout);
+# on a CPU the same call with implementation="xla" (a dense segment mask) stands in.
+segments_on_cpu = functools.partial(fp.causal_attention_cudnn_segments, implementation="xla")
 
 
 def step_lens(seqs):
@@ -116,6 +119,7 @@ def test_window_lengths_cover_the_step_in_steps_of_at_most_two():
 MIXED = [(1, 40), (150, 150), (40, 100), (0, 0), (30, 30)]  # decode, fresh, cached prefix, empty, short fresh
 # Three fresh prompts of mixed lengths among a decode, a cached prefix, an empty slot, a short fresh prompt.
 MULTI = [(1, 40), (150, 150), (130, 130), (40, 100), (0, 0), (30, 30), (140, 140), (1, 7)]
+MULTI_TOKENS = sum(q for q, _ in MULTI) + 5  # make_case's pad_tokens below
 
 
 def run_against_reference(seqs, fresh_attend, min_fresh_tokens=64, scale=1.0, **kw):
@@ -394,6 +398,9 @@ def test_dispatcher_takes_the_fresh_prefill_path_only_by_name_and_only_on_a_gpu(
     assert resolve_impl("pallas_gpu_fresh_prefill_branchless", "cpu") == "cpu"
     assert resolve_impl("pallas_gpu_fresh_prefill_cudnn", "gpu", head_dim=128) == "pallas_gpu_fresh_prefill_cudnn"
     assert resolve_impl("pallas_gpu_fresh_prefill_cudnn", "cpu") == "cpu"
+    assert resolve_impl("pallas_gpu_fresh_prefill_cudnn_segments", "gpu", head_dim=128) == \
+        "pallas_gpu_fresh_prefill_cudnn_segments"
+    assert resolve_impl("pallas_gpu_fresh_prefill_cudnn_segments", "cpu") == "cpu"
 
 
 def test_the_hopper_default_changes_auto_on_hopper_only(monkeypatch):
@@ -433,7 +440,7 @@ def test_every_e4m3_value_widens_to_float16_exactly():
                                       np.asarray(values.astype(jnp.float32)))
 
 
-@pytest.mark.parametrize("path", ["bundled", "branchless", "cudnn"])
+@pytest.mark.parametrize("path", ["bundled", "branchless", "cudnn", "cudnn_segments"])
 def test_fp8_pages_take_the_window_from_the_quantized_new_kv(path):
     # e4m3 pages and new K/V (quantized by the dispatcher), bf16 queries: the fresh prompts' windows
     # read this step's e4m3 K/V, as the pages hold them. Oracle: the reference over the same values
@@ -448,7 +455,8 @@ def test_fp8_pages_take_the_window_from_the_quantized_new_kv(path):
                                                              *rest, sm_scale=case.sm_scale)
     seen = []
 
-    window = {"bundled": dense_causal, "branchless": dense_packed, "cudnn": cudnn_on_cpu}[path]
+    window = {"bundled": dense_causal, "branchless": dense_packed, "cudnn": cudnn_on_cpu,
+              "cudnn_segments": segments_on_cpu}[path]
 
     def recording(q, k, v, *extra, sm_scale):
         seen.append((q.shape[0], k.dtype))
@@ -457,9 +465,9 @@ def test_fp8_pages_take_the_window_from_the_quantized_new_kv(path):
     out, k_out, v_out = fp.ragged_paged_attention_gpu_fresh_prefill(
         case.q, k_new, v_new, k_pages, v_pages, *rest, sm_scale=case.sm_scale, min_fresh_tokens=64,
         fresh_attend=recording, interpret=True, max_window_waste=4.0, branchless=path == "branchless",
-        cudnn=path == "cudnn")
-    # The branches hand their window attention e4m3 (the bundled kernel widens to float16, cuDNN's
-    # wrapper to bf16); the packed window kernel gets bf16.
+        cudnn=path == "cudnn", cudnn_segments=path == "cudnn_segments")
+    # The branches and the segments hand their attention e4m3 (the bundled kernel widens to float16,
+    # cuDNN's wrappers to bf16); the packed window kernel gets bf16.
     assert seen and {dtype for _, dtype in seen} == {jnp.dtype(jnp.bfloat16 if path == "branchless" else fp8)}
     assert out.dtype == jnp.bfloat16 and k_out.dtype == fp8 and not np.isnan(np.asarray(out, np.float32)).any()
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32), rtol=3e-2, atol=3e-2)
@@ -468,7 +476,7 @@ def test_fp8_pages_take_the_window_from_the_quantized_new_kv(path):
 
 
 @pytest.mark.parametrize("impl", ["pallas_gpu_fresh_prefill", "pallas_gpu_fresh_prefill_branchless",
-                                  "pallas_gpu_fresh_prefill_cudnn"])
+                                  "pallas_gpu_fresh_prefill_cudnn", "pallas_gpu_fresh_prefill_cudnn_segments"])
 def test_fp8_scales_through_the_dispatcher_with_the_fresh_path(monkeypatch, impl):
     # The dispatcher quantizes the new K/V with the layer's scales, folds k_scale into q and v_scale
     # into the output; the window must see exactly what the pages hold. Run as on a Hopper GPU, the
@@ -479,7 +487,8 @@ def test_fp8_scales_through_the_dispatcher_with_the_fresh_path(monkeypatch, impl
     from jaxinfer.kv_cache_dtype import quantize_to_fp8
 
     dense = {"pallas_gpu_fresh_prefill_branchless": dense_packed,
-             "pallas_gpu_fresh_prefill_cudnn": cudnn_on_cpu}.get(impl, dense_causal)
+             "pallas_gpu_fresh_prefill_cudnn": cudnn_on_cpu,
+             "pallas_gpu_fresh_prefill_cudnn_segments": segments_on_cpu}.get(impl, dense_causal)
     calls = []
 
     def window(*args, sm_scale):
@@ -574,7 +583,76 @@ def test_cudnn_window_call_lowers_for_cuda_from_cpu(monkeypatch, kv_dtype):
     assert text.count("__cudnn$fmhaSoftmax") == 1 and "\\22CAUSAL\\22" in text
 
 
-def test_cudnn_and_branchless_together_is_an_error():
+@pytest.mark.parametrize("paths", [("cudnn", "branchless"), ("cudnn_segments", "branchless"),
+                                   ("cudnn", "cudnn_segments")])
+def test_two_fresh_prompt_paths_together_is_an_error(paths):
     case = make_case(7, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="pick one"):
-        fp.ragged_paged_attention_gpu_fresh_prefill(*case.args(), sm_scale=case.sm_scale, cudnn=True, branchless=True)
+        fp.ragged_paged_attention_gpu_fresh_prefill(*case.args(), sm_scale=case.sm_scale, **dict.fromkeys(paths, True))
+
+
+def test_segment_attention_sees_only_its_own_segment_causally():
+    # Three segments (one of them empty) among rows of no segment: each segment's rows equal a dense
+    # causal attention over that segment alone, wherever it starts.
+    key = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(key[0], (40, 4, 64), jnp.float32)
+    k, v = (jax.random.normal(x, (40, 2, 64), jnp.float32) for x in key[1:])
+    starts, lens = jnp.array([25, 3, 0], jnp.int32), jnp.array([11, 9, 0], jnp.int32)
+    out = segments_on_cpu(q, k, v, starts, lens, sm_scale=0.125)
+    for start, n in ((25, 11), (3, 9)):
+        want = dense_causal(q[None, start:start + n], k[None, start:start + n], v[None, start:start + n],
+                            sm_scale=0.125)[0]
+        np.testing.assert_allclose(np.asarray(out[start:start + n]), np.asarray(want), rtol=1e-5, atol=1e-5)
+    # One segment: the call pads a second, empty one (cuDNN's wrapper reads one as "starts at row 0").
+    one = segments_on_cpu(q, k, v, starts[:1], lens[:1], sm_scale=0.125)
+    np.testing.assert_allclose(np.asarray(one[25:36]), np.asarray(out[25:36]), rtol=1e-6, atol=1e-6)
+
+
+def test_cudnn_segments_path_matches_reference_and_serves_every_qualifying_prompt_whole():
+    calls = []
+
+    def recording(q, k, v, seg_start, seg_len, *, sm_scale):
+        calls.append((q.shape, seg_start.shape, k.dtype))
+        return segments_on_cpu(q, k, v, seg_start, seg_len, sm_scale=sm_scale)
+
+    run_against_reference(MIXED, recording, cudnn_segments=True)
+    run_against_reference(MULTI, recording, cudnn_segments=True)
+    # The step's own rows, no window: [T, H, D], and a segment slot per prompt of >= 64 rows the step
+    # can hold (497 // 64 = 7).
+    assert calls[-1] == ((MULTI_TOKENS, 4, 64), (7,), jnp.dtype(jnp.bfloat16))
+    seven = lambda q, k, v, seg_start, seg_len, *, sm_scale: jnp.full(q.shape, 7, q.dtype)  # noqa: E731
+    case = make_case(7, MULTI, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                     pad_tokens=5)
+    starts = np.asarray(case.cu_q_lens)
+    for max_fresh_prompts, served in ((8, (1, 2, 6)), (1, (1,))):
+        out, _, _ = fp.ragged_paged_attention_gpu_fresh_prefill(
+            *[jnp.array(a) for a in case.args()], sm_scale=case.sm_scale, min_fresh_tokens=64, fresh_attend=seven,
+            interpret=True, cudnn_segments=True, max_fresh_prompts=max_fresh_prompts)
+        rows = np.flatnonzero(np.all(np.asarray(out, np.float32) == 7, axis=(1, 2)))
+        # Only the fresh prompts of >= 64 rows, whole (no waste rule: cuDNN's work follows the rows).
+        np.testing.assert_array_equal(rows, np.concatenate([np.arange(starts[i], starts[i + 1]) for i in served]))
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_cudnn_segments_path_lowers_for_hopper_with_no_conditional(kv_dtype):
+    text = lowered_for_hopper(kv_dtype, cudnn_segments=True, fresh_attend=segments_on_cpu)
+    assert "triton" in text
+    assert "stablehlo.case" not in text and "stablehlo.while" not in text
+
+
+@pytest.mark.parametrize("num_segments,kv_dtype", [(1, jnp.bfloat16), (8, jnp.bfloat16), (8, jnp.float8_e4m3fn)])
+def test_cudnn_segments_call_lowers_for_cuda_from_cpu(monkeypatch, num_segments, kv_dtype):
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(fused_attention_stablehlo, "check_compute_capability", lambda capability: True)  # Hopper
+    spec = jax.ShapeDtypeStruct  # an 8B step: 8192 rows, 32 query heads over 8 K/V heads, D = 128
+    q, kv = spec((8192, 32, 128), jnp.bfloat16), spec((8192, 8, 128), kv_dtype)
+    seg = spec((num_segments,), jnp.int32)
+    attend = jax.jit(lambda q, k, v, s, n: fp.causal_attention_cudnn_segments(q, k, v, s, n, sm_scale=128**-0.5))
+    text = attend.trace(q, kv, kv, seg, seg).lower(lowering_platforms=("cuda",)).as_text()
+    call = [line for line in text.splitlines() if "__cudnn$fmhaSoftmax" in line]
+    assert len(call) == 1 and "PADDING_CAUSAL" in call[0]
+    # Packed: seqlens [1, max(M, 2)] for q and K/V, then offsets [1, max(M, 2) + 1] for each.
+    m = max(num_segments, 2)
+    assert f"tensor<1x{m}xi32>, tensor<1x{m}xi32>, tensor<1x{m + 1}xi32>, tensor<1x{m + 1}xi32>)" in call[0]

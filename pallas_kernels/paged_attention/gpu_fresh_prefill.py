@@ -153,6 +153,52 @@ def causal_attention_cudnn(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale
                                         implementation=implementation)
 
 
+def causal_attention_cudnn_segments(q: jax.Array, k: jax.Array, v: jax.Array, seg_start: jax.Array,
+                                    seg_len: jax.Array, *, sm_scale: float, implementation: str = "cudnn") -> jax.Array:
+    """Causal attention of a step's fresh prompts where they lie, as segments of its packed rows; q [T, Hq, D],
+    k/v [T, Hkv, D] (GQA), ``seg_start``/``seg_len`` [M] each segment's first row and rows (0 rows: none;
+    non-empty segments first, disjoint). Out [T, Hq, D] in q's dtype; rows outside every segment are unspecified.
+
+    cuDNN's packed (THD) layout: one batch row of ``T`` tokens holding ``M`` segments (ragged offsets;
+    Hopper and later), each attending causally within itself. So no window is gathered, padded or
+    scattered back, and cuDNN's tiles follow the segments' rows. jax exposes the packed layout only
+    through its private cuDNN wrapper (``jax._src.cudnn.fused_attention_stablehlo``, jax 0.11.2), so
+    this is the one place that names it. With ``M = 1`` the wrapper would drop the offsets (it reads
+    one segment as "not packed", starting at row 0), so a second, empty segment is added.
+    ``implementation="xla"``: the same contract in plain JAX (a segment mask; CPU tests).
+    """
+    if seg_start.shape[0] == 1:
+        seg_start, seg_len = (jnp.concatenate([x, jnp.zeros((1,), x.dtype)]) for x in (seg_start, seg_len))
+    k, v = k.astype(q.dtype), v.astype(q.dtype)  # e4m3 K/V (fp8 pages) widen exactly
+    if implementation == "xla":
+        return _segments_causal_xla(q, k, v, seg_start, seg_len, sm_scale=sm_scale)
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+    is_segment = seg_len > 0
+    seqlen = jnp.where(is_segment, seg_len, -1).astype(jnp.int32)[None]  # [1, M]: -1 marks no segment
+    offsets = jnp.concatenate([jnp.where(is_segment, seg_start, -1), jnp.full((1,), -1, seg_start.dtype)])
+    offsets = offsets.astype(jnp.int32)[None]  # [1, M + 1]
+    out = cudnn_attention.dot_product_attention(
+        q[None], k[None], v[None], q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets, kv_offsets=offsets,
+        scale=sm_scale, mask_type=cudnn_attention.MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
+    return out[0]
+
+
+def _segments_causal_xla(q, k, v, seg_start, seg_len, *, sm_scale):
+    """``causal_attention_cudnn_segments``' contract through a dense segment mask ([T, T]: small steps only)."""
+    row = jnp.arange(q.shape[0], dtype=jnp.int32)
+    segment = _row_segments(row, seg_start, seg_len)  # [T]: -1 outside every segment
+    mask = (segment[:, None] == segment[None, :]) & (segment[:, None] >= 0) & (row[:, None] >= row[None, :])
+    return jax.nn.dot_product_attention(q[None], k[None], v[None], mask=mask[None, None], scale=sm_scale,
+                                        implementation="xla")[0]
+
+
+def _row_segments(row: jax.Array, seg_start: jax.Array, seg_len: jax.Array) -> jax.Array:
+    """The segment each of ``row`` [T] lies in, -1 for none ([T, M] comparisons: M is a few)."""
+    inside = (row[:, None] >= seg_start[None, :]) & (row[:, None] < (seg_start + seg_len)[None, :])  # [T, M]
+    return jnp.where(jnp.any(inside, axis=1), jnp.argmax(inside, axis=1), -1).astype(jnp.int32)
+
+
 def step_window_branches(num_tokens: int, num_seqs: int, *, min_fresh_tokens: int = MIN_FRESH_TOKENS,
                          max_fresh_prompts: int = MAX_FRESH_PROMPTS,
                          max_window_waste: float = MAX_WINDOW_WASTE) -> tuple[fpr.WindowBranch, ...]:
@@ -296,6 +342,34 @@ def attend_with_fresh_window(
     return _merge_rows(rest, out, dest)
 
 
+def attend_with_fresh_segments(
+    q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sizes: BlockSizes,
+    min_fresh_tokens: int, segment_attend=causal_attention_cudnn_segments, interpret: bool = False,
+    max_fresh_prompts: int = MAX_FRESH_PROMPTS,
+):
+    """As ``attend_with_fresh_window``, with cuDNN's flash attention over the step's own rows: the fresh
+    prompts (the ``max_fresh_prompts`` longest of ``>= min_fresh_tokens``) are segments of the packed
+    q/k_new/v_new, served whole, with no window, gather, scatter or device conditional; Triton serves
+    the rest, and a select joins the two outputs.
+
+    ``segment_attend(q [T, Hq, D], k [T, Hkv, D], v, seg_start [M], seg_len [M], *, sm_scale)``:
+    ``causal_attention_cudnn_segments``' contract (tests pass its ``implementation="xla"``).
+    """
+    num_tokens = q.shape[0]
+    tiles = wt.plan_work_tiles(cu_q_lens, kv_lens, num_tokens, sizes.block_q)
+    attend_rest = functools.partial(attend_gpu, q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens,
+                                    sm_scale=sm_scale, sizes=sizes, interpret=interpret)
+    num_slots = fpr.max_fresh_prompts_in(num_tokens, min_fresh_tokens, max_fresh_prompts)
+    if num_slots == 0 or not is_prefill_heavy(num_tokens, kv_lens):
+        return attend_rest(tiles=tiles)
+    slots = fpr.choose_packed(cu_q_lens, kv_lens, num_slots=num_slots, min_fresh_tokens=min_fresh_tokens)
+    rest = attend_rest(tiles=fpr.hide_served(tiles, slots.served))  # [T, Hq, D]; the served rows are 0
+    out = segment_attend(q, k_new, v_new, slots.token_start, slots.num_tokens, sm_scale=sm_scale)
+    row = jnp.arange(num_tokens, dtype=jnp.int32)
+    is_served = _row_segments(row, slots.token_start, slots.num_tokens) >= 0  # [T]
+    return jnp.where(is_served[:, None, None], out.astype(rest.dtype), rest)
+
+
 def can_take_fresh_prefill(q_dtype, page_dtype, head_dim: int, sliding_window, soft_cap) -> bool:
     """Whether a step of these static properties may use the fresh-prefill kernel at all.
 
@@ -310,7 +384,7 @@ def can_take_fresh_prefill(q_dtype, page_dtype, head_dim: int, sliding_window, s
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "soft_cap", "min_fresh_tokens", "fresh_attend", "interpret",
-                     "max_window_waste", "branchless", "cudnn", "max_fresh_prompts"),
+                     "max_window_waste", "branchless", "cudnn", "cudnn_segments", "max_fresh_prompts"),
     donate_argnames=("k_pages", "v_pages"),
 )
 def ragged_paged_attention_gpu_fresh_prefill(
@@ -332,6 +406,7 @@ def ragged_paged_attention_gpu_fresh_prefill(
     max_window_waste: float = MAX_WINDOW_WASTE,
     branchless: bool = False,
     cudnn: bool = False,
+    cudnn_segments: bool = False,
     max_fresh_prompts: int = MAX_FRESH_PROMPTS,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Same contract as ``ragged_paged_attention_reference``; the cache is donated and updated in place.
@@ -339,8 +414,10 @@ def ragged_paged_attention_gpu_fresh_prefill(
     ``branchless=False``: the bundled kernel on float16 windows behind one ``lax.switch``
     (``attend_with_fresh_prefill``); ``True``: our window kernel over packed prompts with no
     conditional (``attend_with_fresh_window``); ``cudnn=True``: the bundled path's branches with cuDNN's
-    flash attention on bf16 windows (``causal_attention_cudnn``). ``fresh_attend``: that path's window attention
-    (default: its Mosaic GPU kernel; tests pass CPU-runnable ones). ``max_fresh_prompts``: fresh
+    flash attention on bf16 windows (``causal_attention_cudnn``); ``cudnn_segments=True``: cuDNN over the
+    fresh prompts where they lie in the step's rows, no windows and no conditional
+    (``attend_with_fresh_segments``). ``fresh_attend``: that path's window (or segment) attention
+    (default: its own; tests pass CPU-runnable ones). ``max_fresh_prompts``: fresh
     prompts served per step (1: the longest only, as before session 11; the engine passes
     ``fresh_prompts.ENGINE_MAX_FRESH_PROMPTS``). ``min_fresh_tokens``,
     ``max_window_waste`` and ``max_fresh_prompts`` are static, for benchmarks to sweep. Steps the
@@ -348,8 +425,8 @@ def ragged_paged_attention_gpu_fresh_prefill(
     ``ragged_paged_attention_gpu`` at its tuned sizes (fp8 pages: its fp8 sizes).
     """
     check_inputs(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
-    if branchless and cudnn:
-        raise ValueError("branchless and cudnn name two window paths: pick one")
+    if branchless + cudnn + cudnn_segments > 1:
+        raise ValueError("branchless, cudnn and cudnn_segments name different fresh-prompt paths: pick one")
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     if head_dim & (head_dim - 1):
@@ -360,7 +437,12 @@ def ragged_paged_attention_gpu_fresh_prefill(
         page_size=page_size, itemsize=q.dtype.itemsize, kv_itemsize=k_pages.dtype.itemsize,
     )
     k_pages, v_pages = write_kv_reference(k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
-    if can_take_fresh_prefill(q.dtype, k_pages.dtype, head_dim, sliding_window, soft_cap) and branchless:
+    if can_take_fresh_prefill(q.dtype, k_pages.dtype, head_dim, sliding_window, soft_cap) and cudnn_segments:
+        out = attend_with_fresh_segments(
+            q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale, sizes=sizes,
+            min_fresh_tokens=min_fresh_tokens, segment_attend=fresh_attend or causal_attention_cudnn_segments,
+            interpret=interpret, max_fresh_prompts=max_fresh_prompts)
+    elif can_take_fresh_prefill(q.dtype, k_pages.dtype, head_dim, sliding_window, soft_cap) and branchless:
         out = attend_with_fresh_window(
             q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale, sizes=sizes,
             min_fresh_tokens=min_fresh_tokens, window_attend=fresh_attend or packed_causal_attention_mosaic_gpu,
