@@ -134,8 +134,9 @@
 #           where the windows matter (4k, the ragged batch, 8 x 1000, 8k, 16k), then, with END past ~400,
 #           prefill_engine.py with both paths (compile, TTFT at 4k/16k/32k, the prefill mix): what
 #           decides HOPPER_AUTO_IMPL. Session 17 added the cuDNN segments path (packed layout, no windows).
+#   s17a    one GPU, session 17: start-up with the segments path as "auto", its shortest prompt, throughput-1k.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c or s16d}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d or s17a}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -619,6 +620,22 @@ s16d)
     (( left > 200 )) && on_gpu 0 engine.log "$left" python3 benchmarks/prefill_engine.py --out "$R/prefill_engine" \
         --impls pallas_gpu_fresh_prefill,pallas_gpu_fresh_prefill_cudnn_segments,pallas_gpu_fresh_prefill_cudnn \
         --budget-s $(( left - 45 )) ;;
+s17a)
+    # The segments path as Hopper's "auto" (session 17): cold start-up with no Mosaic GPU windows; how
+    # short a fresh prompt it should take (min 256, 8 or 32 segments a step; bf16 and fp8 pages); and
+    # throughput-1k in bf16 through LLM.
+    rm -rf /tmp/jcc0
+    on_gpu 0 startup.log 190 python3 benchmarks/engine_throughput.py --out "$R/startup" --workloads startup \
+        --max-num-seqs 1024
+    on_gpu 0 prefill8.log 100 python3 benchmarks/prefill_peers.py --out "$R/prefill_peers_8" \
+        --shapes 8x1000,16x500,32x256,ragged --impls ours,fresh_segments --min-fresh-tokens 256 \
+        --max-fresh-prompts 8 --kv-dtypes bf16,fp8 --budget-s 80
+    on_gpu 0 prefill32.log 70 python3 benchmarks/prefill_peers.py --out "$R/prefill_peers_32" \
+        --shapes 8x1000,16x500,32x256,ragged --impls fresh_segments --min-fresh-tokens 256 \
+        --max-fresh-prompts 32 --budget-s 55
+    left=$(( END - SECONDS ))
+    (( left > 150 )) && on_gpu 0 throughput1k.log "$left" python3 benchmarks/engine_throughput.py \
+        --out "$R/engine1k" --workloads throughput-1k ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac

@@ -17,10 +17,10 @@ Triton kernel at 1-2k-token prompts, docs/KERNELS.md); on other platforms it is 
 same branches with cuDNN's flash attention on the windows (``jax.nn.dot_product_attention``: bf16,
 so no float16 range limit and no Mosaic GPU kernel to compile; opt-in until measured in that form);
 ``"pallas_gpu_fresh_prefill_cudnn_segments"`` cuDNN over up to 8 fresh prompts a step where they lie in
-the step's rows (its packed layout), with no windows and no device conditional (opt-in, unmeasured).
-What ``"auto"`` runs on a Hopper GPU is ``HOPPER_AUTO_IMPL``: the fresh path, since
-``benchmarks/prefill_engine.py`` measured it faster in the engine with one fresh prompt a step (below); ``attention_impl="pallas_gpu"``
-keeps the Triton kernel for every step.
+the step's rows (its packed layout), with no windows and no device conditional.
+What ``"auto"`` runs on a Hopper GPU is ``HOPPER_AUTO_IMPL``: the segments path since session 17, the
+fastest of these in the kernel and in the engine (below); ``attention_impl="pallas_gpu"`` keeps the
+Triton kernel for every step.
 
 FP8 pages (``kv_cache_dtype="fp8"``) are scaled here, so that every kernel only converts the
 tiles it loads: the new K/V are quantized before the kernel writes them, ``k_scale`` is folded
@@ -51,12 +51,15 @@ IMPLEMENTATIONS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu", "pall
 _FRESH_PREFILL = ("pallas_gpu_fresh_prefill", "pallas_gpu_fresh_prefill_branchless", "pallas_gpu_fresh_prefill_cudnn",
                   "pallas_gpu_fresh_prefill_cudnn_segments")
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
-# "auto" on a Hopper GPU (sm_90): each prefill-heavy step's longest fresh prompt (>= MIN_FRESH_TOKENS)
-# goes through the Mosaic GPU kernel. Measured in the engine on an H200 (session 9,
-# benchmarks/results/prefill_engine.session9.md): TTFT 104.7 -> 101.5 ms at 4k, 556 -> 470 ms at 16k,
-# 1604 -> 1209 ms at 32k, the same prompt tok/s on a 1k-8k mix, identical first tokens; its cost is
-# compile time (29 programs in 69 s instead of 47 s at a 32k token budget). "pallas_gpu" turns it off.
-HOPPER_AUTO_IMPL = "pallas_gpu_fresh_prefill"
+# "auto" on a Hopper GPU (sm_90): a prefill-heavy step's fresh prompts (>= MIN_FRESH_TOKENS, up to 8)
+# go through cuDNN's flash attention where they lie in the step's rows. Session 9 made the Mosaic GPU
+# window path the default (TTFT 1604 -> 1209 ms at 32k against Triton alone); session 17 measured the
+# segments path past it on an H200 (benchmarks/results/session17_h200.md): a call at 4k tokens 397 vs
+# 486 us, 8k 1128 vs 1264, a ragged 16k batch 1429 vs 2439 (cuDNN alone, contiguous: 1393), 8 x 1000
+# 383 vs 550; in the engine TTFT 100.9 vs 104.1 ms at 4k, 480 vs 485 at 16k, 1196 vs 1187 at 32k,
+# a 1k-8k prompt mix 35,276 vs 33,474 prompt tok/s, identical first tokens, and no Mosaic GPU windows
+# to compile. "pallas_gpu" turns it off.
+HOPPER_AUTO_IMPL = "pallas_gpu_fresh_prefill_cudnn_segments"
 
 
 def resolve_impl(impl: str, platform: str | None = None, head_dim: int | None = None) -> str:

@@ -387,7 +387,7 @@ def test_dispatcher_takes_the_fresh_prefill_path_only_by_name_and_only_on_a_gpu(
     from jaxinfer.attention import resolve_impl
 
     assert resolve_impl("pallas_gpu_fresh_prefill", "gpu", head_dim=128) == "pallas_gpu_fresh_prefill"
-    assert resolve_impl("auto", "gpu", head_dim=128) == "pallas_gpu_fresh_prefill"  # Hopper's default
+    assert resolve_impl("auto", "gpu", head_dim=128) == "pallas_gpu_fresh_prefill_cudnn_segments"  # Hopper's default
     assert resolve_impl("pallas_gpu", "gpu", head_dim=128) == "pallas_gpu"  # the Triton kernel alone, by name
     assert resolve_impl("pallas_gpu_fresh_prefill", "cpu") == "cpu"
     assert resolve_impl("pallas_gpu_fresh_prefill", "tpu") == "pallas_tpu"
@@ -406,8 +406,8 @@ def test_dispatcher_takes_the_fresh_prefill_path_only_by_name_and_only_on_a_gpu(
 def test_the_hopper_default_changes_auto_on_hopper_only(monkeypatch):
     import jaxinfer.attention as attention
 
-    assert attention.HOPPER_AUTO_IMPL == "pallas_gpu_fresh_prefill"
-    assert attention.resolve_impl("auto", "gpu", head_dim=128) == "pallas_gpu_fresh_prefill"
+    assert attention.HOPPER_AUTO_IMPL == "pallas_gpu_fresh_prefill_cudnn_segments"
+    assert attention.resolve_impl("auto", "gpu", head_dim=128) == "pallas_gpu_fresh_prefill_cudnn_segments"
     assert attention.resolve_impl("auto", "rocm", head_dim=128) == "pallas_gpu"
     assert attention.resolve_impl("auto", "gpu", head_dim=96) == "reference"
     assert attention.resolve_impl("auto", "tpu") == "pallas_tpu"

@@ -43,6 +43,6 @@ def test_cpu_path_in_bfloat16():
 
 def test_auto_picks_the_cpu_path_only_on_a_cpu():
     assert resolve_impl("auto", "cpu") == "cpu"
-    assert resolve_impl("auto", "gpu", head_dim=64) == "pallas_gpu_fresh_prefill"  # Hopper's default, never the fused one
+    assert resolve_impl("auto", "gpu", head_dim=64) == "pallas_gpu_fresh_prefill_cudnn_segments"  # Hopper's default, never the fused one
     assert resolve_impl("pallas_gpu_fused") == "pallas_gpu_fused"  # opt-in by name only
     assert resolve_impl("auto", "tpu") == "pallas_tpu"
