@@ -16,8 +16,8 @@ Triton kernel at 1-2k-token prompts, docs/KERNELS.md); on other platforms it is 
 (``gpu_fresh_window``), which needs no device conditional; ``"pallas_gpu_fresh_prefill_cudnn"`` the
 same branches with cuDNN's flash attention on the windows (``jax.nn.dot_product_attention``: bf16,
 so no float16 range limit and no Mosaic GPU kernel to compile; opt-in until measured in that form);
-``"pallas_gpu_fresh_prefill_cudnn_segments"`` cuDNN over up to 8 fresh prompts a step where they lie in
-the step's rows (its packed layout), with no windows and no device conditional.
+``"pallas_gpu_fresh_prefill_cudnn_segments"`` cuDNN over up to 8 fresh prompts a step (>= 1000 tokens)
+where they lie in the step's rows (its packed layout), with no windows and no device conditional.
 What ``"auto"`` runs on a Hopper GPU is ``HOPPER_AUTO_IMPL``: the segments path since session 17, the
 fastest of these in the kernel and in the engine (below); ``attention_impl="pallas_gpu"`` keeps the
 Triton kernel for every step.
@@ -51,7 +51,7 @@ IMPLEMENTATIONS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu", "pall
 _FRESH_PREFILL = ("pallas_gpu_fresh_prefill", "pallas_gpu_fresh_prefill_branchless", "pallas_gpu_fresh_prefill_cudnn",
                   "pallas_gpu_fresh_prefill_cudnn_segments")
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
-# "auto" on a Hopper GPU (sm_90): a prefill-heavy step's fresh prompts (>= MIN_FRESH_TOKENS, up to 8)
+# "auto" on a Hopper GPU (sm_90): a prefill-heavy step's fresh prompts (>= SEGMENTS_MIN_FRESH_TOKENS, up to 8)
 # go through cuDNN's flash attention where they lie in the step's rows. Session 9 made the Mosaic GPU
 # window path the default (TTFT 1604 -> 1209 ms at 32k against Triton alone); session 17 measured the
 # segments path past it on an H200 (benchmarks/results/session17_h200.md): a call at 4k tokens 397 vs
@@ -167,11 +167,15 @@ def _attend(*args, impl, sm_scale, sliding_window):
 
     if impl in _FRESH_PREFILL:
         from pallas_kernels.paged_attention.fresh_prompts import ENGINE_MAX_FRESH_PROMPTS, MAX_FRESH_PROMPTS
+        from pallas_kernels.paged_attention.gpu_fresh_prefill import SEGMENTS_MIN_FRESH_TOKENS
 
-        segments = impl.endswith("_cudnn_segments")  # cuDNN's work follows the prompts: up to 8 a step
-        return pa.ragged_paged_attention_gpu_fresh_prefill(
-            *args, **kwargs, branchless=impl.endswith("_branchless"), cudnn=impl.endswith("_cudnn"),
-            cudnn_segments=segments, max_fresh_prompts=MAX_FRESH_PROMPTS if segments else ENGINE_MAX_FRESH_PROMPTS)
+        if impl.endswith("_cudnn_segments"):  # cuDNN's work follows the prompts: up to 8 a step, shorter ones
+            return pa.ragged_paged_attention_gpu_fresh_prefill(
+                *args, **kwargs, cudnn_segments=True, max_fresh_prompts=MAX_FRESH_PROMPTS,
+                min_fresh_tokens=SEGMENTS_MIN_FRESH_TOKENS)
+        return pa.ragged_paged_attention_gpu_fresh_prefill(*args, **kwargs, branchless=impl.endswith("_branchless"),
+                                                           cudnn=impl.endswith("_cudnn"),
+                                                           max_fresh_prompts=ENGINE_MAX_FRESH_PROMPTS)
     if impl.startswith("pallas_gpu_fused"):
         return pa.ragged_paged_attention_gpu_fused(*args, **kwargs, interpret=impl.endswith("_interpret"))
     if impl.startswith("pallas_gpu"):

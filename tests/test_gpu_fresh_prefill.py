@@ -496,6 +496,7 @@ def test_fp8_scales_through_the_dispatcher_with_the_fresh_path(monkeypatch, impl
         return dense(*args, sm_scale=sm_scale)
 
     monkeypatch.setattr(attention, "_is_hopper", lambda platform: True)
+    monkeypatch.setattr(fp, "SEGMENTS_MIN_FRESH_TOKENS", 64)  # the segments impl passes its own minimum
     monkeypatch.setattr(pa, "ragged_paged_attention_gpu_fresh_prefill", functools.partial(
         fp.ragged_paged_attention_gpu_fresh_prefill, fresh_attend=window, interpret=True, min_fresh_tokens=64,
         max_window_waste=4.0))
@@ -656,3 +657,17 @@ def test_cudnn_segments_call_lowers_for_cuda_from_cpu(monkeypatch, num_segments,
     # Packed: seqlens [1, max(M, 2)] for q and K/V, then offsets [1, max(M, 2) + 1] for each.
     m = max(num_segments, 2)
     assert f"tensor<1x{m}xi32>, tensor<1x{m}xi32>, tensor<1x{m + 1}xi32>, tensor<1x{m + 1}xi32>)" in call[0]
+
+
+def test_dispatcher_hands_the_segments_path_its_own_minimum_and_eight_prompts(monkeypatch):
+    import pallas_kernels.paged_attention as pa
+    from jaxinfer import attention
+
+    seen = {}
+    monkeypatch.setattr(pa, "ragged_paged_attention_gpu_fresh_prefill", lambda *args, **kw: seen.update(kw))
+    attention._attend(*range(8), impl="pallas_gpu_fresh_prefill_cudnn_segments", sm_scale=1.0, sliding_window=None)
+    assert seen["cudnn_segments"] and seen["max_fresh_prompts"] == fpr.MAX_FRESH_PROMPTS == 8
+    assert seen["min_fresh_tokens"] == fp.SEGMENTS_MIN_FRESH_TOKENS == 1000  # 8 x 1000 measured faster than Triton
+    seen.clear()
+    attention._attend(*range(8), impl="pallas_gpu_fresh_prefill", sm_scale=1.0, sliding_window=None)
+    assert "min_fresh_tokens" not in seen and seen["max_fresh_prompts"] == fpr.ENGINE_MAX_FRESH_PROMPTS

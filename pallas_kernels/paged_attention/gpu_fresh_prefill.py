@@ -106,6 +106,10 @@ from pallas_kernels.paged_attention.validation import check_inputs
 # Shorter fresh prompts stay with Triton. A guess: measured gains start at 4k (session 8: 1.1x);
 # prefill_peers.py's 2k row and its multi-prompt rows (8 x 1000 tokens) are what should move it.
 MIN_FRESH_TOKENS = 1024
+# The cuDNN segments path has no window to waste, so it takes shorter prompts: on the H200 (session 17,
+# prefill_peers) eight 1000-token prompts took 376 us there against Triton's 410 (fp8 pages: 399 vs
+# 487), sixteen of 500 tokens 348 against 313, thirty-two of 256 310 against 254.
+SEGMENTS_MIN_FRESH_TOKENS = 1000
 _FLOAT16_LIMIT = 65504.0
 # The fresh kernel's cost follows its window (L^2), Triton's the prompt (n^2). Session 8 measured the
 # bundled kernel at 1.85-2.0x Triton's TFLOP/s on 4k-16k chunks; with ~80 us of copies around it at 4k,
