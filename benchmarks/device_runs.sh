@@ -136,8 +136,9 @@
 #           decides HOPPER_AUTO_IMPL. Session 17 added the cuDNN segments path (packed layout, no windows).
 #   s17a    one GPU, session 17: start-up with the segments path as "auto", its shortest prompt, throughput-1k.
 #   s17b    one GPU, session 17: prompts of >= 1000 tokens on the segments path: start-up again, fp8 throughput-1k.
+#   s17c    one GPU, session 17: segment slots capped by the step's rows, at 16k/32k and in the engine.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a or s17b}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b or s17c}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -648,6 +649,15 @@ s17b)
     left=$(( END - SECONDS ))
     (( left > 150 )) && on_gpu 0 fp8.log "$left" python3 benchmarks/engine_throughput.py --out "$R/fp8" \
         --quantization fp8 --kv-cache-dtype fp8 --workloads throughput-1k ;;
+s17c)
+    # Segment slots capped by the step's rows (MAX_SEGMENT_ROWS): 16k and 32k single prompts and the
+    # ragged batch against cuDNN alone, then the engine's TTFT at 4k and 32k and the mix (s16d: 32k
+    # TTFT 1196.3 ms with 8 slots against the window path's 1187.0).
+    on_gpu 0 prefill.log 130 python3 benchmarks/prefill_peers.py --out "$R/prefill_peers" \
+        --shapes 16384,32768,ragged --impls cudnn,fresh_segments,fresh_segments_single --budget-s 110
+    left=$(( END - SECONDS ))
+    (( left > 120 )) && on_gpu 0 engine.log "$left" python3 benchmarks/prefill_engine.py --out "$R/prefill_engine" \
+        --impls pallas_gpu_fresh_prefill_cudnn_segments --prompt-lens 4096,32768 --budget-s $(( left - 45 )) ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac
