@@ -650,9 +650,10 @@ s17b)
     (( left > 150 )) && on_gpu 0 fp8.log "$left" python3 benchmarks/engine_throughput.py --out "$R/fp8" \
         --quantization fp8 --kv-cache-dtype fp8 --workloads throughput-1k ;;
 s17c)
-    # Segment slots capped by the step's rows (MAX_SEGMENT_ROWS): 16k and 32k single prompts and the
-    # ragged batch against cuDNN alone, then the engine's TTFT at 4k and 32k and the mix (s16d: 32k
-    # TTFT 1196.3 ms with 8 slots against the window path's 1187.0).
+    # Segment slots capped by the step's rows (MAX_SEGMENT_ROWS = 65536, at 2ff5f8f; dropped after this
+    # run: no faster at 16k/32k, fewer prompts served on the ragged batch and the mix): 16k and 32k
+    # single prompts and the ragged batch against cuDNN alone, then the engine's TTFT at 4k and 32k
+    # and the mix (s16d: 32k TTFT 1196.3 ms with 8 slots against the window path's 1187.0).
     on_gpu 0 prefill.log 130 python3 benchmarks/prefill_peers.py --out "$R/prefill_peers" \
         --shapes 16384,32768,ragged --impls cudnn,fresh_segments,fresh_segments_single --budget-s 110
     left=$(( END - SECONDS ))

@@ -295,8 +295,7 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
         """How many of the step's fresh prompts the path hands its window kernel (its choice, on the host)."""
         limit = options.get("max_fresh_prompts", gpu_fresh_prefill.MAX_FRESH_PROMPTS)
         if options.get("branchless") or options.get("cudnn_segments"):
-            slots = (gpu_fresh_prefill.segment_slots if options.get("cudnn_segments") else fpr.max_fresh_prompts_in)(
-                num_tokens, setup.min_fresh_tokens, limit)
+            slots = fpr.max_fresh_prompts_in(num_tokens, setup.min_fresh_tokens, limit)
             chosen = fpr.choose_packed(cu_q_lens, kv_lens, num_slots=slots,
                                        min_fresh_tokens=setup.min_fresh_tokens) if slots else None
         else:

@@ -671,9 +671,3 @@ def test_dispatcher_hands_the_segments_path_its_own_minimum_and_eight_prompts(mo
     seen.clear()
     attention._attend(*range(8), impl="pallas_gpu_fresh_prefill", sm_scale=1.0, sliding_window=None)
     assert "min_fresh_tokens" not in seen and seen["max_fresh_prompts"] == fpr.ENGINE_MAX_FRESH_PROMPTS
-
-
-def test_segment_slots_shrink_as_the_step_grows():
-    # cuDNN's idle tiles grow with slots x rows: 8 slots up to 8192 rows, then fewer, never none.
-    assert [fp.segment_slots(t, 1000, 8) for t in (999, 2048, 8192, 16384, 32768, 131072)] == [0, 2, 8, 4, 2, 1]
-    assert fp.segment_slots(8192, 1000, 1) == 1

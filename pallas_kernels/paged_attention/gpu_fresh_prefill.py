@@ -110,12 +110,6 @@ MIN_FRESH_TOKENS = 1024
 # prefill_peers) eight 1000-token prompts took 376 us there against Triton's 410 (fp8 pages: 399 vs
 # 487), sixteen of 500 tokens 348 against 313, thirty-two of 256 310 against 254.
 SEGMENTS_MIN_FRESH_TOKENS = 1000
-# cuDNN launches every segment's tiles over the step's whole length (its grid is segments x T / 128 x
-# heads) and an empty segment's or a short one's tiles exit at once, at a cost: session 17 measured 8
-# segment slots against 1 at 4175 vs 4028 us for one 16k prompt (~5 ns an idle tile), ~9 ms of a 32k
-# prompt's TTFT over 32 layers. So a step holds at most this many rows over all its slots: 8 slots up
-# to 8192 tokens, 2 at 32k.
-MAX_SEGMENT_ROWS = 65536
 _FLOAT16_LIMIT = 65504.0
 # The fresh kernel's cost follows its window (L^2), Triton's the prompt (n^2). Session 8 measured the
 # bundled kernel at 1.85-2.0x Triton's TFLOP/s on 4k-16k chunks; with ~80 us of copies around it at 4k,
@@ -358,7 +352,7 @@ def attend_with_fresh_segments(
     max_fresh_prompts: int = MAX_FRESH_PROMPTS,
 ):
     """As ``attend_with_fresh_window``, with cuDNN's flash attention over the step's own rows: the fresh
-    prompts (the ``segment_slots`` longest of ``>= min_fresh_tokens``) are segments of the packed
+    prompts (the ``max_fresh_prompts`` longest of ``>= min_fresh_tokens``) are segments of the packed
     q/k_new/v_new, served whole, with no window, gather, scatter or device conditional; Triton serves
     the rest, and a select joins the two outputs.
 
@@ -369,7 +363,7 @@ def attend_with_fresh_segments(
     tiles = wt.plan_work_tiles(cu_q_lens, kv_lens, num_tokens, sizes.block_q)
     attend_rest = functools.partial(attend_gpu, q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens,
                                     sm_scale=sm_scale, sizes=sizes, interpret=interpret)
-    num_slots = segment_slots(num_tokens, min_fresh_tokens, max_fresh_prompts)
+    num_slots = fpr.max_fresh_prompts_in(num_tokens, min_fresh_tokens, max_fresh_prompts)
     if num_slots == 0 or not is_prefill_heavy(num_tokens, kv_lens):
         return attend_rest(tiles=tiles)
     slots = fpr.choose_packed(cu_q_lens, kv_lens, num_slots=num_slots, min_fresh_tokens=min_fresh_tokens)
@@ -378,13 +372,6 @@ def attend_with_fresh_segments(
     row = jnp.arange(num_tokens, dtype=jnp.int32)
     is_served = _row_segments(row, slots.token_start, slots.num_tokens) >= 0  # [T]
     return jnp.where(is_served[:, None, None], out.astype(rest.dtype), rest)
-
-
-def segment_slots(num_tokens: int, min_fresh_tokens: int, max_fresh_prompts: int) -> int:
-    """Segment slots of a step of ``num_tokens`` rows on the cuDNN segments path: as many prompts of
-    ``>= min_fresh_tokens`` as fit, capped by ``max_fresh_prompts`` and by ``MAX_SEGMENT_ROWS`` (at least 1)."""
-    fit = fpr.max_fresh_prompts_in(num_tokens, min_fresh_tokens, max_fresh_prompts)
-    return min(fit, max(1, MAX_SEGMENT_ROWS // num_tokens))
 
 
 def can_take_fresh_prefill(q_dtype, page_dtype, head_dim: int, sliding_window, soft_cap) -> bool:
