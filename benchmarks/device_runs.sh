@@ -137,8 +137,9 @@
 #   s17a    one GPU, session 17: start-up with the segments path as "auto", its shortest prompt, throughput-1k.
 #   s17b    one GPU, session 17: prompts of >= 1000 tokens on the segments path: start-up again, fp8 throughput-1k.
 #   s17c    one GPU, session 17: segment slots capped by the step's rows, at 16k/32k and in the engine.
+#   s17d    one GPU, session 17: s16d's engine comparison again (segments path vs the window path).
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b or s17c}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c or s17d}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -659,6 +660,10 @@ s17c)
     left=$(( END - SECONDS ))
     (( left > 120 )) && on_gpu 0 engine.log "$left" python3 benchmarks/prefill_engine.py --out "$R/prefill_engine" \
         --impls pallas_gpu_fresh_prefill_cudnn_segments --prompt-lens 4096,32768 --budget-s $(( left - 45 )) ;;
+s17d)
+    # A second sample of s16d's engine comparison, the segments path (now: prompts >= 1000 tokens) first.
+    on_gpu 0 engine.log $(( END - 10 )) python3 benchmarks/prefill_engine.py --out "$R/prefill_engine" \
+        --impls pallas_gpu_fresh_prefill_cudnn_segments,pallas_gpu_fresh_prefill --budget-s $(( END - 60 )) ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac
