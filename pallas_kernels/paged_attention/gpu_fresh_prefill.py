@@ -1,4 +1,4 @@
-"""GPU paths for prefill-heavy steps: their fresh prompts through a Mosaic GPU flash attention, the rest through Triton.
+"""GPU paths for prefill-heavy steps: their fresh prompts through a dense flash attention (cuDNN's or Mosaic GPU's), the rest through Triton.
 
 Why: the Pallas-Triton kernel (``gpu.py``) reaches 18-40% of the H200's bf16 matmul rate on
 prefill, cuDNN's flash attention 379-578 TFLOP/s (``benchmarks/results/kernel_attention.md``).
@@ -9,8 +9,9 @@ fits exactly one case of the engine's ragged step: a *fresh* prompt (no cached p
 every K/V it reads is in this step's ``k_new``/``v_new``, contiguous in the packed rows).
 ``benchmarks/prefill_peers.py`` times the path against cuDNN and the bundled kernel alone, and
 (``NxL`` shapes) a step of several fresh prompts; ``benchmarks/prefill_engine.py`` times it inside
-the engine (compile, TTFT, a prefill-heavy mix). ``"auto"`` runs it on Hopper
-(``jaxinfer.attention.HOPPER_AUTO_IMPL``); ``impl="pallas_gpu_fresh_prefill"`` by name.
+the engine (compile, TTFT, a prefill-heavy mix). ``"auto"`` on Hopper
+(``jaxinfer.attention.HOPPER_AUTO_IMPL``) runs the cuDNN segments variant (below) since session 17;
+``impl="pallas_gpu_fresh_prefill"`` runs this path by name.
 
 How one step runs, all on device, shapes static:
 
@@ -77,6 +78,18 @@ prompts, each window through cuDNN's flash attention (``causal_attention_cudnn``
 float16 copies and no range check. Session 16 measured it faster than the bundled kernel where the
 window is the prompt (4k: 417 vs 511 us a call) and found cuDNN computing every query row of a
 padded window, so it keeps the ladder (docs/KERNELS.md).
+
+cuDNN segments variant (``cudnn_segments=True``, ``impl="pallas_gpu_fresh_prefill_cudnn_segments"``,
+``attend_with_fresh_segments``; Hopper's default since session 17): no window at all. cuDNN's packed
+(THD) layout takes the step's own q/k_new/v_new as one batch row holding up to ``max_fresh_prompts``
+segments (ragged offsets: each prompt's first row and length), each causal within itself, so the
+fresh prompts (>= ``SEGMENTS_MIN_FRESH_TOKENS`` rows, the longest first) are attended where they lie:
+no gather, no padding, no float16 copies, no device conditional, no kernel of ours to compile, and
+cuDNN's tiles follow the prompts' rows. Triton serves everything else (the served prompts' tiles
+emptied as above) and one select joins the outputs. Measured on the H200 (session 17, full call
+against cuDNN alone on a contiguous cache): 4k 397 vs 298 us, 8k 1128 vs 956, 16k 4175 vs 3786, 32k
+15694 vs 14860, a ragged 16k batch 1429 vs 1393, eight 1000-token prompts 383 (cuDNN 519, Triton 438);
+the window path 486 / 1264 / 4124 / 15585 / 2439 / 550 (docs/KERNELS.md).
 
 Limits: chunks over a cached prefix stay with Triton; no sliding window or soft cap; bf16/f16
 queries over bf16/f16 or e4m3 pages; head_dim a multiple of 64.
