@@ -436,7 +436,8 @@ def ragged_paged_attention_gpu_fresh_prefill(
     (``attend_with_fresh_segments``). ``fresh_attend``: that path's window (or segment) attention
     (default: its own; tests pass CPU-runnable ones). ``max_fresh_prompts``: fresh
     prompts served per step (1: the longest only, as before session 11; the engine passes
-    ``fresh_prompts.ENGINE_MAX_FRESH_PROMPTS``). ``min_fresh_tokens``,
+    ``fresh_prompts.ENGINE_MAX_FRESH_PROMPTS`` to the window paths, ``MAX_FRESH_PROMPTS`` and
+    ``SEGMENTS_MIN_FRESH_TOKENS`` to the segments path). ``min_fresh_tokens``,
     ``max_window_waste`` and ``max_fresh_prompts`` are static, for benchmarks to sweep. Steps the
     fresh kernel cannot serve (see ``can_take_fresh_prefill``) run exactly as
     ``ragged_paged_attention_gpu`` at its tuned sizes (fp8 pages: its fp8 sizes).
