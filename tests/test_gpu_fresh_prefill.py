@@ -671,3 +671,37 @@ def test_dispatcher_hands_the_segments_path_its_own_minimum_and_eight_prompts(mo
     seen.clear()
     attention._attend(*range(8), impl="pallas_gpu_fresh_prefill", sm_scale=1.0, sliding_window=None)
     assert "min_fresh_tokens" not in seen and seen["max_fresh_prompts"] == fpr.ENGINE_MAX_FRESH_PROMPTS
+
+
+def test_cudnn_segments_call_lowers_per_shard_under_tensor_parallelism():
+    # Under a tensor-parallel mesh each shard attends its own heads (sharding.rules.shard_over_heads):
+    # the packed cuDNN call must lower inside shard_map, with the shard's heads. Its primitive needs
+    # concrete devices to lower, so two CPU devices in a subprocess stand in for two GPUs.
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import jax, jax.numpy as jnp
+from jax._src.cudnn import fused_attention_stablehlo as cudnn
+from jax.sharding import NamedSharding, PartitionSpec as P
+from pallas_kernels.paged_attention import gpu_fresh_prefill as fp
+cudnn.check_cudnn_version = lambda: 91000
+cudnn.check_compute_capability = lambda capability: True
+mesh = jax.make_mesh((2,), ("tp",))
+heads, whole = NamedSharding(mesh, P(None, "tp")), NamedSharding(mesh, P())
+q = jax.ShapeDtypeStruct((2048, 32, 128), jnp.bfloat16, sharding=heads)
+kv = jax.ShapeDtypeStruct((2048, 8, 128), jnp.bfloat16, sharding=heads)
+seg = jax.ShapeDtypeStruct((2,), jnp.int32, sharding=whole)
+attend = jax.shard_map(lambda q, k, v, s, n: fp.causal_attention_cudnn_segments(q, k, v, s, n, sm_scale=0.1),
+                       mesh=mesh, in_specs=(P(None, "tp"),) * 3 + (P(), P()), out_specs=P(None, "tp"))
+text = jax.jit(attend).trace(q, kv, kv, seg, seg).lower(lowering_platforms=("cuda",)).as_text()
+print([line.split(" : (")[-1] for line in text.splitlines() if "fmhaSoftmax" in line])
+"""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    (call,) = eval(done.stdout.strip().splitlines()[-1])
+    assert call.startswith("tensor<1x2048x16x128xbf16>, tensor<1x2048x4x128xbf16>, tensor<1x2048x4x128xbf16>, "
+                           "tensor<1x2xi32>, tensor<1x2xi32>, tensor<1x3xi32>, tensor<1x3xi32>)"), call
