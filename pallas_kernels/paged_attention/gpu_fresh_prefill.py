@@ -1,4 +1,4 @@
-"""GPU paths for prefill-heavy steps: their fresh prompts through a dense flash attention (cuDNN's or Mosaic GPU's), the rest through Triton.
+"""Prefill-heavy GPU steps: fresh prompts through cuDNN's or a Mosaic GPU flash attention, the rest through Triton.
 
 Why: the Pallas-Triton kernel (``gpu.py``) reaches 18-40% of the H200's bf16 matmul rate on
 prefill, cuDNN's flash attention 379-578 TFLOP/s (``benchmarks/results/kernel_attention.md``).
@@ -327,6 +327,23 @@ def attend_with_fresh_prefill(
     return lax.switch(slots.branch, [lambda rest: rest] + [window(b) for b in branches], rest)
 
 
+def _triton_beside_whole_prompts(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sizes, interpret,
+                                 min_fresh_tokens: int, max_fresh_prompts: int):
+    """``(rest, slots)``: the Triton output of a step whose longest fresh prompts (up to ``max_fresh_prompts``
+    of ``>= min_fresh_tokens``) another kernel serves whole, their rows left 0, and those prompts' slots
+    (``fresh_prompts.choose_packed``); ``slots`` is None where the step can hold none or is decode-like,
+    and ``rest`` is then the whole step's output."""
+    num_tokens = q.shape[0]
+    tiles = wt.plan_work_tiles(cu_q_lens, kv_lens, num_tokens, sizes.block_q)
+    attend_rest = functools.partial(attend_gpu, q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens,
+                                    sm_scale=sm_scale, sizes=sizes, interpret=interpret)
+    num_slots = fpr.max_fresh_prompts_in(num_tokens, min_fresh_tokens, max_fresh_prompts)
+    if num_slots == 0 or not is_prefill_heavy(num_tokens, kv_lens):
+        return attend_rest(tiles=tiles), None
+    slots = fpr.choose_packed(cu_q_lens, kv_lens, num_slots=num_slots, min_fresh_tokens=min_fresh_tokens)
+    return attend_rest(tiles=fpr.hide_served(tiles, slots.served)), slots  # [T, Hq, D]
+
+
 def attend_with_fresh_window(
     q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sizes: BlockSizes,
     min_fresh_tokens: int, window_attend=packed_causal_attention_mosaic_gpu, interpret: bool = False,
@@ -344,14 +361,12 @@ def attend_with_fresh_window(
     (e4m3 K/V are widened to it, exactly): no float16 copies, no range check.
     """
     num_tokens = q.shape[0]
-    tiles = wt.plan_work_tiles(cu_q_lens, kv_lens, num_tokens, sizes.block_q)
-    attend_rest = functools.partial(attend_gpu, q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens,
-                                    sm_scale=sm_scale, sizes=sizes, interpret=interpret)
-    num_slots = fpr.max_fresh_prompts_in(num_tokens, min_fresh_tokens, max_fresh_prompts)
-    if num_slots == 0 or not is_prefill_heavy(num_tokens, kv_lens):
-        return attend_rest(tiles=tiles)
-    slots = fpr.choose_packed(cu_q_lens, kv_lens, num_slots=num_slots, min_fresh_tokens=min_fresh_tokens)
-    rest = attend_rest(tiles=fpr.hide_served(tiles, slots.served))  # [T, Hq, D]; the served rows are 0
+    rest, slots = _triton_beside_whole_prompts(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
+                                               sizes=sizes, interpret=interpret, min_fresh_tokens=min_fresh_tokens,
+                                               max_fresh_prompts=max_fresh_prompts)
+    if slots is None:
+        return rest
+    num_slots = slots.seq.shape[0]
     length = fpr.packed_window_length(num_tokens, num_slots)
     source, dest, first_block = fpr.pack_prompts(slots, length, num_tokens)  # [W], [W], [W / 64]
     take = lambda x: _take_rows(x, source, q.dtype)[None]  # noqa: E731  [1, W, H, D]
@@ -373,14 +388,11 @@ def attend_with_fresh_segments(
     ``causal_attention_cudnn_segments``' contract (tests pass its ``implementation="xla"``).
     """
     num_tokens = q.shape[0]
-    tiles = wt.plan_work_tiles(cu_q_lens, kv_lens, num_tokens, sizes.block_q)
-    attend_rest = functools.partial(attend_gpu, q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens,
-                                    sm_scale=sm_scale, sizes=sizes, interpret=interpret)
-    num_slots = fpr.max_fresh_prompts_in(num_tokens, min_fresh_tokens, max_fresh_prompts)
-    if num_slots == 0 or not is_prefill_heavy(num_tokens, kv_lens):
-        return attend_rest(tiles=tiles)
-    slots = fpr.choose_packed(cu_q_lens, kv_lens, num_slots=num_slots, min_fresh_tokens=min_fresh_tokens)
-    rest = attend_rest(tiles=fpr.hide_served(tiles, slots.served))  # [T, Hq, D]; the served rows are 0
+    rest, slots = _triton_beside_whole_prompts(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
+                                               sizes=sizes, interpret=interpret, min_fresh_tokens=min_fresh_tokens,
+                                               max_fresh_prompts=max_fresh_prompts)
+    if slots is None:
+        return rest
     out = segment_attend(q, k_new, v_new, slots.token_start, slots.num_tokens, sm_scale=sm_scale)
     row = jnp.arange(num_tokens, dtype=jnp.int32)
     is_served = _row_segments(row, slots.token_start, slots.num_tokens) >= 0  # [T]
