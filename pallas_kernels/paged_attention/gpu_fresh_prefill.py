@@ -88,7 +88,7 @@ no gather, no padding, no float16 copies, no device conditional, no kernel of ou
 cuDNN's tiles follow the prompts' rows. Triton serves everything else (the served prompts' tiles
 emptied as above) and one select joins the outputs. Measured on the H200 (session 17, full call
 against cuDNN alone on a contiguous cache): 4k 397 vs 298 us, 8k 1128 vs 956, 16k 4175 vs 3786, 32k
-15694 vs 14860, a ragged 16k batch 1429 vs 1393, eight 1000-token prompts 383 (cuDNN 519, Triton 438);
+15675 vs 14860 (one slot), a ragged 16k batch 1429 vs 1393, eight 1000-token prompts 383 (cuDNN 519, Triton 438);
 the window path 486 / 1264 / 4124 / 15585 / 2439 / 550 (docs/KERNELS.md).
 
 Limits: chunks over a cached prefix stay with Triton; no sliding window or soft cap; bf16/f16
