@@ -138,8 +138,9 @@
 #   s17b    one GPU, session 17: prompts of >= 1000 tokens on the segments path: start-up again, fp8 throughput-1k.
 #   s17c    one GPU, session 17: segment slots capped by the step's rows, at 16k/32k and in the engine.
 #   s17d    one GPU, session 17: s16d's engine comparison again (segments path vs the window path).
+#   s18a    one GPU, queued by session 17: the segments path's parts (scatter, slots) at 4k-32k.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c or s17d}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d or s18a}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -664,6 +665,15 @@ s17d)
     # A second sample of s16d's engine comparison, the segments path (now: prompts >= 1000 tokens) first.
     on_gpu 0 engine.log $(( END - 10 )) python3 benchmarks/prefill_engine.py --out "$R/prefill_engine" \
         --impls pallas_gpu_fresh_prefill_cudnn_segments,pallas_gpu_fresh_prefill --budget-s $(( END - 60 )) ;;
+s18a)
+    # Queued by session 17: the segments path's parts at 4k-32k. `ours_attend` (Triton alone, no K/V
+    # scatter) beside `ours` prices the scatter; the default's 8 slots at 32k (not yet timed alone);
+    # 1, 2 and 8 slots at every size, for the slot-count effect (16k: 4028 us with one, 4175 with 8).
+    for slots in 8 2; do
+        on_gpu 0 prefill_$slots.log 150 python3 benchmarks/prefill_peers.py --out "$R/prefill_peers_$slots" \
+            --shapes 4096,8192,16384,32768 --impls cudnn,ours,ours_attend,fresh_segments,fresh_segments_single \
+            --max-fresh-prompts $slots --budget-s 130
+    done ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac
