@@ -1,6 +1,6 @@
 """Issue 21: the fresh-prefill attention path inside the engine, against the default, in one run.
 
-    python3 benchmarks/prefill_engine.py --out DIR [--impls pallas_gpu,pallas_gpu_fresh_prefill[_branchless]] \
+    python3 benchmarks/prefill_engine.py --out DIR [--impls pallas_gpu,pallas_gpu_fresh_prefill_cudnn_segments] \
         [--prompt-lens 4096,16384,32768] [--repeats 3] [--mix-requests 32] [--budget-s 225]
     python3 benchmarks/prefill_engine.py --out /tmp/pe --smoke   # CPU: tiny model, script check only
 
@@ -161,7 +161,8 @@ def markdown(results: dict) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--impls", default="pallas_gpu,pallas_gpu_fresh_prefill")
+    # Triton alone against Hopper's default ("auto" there: jaxinfer.attention.HOPPER_AUTO_IMPL).
+    parser.add_argument("--impls", default="pallas_gpu,pallas_gpu_fresh_prefill_cudnn_segments")
     parser.add_argument("--shape", default="llama-3.1-8b")
     parser.add_argument("--prompt-lens", default="4096,16384,32768")
     parser.add_argument("--repeats", type=int, default=3)

@@ -358,35 +358,25 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
     from jax.experimental.pallas.ops.gpu import attention_mgpu
     attempt("cudnn", time_cudnn)
     fresh = gpu_fresh_prefill.ragged_paged_attention_gpu_fresh_prefill
+    several = setup.max_fresh_prompts
+    # Each fresh-prefill column: (name, its window or segment attention, the path's options).
+    fresh_columns = (
+        ("fresh_single", fresh_attend, dict(max_fresh_prompts=1)),  # before session 11: the longest prompt only
+        ("fresh_path", fresh_attend, dict(max_fresh_prompts=several)),
+        ("fresh_branchless", window_attend, dict(branchless=True, max_fresh_prompts=several)),
+        # The bundled path's branches with cuDNN's flash attention on the bf16 windows.
+        ("fresh_cudnn_single", cudnn_attend, dict(cudnn=True, max_fresh_prompts=1)),
+        ("fresh_cudnn", cudnn_attend, dict(cudnn=True, max_fresh_prompts=several)),
+        # cuDNN over the fresh prompts where they lie in the step's rows (packed layout): no windows.
+        ("fresh_segments_single", segments_attend, dict(cudnn_segments=True, max_fresh_prompts=1)),
+        ("fresh_segments", segments_attend, dict(cudnn_segments=True, max_fresh_prompts=several)),
+    )
     for suffix, over_fp8 in (("", False), ("_fp8", True)):
         attempt("ours" + suffix, lambda: time_full("ours" + suffix, gpu.ragged_paged_attention_gpu, over_fp8=over_fp8))
-        # The path before session 11: the step's longest fresh prompt only.
-        attempt("fresh_single" + suffix, lambda: time_full(
-            "fresh_single" + suffix, fresh, max_repeats=FRESH_MAX_REPEATS, over_fp8=over_fp8,
-            min_fresh_tokens=min_fresh, fresh_attend=fresh_attend, max_fresh_prompts=1))
-        attempt("fresh_path" + suffix, lambda: time_full(
-            "fresh_path" + suffix, fresh, max_repeats=FRESH_MAX_REPEATS, over_fp8=over_fp8,
-            min_fresh_tokens=min_fresh, fresh_attend=fresh_attend, max_fresh_prompts=setup.max_fresh_prompts))
-        attempt("fresh_branchless" + suffix, lambda: time_full(
-            "fresh_branchless" + suffix, fresh, max_repeats=FRESH_MAX_REPEATS, over_fp8=over_fp8,
-            min_fresh_tokens=min_fresh, fresh_attend=window_attend, branchless=True,
-            max_fresh_prompts=setup.max_fresh_prompts))
-        # The bundled path's branches with cuDNN's flash attention on the bf16 windows.
-        attempt("fresh_cudnn_single" + suffix, lambda: time_full(
-            "fresh_cudnn_single" + suffix, fresh, max_repeats=FRESH_MAX_REPEATS, over_fp8=over_fp8,
-            min_fresh_tokens=min_fresh, fresh_attend=cudnn_attend, cudnn=True, max_fresh_prompts=1))
-        attempt("fresh_cudnn" + suffix, lambda: time_full(
-            "fresh_cudnn" + suffix, fresh, max_repeats=FRESH_MAX_REPEATS, over_fp8=over_fp8,
-            min_fresh_tokens=min_fresh, fresh_attend=cudnn_attend, cudnn=True,
-            max_fresh_prompts=setup.max_fresh_prompts))
-        # cuDNN over the fresh prompts where they lie in the step's rows (packed layout): no windows.
-        attempt("fresh_segments_single" + suffix, lambda: time_full(
-            "fresh_segments_single" + suffix, fresh, max_repeats=FRESH_MAX_REPEATS, over_fp8=over_fp8,
-            min_fresh_tokens=min_fresh, fresh_attend=segments_attend, cudnn_segments=True, max_fresh_prompts=1))
-        attempt("fresh_segments" + suffix, lambda: time_full(
-            "fresh_segments" + suffix, fresh, max_repeats=FRESH_MAX_REPEATS, over_fp8=over_fp8,
-            min_fresh_tokens=min_fresh, fresh_attend=segments_attend, cudnn_segments=True,
-            max_fresh_prompts=setup.max_fresh_prompts))
+        for column, attend, options in fresh_columns:
+            attempt(column + suffix, lambda: time_full(
+                column + suffix, fresh, max_repeats=FRESH_MAX_REPEATS, over_fp8=over_fp8, min_fresh_tokens=min_fresh,
+                fresh_attend=attend, **options))
     for block_q, block_kv, steps in BUNDLED_CONFIGS:
         if setup.smoke and block_kv > min(lens):
             continue
