@@ -139,8 +139,13 @@
 #   s17c    one GPU, session 17: segment slots capped by the step's rows, at 16k/32k and in the engine.
 #   s17d    one GPU, session 17: s16d's engine comparison again (segments path vs the window path).
 #   s18a    one GPU, queued by session 17: the segments path's parts (scatter, slots) at 4k-32k.
+#   s18b    one GPU: the segments path at 4k-16k against its cuDNN call alone, and its kernels traced.
+#   s18c    one GPU: Triton's rows written into cuDNN's output (no select, no zero fill), A/B against
+#           .baseline/ (HEAD before it: `git archive` of the code dirs, carried) in the kernel, decode and engine.
+#   s18d    one GPU: s18c's kernel and decode A/B again, padding rows zeroed by a small kernel (not a scatter).
+#   s18e    one GPU: s18c's engine A/B again, on the final code.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d or s18a}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d or s18e}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -673,6 +678,49 @@ s18a)
         on_gpu 0 prefill_$slots.log 150 python3 benchmarks/prefill_peers.py --out "$R/prefill_peers_$slots" \
             --shapes 4096,8192,16384,32768 --impls cudnn,ours,ours_attend,fresh_segments,fresh_segments_single \
             --max-fresh-prompts $slots --budget-s 130
+    done ;;
+s18b)
+    # s18a: the scatter costs ~5 us (ours vs ours_attend) and the slot count nothing, so the 90-150 us
+    # between the segments path and cuDNN alone at 4k-8k is elsewhere: cuDNN's packed call alone
+    # (segments_alone) against cuDNN's dense call, and every kernel of one full call (trace).
+    on_gpu 0 prefill.log 200 python3 benchmarks/prefill_peers.py --out "$R/prefill_peers" \
+        --shapes 4096,8192,16384,ragged --impls cudnn,segments_alone,fresh_segments,ours_attend \
+        --trace-impls fresh_segments --budget-s 180 ;;
+s18c)
+    # A/B, interleaved: B = .baseline/ (the select join, zero fill, no early exit of empty tiles).
+    for side in base new; do
+        dir=.; [ $side = base ] && dir=.baseline
+        on_gpu 0 prefill_$side.log 110 python3 $dir/benchmarks/prefill_peers.py --out "$R/prefill_peers_$side" \
+            --shapes 4096,8192,16384,32768,ragged,8x1000 --impls cudnn,fresh_segments,segments_alone \
+            --trace-impls fresh_segments,segments_alone,cudnn --budget-s 95
+    done
+    for side in base new; do  # the early exit of empty tiles must not cost decode anything
+        dir=.; [ $side = base ] && dir=.baseline
+        on_gpu 0 decode_$side.log 70 python3 $dir/benchmarks/kernel_attention.py --out "$R/decode_$side" \
+            --stages ceilings,decode --impls ours --batches 1,32,128 --contexts 4096,32768
+    done
+    for side in new base; do
+        dir=.; [ $side = base ] && dir=.baseline
+        on_gpu 0 engine_$side.log 100 python3 $dir/benchmarks/prefill_engine.py --out "$R/prefill_engine_$side" \
+            --impls pallas_gpu_fresh_prefill_cudnn_segments --budget-s 85
+    done ;;
+s18d)
+    for side in base new; do
+        dir=.; [ $side = base ] && dir=.baseline
+        on_gpu 0 prefill_$side.log 110 python3 $dir/benchmarks/prefill_peers.py --out "$R/prefill_peers_$side" \
+            --shapes 4096,8192,16384,32768,ragged,8x1000 --impls cudnn,fresh_segments,segments_alone \
+            --trace-impls fresh_segments --budget-s 95
+    done
+    for side in base new; do
+        dir=.; [ $side = base ] && dir=.baseline
+        on_gpu 0 decode_$side.log 110 python3 $dir/benchmarks/kernel_attention.py --out "$R/decode_$side" \
+            --stages ceilings,decode --impls ours --batches 1,32,128 --contexts 4096,32768
+    done ;;
+s18e)
+    for side in new base; do
+        dir=.; [ $side = base ] && dir=.baseline
+        on_gpu 0 engine_$side.log 200 python3 $dir/benchmarks/prefill_engine.py --out "$R/prefill_engine_$side" \
+            --impls pallas_gpu_fresh_prefill_cudnn_segments --budget-s 185
     done ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;

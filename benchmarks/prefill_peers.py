@@ -25,6 +25,9 @@ error is printed and recorded, the run goes on):
   two consumer warpgroups + a TMA warpgroup) alone, on float16 inputs (in jax 0.11.2 it stages
   through float16 shared memory and refuses bf16), block_q Q, block_kv KV, S pipeline steps;
 - ``proto_S``: our one-warpgroup wgmma + TMA prototype (``mosaic_gpu_prefill_prototype.py``), S steps;
+- ``segments_alone``: the segments path's cuDNN call alone (``causal_attention_cudnn_segments`` over the
+  step's contiguous q/k_new/v_new, the prompts as segments, ``--max-fresh-prompts`` slots): with
+  ``cudnn`` and ``fresh_segments`` it splits the path's time into cuDNN's packed call and the rest;
 - ``cudnn``: ``jax.nn.dot_product_attention(..., implementation="cudnn")`` on contiguous bf16;
 - ``xla``: ``jax.nn.dot_product_attention(..., implementation="xla")`` (chunks up to 8k: it
   materialises the scores).
@@ -35,10 +38,12 @@ all in one jitted step). TFLOP/s count 4 * D * Hq per visible (query, key) pair 
 Each implementation's output is checked in the same run against the XLA reference (chunks up to
 4k) or cuDNN (rel. Frobenius error). Timing: ``kernel_frontier.time_chain`` (calls chained,
 unrolled in one jit, median of 3; ``--smoke`` times once); a time budget skips what is left,
-results are written after every implementation.
+results are written after every implementation. ``--trace-impls`` runs the named columns' chains once
+more under the profiler and records each kernel's µs a call (``kernels_us`` in the JSON, a table in the .md).
 
     python3 benchmarks/prefill_peers.py --out DIR [--budget-s 270] [--shapes 4096,8192,...,ragged] \
         [--impls cudnn,ours,fresh_path,bundled_64_128_2]   # a subset: names, or families (bundled, proto)
+        [--trace-impls fresh_segments]   # where a full call's time goes, kernel by kernel
     python3 benchmarks/prefill_peers.py --out /tmp/pp --smoke   # CPU: interpreter, tiny shapes
 
 Writes DIR/prefill_peers.json and .md.
@@ -63,6 +68,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kernel_frontier as kf  # noqa: E402
+from profile_collectives import busy_time, load_trace  # noqa: E402
 from kernel_attention import pseudo_random, ragged_inputs  # noqa: E402
 from kernel_frontier import Budget, OutOfTime, say, time_chain  # noqa: E402
 from mosaic_gpu_prefill_prototype import causal_prefill_attention_mosaic_gpu  # noqa: E402
@@ -74,7 +80,7 @@ RAGGED = (1024, 1536, 2560, 4096, 7168)  # fresh sequences of the ragged batch (
 BUNDLED_CONFIGS = ((64, 128, 2), (64, 64, 4), (64, 128, 3))  # (block_q, block_kv, steps); 3 x 128 may not fit smem
 PROTO_STEPS = (2, 3, 4)
 XLA_MAX_TOKENS = 8192
-FRESH_MAX_REPEATS = 8  # chained calls of the fresh paths (>= 3 ms a timed program at 4k)
+FRESH_MAX_REPEATS = 8  # chained calls of the window paths (>= 3 ms a timed program at 4k); segments: as the peers
 CHECK_AGAINST_XLA_MAX = 4096
 
 
@@ -82,13 +88,18 @@ class Setup:
     """Heads, page size and mode of one run (the smoke run shrinks them)."""
 
     def __init__(self, smoke: bool, page_size: int, impls: str | None = None, min_fresh_tokens: int | None = None,
-                 kv_dtypes: str = "bf16", max_fresh_prompts: int = gpu_fresh_prefill.MAX_FRESH_PROMPTS):
+                 kv_dtypes: str = "bf16", max_fresh_prompts: int = gpu_fresh_prefill.MAX_FRESH_PROMPTS,
+                 trace_impls: str = "", trace_dir: str | None = None):
         self.smoke = smoke
+        self.trace_impls = set(filter(None, trace_impls.split(",")))
+        self.trace_dir = trace_dir
         self.impls = set(impls.split(",")) if impls else None
         self.num_q_heads, self.num_kv_heads, self.head_dim = (4, 2, 64) if smoke else (32, 8, 128)
         self.sm_scale = self.head_dim**-0.5
         self.page_size = page_size
         self.min_fresh_tokens = min_fresh_tokens or (64 if smoke else gpu_fresh_prefill.MIN_FRESH_TOKENS)
+        # The segments columns take the engine's own minimum for that path unless one is given.
+        self.segments_min_fresh_tokens = min_fresh_tokens or (64 if smoke else gpu_fresh_prefill.SEGMENTS_MIN_FRESH_TOKENS)
         self.max_fresh_prompts = max_fresh_prompts
         self.kv_dtypes = kv_dtypes.split(",")
         unknown = set(self.kv_dtypes) - {"bf16", "fp8"}
@@ -108,6 +119,35 @@ class Setup:
         if self.smoke:
             return 1
         return 32 if num_tokens <= 4096 else 16 if num_tokens <= 8192 else 8
+
+
+def traced_kernels(program, carry, consts, trace_dir: str, calls: int) -> tuple[object, dict]:
+    """Run ``program`` (a chain of ``calls`` calls) once under the profiler: (its output, each GPU kernel's
+    µs and launches a call, the span a call and the gaps in it). On a CPU the trace has no GPU kernels:
+    the summary then says so."""
+    import glob
+
+    with jax.profiler.trace(trace_dir):
+        carry = jax.block_until_ready(program(carry, *consts))
+    traces = sorted(glob.glob(os.path.join(trace_dir, "plugins/profile/*/*.trace.json.gz")))
+    if not traces:
+        return carry, {"error": f"no trace written under {trace_dir}"}
+    events, processes = load_trace(traces[-1])
+    gpus = {pid for pid, name in processes.items() if "GPU" in name}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpus and "dur" in e
+               and "memcpy" not in e["name"].lower()]
+    if not kernels:
+        return carry, {"error": "no GPU kernel events in the trace"}
+    intervals = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
+    span = max(end for _, end in intervals) - min(start for start, _ in intervals)
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        entry = by_name.setdefault(e["name"].split("(")[0][:90], [0.0, 0.0])
+        entry[0] += e["dur"] / calls
+        entry[1] += 1 / calls
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
+    return carry, {"span_us": span / calls, "gaps_us": (span - busy_time(intervals)) / calls,
+                   "kernels": {name: {"us": us, "launches": n} for name, (us, n) in ranked}}
 
 
 def rel_err(got, want) -> float:
@@ -220,17 +260,22 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
 
     attempt("reference-for-check", reference_outputs)
 
-    def checked_chain(step, carry, *consts):
+    def checked_chain(step, carry, *consts, impl: str = ""):
         """(seconds per call, the output to check) of ``carry = step(carry, *consts)`` (a dense peer, nothing donated).
 
         With one call a chain (--smoke) the chain's first run is that output: the kernel compiles once.
+        ``impl`` in ``--trace-impls``: the chain runs once more under the profiler.
         """
         program = kf.compile_chain(step, carry, *consts, donate=False)
         out = program(carry, *consts) if kf.REPEATS == 1 else jax.jit(step)(carry, *consts)
-        return kf.time_compiled(program, carry, *consts)[0], out
+        seconds = kf.time_compiled(program, carry, *consts)[0]
+        if impl in setup.trace_impls:
+            row.setdefault("kernels_us", {})[impl] = traced_kernels(
+                program, carry, consts, os.path.join(setup.trace_dir, f"profile_{name}_{impl}"), kf.REPEATS)[1]
+        return seconds, out
 
     def time_cudnn():
-        record("cudnn", *checked_chain(per_sequence(cudnn), qs, ks, vs))
+        record("cudnn", *checked_chain(per_sequence(cudnn), qs, ks, vs, impl="cudnn"))
 
     sizes = gpu_block_sizes(num_tokens=num_tokens, max_num_seqs=len(lens), max_kv_len=page_tables.shape[1] * ps,
                             num_kv_heads=hkv, group=hq // hkv, head_dim=d, page_size=ps, itemsize=2)
@@ -273,6 +318,10 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
                              sm_scale=setup.sm_scale, interpret=interpret, **options)[0]
             # The carry is donated: a copy of q rides in it, so q itself stays for the next implementation.
             seconds, (_, kp, vp) = kf.time_compiled(program, (jnp.copy(q), kp, vp), *consts)
+            if impl in setup.trace_impls:
+                trace_dir = os.path.join(setup.trace_dir, f"profile_{name}_{impl}")
+                (_, kp, vp), row.setdefault("kernels_us", {})[impl] = traced_kernels(
+                    program, (jnp.copy(q), kp, vp), consts, trace_dir, kf.REPEATS)
         finally:
             kf.REPEATS = repeats
         if over_fp8:
@@ -294,14 +343,15 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
     def prompts_served(options) -> int:
         """How many of the step's fresh prompts the path hands its window kernel (its choice, on the host)."""
         limit = options.get("max_fresh_prompts", gpu_fresh_prefill.MAX_FRESH_PROMPTS)
+        min_fresh_tokens = options.get("min_fresh_tokens", setup.min_fresh_tokens)
         if options.get("branchless") or options.get("cudnn_segments"):
-            slots = fpr.max_fresh_prompts_in(num_tokens, setup.min_fresh_tokens, limit)
+            slots = fpr.max_fresh_prompts_in(num_tokens, min_fresh_tokens, limit)
             chosen = fpr.choose_packed(cu_q_lens, kv_lens, num_slots=slots,
-                                       min_fresh_tokens=setup.min_fresh_tokens) if slots else None
+                                       min_fresh_tokens=min_fresh_tokens) if slots else None
         else:
             waste = gpu_fresh_prefill.MAX_WINDOW_WASTE
-            branches = fpr.window_branches(num_tokens, setup.min_fresh_tokens, limit, waste)
-            chosen = fpr.choose_slots(cu_q_lens, kv_lens, branches, min_fresh_tokens=setup.min_fresh_tokens,
+            branches = fpr.window_branches(num_tokens, min_fresh_tokens, limit, waste)
+            chosen = fpr.choose_slots(cu_q_lens, kv_lens, branches, min_fresh_tokens=min_fresh_tokens,
                                       max_window_waste=waste) if branches else None
         return 0 if chosen is None else int(jnp.sum(chosen.served > 0))
 
@@ -355,6 +405,18 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
     def time_xla():
         record("xla", *checked_chain(per_sequence(xla), qs, ks, vs))
 
+    def time_segments_alone():
+        """The segments path's cuDNN call alone: every prompt a segment (as many slots as the path's), in place."""
+        slots = max(setup.max_fresh_prompts, len(lens))
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        seg_start = jnp.zeros((slots,), jnp.int32).at[:len(lens)].set(jnp.asarray(starts, jnp.int32))
+        seg_len = jnp.zeros((slots,), jnp.int32).at[:len(lens)].set(jnp.asarray(lens, jnp.int32))
+        attend = segments_attend or gpu_fresh_prefill.causal_attention_cudnn_segments
+
+        def step(q, k, v, seg_start, seg_len):
+            return attend(q, k, v, seg_start, seg_len, sm_scale=setup.sm_scale)
+        record("segments_alone", *checked_chain(step, q, k_new, v_new, seg_start, seg_len, impl="segments_alone"))
+
     from jax.experimental.pallas.ops.gpu import attention_mgpu
     attempt("cudnn", time_cudnn)
     fresh = gpu_fresh_prefill.ragged_paged_attention_gpu_fresh_prefill
@@ -374,9 +436,12 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
     for suffix, over_fp8 in (("", False), ("_fp8", True)):
         attempt("ours" + suffix, lambda: time_full("ours" + suffix, gpu.ragged_paged_attention_gpu, over_fp8=over_fp8))
         for column, attend, options in fresh_columns:
+            # The segments path compiles no window kernels: it chains as many calls as the dense peers.
+            segments = options.get("cudnn_segments", False)
             attempt(column + suffix, lambda: time_full(
-                column + suffix, fresh, max_repeats=FRESH_MAX_REPEATS, over_fp8=over_fp8, min_fresh_tokens=min_fresh,
-                fresh_attend=attend, **options))
+                column + suffix, fresh, max_repeats=None if segments else FRESH_MAX_REPEATS, over_fp8=over_fp8,
+                min_fresh_tokens=setup.segments_min_fresh_tokens if segments else min_fresh, fresh_attend=attend,
+                **options))
     for block_q, block_kv, steps in BUNDLED_CONFIGS:
         if setup.smoke and block_kv > min(lens):
             continue
@@ -386,6 +451,7 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
     for steps in PROTO_STEPS[:1] if setup.smoke else PROTO_STEPS:  # the interpreter is slow
         attempt(f"proto_{steps}", functools.partial(time_proto, steps))
     attempt("ours_attend", time_attend)
+    attempt("segments_alone", time_segments_alone)
     attempt("ours_prefix", time_prefix)
     if max(lens) <= XLA_MAX_TOKENS:
         attempt("xla", time_xla)
@@ -406,7 +472,7 @@ def run_shape(setup: Setup, name: str, lens: tuple[int, ...], results: list, bud
 IMPLS = ("ours", "ours_attend", "ours_prefix", "fresh_single", "fresh_path", "fresh_branchless", "fresh_cudnn_single",
          "fresh_cudnn", "fresh_segments_single", "fresh_segments", "ours_fp8", "fresh_single_fp8", "fresh_path_fp8",
          "fresh_branchless_fp8", "fresh_cudnn_single_fp8", "fresh_cudnn_fp8", "fresh_segments_single_fp8",
-         "fresh_segments_fp8", "cudnn", "xla")
+         "fresh_segments_fp8", "segments_alone", "cudnn", "xla")
 
 
 def write_outputs(out_dir: str, report: dict):
@@ -423,7 +489,10 @@ def write_outputs(out_dir: str, report: dict):
              "counted alike), % of the matmul rate, rel. error against the check's reference (the `_fp8` "
              "columns: over fp8 pages, checked against the same e4m3 K/V); – = not run (errors in the JSON). "
              "`fresh_single`: the fresh path with one prompt a step (before session 11); `fresh_path` / "
-             "`fresh_branchless`: several (`max_fresh_prompts`); prompts served: the `served` column.", "",
+             "`fresh_branchless`: several (`max_fresh_prompts`); prompts served: the `served` column. `min fresh`: "
+             "the window paths' shortest prompt served; the `fresh_segments` columns take the engine's "
+             f"{gpu_fresh_prefill.SEGMENTS_MIN_FRESH_TOKENS} unless `--min-fresh-tokens` is given, and chain as "
+             "many calls as the dense peers.", "",
              "| shape | tokens | min fresh | " + " | ".join(columns) + " | served |",
              "|" + " --- |" * (len(columns) + 4)]
     for r in rows:
@@ -438,6 +507,16 @@ def write_outputs(out_dir: str, report: dict):
         served = ", ".join(f"{k} {v}" for k, v in r.get("fresh_prompts_served", {}).items())
         lines.append(f"| {r['shape']} | {r['num_tokens']} | {r.get('min_fresh_tokens', '')} | " + " | ".join(cells)
                      + f" | {served} |")
+    for r in rows:
+        for impl, traced in r.get("kernels_us", {}).items():
+            lines += ["", f"Kernels of one `{impl}` call, {r['shape']} (profiler trace of the timed chain):", ""]
+            if "error" in traced:
+                lines.append(f"- {traced['error']}")
+                continue
+            lines += ["| kernel | µs a call | launches a call |", "| --- | --- | --- |"]
+            lines += [f"| `{k}` | {v['us']:.1f} | {v['launches']:g} |" for k, v in traced["kernels"].items()]
+            lines.append(f"| gaps between kernels | {traced['gaps_us']:.1f} | |")
+            lines.append(f"| span | {traced['span_us']:.1f} | |")
     errors = [f"- {r['shape']} {impl}: {e}" for r in rows for impl, e in r["errors"].items()]
     if errors:
         lines += ["", "Not run:", *errors]
@@ -461,12 +540,15 @@ def main():
                              f"{gpu_fresh_prefill.MIN_FRESH_TOKENS}); 1000-token prompts need <= 1000")
     parser.add_argument("--max-fresh-prompts", type=int, default=gpu_fresh_prefill.MAX_FRESH_PROMPTS,
                         help="fresh prompts a step of fresh_path / fresh_branchless (fresh_single: 1)")
+    parser.add_argument("--trace-impls", default="",
+                        help="columns (e.g. fresh_segments,cudnn,segments_alone) to run once more under the profiler: "
+                             "each kernel's µs a call goes in the JSON and the .md")
     parser.add_argument("--smoke", action="store_true",
                         help=f"CPU check of this script: interpreter, tiny heads, --shapes {SMOKE_SHAPES} unless "
                              "given, each chain timed once (without it the GPU defaults hold)")
     args = parser.parse_args()
     setup = Setup(args.smoke, args.page_size, args.impls, args.min_fresh_tokens, args.kv_dtypes,
-                  args.max_fresh_prompts)
+                  args.max_fresh_prompts, args.trace_impls, args.out)
     if args.smoke and args.shapes == parser.get_default("shapes"):
         args.shapes = SMOKE_SHAPES
     if args.smoke:  # the interpreter's numbers mean nothing: one timed run of each chain

@@ -5,6 +5,7 @@ attention here (and the Mosaic GPU prefill prototype in Pallas's GPU interpreter
 kernel runs in interpret mode. The bundled kernel's call is checked by lowering it for CUDA.
 """
 
+import dataclasses
 import functools
 import types
 
@@ -634,11 +635,56 @@ def test_cudnn_segments_path_matches_reference_and_serves_every_qualifying_promp
         np.testing.assert_array_equal(rows, np.concatenate([np.arange(starts[i], starts[i + 1]) for i in served]))
 
 
+def test_cudnn_segments_path_with_kv_splits_joins_the_outputs_by_select(monkeypatch):
+    # Steps whose tuned sizes split the KV walk cannot write Triton's rows into cuDNN's output (the
+    # splits merge outside the kernel): they keep the select, and the same answer.
+    one_split = fp.gpu_block_sizes
+    monkeypatch.setattr(fp, "gpu_block_sizes", lambda **kw: dataclasses.replace(one_split(**kw), num_splits=2))
+    run_against_reference(MIXED, segments_on_cpu, cudnn_segments=True)
+    run_against_reference(MULTI, segments_on_cpu, cudnn_segments=True)
+
+
+def test_triton_writes_its_tiles_rows_into_a_given_output_and_leaves_the_rest():
+    # attend_gpu(out_init=...): the rows of live tiles are the kernel's (as without it); rows of
+    # emptied tiles and padding rows keep the given buffer's values, so another kernel's rows need
+    # no select. With an extra KV split the init is refused.
+    from pallas_kernels.paged_attention.block_sizes import BlockSizes
+    from pallas_kernels.paged_attention.gpu import attend_gpu
+
+    case = make_case(7, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                     pad_tokens=5)
+    ref_out, k_pages, v_pages = ragged_paged_attention_reference(*case.args(), sm_scale=case.sm_scale)
+    sizes = BlockSizes(block_q=16, block_kv=16, num_splits=1)
+    tiles = wt.plan_work_tiles(case.cu_q_lens, case.kv_lens, case.q.shape[0], sizes.block_q)
+    served = jnp.zeros_like(case.kv_lens).at[1].set(150)  # the fresh prompt of 150 rows: "another kernel's"
+    init = jnp.full(case.q.shape, 5, case.q.dtype)
+    attend = functools.partial(attend_gpu, case.q, k_pages, v_pages, case.page_tables, case.cu_q_lens, case.kv_lens,
+                               sm_scale=case.sm_scale, sizes=sizes, interpret=True)
+    out = np.asarray(attend(tiles=fpr.hide_served(tiles, served), out_init=init), np.float32)
+    starts = np.asarray(case.cu_q_lens)
+    kept = np.zeros(case.q.shape[0], bool)
+    kept[starts[1]:starts[2]] = True  # the served prompt's rows
+    kept[starts[-1]:] = True  # padding rows
+    assert kept[starts[-1]:].sum() == 5
+    np.testing.assert_array_equal(out[kept], 5)
+    np.testing.assert_allclose(out[~kept], np.asarray(ref_out, np.float32)[~kept], rtol=3e-2, atol=3e-2)
+    with pytest.raises(ValueError, match="one KV split"):
+        attend(sizes=dataclasses.replace(sizes, num_splits=2), out_init=init)
+    with pytest.raises(ValueError, match="out_init must be"):
+        attend(out_init=init[:-1])
+
+
 @pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
 def test_cudnn_segments_path_lowers_for_hopper_with_no_conditional(kv_dtype):
     text = lowered_for_hopper(kv_dtype, cudnn_segments=True, fresh_attend=segments_on_cpu)
     assert "triton" in text
     assert "stablehlo.case" not in text and "stablehlo.while" not in text
+    # One split (this step's sizes): Triton writes into the segments' output, whose padding rows one
+    # small kernel zeroes; the only scatters left are the K and V writes, and no select joins outputs.
+    assert "zero_rows_from" in text
+    out_type = f"tensor<{MULTI_TOKENS}x4x64x"  # the step's output [T, Hq, D]
+    assert not [line for line in text.splitlines() if ("stablehlo.select" in line or "stablehlo.scatter" in line)
+                and out_type in line]
 
 
 @pytest.mark.parametrize("num_segments,kv_dtype", [(1, jnp.bfloat16), (8, jnp.bfloat16), (8, jnp.float8_e4m3fn)])

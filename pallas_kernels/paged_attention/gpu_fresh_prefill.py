@@ -112,6 +112,7 @@ from pallas_kernels.paged_attention.fresh_prompts import (  # noqa: F401  re-exp
 )
 from pallas_kernels.paged_attention.gpu import attend_gpu
 from pallas_kernels.paged_attention.gpu_fresh_window import packed_causal_attention_mosaic_gpu
+from pallas_kernels.paged_attention.gpu_zero_rows import zero_rows_from
 from pallas_kernels.paged_attention.page_storage import E4M3
 from pallas_kernels.paged_attention.reference import write_kv_reference
 from pallas_kernels.paged_attention.validation import check_inputs
@@ -327,20 +328,28 @@ def attend_with_fresh_prefill(
     return lax.switch(slots.branch, [lambda rest: rest] + [window(b) for b in branches], rest)
 
 
-def _triton_beside_whole_prompts(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sizes, interpret,
-                                 min_fresh_tokens: int, max_fresh_prompts: int):
-    """``(rest, slots)``: the Triton output of a step whose longest fresh prompts (up to ``max_fresh_prompts``
-    of ``>= min_fresh_tokens``) another kernel serves whole, their rows left 0, and those prompts' slots
-    (``fresh_prompts.choose_packed``); ``slots`` is None where the step can hold none or is decode-like,
-    and ``rest`` is then the whole step's output."""
-    num_tokens = q.shape[0]
-    tiles = wt.plan_work_tiles(cu_q_lens, kv_lens, num_tokens, sizes.block_q)
-    attend_rest = functools.partial(attend_gpu, q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens,
-                                    sm_scale=sm_scale, sizes=sizes, interpret=interpret)
+def _whole_prompt_slots(num_tokens: int, cu_q_lens, kv_lens, *, min_fresh_tokens: int,
+                        max_fresh_prompts: int) -> fpr.FreshSlots | None:
+    """The step's longest fresh prompts (up to ``max_fresh_prompts`` of ``>= min_fresh_tokens``) that another
+    kernel serves whole (``fresh_prompts.choose_packed``); None where the step can hold none or is decode-like."""
     num_slots = fpr.max_fresh_prompts_in(num_tokens, min_fresh_tokens, max_fresh_prompts)
     if num_slots == 0 or not is_prefill_heavy(num_tokens, kv_lens):
+        return None
+    return fpr.choose_packed(cu_q_lens, kv_lens, num_slots=num_slots, min_fresh_tokens=min_fresh_tokens)
+
+
+def _triton_beside_whole_prompts(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sizes, interpret,
+                                 min_fresh_tokens: int, max_fresh_prompts: int):
+    """``(rest, slots)``: the Triton output of a step whose whole-prompt ``slots`` (``_whole_prompt_slots``)
+    another kernel serves, their rows left 0; ``slots`` is None where the step can hold none or is
+    decode-like, and ``rest`` is then the whole step's output."""
+    tiles = wt.plan_work_tiles(cu_q_lens, kv_lens, q.shape[0], sizes.block_q)
+    attend_rest = functools.partial(attend_gpu, q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens,
+                                    sm_scale=sm_scale, sizes=sizes, interpret=interpret)
+    slots = _whole_prompt_slots(q.shape[0], cu_q_lens, kv_lens, min_fresh_tokens=min_fresh_tokens,
+                                max_fresh_prompts=max_fresh_prompts)
+    if slots is None:
         return attend_rest(tiles=tiles), None
-    slots = fpr.choose_packed(cu_q_lens, kv_lens, num_slots=num_slots, min_fresh_tokens=min_fresh_tokens)
     return attend_rest(tiles=fpr.hide_served(tiles, slots.served)), slots  # [T, Hq, D]
 
 
@@ -382,21 +391,37 @@ def attend_with_fresh_segments(
     """As ``attend_with_fresh_window``, with cuDNN's flash attention over the step's own rows: the fresh
     prompts (the ``max_fresh_prompts`` longest of ``>= min_fresh_tokens``) are segments of the packed
     q/k_new/v_new, served whole, with no window, gather, scatter or device conditional; Triton serves
-    the rest, and a select joins the two outputs.
+    the rest.
+
+    With one KV split (prefill-heavy steps) Triton writes its rows into cuDNN's output in place
+    (``attend_gpu(out_init=...)``), so the two outputs are never read again to be joined; the rows
+    past the step's tokens, which cuDNN leaves unwritten, are zeroed first (``gpu_zero_rows``: a launch
+    that writes those rows only), so every row is defined as on the other paths. With more splits a select joins them.
 
     ``segment_attend(q [T, Hq, D], k [T, Hkv, D], v, seg_start [M], seg_len [M], *, sm_scale)``:
     ``causal_attention_cudnn_segments``' contract (tests pass its ``implementation="xla"``).
     """
     num_tokens = q.shape[0]
-    rest, slots = _triton_beside_whole_prompts(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
-                                               sizes=sizes, interpret=interpret, min_fresh_tokens=min_fresh_tokens,
-                                               max_fresh_prompts=max_fresh_prompts)
+    if sizes.num_splits != 1:
+        rest, slots = _triton_beside_whole_prompts(
+            q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale, sizes=sizes, interpret=interpret,
+            min_fresh_tokens=min_fresh_tokens, max_fresh_prompts=max_fresh_prompts)
+        if slots is None:
+            return rest
+        out = segment_attend(q, k_new, v_new, slots.token_start, slots.num_tokens, sm_scale=sm_scale)
+        row = jnp.arange(num_tokens, dtype=jnp.int32)
+        is_served = _row_segments(row, slots.token_start, slots.num_tokens) >= 0  # [T]
+        return jnp.where(is_served[:, None, None], out.astype(rest.dtype), rest)
+    tiles = wt.plan_work_tiles(cu_q_lens, kv_lens, num_tokens, sizes.block_q)
+    attend = functools.partial(attend_gpu, q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
+                               sizes=sizes, interpret=interpret)
+    slots = _whole_prompt_slots(num_tokens, cu_q_lens, kv_lens, min_fresh_tokens=min_fresh_tokens,
+                                max_fresh_prompts=max_fresh_prompts)
     if slots is None:
-        return rest
-    out = segment_attend(q, k_new, v_new, slots.token_start, slots.num_tokens, sm_scale=sm_scale)
-    row = jnp.arange(num_tokens, dtype=jnp.int32)
-    is_served = _row_segments(row, slots.token_start, slots.num_tokens) >= 0  # [T]
-    return jnp.where(is_served[:, None, None], out.astype(rest.dtype), rest)
+        return attend(tiles=tiles)
+    out = segment_attend(q, k_new, v_new, slots.token_start, slots.num_tokens, sm_scale=sm_scale).astype(q.dtype)
+    out = zero_rows_from(out, cu_q_lens[-1], interpret=interpret)  # the padding rows, which cuDNN leaves unwritten
+    return attend(tiles=fpr.hide_served(tiles, slots.served), out_init=out)
 
 
 def can_take_fresh_prefill(q_dtype, page_dtype, head_dim: int, sliding_window, soft_cap) -> bool:
