@@ -86,10 +86,12 @@ segments (ragged offsets: each prompt's first row and length), each causal withi
 fresh prompts (>= ``SEGMENTS_MIN_FRESH_TOKENS`` rows, the longest first) are attended where they lie:
 no gather, no padding, no float16 copies, no device conditional, no kernel of ours to compile, and
 cuDNN's tiles follow the prompts' rows. Triton serves everything else (the served prompts' tiles
-emptied as above) and one select joins the outputs. Measured on the H200 (session 17, full call
-against cuDNN alone on a contiguous cache): 4k 397 vs 298 us, 8k 1128 vs 956, 16k 4175 vs 3786, 32k
-15675 vs 14860 (one slot), a ragged 16k batch 1429 vs 1393, eight 1000-token prompts 383 (cuDNN 519, Triton 438);
-the window path 486 / 1264 / 4124 / 15585 / 2439 / 550 (docs/KERNELS.md).
+emptied as above) and, with one KV split, writes its rows into cuDNN's output in place (session 18:
+no select reading both outputs, no zero fill; the padding rows, which cuDNN leaves unwritten, are
+zeroed by ``gpu_zero_rows``). Measured on the H200 (session 18, full call against cuDNN alone on a
+contiguous cache, same run): 4k 319 vs 285 us, 8k 1006 vs 938, 16k 3936 vs 3711, 32k 15036 vs 14521,
+a ragged 16k batch 1200 vs 1357, eight 1000-token prompts 307 vs 414; the select join of session 17,
+in the same run, 354 / 1116 / 4054 / 15339 / 1431 / 377 (docs/KERNELS.md).
 
 Limits: chunks over a cached prefix stay with Triton; no sliding window or soft cap; bf16/f16
 queries over bf16/f16 or e4m3 pages; head_dim a multiple of 64.
