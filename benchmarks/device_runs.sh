@@ -145,8 +145,9 @@
 #   s18d    one GPU: s18c's kernel and decode A/B again, padding rows zeroed by a small kernel (not a scatter).
 #   s18e    one GPU: s18c's engine A/B again, on the final code.
 #   s18f    one GPU: the segments path checked against the reference on the GPU; throughput-1k bf16.
+#   s18g    one GPU: one layer's K/V write, XLA's two scatters against one Pallas launch (gpu_write_kv.py).
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e or s18f}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f or s18g}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -732,6 +733,8 @@ s18f)
     on_gpu 0 check.log 90 python3 benchmarks/kernel_attention.py --out "$R/check" --stages check
     on_gpu 0 throughput1k.log $(( END - SECONDS - 10 )) python3 benchmarks/engine_throughput.py --out "$R/engine1k" \
         --workloads throughput-1k ;;
+s18g)
+    on_gpu 0 kv_write.log $(( END - SECONDS - 5 )) python3 benchmarks/kv_write_gpu.py --out "$R/kv_write" ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac

@@ -65,6 +65,22 @@ def token_positions(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -
     return seq, jnp.where(is_padding, -1, position)
 
 
+def kv_slots(page_tables: jax.Array, cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, num_pages: int,
+             page_size: int) -> jax.Array:
+    """Each packed token's row in the flattened pages (``page * page_size + offset``), [T] int32.
+
+    A padding token gets a row past the pool (``num_pages * page_size`` + its index), so writes
+    drop it; each its own, so every slot is distinct (a scatter may promise unique indices: on
+    the GPU, no atomics or serialisation)."""
+    seq, position = token_positions(cu_q_lens, kv_lens, num_tokens)
+    safe_seq = jnp.minimum(seq, page_tables.shape[0] - 1)
+    safe_position = jnp.maximum(position, 0)
+    page = page_tables[safe_seq, safe_position // page_size]
+    slot = page * page_size + safe_position % page_size
+    out_of_range = num_pages * page_size + jnp.arange(num_tokens, dtype=slot.dtype)
+    return jnp.where(position >= 0, slot, out_of_range).astype(jnp.int32)
+
+
 def write_kv_reference(
     k_new: jax.Array,
     v_new: jax.Array,
@@ -76,17 +92,7 @@ def write_kv_reference(
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter this step's K/V into their pages; padding tokens are dropped."""
     num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
-    num_tokens = k_new.shape[0]
-    seq, position = token_positions(cu_q_lens, kv_lens, num_tokens)
-    safe_seq = jnp.minimum(seq, page_tables.shape[0] - 1)
-    safe_position = jnp.maximum(position, 0)
-    page = page_tables[safe_seq, safe_position // page_size]
-    slot = page * page_size + safe_position % page_size
-    # An out-of-range slot makes the scatter drop padding tokens instead of writing them; each
-    # gets its own, so every index is distinct and the scatter may promise unique indices
-    # (no write conflicts to resolve: on the GPU, no atomics or serialisation).
-    out_of_range = num_pages * page_size + jnp.arange(num_tokens, dtype=slot.dtype)
-    slot = jnp.where(position >= 0, slot, out_of_range)
+    slot = kv_slots(page_tables, cu_q_lens, kv_lens, k_new.shape[0], num_pages, page_size)
 
     def scatter(pages, new):
         flat = pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
