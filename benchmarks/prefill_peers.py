@@ -99,7 +99,8 @@ class Setup:
         self.page_size = page_size
         self.min_fresh_tokens = min_fresh_tokens or (64 if smoke else gpu_fresh_prefill.MIN_FRESH_TOKENS)
         # The segments columns take the engine's own minimum for that path unless one is given.
-        self.segments_min_fresh_tokens = min_fresh_tokens or (64 if smoke else gpu_fresh_prefill.SEGMENTS_MIN_FRESH_TOKENS)
+        self.segments_min_fresh_tokens = min_fresh_tokens or (
+            64 if smoke else gpu_fresh_prefill.SEGMENTS_MIN_FRESH_TOKENS)
         self.max_fresh_prompts = max_fresh_prompts
         self.kv_dtypes = kv_dtypes.split(",")
         unknown = set(self.kv_dtypes) - {"bf16", "fp8"}

@@ -398,7 +398,8 @@ def attend_with_fresh_segments(
     With one KV split (prefill-heavy steps) Triton writes its rows into cuDNN's output in place
     (``attend_gpu(out_init=...)``), so the two outputs are never read again to be joined; the rows
     past the step's tokens, which cuDNN leaves unwritten, are zeroed first (``gpu_zero_rows``: a launch
-    that writes those rows only), so every row is defined as on the other paths. With more splits a select joins them.
+    that writes those rows only), so every row is defined as on the other paths. With more splits a
+    select joins them.
 
     ``segment_attend(q [T, Hq, D], k [T, Hkv, D], v, seg_start [M], seg_len [M], *, sm_scale)``:
     ``causal_attention_cudnn_segments``' contract (tests pass its ``implementation="xla"``).
