@@ -1,8 +1,8 @@
 """The GPU tile-size lookup.
 
 The fused-write kernel (``fused=True``): measured table entries decide near their shapes, heuristics
-elsewhere. The default kernel: the frozen baseline's sizes everywhere (the table was measured on the
-fused kernel).
+elsewhere. The default kernel: the frozen baseline's tiles everywhere (the table was measured on the
+fused kernel), with session 19's split counts and Pallas merge.
 """
 
 from pallas_kernels.paged_attention.block_sizes import BlockSizes, gpu_block_sizes
@@ -30,14 +30,15 @@ def sizes(num_tokens, max_num_seqs, max_kv_len, table=TABLE, **shape):
 # (num_tokens, max_num_seqs, max_kv_len, itemsize) for LLAMA's shape: what the default kernel must
 # keep choosing (its measured speed is the baseline), and what the fused kernel's heuristic starts
 # from. Written down from the frozen copy of that kernel before it was deleted (it had become
-# gpu.py itself).
+# gpu.py itself). Except the split counts of session 19 (rounded down to a power of two, not up:
+# block_sizes._num_splits), where the frozen kernel had 64, 64 and 8.
 PRE_ISSUE_21_SIZES = {
-    (1, 1, 32768, 2): (4, 64, 64, 4, 4),
-    (1, 1, 32768, 4): (4, 64, 64, 4, 2),
-    (1, 1, 16384, 2): (4, 64, 64, 4, 4),
-    (1, 1, 16384, 4): (4, 64, 64, 4, 2),
-    (8, 8, 16384, 2): (4, 64, 8, 4, 4),
-    (8, 8, 16384, 4): (4, 64, 8, 4, 2),
+    (1, 1, 32768, 2): (4, 64, 32, 4, 4),
+    (1, 1, 32768, 4): (4, 64, 32, 4, 2),
+    (1, 1, 16384, 2): (4, 64, 32, 4, 4),
+    (1, 1, 16384, 4): (4, 64, 32, 4, 2),
+    (8, 8, 16384, 2): (4, 64, 4, 4, 4),
+    (8, 8, 16384, 4): (4, 64, 4, 4, 2),
     (32, 32, 4096, 2): (4, 128, 1, 4, 3),
     (32, 32, 4096, 4): (4, 64, 1, 4, 2),
     (64, 64, 4096, 2): (4, 64, 1, 2, 3),
@@ -58,6 +59,8 @@ def test_default_kernel_gets_the_pre_issue_21_sizes_and_ignores_the_table():
                      max_kv_len=max_kv_len)
         ours = gpu_block_sizes(**shape, table=TABLE)  # fused=False: the table is not read
         assert tuple(getattr(ours, f) for f in FIELDS) == expected, shape
+        # The Pallas merge where the walk is split; page-id prefetch never (measured neutral or slower).
+        assert ours.merge_kernel == (ours.num_splits > 1) and not ours.prefetch_pages, shape
 
 
 def test_measured_shape_gets_its_entry():

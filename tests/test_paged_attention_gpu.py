@@ -87,6 +87,18 @@ def test_fused_gpu_kernel_options_match_reference(prefetch_pages, plan_in_kernel
                              merge_kernel=merge_kernel)
 
 
+@pytest.mark.parametrize("prefetch_pages,merge_kernel", [(True, False), (False, True), (True, True)])
+def test_gpu_kernel_prefetch_and_merge_options_match_reference(prefetch_pages, merge_kernel):
+    # The default kernel's page-id prefetch (its unmasked loop, whose last step prefetches past the
+    # table's end: clamped) and its Pallas merge, with block_kv 8 under page 16 (two blocks a page)
+    # and splits whose ranges start and end inside unmasked runs: decode, a chunk over a cached
+    # prefix, an empty slot, padding tokens.
+    case = make_case(13, [(1, 50), (0, 0), (24, 80), (1, 33), (1, 128)], num_q_heads=8, num_kv_heads=2,
+                     head_dim=64, page_size=16, pad_tokens=2)
+    assert_matches_reference(ragged_paged_attention_gpu, case, F32, block_kv=8, num_splits=3,
+                             prefetch_pages=prefetch_pages, merge_kernel=merge_kernel)
+
+
 @pytest.mark.parametrize("kernel,q_dtype,options", [
     (ragged_paged_attention_gpu, F32, {}), (ragged_paged_attention_gpu, BF16, {}),
     (ragged_paged_attention_gpu, BF16, dict(fp8_widen_to="query")), (ragged_paged_attention_gpu_fused, BF16, {})])
@@ -189,7 +201,7 @@ def test_work_tiles_cover_every_query_once():
     assert live.tolist() == [[0, 4, 1, 0], [2, 20, 4, 1], [2, 24, 4, 5], [2, 28, 2, 9], [3, 0, 1, 11]]
 
 
-FUSED_ONLY = dict(plan_in_kernel=False, prefetch_pages=False, merge_kernel=False)
+FUSED_ONLY = dict(plan_in_kernel=False)
 
 
 @pytest.mark.parametrize("kernel", [ragged_paged_attention_gpu, ragged_paged_attention_gpu_fused])
@@ -203,6 +215,10 @@ def test_gpu_kernel_lowers_through_triton_from_cpu(kernel):
     for seqs, options, cache_dtype in (([(1, 300), (0, 0), (1, 16)], dict(num_splits=4), BF16),
                                        ([(90, 90), (1, 20)], {}, BF16),
                                        ([(1, 300), (40, 90)], dict(FUSED_ONLY, num_splits=2), BF16),
+                                       ([(1, 300), (40, 90)], dict(prefetch_pages=True, merge_kernel=True,
+                                                                   num_splits=2), BF16),
+                                       ([(1, 300), (40, 90)], dict(prefetch_pages=False, merge_kernel=False,
+                                                                   num_splits=2), BF16),
                                        ([(1, 300), (40, 90)], dict(num_splits=2), jnp.float8_e4m3fn)):
         if kernel is ragged_paged_attention_gpu and options.keys() & FUSED_ONLY.keys():
             continue  # the default kernel has no such options

@@ -104,12 +104,15 @@ def test_traced_step_and_kernels_ask_for_their_dtypes_precision(dtype, impl, bat
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_kernel_merges_its_splits_at_its_dtypes_precision(dtype):
-    # The split outputs are float32 in either dtype; their merge takes the precision of q's dtype.
+    # The split outputs are float32 in either dtype. By default a Pallas kernel merges them with
+    # float32 elementwise sums (no dot outside the attention kernel); XLA's merge, when asked
+    # for, is an einsum at the precision of q's dtype.
     case = make_case(0, [(1, 40), (1, 9)], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
                      dtype=jnp.dtype(dtype))
-    jaxpr = jax.make_jaxpr(lambda *args: ragged_paged_attention_gpu(*args, sm_scale=0.125, num_splits=3))(
-        *case.args())
-    found = list(_dot_precisions(jaxpr.jaxpr))
-    outside_kernel = [precision for inside, precision in found if not inside]
     want = (HIGHEST, HIGHEST) if dtype == "float32" else None
-    assert outside_kernel == [want] and {precision for _, precision in found} == {want}
+    for merge_kernel, outside_want in ((None, []), (False, [want])):
+        jaxpr = jax.make_jaxpr(lambda *args: ragged_paged_attention_gpu(
+            *args, sm_scale=0.125, num_splits=3, merge_kernel=merge_kernel))(*case.args())
+        found = list(_dot_precisions(jaxpr.jaxpr))
+        outside_kernel = [precision for inside, precision in found if not inside]
+        assert outside_kernel == outside_want and {precision for _, precision in found} == {want}

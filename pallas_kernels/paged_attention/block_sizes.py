@@ -36,7 +36,7 @@ GPU_FP8_TABLE_PATH = Path(__file__).with_name("gpu_fp8_decode_table.json")
 _TABLE_REACH = 1.5
 
 # Hopper: 132 SMs. Sweep (docs/KERNELS.md, v2): about 2 programs per SM was best for B=1 ctx 32k
-# (32 splits) and B=8 ctx 16k (4 splits); more splits only added combine work.
+# (32 splits) and B=8 ctx 16k (4 splits); more splits only added combine work (session 19 again).
 _GPU_NUM_SMS = 132
 _GPU_PROGRAMS_PER_SM = 2
 # Each split walks at least this many KV tiles, or the combine step costs more than the split saves.
@@ -51,15 +51,28 @@ class BlockSizes:
     num_splits: int  # KV splits per tile (flash-decoding); 1 = no combine step
     num_warps: int = 4
     num_stages: int = 2
-    # GPU only. Load the next KV block's page ids one step ahead, in the loop's carry.
+    # GPU only. Load the next KV block's page ids one step ahead, in the loop's carry (the default
+    # kernel: in its unmasked loop, when forced; default_kernel_mechanisms keeps it off).
     prefetch_pages: bool = True
     # GPU only. Each program derives its tile from cu_q_lens itself (no XLA planning kernels).
     plan_in_kernel: bool = True
     # GPU only, with splits. Merge the partial results in one small Pallas kernel (else XLA ops,
-    # the baseline's einsum merge). Off unless a measured table entry turns it on: run 1 never
-    # timed the kernel, and unmeasured shapes must not be slower than the baseline.
+    # the baseline's einsum merge). The fused kernel: off unless a measured table entry turns it
+    # on. The default kernel: on with splits (default_kernel_mechanisms).
     merge_kernel: bool = False
 
+
+# The default kernel's Pallas merge (one launch instead of XLA's two fusions: 56 against 86 us a
+# step in the batch-1 engine step's trace, bucket 8x8, 8 splits; latency_lab.py, session 19) is on
+# wherever the KV walk is split. Its page-id prefetch (the unmasked loop carries the next block's
+# page ids) stays off: at the session-19 split counts it changed nothing beyond the noise (H200,
+# full call, decode_small_batch.py: B=1 32k 58.1 us with prefetch and merge against 58.6 without
+# either, B=8 16k 157.8 / 156.2, B=16 4k 91.3 / 89.5), and unsplit it was slower (B=32 4k 158
+# against 146 us: the carried page ids keep Triton's pipeliner from loading blocks more than one
+# step ahead, where without them it hoists the page-table load too). It stays an option for sweeps.
+def default_kernel_mechanisms(sizes: BlockSizes) -> BlockSizes:
+    """``sizes`` with the default kernel's prefetch and merge set for its split count."""
+    return dataclasses.replace(sizes, prefetch_pages=False, merge_kernel=sizes.num_splits > 1)
 
 # Hopper's shared memory per block (227 KiB). GPU run 1 (H200): the current kernel asked for 303104
 # bytes at block_kv 128, 3 stages, bf16, d 128 (about 3 bytes per KV element per stage: K and V
@@ -92,8 +105,17 @@ def is_decode_like(num_tokens: int, max_num_seqs: int) -> bool:
 
 
 def _num_splits(num_programs: int, max_kv_len: int, block_kv: int, target_programs: int) -> int:
+    """Splits bringing ``num_programs`` up to at most ``target_programs`` (a power of two, rounded down).
+
+    Rounded down since session 19: rounding up (8 programs -> 64 splits for a 264 target) gave
+    B=1 at 16k-32k twice the splits it wants. H200, full call with prefetch and the Pallas merge
+    (decode_small_batch.py, two runs): B=1 32k 32 splits 59.2 / 57.7 us against 64 splits 58.6 /
+    70.0; B=1 16k 16 splits 40.1 / 38.2 against 64 splits 50.9 / 50.7; B=8 16k 4 splits 151.8 /
+    150.5 against 8 splits 149.0 / 169.0; B=16 4k 2 splits 92.6 against 4 splits 93.1.
+    """
     max_useful = max(1, max_kv_len // (block_kv * _MIN_TILES_PER_SPLIT))
-    splits = next_power_of_2(max(1, -(-target_programs // max(num_programs, 1))))
+    wanted = max(1, target_programs // max(num_programs, 1))
+    splits = 1 << (wanted.bit_length() - 1)  # the largest power of two <= wanted
     return max(1, min(splits, max_useful, _MAX_SPLITS))
 
 
@@ -147,10 +169,12 @@ def gpu_block_sizes(
     fp8_pages = kv_itemsize == 1
     if not fused:
         table = (table if table is not None else _measured_table(GPU_FP8_TABLE_PATH)) if fp8_pages else ()
-    return _fit_shared_memory(
-        _gpu_block_sizes(num_tokens=num_tokens, max_num_seqs=max_num_seqs, max_kv_len=max_kv_len,
-                         num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, page_size=page_size,
-                         itemsize=itemsize, table=table), head_dim, kv_itemsize or itemsize, fused)
+    sizes = _gpu_block_sizes(num_tokens=num_tokens, max_num_seqs=max_num_seqs, max_kv_len=max_kv_len,
+                             num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, page_size=page_size,
+                             itemsize=itemsize, table=table)
+    if not fused:  # the fp8 table's entries never set these: they were timed before the kernel had them
+        sizes = default_kernel_mechanisms(sizes)
+    return _fit_shared_memory(sizes, head_dim, kv_itemsize or itemsize, fused)
 
 
 def _gpu_block_sizes(

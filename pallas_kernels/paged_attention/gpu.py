@@ -21,9 +21,11 @@ The pieces of that walk that the fused-write kernel (``gpu_fused.py``) shares li
 ``gpu_tile.py``.
 
 Decode-like batches split each sequence's KV range across ``num_splits`` programs
-(flash-decoding) and merge the partial results with their log-sum-exps in a small XLA
-step; prefill-like batches use large query tiles and no split. Sizes come from
-``block_sizes.gpu_block_sizes``.
+(flash-decoding) and merge the partial results with their log-sum-exps in one small Pallas
+launch (``gpu_merge.py``; ``merge_kernel=False``: XLA ops, as before session 19); prefill-like
+batches use large query tiles and no split. Sizes come from ``block_sizes.gpu_block_sizes``.
+``prefetch_pages=True`` (an option for sweeps, off by default: measured neutral or slower,
+``block_sizes.default_kernel_mechanisms``) loads the next block's page ids a step ahead.
 
 The new tokens' K/V are written first by an XLA scatter into the donated cache (in
 place: no cache-sized copy, which the benchmark checks in the compiled program), then
@@ -64,6 +66,7 @@ the next page's matmuls; neither was built.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -74,7 +77,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paged_attention import gpu_tile as tile_lib
 from pallas_kernels.paged_attention import work_tiles as wt
-from pallas_kernels.paged_attention.block_sizes import BlockSizes, gpu_block_sizes
+from pallas_kernels.paged_attention.block_sizes import BlockSizes, default_kernel_mechanisms, gpu_block_sizes
+from pallas_kernels.paged_attention.gpu_merge import merge_splits_gpu
 from pallas_kernels.paged_attention.reference import write_kv_reference
 from pallas_kernels.paged_attention.validation import check_inputs
 # Re-exported: callers and tests know them from here.
@@ -90,7 +94,7 @@ def _attention_kernel(
     *out_refs,  # out [T (+ 1), Hq, D], or out [T + 1, Hq, D] f32 and lse [T + 1, Hq] f32 of this split
     sm_scale: float, soft_cap: float | None, sliding_window: int | None,
     page_size: int, block_kv: int, block_q: int, group: int, group_padded: int, num_splits: int, precision,
-    tile_dtype,
+    tile_dtype, prefetch_pages: bool,
 ):
     # Program ids are read here, outside the condition: the interpreter (CPU tests) lowers them only here.
     tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -105,11 +109,12 @@ def _attention_kernel(
                      sm_scale=sm_scale, soft_cap=soft_cap,
                      sliding_window=sliding_window, page_size=page_size, block_kv=block_kv, block_q=block_q,
                      group=group, group_padded=group_padded, num_splits=num_splits, precision=precision,
-                     tile_dtype=tile_dtype)
+                     tile_dtype=tile_dtype, prefetch_pages=prefetch_pages)
 
 
 def _attend_tile(tile, kv_head, split, meta_ref, page_tables_ref, q_ref, k_ref, v_ref, *out_refs, sm_scale, soft_cap,
-                 sliding_window, page_size, block_kv, block_q, group, group_padded, num_splits, precision, tile_dtype):
+                 sliding_window, page_size, block_kv, block_q, group, group_padded, num_splits, precision, tile_dtype,
+                 prefetch_pages):
     """One non-empty work tile of ``_attention_kernel`` (program ids ``tile``, ``kv_head``, ``split``)."""
     seq = meta_ref[tile, wt.SEQ]
     first_pos = meta_ref[tile, wt.FIRST_POS]
@@ -123,11 +128,20 @@ def _attend_tile(tile, kv_head, split, meta_ref, page_tables_ref, q_ref, k_ref, 
     q = tile_lib.load_queries(q_ref, rows, tile_dtype)  # fp8 pages, f16 tiles: clipped once per program
     scale = tile_lib.score_scale(sm_scale, soft_cap)
 
-    def step(i, carry, masked: bool):
+    pages_per_seq = page_tables_ref.shape[1]
+
+    def page_ids(i):
+        # Clamped, not masked: an entry past the table's end is never used (its rows are masked
+        # loads or past the walk), and an unmasked load has no predicate to compute.
+        index = jnp.minimum((i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)) // page_size, pages_per_seq - 1)
+        return plgpu.load(page_tables_ref.at[seq, index])
+
+    def step(i, carry, masked: bool, page=None):
         kv_pos = i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # [BK]
         in_seq = kv_pos < kv_end
-        page = plgpu.load(page_tables_ref.at[seq, kv_pos // page_size], mask=in_seq if masked else None,
-                          other=0 if masked else None)
+        if page is None:
+            page = plgpu.load(page_tables_ref.at[seq, kv_pos // page_size], mask=in_seq if masked else None,
+                              other=0 if masked else None)
         slot = page * page_size + kv_pos % page_size  # [BK] row in the flattened pages
         # Index both axes with arrays (a gather), the form both Triton and the interpreter take.
         slot_2d = jnp.broadcast_to(slot[:, None], (block_kv, head_dim))
@@ -146,7 +160,18 @@ def _attend_tile(tile, kv_head, split, meta_ref, page_tables_ref, q_ref, k_ref, 
                                                      sliding_window=sliding_window)
     carry = tile_lib.initial_carry(block_q * group_padded, head_dim)
     carry = lax.fori_loop(my_lo, full_lo, functools.partial(step, masked=True), carry)
-    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+    if prefetch_pages:
+        # The bulk of the walk loads the next block's page ids one step ahead, in the carry: this
+        # block's K/V addresses are then known when the step starts, not one global load later.
+        def prefetched_step(i, carry_and_pages):
+            *state, pages = carry_and_pages
+            next_pages = page_ids(i + 1)  # issued before this block's K/V loads
+            return (*step(i, tuple(state), masked=False, page=pages), next_pages)
+
+        *carry, _ = lax.fori_loop(full_lo, full_hi, prefetched_step, (*carry, page_ids(full_lo)))
+        carry = tuple(carry)
+    else:
+        carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
     acc, row_max, denom = lax.fori_loop(full_hi, my_hi, functools.partial(step, masked=True), carry)
     tile_lib.store_outputs(out_refs, rows, acc, row_max, denom, num_splits=num_splits)
 
@@ -183,7 +208,7 @@ def attend_gpu(
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
         page_size=page_size, block_kv=sizes.block_kv, block_q=block_q, group=group, group_padded=group_padded,
-        num_splits=splits, precision=precision, tile_dtype=tile_dtype,
+        num_splits=splits, precision=precision, tile_dtype=tile_dtype, prefetch_pages=sizes.prefetch_pages,
     )
     whole = lambda shape: pl.BlockSpec(shape, lambda w, h, s: (0,) * len(shape))  # noqa: E731
     cache_spec = pl.BlockSpec((None, num_pages * page_size, head_dim), lambda w, h, s: (h, 0, 0))
@@ -220,6 +245,9 @@ def attend_gpu(
     )(tiles.meta, page_tables, q, k_flat, v_flat, *out_init)
     if splits == 1:
         return results[0][:num_tokens]
+    if sizes.merge_kernel:  # one launch instead of XLA's reductions and divide
+        return merge_splits_gpu(results[0], results[1], cu_q_lens, num_tokens=num_tokens, dtype=q.dtype,
+                                interpret=interpret)
     out = wt.combine_splits(results[0][:, :num_tokens], results[1][:, :num_tokens], precision=precision)
     return out.astype(q.dtype)
 
@@ -232,7 +260,7 @@ def _split_init_refs(kernel, *refs, num_init: int):
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q", "block_kv", "num_splits",
-                     "num_warps", "num_stages", "interpret", "fp8_widen_to"),
+                     "num_warps", "num_stages", "prefetch_pages", "merge_kernel", "interpret", "fp8_widen_to"),
     donate_argnames=("k_pages", "v_pages"),
 )
 def ragged_paged_attention_gpu(
@@ -253,6 +281,8 @@ def ragged_paged_attention_gpu(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    prefetch_pages: bool | None = None,
+    merge_kernel: bool | None = None,
     interpret: bool = False,
     fp8_widen_to: str = "float16",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -280,6 +310,10 @@ def ragged_paged_attention_gpu(
         num_warps=num_warps or tuned.num_warps,
         num_stages=num_stages or tuned.num_stages,
     )
+    mechanisms = default_kernel_mechanisms(sizes)  # for the split count in force, unless forced
+    sizes = dataclasses.replace(
+        sizes, prefetch_pages=mechanisms.prefetch_pages if prefetch_pages is None else prefetch_pages,
+        merge_kernel=mechanisms.merge_kernel if merge_kernel is None else merge_kernel)
     return attend_and_write_gpu(
         q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes, interpret=interpret, fp8_widen_to=fp8_widen_to,
