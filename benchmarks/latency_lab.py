@@ -57,7 +57,7 @@ from profile_collectives import busy_time, load_trace  # noqa: E402
 
 from jaxinfer.batch import build_step_batch  # noqa: E402
 import jaxinfer.linear as linear_lib  # noqa: E402
-from jaxinfer.compile_options import quantized_gemm_options  # noqa: E402
+from jaxinfer.compile_options import merged_dots_options, quantized_gemm_options  # noqa: E402
 from jaxinfer.kv_cache import create_kv_cache  # noqa: E402
 from jaxinfer.linear import linear  # noqa: E402
 from jaxinfer.model import compute_logits, hidden_states  # noqa: E402
@@ -278,8 +278,9 @@ def measure_format(log: Log, args, fmt: str, ceiling_tbs: float) -> dict:
     # Moderate batches: every row a sequence at --batch-context tokens (throughput-1k's tail ran
     # ~76 sequences at ~1500 tokens, 11.2 ms a step in fp8, session 12). Their roofline adds the
     # K/V the step reads.
-    variants += [(f"decode step, bucket {n}x{n}, {n} sequences at {args.batch_context} tokens", n, n, {}, impl)
-                 for n in args.batches]
+    variants += [(f"decode step, bucket {n}x{n}, {n} sequences at {args.batch_context} tokens{xla}", n, n, options, impl)
+                 for n in args.batches
+                 for xla, options in [("", {})] + [(f", XLA {text}", parse_xla_options(text)) for text in args.xla_options]]
     # The same with FP8 W8A8 from fewer rows than FP8_W8A8_MIN_TOKENS: where to put the switch.
     if fmt == "fp8" and args.w8a8_min_tokens:
         variants += [(f"decode step, bucket {n}x{n}, {n} sequences at {args.batch_context} tokens, "
@@ -291,14 +292,16 @@ def measure_format(log: Log, args, fmt: str, ceiling_tbs: float) -> dict:
         batched = b is not None and label.startswith(f"decode step, bucket {b}x{b}, {b} sequences")
         num_active, context = (b, args.batch_context) if batched else (1, CONTEXT)
         if not args.no_trace and b is not None:
-            trace_dir = args.out / (f"profile_{fmt}_{t}x{b}" + (f"_v{i}" if 0 < i <= len(extra) else ""))
+            trace_dir = args.out / (f"profile_{fmt}_{t}x{b}" + (f"_v{i}" if i > 0 else ""))
         w8a8_min = args.w8a8_min_tokens if label.endswith(f"W8A8 from {args.w8a8_min_tokens} rows") else None
         default_w8a8_min = linear_lib.FP8_W8A8_MIN_TOKENS
         try:
             if w8a8_min:
                 linear_lib.FP8_W8A8_MIN_TOKENS = w8a8_min  # read at trace time (compile_loop below)
             # As the engine compiles a step that runs FP8 W8A8: without Triton GEMMs.
-            options = {**quantized_gemm_options(model.config.quantization, t, jax.default_backend()), **options}
+            backend = jax.default_backend()
+            options = {**merged_dots_options(model.config.quantization, t, backend),
+                       **quantized_gemm_options(model.config.quantization, t, backend), **options}
             if b is None:
                 carry = jnp.ones((t, config.hidden_size), jnp.bfloat16) * 0.01
                 run = static_loop(weight_layer_body(model), args.steps)
@@ -390,8 +393,8 @@ def main():
     parser.add_argument("--attention", type=lambda text: [x for x in text.split(",") if x], default=[],
                         help="also time and trace the 8x8 step with these attention kernels (pallas_gpu_fused, ...)")
     parser.add_argument("--xla-options", action="append", default=[], metavar="NAME=VALUE,...",
-                        help="time and trace the 8x8 step again compiled with these XLA options "
-                             "(repeatable; values without commas)")
+                        help="time and trace the 8x8 step (and each --batches step) again compiled with these "
+                             "XLA options (repeatable; values without commas)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = Log()
