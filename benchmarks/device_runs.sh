@@ -146,8 +146,18 @@
 #   s18e    one GPU: s18c's engine A/B again, on the final code.
 #   s18f    one GPU: the segments path checked against the reference on the GPU; throughput-1k bf16.
 #   s18g    one GPU: one layer's K/V write, XLA's two scatters against one Pallas launch (gpu_write_kv.py).
+#   s19a    one GPU: the default decode kernel's prefetch / Pallas merge / splits at few sequences
+#           (decode_small_batch.py), s18g, the batch-1 bf16 step under XLA dot-merging and fusion options.
+#   s19b    one GPU: s19a's decode kernel A/B again in interleaved rounds; the bf16 steps of 8, 32 and 128
+#           sequences with gate/up merged (the engine's default from session 19) and with XLA's default.
+#   s19c    one GPU: the decode kernel at the session-19 split counts against session 18's; the engine's
+#           batch-1 latency in bf16, this tree against .baseline/ (session 18's code, carried), then fp8.
+#   s19d    one GPU: the engine's bf16 latency (final code); the batch-1 fp8-weight step with gate/up merged
+#           (XLA's dot merger at 1 GB) and without.
+#   s19e    one GPU: the engine's fp8 batch-1 latency with gate/up merged (while MERGED_DOTS_QUANTIZATIONS
+#           held fp8) and with XLA's default (XLA_FLAGS), one after the other (run by hand as these two commands).
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f or s18g}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f, s18g, s19a, s19b, s19c, s19d or s19e}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -735,6 +745,38 @@ s18f)
         --workloads throughput-1k ;;
 s18g)
     on_gpu 0 kv_write.log $(( END - SECONDS - 5 )) python3 benchmarks/kv_write_gpu.py --out "$R/kv_write" ;;
+s19a)
+    on_gpu 0 decode_small.log 290 python3 benchmarks/decode_small_batch.py --out "$R/decode_small" --budget-s 230
+    on_gpu 0 kv_write.log 90 python3 benchmarks/kv_write_gpu.py --out "$R/kv_write"
+    on_gpu 0 lab.log $(( END - SECONDS - 5 )) python3 benchmarks/latency_lab.py --out "$R/lab" --weights bf16 \
+        --steps 16 --repeats 5 \
+        --xla-options xla_gpu_dot_merger_threshold_mb=1024 \
+        --xla-options xla_gpu_unsupported_enable_triton_multi_output_fusion=true ;;
+s19b)
+    on_gpu 0 decode_small.log 260 python3 benchmarks/decode_small_batch.py --out "$R/decode_small" --budget-s 215 \
+        --shapes 1x32768,8x16384,1x16384,16x4096,1x4096,fp8:1x32768,4x8192,1x1024,32x4096
+    on_gpu 0 lab.log $(( END - SECONDS - 5 )) python3 benchmarks/latency_lab.py --out "$R/lab" --weights bf16 \
+        --steps 16 --repeats 5 --batches 32,128 --batch-context 1536 --xla-options xla_gpu_dot_merger_threshold_mb=32 ;;
+s19c)
+    on_gpu 0 decode_small.log 180 python3 benchmarks/decode_small_batch.py --out "$R/decode_small" --budget-s 140 \
+        --rounds 1 --shapes 1x32768,8x16384,1x16384,1x4096,16x4096,fp8:1x32768,4x8192,1x1024,2x16384
+    for side in new base; do
+        dir=.; [ $side = base ] && dir=.baseline
+        on_gpu 0 latency_bf16_$side.log 140 python3 $dir/benchmarks/engine_throughput.py --out "$R/latency_bf16_$side" \
+            --workloads latency
+    done
+    on_gpu 0 latency_fp8_new.log $(( END - SECONDS - 5 )) python3 benchmarks/engine_throughput.py \
+        --out "$R/latency_fp8_new" --workloads latency --quantization fp8 --kv-cache-dtype fp8 ;;
+s19d)
+    on_gpu 0 latency_bf16.log 130 python3 benchmarks/engine_throughput.py --out "$R/latency_bf16" --workloads latency
+    on_gpu 0 lab.log $(( END - SECONDS - 5 )) python3 benchmarks/latency_lab.py --out "$R/lab" --weights fp8 \
+        --steps 16 --repeats 5 --xla-options xla_gpu_dot_merger_threshold_mb=1024 ;;
+s19e)
+    on_gpu 0 latency_fp8.log 190 python3 benchmarks/engine_throughput.py --out "$R/latency_fp8" --workloads latency \
+        --quantization fp8 --kv-cache-dtype fp8
+    XLA_FLAGS=--xla_gpu_dot_merger_threshold_mb=32 on_gpu 0 latency_fp8_unmerged.log 120 \
+        python3 benchmarks/engine_throughput.py --out "$R/latency_fp8_unmerged" --workloads latency \
+        --quantization fp8 --kv-cache-dtype fp8 ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac
