@@ -133,7 +133,8 @@ def write_report(out_dir: str, report: dict) -> None:
              "µs per full call (K/V write + attention), the best of the interleaved rounds; TB/s of K/V read "
              "and % of the ceiling; **bold**: the fastest of ours. `session 18`: the kernel before session 19 "
              "(splits rounded up, XLA's merge); `engine`: the sizes the engine takes now.", "",
-             "| pages | B | ctx | engine splits | variant | µs | TB/s | % ceiling | vs session 18 |", "| --- " * 9 + "|"]
+             "| pages | B | ctx | engine splits | variant | µs | TB/s | % ceiling | vs session 18 |",
+             "| --- " * 9 + "|"]
     for row in report["rows"]:
         ours = {k: v for k, v in row["us"].items() if k != "cuDNN dense"}
         best = min(ours, key=ours.get) if ours else None

@@ -146,7 +146,9 @@ def ours_sizes(num_tokens, max_num_seqs, max_kv_len, page_size, kv_itemsize=2, *
     tuned = gpu_block_sizes(num_tokens=num_tokens, max_num_seqs=max_num_seqs, max_kv_len=max_kv_len,
                             num_kv_heads=NUM_KV_HEADS, group=NUM_Q_HEADS // NUM_KV_HEADS, head_dim=HEAD_DIM,
                             page_size=page_size, itemsize=2, kv_itemsize=kv_itemsize)
-    fields = {f: overrides.get(f) or getattr(tuned, f) for f in BlockSizes.__dataclass_fields__}
+    # None means "the tuned value"; False and 0 are values (e.g. prefetch_pages=False).
+    fields = {f: getattr(tuned, f) if overrides.get(f) is None else overrides[f]
+              for f in BlockSizes.__dataclass_fields__}
     return BlockSizes(**fields)
 
 

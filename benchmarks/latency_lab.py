@@ -278,9 +278,9 @@ def measure_format(log: Log, args, fmt: str, ceiling_tbs: float) -> dict:
     # Moderate batches: every row a sequence at --batch-context tokens (throughput-1k's tail ran
     # ~76 sequences at ~1500 tokens, 11.2 ms a step in fp8, session 12). Their roofline adds the
     # K/V the step reads.
-    variants += [(f"decode step, bucket {n}x{n}, {n} sequences at {args.batch_context} tokens{xla}", n, n, options, impl)
-                 for n in args.batches
-                 for xla, options in [("", {})] + [(f", XLA {text}", parse_xla_options(text)) for text in args.xla_options]]
+    batch_options = [("", {})] + [(f", XLA {text}", parse_xla_options(text)) for text in args.xla_options]
+    variants += [(f"decode step, bucket {n}x{n}, {n} sequences at {args.batch_context} tokens{xla}", n, n, options,
+                  impl) for n in args.batches for xla, options in batch_options]
     # The same with FP8 W8A8 from fewer rows than FP8_W8A8_MIN_TOKENS: where to put the switch.
     if fmt == "fp8" and args.w8a8_min_tokens:
         variants += [(f"decode step, bucket {n}x{n}, {n} sequences at {args.batch_context} tokens, "
