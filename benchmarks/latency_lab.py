@@ -53,7 +53,7 @@ import numpy as np  # noqa: E402
 from common import (  # noqa: E402
     Log, count_fp8_dots, decode_weight_bytes, header, jaxpr_equations, measure_ceilings, random_model, write_results,
 )
-from profile_collectives import busy_time, load_trace  # noqa: E402
+from profile_collectives import busy_time, gpu_kernels, load_trace  # noqa: E402
 
 from jaxinfer.batch import build_step_batch  # noqa: E402
 import jaxinfer.linear as linear_lib  # noqa: E402
@@ -133,9 +133,7 @@ def breakdown(trace_path: Path, steps: int, top: int, scopes: dict[str, str] | N
     scope they ran in (lm_head, sampler) as well as by their own names."""
     scopes = scopes or {}
     events, processes = load_trace(trace_path)
-    gpus = [pid for pid, name in processes.items() if "GPU" in name or "gpu" in name]
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpus and "dur" in e
-               and "memcpy" not in e["name"].lower()]
+    kernels = gpu_kernels(events, processes)
     if not kernels:
         return {"error": f"no GPU kernel events in {trace_path.name} (processes: {sorted(processes.values())})"}
     intervals = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]

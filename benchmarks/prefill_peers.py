@@ -68,7 +68,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kernel_frontier as kf  # noqa: E402
-from profile_collectives import busy_time, load_trace  # noqa: E402
+from profile_collectives import busy_time, gpu_kernels, load_trace  # noqa: E402
 from kernel_attention import pseudo_random, ragged_inputs  # noqa: E402
 from kernel_frontier import Budget, OutOfTime, say, time_chain  # noqa: E402
 from mosaic_gpu_prefill_prototype import causal_prefill_attention_mosaic_gpu  # noqa: E402
@@ -133,10 +133,7 @@ def traced_kernels(program, carry, consts, trace_dir: str, calls: int) -> tuple[
     traces = sorted(glob.glob(os.path.join(trace_dir, "plugins/profile/*/*.trace.json.gz")))
     if not traces:
         return carry, {"error": f"no trace written under {trace_dir}"}
-    events, processes = load_trace(traces[-1])
-    gpus = {pid for pid, name in processes.items() if "GPU" in name}
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpus and "dur" in e
-               and "memcpy" not in e["name"].lower()]
+    kernels = gpu_kernels(*load_trace(traces[-1]))
     if not kernels:
         return carry, {"error": "no GPU kernel events in the trace"}
     intervals = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]

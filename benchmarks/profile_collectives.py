@@ -59,6 +59,13 @@ def load_trace(trace_path: Path) -> tuple[list[dict], dict[int, str]]:
     return events, processes
 
 
+def gpu_kernels(events: list[dict], processes: dict[int, str]) -> list[dict]:
+    """The complete GPU kernel events of a trace (memory copies left out), every GPU together."""
+    gpus = {pid for pid, name in processes.items() if "GPU" in name or "gpu" in name}
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in gpus and "dur" in e
+            and "memcpy" not in e["name"].lower()]
+
+
 def summarise(trace_path: Path, steps: int, top: int = 0) -> dict[str, dict]:
     events, processes = load_trace(trace_path)
     out = {}
