@@ -74,6 +74,7 @@ def default_kernel_mechanisms(sizes: BlockSizes) -> BlockSizes:
     """``sizes`` with the default kernel's prefetch and merge set for its split count."""
     return dataclasses.replace(sizes, prefetch_pages=False, merge_kernel=sizes.num_splits > 1)
 
+
 # Hopper's shared memory per block (227 KiB). GPU run 1 (H200): the current kernel asked for 303104
 # bytes at block_kv 128, 3 stages, bf16, d 128 (about 3 bytes per KV element per stage: K and V
 # tiles plus the fused write's new rows), so that tile no longer fits where the baseline's did.
@@ -110,8 +111,9 @@ def _num_splits(num_programs: int, max_kv_len: int, block_kv: int, target_progra
     Rounded down since session 19: rounding up (8 programs -> 64 splits for a 264 target) gave
     B=1 at 16k-32k twice the splits it wants. H200, full call with prefetch and the Pallas merge
     (decode_small_batch.py, two runs): B=1 32k 32 splits 59.2 / 57.7 us against 64 splits 58.6 /
-    70.0; B=1 16k 16 splits 40.1 / 38.2 against 64 splits 50.9 / 50.7; B=8 16k 4 splits 151.8 /
-    150.5 against 8 splits 149.0 / 169.0; B=16 4k 2 splits 92.6 against 4 splits 93.1.
+    70.0; B=1 16k 32 splits 42.3 / 41.2 (16: 40.1 / 38.2) against 64 splits 50.9 / 50.7; B=8 16k
+    4 splits 151.8 / 150.5 against 8 splits 149.0 / 169.0; B=16 4k 2 splits 92.6 against 4 splits
+    93.1. Against session 18's sizes in one run: B=1 32k 69.0 -> 58.1 us, B=8 16k 180.4 -> 157.8.
     """
     max_useful = max(1, max_kv_len // (block_kv * _MIN_TILES_PER_SPLIT))
     wanted = max(1, target_programs // max(num_programs, 1))
