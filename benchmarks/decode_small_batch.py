@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
 import sys
 import time
+import types
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -169,11 +171,9 @@ def main():
     if args.smoke:
         shapes = [("bf16", 1, 512)]
         ka.NUM_Q_HEADS, ka.NUM_KV_HEADS, ka.HEAD_DIM = 4, 1, 64
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        from pallas_kernels.paged_attention import gpu as gpu_kernel
-        original = gpu_kernel.attend_and_write_gpu
-        ka.gpu_kernel = type("Interpreted", (), {"attend_and_write_gpu": staticmethod(
-            lambda *a, **k: original(*a, **k, interpret=True))})
+        # kernel_attention.time_ours calls gpu_kernel.attend_and_write_gpu: run it in the interpreter.
+        ka.gpu_kernel = types.SimpleNamespace(attend_and_write_gpu=functools.partial(
+            ka.gpu_kernel.attend_and_write_gpu, interpret=True))
     else:
         report["ceilings"] = ka.measure_ceilings()
     ka.say(report["command"], "|", report["device"], "| jax", report["jax"])
