@@ -92,6 +92,11 @@ def _is_in_xla_flags(option: str) -> bool:
     return f"--{option}=" in os.environ.get("XLA_FLAGS", "")
 
 
+def _unless_in_xla_flags(options: dict) -> dict:
+    """``options`` without those the user set in ``XLA_FLAGS``: theirs stay theirs."""
+    return {k: v for k, v in options.items() if not _is_in_xla_flags(k)}
+
+
 def quantized_gemm_options(quantization: str | None, num_tokens: int, platform: str) -> dict:
     """Compiler options for a step of ``num_tokens`` token rows over projections quantized as
     ``quantization`` (None: dense) on ``platform``: :data:`FP8_W8A8_GEMM_OPTIONS` for a GPU step
@@ -102,7 +107,7 @@ def quantized_gemm_options(quantization: str | None, num_tokens: int, platform: 
     options = dict(FP8_W8A8_GEMM_OPTIONS)
     if num_tokens < FP8_UNMERGED_BELOW_TOKENS:
         options.update(FP8_UNMERGED_OPTIONS)
-    return {k: v for k, v in options.items() if not _is_in_xla_flags(k)}
+    return _unless_in_xla_flags(options)
 
 
 def merged_dots_options(quantization: str | None, num_tokens: int, platform: str) -> dict:
@@ -111,7 +116,7 @@ def merged_dots_options(quantization: str | None, num_tokens: int, platform: str
     An option the user set in ``XLA_FLAGS`` stays theirs."""
     if platform != "gpu" or num_tokens > MERGED_DOTS_MAX_TOKENS or quantization not in MERGED_DOTS_QUANTIZATIONS:
         return {}
-    return {k: v for k, v in MERGED_DOTS_OPTIONS.items() if not _is_in_xla_flags(k)}
+    return _unless_in_xla_flags(MERGED_DOTS_OPTIONS)
 
 
 def graph_options(num_devices: int) -> dict:

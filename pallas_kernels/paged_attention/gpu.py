@@ -128,13 +128,8 @@ def _attend_tile(tile, kv_head, split, meta_ref, page_tables_ref, q_ref, k_ref, 
     q = tile_lib.load_queries(q_ref, rows, tile_dtype)  # fp8 pages, f16 tiles: clipped once per program
     scale = tile_lib.score_scale(sm_scale, soft_cap)
 
-    pages_per_seq = page_tables_ref.shape[1]
-
     def page_ids(i):
-        # Clamped, not masked: an entry past the table's end is never used (its rows are masked
-        # loads or past the walk), and an unmasked load has no predicate to compute.
-        index = jnp.minimum((i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)) // page_size, pages_per_seq - 1)
-        return plgpu.load(page_tables_ref.at[seq, index])
+        return tile_lib.block_page_ids(page_tables_ref, seq, i, block_kv=block_kv, page_size=page_size)
 
     def step(i, carry, masked: bool, page=None):
         kv_pos = i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # [BK]

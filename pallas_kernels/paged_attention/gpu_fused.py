@@ -138,10 +138,7 @@ def _attention_kernel(
     kv_lane_2d = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32)[None, :], (block_kv, head_dim))
 
     def page_ids(i):
-        # Clamped, not masked: entries past the table's end are never used (their rows are masked
-        # loads or outside the walk), and an unmasked load has no predicate to compute.
-        index = jnp.minimum((i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)) // page_size, pages_per_seq - 1)
-        return plgpu.load(page_tables_ref.at[seq, index])
+        return tile_lib.block_page_ids(page_tables_ref, seq, i, block_kv=block_kv, page_size=page_size)
 
     def load_block(cache_ref, new_ref, kv_pos, pages, source: str):
         """[BK, D] rows of K or V at ``kv_pos``, in the compute dtype: cached rows, new rows or both (masked)."""

@@ -5,8 +5,8 @@ one KV head stacked as rows, see ``work_tiles``) per program and walk its KV ran
 ``block_kv`` with an online softmax. They differ only in where K/V rows come from (pages
 gathered through the page table; the fused kernel also reads this step's rows from
 ``k_new``/``v_new`` and writes them) and in how a tile finds its scalars. What is the same lives
-here, once: the KV range of a tile and split, the query rows and their gather, one softmax
-step, the range of blocks that need no mask, and the output store.
+here, once: the KV range of a tile and split, the query rows and their gather, a block's page ids
+(loaded ahead), one softmax step, the range of blocks that need no mask, and the output store.
 """
 
 from __future__ import annotations
@@ -108,6 +108,17 @@ def query_rows(token_start, first_pos, tile_q_len, kv_head, *, block_q: int, gro
         lane_2d=jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32)[None, :], (rows, head_dim)),
         row_mask=jnp.broadcast_to(is_row[:, None], (rows, head_dim)),
     )
+
+
+def block_page_ids(page_tables_ref, seq, block, *, block_kv: int, page_size: int) -> jax.Array:
+    """[block_kv] page ids of KV block ``block`` of sequence ``seq``, for a walk that loads them a block ahead.
+
+    Clamped, not masked: an entry past the table's end is never used (its rows are masked loads or
+    past the walk), and an unmasked load has no predicate to compute.
+    """
+    pages_per_seq = page_tables_ref.shape[1]
+    index = jnp.minimum((block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)) // page_size, pages_per_seq - 1)
+    return plgpu.load(page_tables_ref.at[seq, index])
 
 
 def load_queries(q_ref, rows: QueryRows, compute_dtype) -> jax.Array:
