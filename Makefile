@@ -36,12 +36,16 @@ run: model
 demo: model
 	$(BIN)/jaxinfer generate --model $(MODEL) --chat --prompt "$(PROMPT)" --max-tokens 64
 
-# One pytest process for the whole suite (PYTEST_ARGS: a file, -k, ... to run less). A single
-# process used to die ~1,150 tests in once it ran out of memory mappings (vm.max_map_count);
-# tests/map_budget.py now frees compiled programs first (docs/crash_investigation.md). The 25
-# slowest tests close every run's log: the suite must stay under 30 minutes on 2 cores.
+# The suite on TEST_WORKERS pytest processes (pytest-xdist), each taking whole test files so a
+# module's fixtures (a loaded model, a started server) are built once. One process kept one of
+# the two cores idle: the suite's CPU time was its wall time (~56 min on 2 cores). TEST_WORKERS=0
+# runs in this process (PYTEST_ARGS: a file, -k, ... to run less). A process used to die ~1,150
+# tests in once it ran out of memory mappings (vm.max_map_count); tests/map_budget.py now frees
+# compiled programs first (docs/crash_investigation.md). The 25 slowest tests close every run's
+# log: the suite must stay under 30 minutes on 2 cores.
+TEST_WORKERS ?= 2
 test: model
-	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .cache
