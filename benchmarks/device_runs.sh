@@ -156,8 +156,12 @@
 #           (XLA's dot merger at 1 GB) and without.
 #   s19e    one GPU: the engine's fp8 batch-1 latency with gate/up merged (while MERGED_DOTS_QUANTIZATIONS
 #           held fp8) and with XLA's default (XLA_FLAGS), one after the other (run by hand as these two commands).
+#   s20a    one GPU: the residual add + RMSNorm kernel against XLA's two kernels (residual_norm_gpu.py); the
+#           batch-1 and 32-sequence bf16 steps, this tree against .baseline/ (session 19's model, carried).
+#   s20b    one GPU: the engine's bf16 batch-1 latency, this tree, .baseline/, this tree; then fp8.
+#   s20c    one GPU: s20a's batch-1 step again, both trees, with XLA's split-K GEMVs and without.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f, s18g, s19a, s19b, s19c, s19d or s19e}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f, s18g, s19a, s19b, s19c, s19d, s19e, s20a, s20b or s20c}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -777,6 +781,27 @@ s19e)
     XLA_FLAGS=--xla_gpu_dot_merger_threshold_mb=32 on_gpu 0 latency_fp8_unmerged.log 120 \
         python3 benchmarks/engine_throughput.py --out "$R/latency_fp8_unmerged" --workloads latency \
         --quantization fp8 --kv-cache-dtype fp8 ;;
+s20a)
+    on_gpu 0 residual_norm.log 90 python3 benchmarks/residual_norm_gpu.py --out "$R/residual_norm"
+    for side in new base; do  # B = .baseline/ (XLA's add and norm kernels)
+        dir=.; [ $side = base ] && dir=.baseline
+        on_gpu 0 lab_$side.log 200 python3 $dir/benchmarks/latency_lab.py --out "$R/lab_$side" --weights bf16 \
+            --steps 16 --repeats 5 --batches 32 --batch-context 1536
+    done ;;
+s20c)
+    for side in new base; do  # s20a: XLA splits the o and down GEMVs over K and adds the residual in the split
+        dir=.; [ $side = base ] && dir=.baseline  # reduction; without split-K the add + norm kernel could take it
+        on_gpu 0 lab_$side.log 170 python3 $dir/benchmarks/latency_lab.py --out "$R/lab_$side" --weights bf16 \
+            --steps 16 --repeats 5 --xla-options xla_gpu_enable_split_k_autotuning=false
+    done ;;
+s20b)
+    for side in new base new; do
+        dir=.; [ $side = base ] && dir=.baseline
+        on_gpu 0 latency_bf16_$side.log 140 python3 $dir/benchmarks/engine_throughput.py \
+            --out "$R/latency_bf16_$side$SECONDS" --workloads latency
+    done
+    on_gpu 0 latency_fp8_new.log $(( END - SECONDS - 5 )) python3 benchmarks/engine_throughput.py \
+        --out "$R/latency_fp8_new" --workloads latency --quantization fp8 --kv-cache-dtype fp8 ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac
