@@ -158,6 +158,7 @@
 #           held fp8) and with XLA's default (XLA_FLAGS), one after the other (run by hand as these two commands).
 #   s20a    one GPU: the residual add + RMSNorm kernel against XLA's two kernels (residual_norm_gpu.py); the
 #           batch-1 and 32-sequence bf16 steps, this tree against .baseline/ (session 19's model, carried).
+#           The kernel, its model wiring and its benchmark are at commit ceafa34 (slower: reverted after it).
 #   s20b    one GPU: the engine's bf16 batch-1 latency, this tree, .baseline/, this tree; then fp8.
 #   s20c    one GPU: s20a's batch-1 step again, both trees, with XLA's split-K GEMVs and without.
 set -u

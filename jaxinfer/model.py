@@ -31,37 +31,13 @@ from jaxinfer.linear import linear, linear_many
 from jaxinfer.params import LayerWeights, Weights
 from jaxinfer.quantization import QuantizedWeight
 from pallas_kernels.precision import matmul_precision
-from pallas_kernels.residual_norm import (
-    MAX_GPU_ROWS, add_rms_norm_gpu, add_rms_norm_reference, rms_norm_reference,
-)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in float32, cast back before the weight multiply (as transformers does)."""
-    return rms_norm_reference(x, weight, eps)
-
-
-def add_rms_norm(x: jax.Array, delta: jax.Array, weight: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
-    """The residual stream ``x + delta`` [T, E] and its :func:`rms_norm` by ``weight``.
-
-    On one GPU, steps of at most ``MAX_GPU_ROWS`` tokens take one Pallas launch for both
-    (``pallas_kernels.residual_norm``): XLA emits the add and the norm as two kernels, which at
-    batch 1 cost a fixed ~1.7 µs each, twice a layer. Elsewhere (CPU, TPU, prefill, a tp mesh,
-    whose partitioner cannot split a Pallas call) the same arithmetic as XLA's fusions.
-    """
-    kernel = add_rms_norm_kernel(x.shape[0])
-    if kernel is not None:
-        return kernel(x, delta, weight, eps=eps)
-    return add_rms_norm_reference(x, delta, weight, eps)
-
-
-def add_rms_norm_kernel(num_tokens: int):
-    """The one-launch add + norm for a step of ``num_tokens`` tokens here, or None for XLA's fusions."""
-    mesh = jax.sharding.get_abstract_mesh()
-    one_device = mesh.empty or mesh.size == 1
-    if jax.default_backend() == "gpu" and num_tokens <= MAX_GPU_ROWS and one_device:
-        return add_rms_norm_gpu
-    return None
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
 
 
 @functools.cache
@@ -126,27 +102,11 @@ def attention_block(
     kv_scales: tuple[jax.Array | None, jax.Array | None] = (None, None),
     rope: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One layer's attention: norm, then :func:`attention`."""
-    return attention(layer, rms_norm(x, layer.attn_norm, config.rms_norm_eps), k_pages, v_pages, batch, config,
-                     attention_impl, kv_scales, rope)
-
-
-def attention(
-    layer: LayerWeights,
-    h: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    batch: StepBatch,
-    config: ModelConfig,
-    attention_impl: str,
-    kv_scales: tuple[jax.Array | None, jax.Array | None] = (None, None),
-    rope: tuple[jax.Array, jax.Array] | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One layer's attention over the normed residual stream h [T, E]: q/k/v, RoPE, paged attention
-    (writing this step's K/V), o. Returns the layer's output [T, E] and the updated pages.
+    """One layer's attention: norm, q/k/v, RoPE, paged attention (writing this step's K/V), o.
 
     ``rope``: :func:`rope_tables` of the step's positions, made once for all layers (None: made here).
     """
+    h = rms_norm(x, layer.attn_norm, config.rms_norm_eps)  # [T, E]
     # q [T, Hq, D], k and v [T, Hkv, D]; one input, quantized once when it runs FP8 W8A8
     q, k, v = linear_many("te,ehd->thd", h, (layer.q, layer.k, layer.v))
     if config.attention_bias:
@@ -176,12 +136,7 @@ def output_projection(out: jax.Array, o) -> jax.Array:
 
 
 def mlp_block(layer: LayerWeights, x: jax.Array, config: ModelConfig) -> jax.Array:
-    """One layer's MLP: norm, then :func:`mlp`."""
-    return mlp(layer, rms_norm(x, layer.mlp_norm, config.rms_norm_eps))
-
-
-def mlp(layer: LayerWeights, h: jax.Array) -> jax.Array:
-    """SwiGLU over the normed residual stream h [T, E]: down(silu(gate(h)) * up(h)) -> [T, E]."""
+    h = rms_norm(x, layer.mlp_norm, config.rms_norm_eps)  # [T, E]
     gate, up = linear_many("te,ef->tf", h, (layer.gate, layer.up))  # [T, F] each
     return linear("tf,fe->te", jax.nn.silu(gate) * up, layer.down)
 
@@ -205,27 +160,22 @@ def hidden_states_and_aux(
     aux = {}
     new_k, new_v = [], []
     rope = rope_tables(batch.positions, rope_inverse_frequencies(config))  # once per step, not per layer
-    eps = config.rms_norm_eps
-    # Each residual add comes with the norm that reads its sum (the next block's, or the final
-    # norm after the last layer), so that add_rms_norm can make both in one kernel.
-    h = rms_norm(x, weights.layers[0].attn_norm, eps)
-    next_norms = [layer.attn_norm for layer in weights.layers[1:]] + [weights.final_norm]
-    for i, (layer, next_norm) in enumerate(zip(weights.layers, next_norms)):
+    for i, layer in enumerate(weights.layers):
         if i in aux_layers:
             aux[i] = x  # HF's hidden_states[i], vLLM's aux hidden state of layer i
         with jax.named_scope(f"layer_{i}"):
             with jax.named_scope("attention"):
-                attn, k_pages, v_pages = attention(
-                    layer, h, cache.k[i], cache.v[i], batch, config, attention_impl, cache.layer_scales(i), rope
+                attn, k_pages, v_pages = attention_block(
+                    layer, x, cache.k[i], cache.v[i], batch, config, attention_impl, cache.layer_scales(i), rope
                 )
+            x = x + attn
             with jax.named_scope("mlp"):
-                x, h = add_rms_norm(x, attn, layer.mlp_norm, eps)
-                x, h = add_rms_norm(x, mlp(layer, h), next_norm, eps)
+                x = x + mlp_block(layer, x, config)
         new_k.append(k_pages)
         new_v.append(v_pages)
     aux_states = jnp.concatenate([aux[i] for i in aux_layers], axis=-1) if aux_layers else None
     cache = dataclasses.replace(cache, k=new_k, v=new_v)
-    return h, aux_states, cache
+    return rms_norm(x, weights.final_norm, config.rms_norm_eps), aux_states, cache
 
 
 def compute_logits(weights: Weights, x: jax.Array) -> jax.Array:
