@@ -161,8 +161,22 @@
 #           The kernel, its model wiring and its benchmark are at commit ceafa34 (slower: reverted after it).
 #   s20b    one GPU: the engine's bf16 batch-1 latency, this tree, .baseline/, this tree; then fp8.
 #   s20c    one GPU: s20a's batch-1 step again, both trees, with XLA's split-K GEMVs and without.
+#   s20d-f  one GPU, by hand (session 20): latency_lab.py --weights bf16 --steps 16 --repeats 5 with
+#           --xla-options xla_gpu_enable_pdl=true (and _pdl_launch, concurrent graph regions): no effect;
+#           with --attention pallas_gpu_fused (s20e: the fused kernel's old sizes), and from two copies of
+#           the tree whose fused sizes had prefetch off + the Pallas merge (s20f var1) and two stages as
+#           well (var2: what block_sizes.fused_kernel_mechanisms now sets).
+#   s20g    one GPU: one live sequence in the 8x8 bucket at 384 and 32k tokens, the default kernel against the
+#           fused one at their tuned and other split counts (the 32k part ran out of time); the engine's bf16
+#           latency, this tree of then ("auto" took the fused kernel for steps of <= 8 slots: not kept)
+#           against .baseline/ (session 19's code).
+#   s20h, s20i  one GPU, by hand: small_bucket_decode.py --contexts 32768 --chained 16 --splits 32 (before the
+#           one-live split rule); decode_small_batch.py --rounds 1 --shapes 8x16384 (after it).
+#   s21a    one GPU: what session 20 left unmeasured: the engine's bf16 batch-1 latency with the one-live
+#           split rule (this tree) against .baseline/ (session 19's code); the 8x8 bucket
+#           at 384, 4k and 32k tokens; B=8 16k with all slots live, this tree against .baseline/.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f, s18g, s19a, s19b, s19c, s19d, s19e, s20a, s20b or s20c}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f, s18g, s19a, s19b, s19c, s19d, s19e, s20a, s20b, s20c, s20g or s21a}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -794,6 +808,26 @@ s20c)
         dir=.; [ $side = base ] && dir=.baseline  # reduction; without split-K the add + norm kernel could take it
         on_gpu 0 lab_$side.log 170 python3 $dir/benchmarks/latency_lab.py --out "$R/lab_$side" --weights bf16 \
             --steps 16 --repeats 5 --xla-options xla_gpu_enable_split_k_autotuning=false
+    done ;;
+s20g)
+    on_gpu 0 small_bucket.log 110 python3 benchmarks/small_bucket_decode.py --out "$R/small_bucket" --contexts 384,32768
+    for side in new base; do  # B = .baseline/: session 19's code (the default kernel and XLA's K/V scatters)
+        dir=.; [ $side = base ] && dir=.baseline
+        on_gpu 0 latency_bf16_$side.log $(( (END - SECONDS) / 2 )) python3 $dir/benchmarks/engine_throughput.py \
+            --out "$R/latency_bf16_$side" --workloads latency
+    done ;;
+s21a)
+    for side in new base; do
+        dir=.; [ $side = base ] && dir=.baseline
+        on_gpu 0 latency_bf16_$side.log 130 python3 $dir/benchmarks/engine_throughput.py \
+            --out "$R/latency_bf16_$side$SECONDS" --workloads latency
+    done
+    on_gpu 0 small_bucket.log 100 python3 benchmarks/small_bucket_decode.py --out "$R/small_bucket" \
+        --contexts 384,4096,32768 --chained 16 --splits 4,32
+    for side in new base; do
+        dir=.; [ $side = base ] && dir=.baseline
+        on_gpu 0 dsb_$side.log $(( (END - SECONDS) / 2 )) python3 $dir/benchmarks/decode_small_batch.py \
+            --out "$R/dsb_$side" --rounds 1 --shapes 8x16384,4x8192,1x32768
     done ;;
 s20b)
     for side in new base new; do

@@ -1,7 +1,11 @@
 """benchmarks/decode_small_batch.py's columns and report, without running a kernel (the kernel's own
-paths are tested in test_paged_attention_gpu.py; the script runs end to end with --smoke)."""
+paths are tested in test_paged_attention_gpu.py; the script runs end to end with --smoke); and
+benchmarks/small_bucket_decode.py end to end in the interpreter."""
 
 import json
+import os
+import subprocess
+import sys
 
 from tests.test_benchmarks_smoke import BENCHMARKS  # noqa: F401  (puts benchmarks/ on sys.path)
 
@@ -42,3 +46,17 @@ def test_report_names_the_fastest_and_the_ratio_to_session_18(tmp_path):
     assert "| engine | **58.1** | 2.31 | 50% | 0.84x |" in md
     assert "| cuDNN dense | 48.2 |" in md and "failed: E" in md
     assert json.loads((tmp_path / "decode_small_batch.json").read_text())["rows"][0]["us"]["engine"] == 58.1
+
+
+def test_small_bucket_benchmark_runs_on_cpu(tmp_path):
+    """benchmarks/small_bucket_decode.py end to end in the interpreter: both kernels agree on the live row."""
+    from tests.conftest import REPO
+
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "small_bucket_decode.py"), "--out", str(tmp_path),
+                    "--smoke"], check=True, capture_output=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    report = json.loads((tmp_path / "small_bucket_decode.json").read_text())
+    (row,) = report["results"]
+    assert len(row["us"]) == 4 and all(us > 0 for us in row["us"].values())
+    assert any(name.startswith("fused kernel") and "(tuned)" in name for name in row["us"])
+    assert max(row["max_abs_diff"].values()) < 0.05  # bf16 outputs of one attention, four ways
+    assert "| 40 | default kernel" in (tmp_path / "small_bucket_decode.md").read_text()

@@ -31,14 +31,15 @@ def sizes(num_tokens, max_num_seqs, max_kv_len, table=TABLE, **shape):
 # keep choosing (its measured speed is the baseline), and what the fused kernel's heuristic starts
 # from. Written down from the frozen copy of that kernel before it was deleted (it had become
 # gpu.py itself). Except the split counts of session 19 (rounded down to a power of two, not up:
-# block_sizes._num_splits), where the frozen kernel had 64, 64 and 8.
+# block_sizes._num_splits), where the frozen kernel had 64, 64 and 8; and session 20's for buckets of
+# <= 8 slots, split as if one sequence were live (B=8 at 16k: 32, from 4).
 PRE_ISSUE_21_SIZES = {
     (1, 1, 32768, 2): (4, 64, 32, 4, 4),
     (1, 1, 32768, 4): (4, 64, 32, 4, 2),
     (1, 1, 16384, 2): (4, 64, 32, 4, 4),
     (1, 1, 16384, 4): (4, 64, 32, 4, 2),
-    (8, 8, 16384, 2): (4, 64, 4, 4, 4),
-    (8, 8, 16384, 4): (4, 64, 4, 4, 2),
+    (8, 8, 16384, 2): (4, 64, 32, 4, 4),
+    (8, 8, 16384, 4): (4, 64, 32, 4, 2),
     (32, 32, 4096, 2): (4, 128, 1, 4, 3),
     (32, 32, 4096, 4): (4, 64, 1, 4, 2),
     (64, 64, 4096, 2): (4, 64, 1, 2, 3),
@@ -61,6 +62,19 @@ def test_default_kernel_gets_the_pre_issue_21_sizes_and_ignores_the_table():
         assert tuple(getattr(ours, f) for f in FIELDS) == expected, shape
         # The Pallas merge where the walk is split; page-id prefetch never (measured neutral or slower).
         assert ours.merge_kernel == (ours.num_splits > 1) and not ours.prefetch_pages, shape
+
+
+def test_small_buckets_split_for_one_live_sequence():
+    # Session 20 (small_bucket_decode.py, H200): one sequence at 32k in the engine's 8x8 bucket took
+    # 225 us at the 4 splits that 8 live sequences want, 66 at 32. Buckets of 8 slots or fewer now
+    # split as one live sequence does; larger ones by their slots, as before.
+    def splits(slots, context):
+        return gpu_block_sizes(num_tokens=slots, max_num_seqs=slots, max_kv_len=context, **LLAMA).num_splits
+
+    assert splits(8, 32768) == splits(1, 32768) == 32
+    assert splits(4, 16384) == splits(1, 16384)
+    assert splits(8, 2048) == 8  # a short page table: each split keeps >= 4 blocks of 64
+    assert splits(16, 4096) == 2 and splits(16, 32768) == 2  # 128 programs: the slots' count
 
 
 def test_measured_shape_gets_its_entry():
@@ -91,13 +105,31 @@ def test_prefill_entry_by_token_count():
 
 def test_heuristics_match_the_frozen_baseline_where_nothing_is_measured():
     # GPU run 1: the current kernel at the heuristic's sizes must not lose to the baseline kernel,
-    # so off-table shapes get the baseline's tiles and split count, and XLA's merge (the baseline's).
+    # so off-table shapes get the baseline's tiles and split count.
     for (num_tokens, max_num_seqs, max_kv_len, itemsize), expected in PRE_ISSUE_21_SIZES.items():
         ours = sizes(num_tokens, max_num_seqs, max_kv_len, table=(), **dict(LLAMA, itemsize=itemsize))
+        if (num_tokens, max_num_seqs, max_kv_len) == (8, 8, 16384):  # the fused kernel splits by its slots
+            expected = (4, 64, 4) + expected[3:]
         assert tuple(getattr(ours, f) for f in FIELDS[:4]) == expected[:4], (num_tokens, max_kv_len)
-        # Stages: the baseline's, or fewer where the fused kernel's tiles would overflow shared memory.
-        assert 2 <= ours.num_stages <= expected[4]
-        assert ours.merge_kernel is False
+        # Session 20 (the fused kernel in the batch-1 step): where the walk is split, two stages, the
+        # Pallas merge and no page-id prefetch; unsplit, the baseline's stages or fewer where the fused
+        # kernel's tiles would overflow shared memory.
+        split = ours.num_splits > 1
+        assert ours.num_stages == 2 if split else 2 <= ours.num_stages <= expected[4]
+        assert ours.merge_kernel == split and not ours.prefetch_pages
+
+
+def test_the_fused_kernel_keeps_a_measured_entry_as_measured():
+    # The table's entries carry their own mechanisms (prefetch, merge, stages): not replaced.
+    assert sizes(1, 1, 32768) == BlockSizes(**TABLE[0]["sizes"])
+    assert sizes(1, 1, 32768).prefetch_pages and sizes(1, 1, 32768).merge_kernel is False
+
+
+def test_the_engines_batch_one_bucket_gets_the_session_20_fused_sizes():
+    # Bucket 8x8 at a 2048-token page table (latency_lab.py's step): four splits over eight slots.
+    got = sizes(8, 8, 2048, table=())
+    assert got == BlockSizes(block_q=4, block_kv=64, num_splits=4, num_warps=4, num_stages=2,
+                             prefetch_pages=False, plan_in_kernel=True, merge_kernel=True)
 
 
 def test_sizes_fit_shared_memory():

@@ -76,7 +76,8 @@ def test_gpu_kernel_sliding_window_and_soft_cap(kernel, num_splits):
 
 
 @pytest.mark.parametrize("prefetch_pages,plan_in_kernel,merge_kernel",
-                         [(False, False, False), (True, False, True), (False, True, False)])
+                         [(False, False, False), (True, False, True), (False, True, False),
+                          (False, True, True)])  # the last: fused_kernel_mechanisms' split walks
 def test_fused_gpu_kernel_options_match_reference(prefetch_pages, plan_in_kernel, merge_kernel):
     # The defaults (all on) run in every other test; other combinations on a mixed batch with
     # splits: chunked prefill over a cached prefix, decode, an empty slot, padding tokens.
@@ -85,6 +86,19 @@ def test_fused_gpu_kernel_options_match_reference(prefetch_pages, plan_in_kernel
     assert_matches_reference(ragged_paged_attention_gpu_fused, case, F32, block_kv=16, num_splits=2,
                              prefetch_pages=prefetch_pages, plan_in_kernel=plan_in_kernel,
                              merge_kernel=merge_kernel)
+
+
+@pytest.mark.parametrize("live", [1, 3])
+def test_fused_kernel_in_the_engines_batch_one_bucket_matches_reference(live):
+    # The fused kernel as block_sizes.fused_kernel_mechanisms sets it up in the engine's smallest
+    # bucket: 8 slots of which 1 or 3 decode (one right after a page boundary), 8 token rows with the
+    # rest padding, bf16, four splits (block_kv under the page, so split ranges start inside pages),
+    # the Pallas merge, no page-id prefetch.
+    seqs = [(1, 300), (1, 33), (1, 17)][:live] + [(0, 0)] * (8 - live)
+    case = make_case(17 + live, seqs, num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+                     pad_tokens=8 - live, dtype=BF16)
+    assert_matches_reference(ragged_paged_attention_gpu_fused, case, BF16, block_kv=8, num_splits=4,
+                             prefetch_pages=False, merge_kernel=True)
 
 
 @pytest.mark.parametrize("prefetch_pages,merge_kernel", [(True, False), (False, True), (True, True)])

@@ -42,6 +42,15 @@ _GPU_PROGRAMS_PER_SM = 2
 # Each split walks at least this many KV tiles, or the combine step costs more than the split saves.
 _MIN_TILES_PER_SPLIT = 4
 _MAX_SPLITS = 64
+# Decode buckets of at most this many sequence slots split the default kernel's walk as if one
+# sequence were live. The engine's batch-1 steps run bucket 8x8, whose 8 slots (64 programs) made 4
+# splits: one sequence at 32k then read its cache with 32 programs. H200, session 20, full call
+# (small_bucket_decode.py): 225 us at 4 splits, 66 at 32 (the fused kernel 201 and 122). The cost
+# when all 8 slots are live: B=8 at 16k 167 us at 32 splits (16: 163, 64: 171; decode_small_batch.py,
+# same run) against 158 at 4 in session 19's run. At 384 tokens of context 4 / 16 / 32 splits timed
+# 17.2 / 17.9 / 18.9 us (within the noise of calls that short). The fused kernel keeps the slots'
+# count: at 384 tokens it took 14.5 us at 4 splits, 28.1 at 16 and 40.9 at 32.
+_SPLIT_FOR_ONE_LIVE_MAX_SEQS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +82,21 @@ class BlockSizes:
 def default_kernel_mechanisms(sizes: BlockSizes) -> BlockSizes:
     """``sizes`` with the default kernel's prefetch and merge set for its split count."""
     return dataclasses.replace(sizes, prefetch_pages=False, merge_kernel=sizes.num_splits > 1)
+
+
+# The fused kernel (opt-in) where no measured table entry reaches: the default kernel's mechanisms,
+# and two pipeline stages where the walk is split (an unsplit walk keeps the heuristics' depth). H200,
+# session 20, the batch-1 step of latency_lab.py (bucket 8x8, context 384) with the fused kernel for
+# attention: 5.128 ms a step at the old heuristics (prefetch on, XLA's merge, 4 stages), 4.544 with
+# prefetch off and the Pallas merge, 4.499 with two stages as well, against 4.618 for the default
+# kernel and XLA's K/V scatters in the same run. Alone (full call, 64 chained): 27.5 us at the old
+# heuristics, 15.6 without prefetch, 14.9 at two stages, the default kernel 14.2. The engine's batch-1
+# latency did not follow the lab (4.39 ms per token with the fused kernel for steps of <= 8 slots,
+# 4.35 without, one call after the other), so "auto" keeps the default kernel (docs/KERNELS.md).
+def fused_kernel_mechanisms(sizes: BlockSizes) -> BlockSizes:
+    """``sizes`` with the fused kernel's prefetch, merge and pipeline depth for its split count."""
+    sizes = default_kernel_mechanisms(sizes)
+    return dataclasses.replace(sizes, num_stages=2) if sizes.num_splits > 1 else sizes
 
 
 # Hopper's shared memory per block (227 KiB). GPU run 1 (H200): the current kernel asked for 303104
@@ -163,36 +187,53 @@ def gpu_block_sizes(
     default kernel, ``ragged_paged_attention_gpu``): over bf16/f32 pages the heuristics, the frozen
     baseline's tiles and splits; over float8 pages (``kv_itemsize=1``) the nearest entry of the fp8
     table (gpu_fp8_decode_table.json), else the same heuristics. ``fused=True``
-    (``ragged_paged_attention_gpu_fused``): the nearest entry of gpu_decode_table.json, else the
-    heuristics. ``table`` replaces whichever measured table applies (tests); entries are dicts as
-    in those files. Either way the sizes are cut to fit that kernel's shared memory
-    (``_fit_shared_memory``, counting the pages' bytes).
+    (``ragged_paged_attention_gpu_fused``): the nearest entry of gpu_decode_table.json as measured,
+    else the heuristics with ``fused_kernel_mechanisms``. ``table`` replaces whichever measured
+    table applies (tests); entries are dicts as in those files. Either way the sizes are cut to fit
+    that kernel's shared memory (``_fit_shared_memory``, counting the pages' bytes).
     """
     fp8_pages = kv_itemsize == 1
     if not fused:
         table = (table if table is not None else _measured_table(GPU_FP8_TABLE_PATH)) if fp8_pages else ()
-    sizes = _gpu_block_sizes(num_tokens=num_tokens, max_num_seqs=max_num_seqs, max_kv_len=max_kv_len,
-                             num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, page_size=page_size,
-                             itemsize=itemsize, table=table)
+    sizes, measured = _gpu_block_sizes(num_tokens=num_tokens, max_num_seqs=max_num_seqs, max_kv_len=max_kv_len,
+                                       num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                                       page_size=page_size, itemsize=itemsize, table=table,
+                                       split_for_one_live=not fused)
     if not fused:  # the fp8 table's entries never set these: they were timed before the kernel had them
         sizes = default_kernel_mechanisms(sizes)
+    elif not measured:
+        sizes = fused_kernel_mechanisms(sizes)
     return _fit_shared_memory(sizes, head_dim, kv_itemsize or itemsize, fused)
 
 
 def _gpu_block_sizes(
     *, num_tokens: int, max_num_seqs: int, max_kv_len: int, num_kv_heads: int, group: int,
-    head_dim: int, page_size: int, itemsize: int, table=None,
-) -> BlockSizes:
-    group_padded = next_power_of_2(group)
-    decode = is_decode_like(num_tokens, max_num_seqs)
-    block_q = max(1, (16 if decode else 64) // group_padded)
-    programs = num_work_tiles(num_tokens, max_num_seqs, block_q) * num_kv_heads
-    measured = _from_table("decode" if decode else "prefill", programs=programs, num_tokens=num_tokens,
+    head_dim: int, page_size: int, itemsize: int, table=None, split_for_one_live: bool = True,
+) -> tuple[BlockSizes, bool]:
+    """(sizes, whether they are a measured table entry's) before any kernel's mechanisms."""
+    measured = _from_table("decode" if is_decode_like(num_tokens, max_num_seqs) else "prefill",
+                           programs=_programs(num_tokens, max_num_seqs, num_kv_heads, group), num_tokens=num_tokens,
                            max_kv_len=max_kv_len, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
                            itemsize=itemsize, table=table)
     if measured is not None:
-        return measured
-    if decode:
+        return measured, True
+    return _heuristic_sizes(num_tokens=num_tokens, max_num_seqs=max_num_seqs, max_kv_len=max_kv_len,
+                            num_kv_heads=num_kv_heads, group=group, itemsize=itemsize,
+                            split_for_one_live=split_for_one_live), False
+
+
+def _programs(num_tokens: int, max_num_seqs: int, num_kv_heads: int, group: int) -> int:
+    """Programs of the walk before any split, at the query tiles the heuristics take."""
+    block_q = max(1, (16 if is_decode_like(num_tokens, max_num_seqs) else 64) // next_power_of_2(group))
+    return num_work_tiles(num_tokens, max_num_seqs, block_q) * num_kv_heads
+
+
+def _heuristic_sizes(
+    *, num_tokens: int, max_num_seqs: int, max_kv_len: int, num_kv_heads: int, group: int, itemsize: int,
+    split_for_one_live: bool,
+) -> BlockSizes:
+    group_padded = next_power_of_2(group)
+    if is_decode_like(num_tokens, max_num_seqs):
         # Triton's dot wants >= 16 rows; extra rows are masked queries, free in a read-bound loop.
         block_q = max(1, 16 // group_padded)
         num_tiles = num_work_tiles(num_tokens, max_num_seqs, block_q)
@@ -200,7 +241,11 @@ def _gpu_block_sizes(
         # Split the KV walk (flash-decoding) only when there are fewer programs than SMs.
         splits = 1
         if programs < _GPU_NUM_SMS:
-            splits = _num_splits(programs, max_kv_len, 64, _GPU_NUM_SMS * _GPU_PROGRAMS_PER_SM)
+            # A bucket of few slots is mostly empty at batch 1: split for one live sequence
+            # (_SPLIT_FOR_ONE_LIVE_MAX_SEQS says why; the fused kernel keeps the slots' count).
+            one_live = split_for_one_live and max_num_seqs <= _SPLIT_FOR_ONE_LIVE_MAX_SEQS
+            live_programs = num_kv_heads if one_live else programs
+            splits = _num_splits(live_programs, max_kv_len, 64, _GPU_NUM_SMS * _GPU_PROGRAMS_PER_SM)
         if itemsize > 2:  # f32 tiles are twice the bytes: two stages of 64 rows fit shared memory
             return BlockSizes(block_q=block_q, block_kv=64, num_splits=splits, num_warps=4, num_stages=2)
         # From the H200 sweep of session 4 (docs/KERNELS.md; bf16, page 32, d 128, 32/8 heads):
