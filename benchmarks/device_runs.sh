@@ -173,7 +173,8 @@
 #   s20h, s20i  one GPU, by hand: small_bucket_decode.py --contexts 32768 --chained 16 --splits 32 (before the
 #           one-live split rule); decode_small_batch.py --rounds 1 --shapes 8x16384 (after it).
 #   s21a    one GPU: what session 20 left unmeasured: the engine's bf16 batch-1 latency with the one-live
-#           split rule (this tree) against .baseline/ (session 19's code); the 8x8 bucket
+#           split rule (this tree, with a trace of 8 of its decode steps: where the engine's step and
+#           latency_lab.py's differ) against .baseline/ (session 19's code); the 8x8 bucket
 #           at 384, 4k and 32k tokens; B=8 16k with all slots live, this tree against .baseline/.
 set -u
 PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f, s18g, s19a, s19b, s19c, s19d, s19e, s20a, s20b, s20c, s20g or s21a}
@@ -817,11 +818,10 @@ s20g)
             --out "$R/latency_bf16_$side" --workloads latency
     done ;;
 s21a)
-    for side in new base; do
-        dir=.; [ $side = base ] && dir=.baseline
-        on_gpu 0 latency_bf16_$side.log 130 python3 $dir/benchmarks/engine_throughput.py \
-            --out "$R/latency_bf16_$side$SECONDS" --workloads latency
-    done
+    on_gpu 0 latency_bf16_new.log 140 python3 benchmarks/engine_throughput.py --out "$R/latency_bf16_new" \
+        --workloads latency --profile-latency-steps 8
+    on_gpu 0 latency_bf16_base.log 130 python3 .baseline/benchmarks/engine_throughput.py \
+        --out "$R/latency_bf16_base" --workloads latency
     on_gpu 0 small_bucket.log 100 python3 benchmarks/small_bucket_decode.py --out "$R/small_bucket" \
         --contexts 384,4096,32768 --chained 16 --splits 4,32
     for side in new base; do

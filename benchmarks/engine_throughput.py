@@ -180,6 +180,26 @@ def latency(engine, weights_bytes_per_token, ceiling_tbs, log, repeats=3):
             "weight_bytes_per_token": weights_bytes_per_token}
 
 
+def trace_latency_steps(engine, out_dir: Path, num_steps: int, log) -> dict:
+    """One more ``latency`` request, ``num_steps`` of its decode steps traced once 16 have run, and the
+    trace's µs a step by kind (``latency_lab.breakdown``). The span between the first and last kernel
+    counts the device's idle time between steps (the host's share) as gaps, which the lab's
+    on-device step loop does not have."""
+    from latency_lab import breakdown, log_breakdown
+
+    profiler = DecodeProfiler(out_dir, num_steps, min_running=1, settle_steps=16, log=log)
+    rng = np.random.default_rng(3)
+    run_requests(engine, random_prompts(rng, [128], engine.model_config.vocab_size), [256], "lat-trace",
+                 capture=profiler)
+    profiler.stop(engine)
+    report = profiler.report()
+    traces = sorted(out_dir.glob("plugins/profile/*/*.trace.json.gz"))
+    if traces and report["num_traced_steps"]:
+        report["breakdown"] = breakdown(traces[-1], report["num_traced_steps"], top=30)
+        log_breakdown(log, "latency decode steps", report["breakdown"])
+    return report
+
+
 def decode_host_time(engine, num_requests, prompt_len, output_len, log):
     """Steady decode at ``num_requests``: wall time per step vs the same step replayed on the device."""
     rng = np.random.default_rng(2)
@@ -531,6 +551,9 @@ def main():
     parser.add_argument("--profile-prefill-steps", type=int, default=0,
                         help="trace this many prefill-carrying steps of throughput-1k's admission ramp, before the "
                              "decode trace if any (DIR/profile_throughput-1k_prefill)")
+    parser.add_argument("--profile-latency-steps", type=int, default=0,
+                        help="trace this many batch-1 decode steps after the latency runs, with µs a step by kind "
+                             "(DIR/profile_latency_decode)")
     parser.add_argument("--host-profile-steps", type=int, default=0,
                         help="cProfile this many steady decode steps of throughput-1k, after the trace if any "
                              "(DIR/host_profile_throughput-1k/host_profile.txt)")
@@ -581,6 +604,9 @@ def main():
         if "latency" in workloads:
             per_token = decode_weight_bytes(model.weights)  # fp8 payloads at 1 byte: the fp8 roofline
             w = latency(engine, per_token, results["ceilings"]["hbm_read_tbs"], log)
+            if args.profile_latency_steps:
+                w["trace"] = trace_latency_steps(engine, args.out / "profile_latency_decode",
+                                                 args.profile_latency_steps, log)
             if "latency" in hf:
                 w["hf_tpot_ms"] = hf["latency"]["tpot_ms"]
             results["workloads"]["latency"] = {"shape": args.shape, **w}

@@ -42,7 +42,8 @@ def test_engine_throughput_workloads_complete(tmp_path):
             "--scale", "0.01", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
             "--workloads", "startup,throughput-1k,throughput-nano"]
     # Half of throughput-1k's requests again, under a JSON schema (the tiny fixture's tokenizer).
-    run_script([*args, "--profile-steps", "2", "--profile-prefill-steps", "1", "--structured-fraction", "0.5",
+    run_script([*args[:-1], "startup,latency,throughput-1k,throughput-nano", "--profile-latency-steps", "2",
+                "--profile-steps", "2", "--profile-prefill-steps", "1", "--structured-fraction", "0.5",
                 "--structured-tokenizer", TINY_TOKENIZER], tmp_path)
     run_script([*args[:-1], "startup", "--resume"], tmp_path)  # the cache the first run filled: warm
     # A converted model's start-up: restored from Orbax, committed to its device, compiled once.
@@ -52,6 +53,10 @@ def test_engine_throughput_workloads_complete(tmp_path):
     assert profile["num_traced_steps"] == 2 and len(profile["trace_files"]) == 1
     prefill = json.loads((out / "engine_throughput.json").read_text())["workloads"]["throughput-1k"]["prefill_profile"]
     assert prefill["num_traced_steps"] == 1 and len(prefill["trace_files"]) == 1
+    # Batch-1 decode steps traced after the latency runs; on a CPU the trace has no GPU kernels to count.
+    latency_trace = json.loads((out / "engine_throughput.json").read_text())["workloads"]["latency"]["trace"]
+    assert latency_trace["num_traced_steps"] == 2 and latency_trace["min_running"] == 1
+    assert "no GPU kernel events" in latency_trace["breakdown"]["error"]
     results = json.loads((out / "engine_throughput.json").read_text())
     workloads = results["workloads"]
     assert workloads["startup"]["cache_files_before"] == 0
