@@ -88,17 +88,19 @@ def test_fused_gpu_kernel_options_match_reference(prefetch_pages, plan_in_kernel
                              merge_kernel=merge_kernel)
 
 
+@pytest.mark.parametrize("kernel,num_splits", [(ragged_paged_attention_gpu_fused, 4), (ragged_paged_attention_gpu, 8)])
 @pytest.mark.parametrize("live", [1, 3])
-def test_fused_kernel_in_the_engines_batch_one_bucket_matches_reference(live):
-    # The fused kernel as block_sizes.fused_kernel_mechanisms sets it up in the engine's smallest
-    # bucket: 8 slots of which 1 or 3 decode (one right after a page boundary), 8 token rows with the
-    # rest padding, bf16, four splits (block_kv under the page, so split ranges start inside pages),
-    # the Pallas merge, no page-id prefetch.
+def test_kernels_in_the_engines_batch_one_bucket_match_reference(kernel, num_splits, live):
+    # The engine's smallest bucket: 8 slots of which 1 or 3 decode (one right after a page boundary),
+    # 8 token rows with the rest padding, bf16, block_kv under the page (split ranges start inside
+    # pages), the Pallas merge, no page-id prefetch. The fused kernel with the slots' split count
+    # (block_sizes.fused_kernel_mechanisms); the default kernel with more splits than 8 slots want,
+    # as the one-live-sequence rule gives it (block_sizes._SPLIT_FOR_ONE_LIVE_MAX_SEQS).
     seqs = [(1, 300), (1, 33), (1, 17)][:live] + [(0, 0)] * (8 - live)
     case = make_case(17 + live, seqs, num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
                      pad_tokens=8 - live, dtype=BF16)
-    assert_matches_reference(ragged_paged_attention_gpu_fused, case, BF16, block_kv=8, num_splits=4,
-                             prefetch_pages=False, merge_kernel=True)
+    assert_matches_reference(kernel, case, BF16, block_kv=8, num_splits=num_splits, prefetch_pages=False,
+                             merge_kernel=True)
 
 
 @pytest.mark.parametrize("prefetch_pages,merge_kernel", [(True, False), (False, True), (True, True)])
