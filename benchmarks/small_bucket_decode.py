@@ -24,14 +24,15 @@ import json
 import os
 import platform
 import sys
-import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import kernel_frontier as kf  # noqa: E402
 from pallas_kernels.paged_attention import gpu, gpu_fused  # noqa: E402
 from pallas_kernels.paged_attention.block_sizes import gpu_block_sizes  # noqa: E402
 
@@ -56,24 +57,16 @@ def bucket_inputs(context: int, seed: int = 0):
     return q, k_new, k_pages, v_pages, jnp.asarray(tables, jnp.int32), cu_q_lens, kv_lens
 
 
-def time_call(call, inputs, chained: int) -> float:
-    """µs per full call, ``chained`` calls in one jit (each output is the next query), cache donated."""
+def time_call(call, inputs) -> float:
+    """µs per full call, chained in one jit (``kernel_frontier.time_chain``: each output is the next
+    query, the cache donated)."""
     q, k_new, k_pages, v_pages, *meta = inputs
 
-    def chain(state):
-        def step(state, _):
-            out, k, v = call(state[0], k_new, k_new, state[1], state[2], *meta)
-            return (out, k, v)
-        return functools.reduce(step, range(chained), state)
+    def step(state, k_new, *meta):
+        return call(state[0], k_new, k_new, state[1], state[2], *meta)
 
-    run = jax.jit(chain, donate_argnums=(0,))
-    state = jax.block_until_ready(run((jnp.copy(q), jnp.copy(k_pages), jnp.copy(v_pages))))
-    times = []
-    for _ in range(RUNS):
-        start = time.perf_counter()
-        state = jax.block_until_ready(run(state))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) / chained * 1e6
+    seconds, _ = kf.time_chain(step, (jnp.copy(q), jnp.copy(k_pages), jnp.copy(v_pages)), k_new, *meta, donate=True)
+    return seconds * 1e6
 
 
 def main():
@@ -88,6 +81,7 @@ def main():
         global Q_HEADS, KV_HEADS, HEAD_DIM, PAGE, MIN_TABLE_TOKENS, MIN_POOL, RUNS, INTERPRET
         Q_HEADS, KV_HEADS, HEAD_DIM, PAGE, MIN_TABLE_TOKENS, MIN_POOL, RUNS, INTERPRET = 8, 2, 64, 16, 128, 64, 1, True
         args.contexts, args.chained, args.splits = "40", 1, "2"
+    kf.REPEATS, kf.TIMED_RUNS = args.chained, RUNS
     device = jax.devices()[0]
     report = {"command": " ".join(["python3"] + sys.argv), "device": device.device_kind, "jax": jax.__version__,
               "platform": platform.platform(), "chained": args.chained, "results": []}
@@ -114,7 +108,7 @@ def main():
                                 *inputs[4:])[0][:1].astype(jnp.float32)  # slot 0's row: the live one
             first = out if first is None else first
             row["max_abs_diff"][name] = float(jnp.max(jnp.abs(out - first)))
-            row["us"][name] = time_call(call, inputs, args.chained)
+            row["us"][name] = time_call(call, inputs)
             row["sizes"][name] = dataclasses.asdict(sizes)
             print(f"ctx {context}: {name}: {row['us'][name]:.2f} us, |diff| {row['max_abs_diff'][name]:.3g}",
                   flush=True)
