@@ -457,6 +457,9 @@ def markdown(results: dict) -> str:
         f"Command: `{info['command']}`  ",
         f"Hardware: {info['device']} x{info['num_devices']}, jax {info['jax']}, {info['date']}", "",
     ]
+    for key, name in (("xla_flags", "XLA_FLAGS"), ("decode_matmul", "JAXINFER_DECODE_MATMUL")):
+        if info.get(key):
+            lines += [f"Environment: `{name}={info[key]}`", ""]
     if "ceilings" in results:
         c = results["ceilings"]
         lines += [f"Ceilings in this run: HBM read {c['hbm_read_tbs']:.2f} TB/s, bf16 matmul {c['matmul_tflops']:.0f} TFLOP/s.", ""]

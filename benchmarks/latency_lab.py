@@ -74,7 +74,7 @@ KINDS = (
     ("lm_head", ("lm_head",)),
     ("attention kernel", ("paged_attention", "decode_attention", "ragged_attention")),
     ("KV write (scatter)", ("scatter", "dynamic_update_slice", "dynamic-update-slice")),
-    ("weight GEMV (ours)", ("weight_only_matmul",)),
+    ("weight GEMV (ours)", ("weight_only_matmul", "wgmma_matmul")),
     ("weight GEMV (XLA)", ("gemm", "gemv", "nvjet", "cublas", "cutlass", "xmma", "triton_dot", "dot_general",
                            "dot.", "matmul")),
     ("fusions (norms, rope, residual, convert)", ("fusion", "reduce", "loop_", "input_")),

@@ -14,6 +14,7 @@ over several devices (a ``pallas_call`` does not partition itself) keep XLA's pa
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,44 @@ def use_pallas_gemv(m: int, n: int, k: int, weight_dtype, layout: str, *, platfo
     return supports_shape(m, n, k) and prefer_pallas(m, n, k, weight_dtype, table=table, layout=layout)
 
 
+# Opt-in, being measured (issue 18/21): ``JAXINFER_DECODE_MATMUL=wgmma`` runs small GPU steps'
+# projections through the TMA + wgmma kernel (``pallas_kernels.quantized_matmul.gpu_wgmma``):
+# FP8 weights as W8A8 (x rounded to e4m3 per token, or by the static input scale), dense bf16
+# weights as stored. Read when a step is traced; unset: the paths above.
+DECODE_MATMUL_ENV = "JAXINFER_DECODE_MATMUL"
+WGMMA_MAX_TOKENS = 64
+
+
+def use_wgmma_matmul(m: int, n: int, k: int, weight_dtype, *, platform: str | None = None,
+                     num_devices: int | None = None, choice: str | None = None) -> bool:
+    """Whether ``x [m, k]`` times a weight of ``n`` outputs runs the TMA + wgmma kernel.
+
+    Only when chosen (``choice``, default the ``JAXINFER_DECODE_MATMUL`` environment variable,
+    ``"wgmma"``), on one GPU, at ``m <= WGMMA_MAX_TOKENS``, for fp8 or bf16 weights whose shape the
+    kernel tiles at its default sizes.
+    """
+    choice = os.environ.get(DECODE_MATMUL_ENV, "") if choice is None else choice
+    if choice != "wgmma":
+        return False
+    platform = platform or jax.default_backend()
+    num_devices = jax.device_count() if num_devices is None else num_devices
+    if platform != "gpu" or num_devices != 1 or m > WGMMA_MAX_TOKENS:
+        return False
+    if jnp.dtype(weight_dtype) not in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.bfloat16)):
+        return False
+    from pallas_kernels.quantized_matmul.gpu_wgmma import default_sizes
+
+    sizes = default_sizes(m, n, k, weight_dtype)
+    return n % sizes["block_n"] == 0 and k % (sizes["block_k"] * sizes["k_splits"]) == 0
+
+
+def wgmma_sizes(m: int, n: int, k: int, weight_dtype) -> dict:
+    """The kernel's tile sizes for this shape: its defaults (no measured table yet)."""
+    from pallas_kernels.quantized_matmul.gpu_wgmma import default_sizes
+
+    return default_sizes(m, n, k, weight_dtype)
+
+
 def dense_contraction(subscripts: str) -> int | None:
     """How many leading axes of a dense weight an einsum contracts, when it has the kernel's form, else None.
 
@@ -69,6 +108,17 @@ def dense_gemv_shape(subscripts: str, x: jax.Array, w: jax.Array) -> tuple[int, 
         return None
     k = math.prod(w.shape[:n_in])
     return math.prod(x.shape[:x.ndim - n_in]), math.prod(w.shape[n_in:]), k
+
+
+def dense_wgmma_matmul(subscripts: str, x: jax.Array, w: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """The einsum ``subscripts`` of bf16 ``x`` and a dense bf16 weight through the TMA + wgmma kernel, in bf16."""
+    from pallas_kernels.quantized_matmul.gpu_wgmma import wgmma_matmul
+
+    m, n, k = dense_gemv_shape(subscripts, x, w)
+    n_in = dense_contraction(subscripts)
+    y = wgmma_matmul(x.reshape(m, k), w.reshape(k, n), weight_layout="kn", interpret=interpret,
+                     **wgmma_sizes(m, n, k, jnp.bfloat16))
+    return y.reshape(x.shape[:x.ndim - n_in] + w.shape[n_in:])
 
 
 def dense_pallas_matmul(subscripts: str, x: jax.Array, w: jax.Array, *, interpret: bool = False) -> jax.Array:

@@ -45,7 +45,8 @@ import jax.numpy as jnp
 from jaxinfer.activation_scales import ActivationObserver
 from jaxinfer.cpu_int8_matmul import int8_matmul_cpu, int8_matmul_many_cpu
 from jaxinfer.cpu_int8_matmul import is_available as cpu_int8_kernel_is_available
-from jaxinfer.decode_gemv import dense_gemv_shape, dense_pallas_matmul, use_pallas_gemv
+from jaxinfer.decode_gemv import (dense_gemv_shape, dense_pallas_matmul, dense_wgmma_matmul, use_pallas_gemv,
+                                  use_wgmma_matmul, wgmma_sizes)
 from jaxinfer.quantization import FP8_MAX, QuantizedWeight
 from pallas_kernels.precision import matmul_precision
 
@@ -88,6 +89,8 @@ def linear(subscripts: str, x: jax.Array, w, preferred_element_type=None) -> jax
         return quantized_linear(subscripts, x, w, preferred_element_type)
     # The kernel returns bf16: a caller asking for another output type (the lm_head's f32 logits) keeps XLA's dot.
     shape = dense_gemv_shape(subscripts, x, w) if preferred_element_type in (None, jnp.bfloat16) else None
+    if shape is not None and use_wgmma_matmul(*shape, jnp.bfloat16):
+        return dense_wgmma_matmul(subscripts, x, w)
     if shape is not None and use_pallas_gemv(*shape, jnp.bfloat16, "kn"):
         return dense_pallas_matmul(subscripts, x, w)
     precision = matmul_precision(jnp.result_type(x, w))
@@ -110,9 +113,12 @@ def linear_many(subscripts: str, x: jax.Array, weights, preferred_element_type=N
         return int8_linear_many_cpu(subscripts, x, weights, preferred_element_type)
     x2 = x.reshape(m, math.prod(x.shape[x.ndim - n_in:]))  # [M, K]
     weights = [observed(x2, w) for w in weights]
+    merged = _wgmma_many(subscripts, x, x2, weights, preferred_element_type)
+    if merged is not None:
+        return merged
     prequantized = None
     fp8 = [w for w in weights if isinstance(w, QuantizedWeight) and w.quantization == "fp8"]
-    if fp8 and uses_fp8_w8a8(m):
+    if fp8 and (uses_fp8_w8a8(m) or all(_use_wgmma(m, w) for w in fp8)):
         prequantized = quantize_activations_fp8(x2, shared_input_scale(fp8))
     return [quantized_linear(subscripts, x, w, preferred_element_type, prequantized)
             if isinstance(w, QuantizedWeight) else linear(subscripts, x, w, preferred_element_type)
@@ -199,6 +205,12 @@ def quantized_linear(subscripts: str, x: jax.Array, w: QuantizedWeight, preferre
         if prequantized is None:
             prequantized = quantize_activations_fp8(x2, w.input_scale)
         y = fp8_w8a8_matmul(x2, payload, scale, prequantized)
+    elif w.quantization == "fp8" and use_wgmma_matmul(m, n, k, payload.dtype):
+        from pallas_kernels.quantized_matmul.gpu_wgmma import wgmma_matmul
+
+        xq, x_scale = prequantized if prequantized is not None else quantize_activations_fp8(x2, w.input_scale)
+        y = wgmma_matmul(xq, payload, scale, x_scale=x_scale, out_dtype=out_dtype,
+                         **wgmma_sizes(m, n, k, payload.dtype))
     elif w.quantization == "int8" and _use_cpu_int8_kernel(m):
         y = int8_matmul_cpu(x2, payload, scale, max_threads=CPU_INT8_MAX_THREADS)
     elif w.quantization == "fp8" and use_pallas_gemv(m, n, k, payload.dtype, "nk"):
@@ -249,6 +261,43 @@ def fp8_w8a8_matmul(x: jax.Array, payload: jax.Array, scale: jax.Array,
     if x_scale.ndim == 0:
         return y * (x_scale * scale)[None, :]  # static: one [N] multiplier, s * w_scale
     return y * x_scale[:, None] * scale[None, :]
+
+
+def _wgmma_many(subscripts: str, x: jax.Array, x2: jax.Array, weights, preferred_element_type):
+    """Projections of one input through one launch of the TMA + wgmma kernel, when it runs them
+    all (all FP8, or all dense bf16 in the einsum's form); else None."""
+    from pallas_kernels.quantized_matmul.gpu_wgmma import wgmma_matmul_many
+
+    m, k = x2.shape
+    n_in, _ = split_subscripts(subscripts)
+    lead_shape = x.shape[:x.ndim - n_in]
+    if len(weights) < 2:
+        return None
+    if all(isinstance(w, QuantizedWeight) and w.quantization == "fp8" for w in weights):
+        ns = [math.prod(w.scale.shape) for w in weights]
+        if not use_wgmma_matmul(m, sum(ns), k, jnp.float8_e4m3fn) or any(n % 64 for n in ns):
+            return None
+        xq, x_scale = quantize_activations_fp8(x2, shared_input_scale(weights))
+        ys = wgmma_matmul_many(xq, tuple(w.payload.reshape(n, k) for w, n in zip(weights, ns)),
+                               tuple(w.scale.reshape(n) for w, n in zip(weights, ns)), x_scale=x_scale,
+                               out_dtype=preferred_element_type or x.dtype,
+                               **wgmma_sizes(m, sum(ns), k, jnp.float8_e4m3fn))
+        return [y.reshape(lead_shape + tuple(w.scale.shape)) for y, w in zip(ys, weights)]
+    if preferred_element_type in (None, jnp.bfloat16) and all(
+            not isinstance(w, QuantizedWeight) and dense_gemv_shape(subscripts, x, w) is not None for w in weights):
+        ns = [math.prod(w.shape[n_in:]) for w in weights]
+        if not use_wgmma_matmul(m, sum(ns), k, jnp.bfloat16) or any(n % 64 for n in ns):
+            return None
+        ys = wgmma_matmul_many(x2, tuple(w.reshape(k, n) for w, n in zip(weights, ns)), weight_layout="kn",
+                               **wgmma_sizes(m, sum(ns), k, jnp.bfloat16))
+        return [y.reshape(lead_shape + w.shape[n_in:]) for y, w in zip(ys, weights)]
+    return None
+
+
+def _use_wgmma(m: int, w: QuantizedWeight) -> bool:
+    """Whether the fp8 weight ``w`` runs the TMA + wgmma kernel (W8A8) in a step of ``m`` tokens."""
+    n = math.prod(w.scale.shape)
+    return use_wgmma_matmul(m, n, w.payload.size // n, w.payload.dtype)
 
 
 def _use_cpu_int8_kernel(num_tokens: int) -> bool:

@@ -1,0 +1,307 @@
+"""Decode projections through TMA + wgmma (``gpu_wgmma.py``) against XLA, one H200 run.
+
+Issue 18/21: a batch-1 decode step is its weight read, and XLA's paths read Llama-3.1-8B's
+projections at 3.3-4.1 TB/s (bf16) and ~2.3-2.8 TB/s of fp8 bytes (W8A16). This times, per
+projection shape and token count M, the stored-weight read of:
+
+* fp8 weights ``[out, in]`` (per-channel scales): XLA's W8A16 (convert, then dot: what the
+  engine runs below 128 tokens), XLA's W8A8 (cuBLASLt FP8, M padded to 16), and ours (W8A8 by
+  wgmma, x rounded to e4m3 per row inside the timed call) at several tile sizes;
+* bf16 weights in the model's ``[in, out]`` layout: XLA's einsum (what the engine runs) and ours.
+  q/k/v and gate/up are timed merged (``[4096, 6144]``, ``[4096, 28672]``), as XLA's DotMerger
+  runs them in the engine's small steps.
+
+Each timed program calls one shape on ``copies`` distinct weights (more bytes than the 50 MB L2)
+with distinct inputs (so XLA cannot merge the dots), ``REPEATS`` programs enqueued before one wait,
+median of 3 batches; µs per call, TB/s of the method's stored weight bytes, % of the HBM read
+ceiling measured in the same run. Every candidate's output is checked against a float32
+reference (relative error > 2e-2 disqualifies). The last table sums the best per projection
+into one layer (x 32 layers) for each method: the step's GEMV time at batch 1.
+
+    python3 benchmarks/wgmma_gemv.py --out DIR [--ms 8,1,16] [--budget-s 240]
+    python3 benchmarks/wgmma_gemv.py --out DIR --smoke   # CPU: interpret mode, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import functools
+import itertools
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+
+from common import Log, header, measure_ceilings, write_results  # noqa: E402
+from pallas_kernels.quantized_matmul.gpu_wgmma import (  # noqa: E402
+    FP8, default_sizes, quantize_rows_e4m3, split_count, wgmma_matmul)  # noqa: E402
+
+BF16 = jnp.bfloat16
+REPEATS = 8
+MIN_BYTES_PER_PROGRAM = 256 * 2**20  # 5x the L2: each call reads its weights from HBM
+MAX_COPIES = 32  # calls a program (compile time grows with them)
+MAX_REL_ERROR = 2e-2
+NUM_LAYERS = 32
+_CONTRACT_MINOR = (((1,), (1,)), ((), ()))
+
+# Llama-3.1-8B, one layer. fp8: [N, K] payloads, one call each (XLA does not merge fp8 dots this
+# large); bf16: [K, N] model layout, q/k/v and gate/up merged as the engine's steps run them.
+FP8_SHAPES = {"q": (4096, 4096), "k": (1024, 4096), "v": (1024, 4096), "o": (4096, 4096),
+              "gate": (14336, 4096), "up": (14336, 4096), "down": (4096, 14336)}
+BF16_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+SMOKE_FP8_SHAPES = {"q": (128, 256), "down": (128, 512)}
+SMOKE_BF16_SHAPES = {"qkv": (256, 192), "down": (512, 128)}
+
+
+def xla_w8a16(x, w, scale):
+    y = lax.dot_general(x, w.astype(BF16), _CONTRACT_MINOR, preferred_element_type=jnp.float32)
+    return y * scale[None, :]
+
+
+def xla_w8a8(x, w, scale):
+    m = x.shape[0]
+    x32 = x.astype(jnp.float32)
+    x_scale = jnp.maximum(jnp.max(jnp.abs(x32), axis=1) / 448.0, 1e-12)
+    xq = jnp.pad((x32 / x_scale[:, None]).astype(FP8), ((0, -m % 16), (0, 0)))
+    y = lax.dot_general(xq, w, _CONTRACT_MINOR, preferred_element_type=jnp.float32)[:m]
+    return y * x_scale[:, None] * scale[None, :]
+
+
+def xla_bf16_kn(x, w):
+    return jnp.einsum("mk,kn->mn", x, w).astype(BF16)
+
+
+def ours_fp8(sizes, interpret):
+    # bf16 out, as the weight layer asks: with one K split the epilogue is the kernel's own.
+    return lambda x, w, scale: wgmma_matmul(x, w, scale, out_dtype=BF16, interpret=interpret, **sizes)
+
+
+def ours_bf16_kn(sizes, interpret):
+    return lambda x, w: wgmma_matmul(x, w, weight_layout="kn", interpret=interpret, **sizes)
+
+
+def candidates(m: int, n: int, k: int, weight_dtype, smoke: bool) -> list[dict]:
+    """Tile sizes to try: 64/128 weight rows, one or two 128-byte swizzle rows of K a step,
+    4, 6 or 8 steps in flight, the split count for one program per SM and twice it (or 1 and 2)."""
+    base = default_sizes(m, n, k, weight_dtype)
+    if smoke:
+        return [base]
+    itemsize = jnp.dtype(weight_dtype).itemsize
+    out = []
+    for block_n, k_bytes, stages in itertools.product((64, 128), (128, 256), (4, 6, 8)):
+        block_k = k_bytes // itemsize
+        if n % block_n or block_n * k_bytes * stages > 160 * 1024:  # shared memory: leave room
+            continue
+        splits = split_count(n, k, block_n, block_k, min_steps=2)
+        for k_splits in sorted({splits, splits * 2} if splits > 1 else {1, 2}):
+            if k % (block_k * k_splits) or k // (block_k * k_splits) < 2:
+                continue
+            out.append(dict(block_n=block_n, block_k=block_k, k_splits=k_splits, max_concurrent_steps=stages))
+    return out
+
+
+def describe(sizes: dict) -> str:
+    return f"{sizes['block_n']}x{sizes['block_k']} s{sizes['max_concurrent_steps']} k{sizes['k_splits']}"
+
+
+class Case:
+    """One (format, projection, M): its weights (``copies`` of them), inputs and reference."""
+
+    def __init__(self, fmt: str, name: str, shape: tuple[int, int], m: int, smoke: bool, seed: int):
+        self.fmt, self.name, self.m = fmt, name, m
+        if fmt == "fp8":
+            self.n, self.k = shape
+            weight_bytes = self.n * self.k
+        else:
+            self.k, self.n = shape
+            weight_bytes = self.n * self.k * 2
+        self.weight_bytes = weight_bytes
+        self.copies = 2 if smoke else min(MAX_COPIES, max(4, math.ceil(MIN_BYTES_PER_PROGRAM / weight_bytes)))
+        # Separate arrays per copy (as the model's layers are), not slices of one stacked array:
+        # a slice of a stacked weight can cost XLA a copy of it before a custom call.
+        keys = jax.random.split(jax.random.key(seed), (self.copies, 3))
+        self.x = [jax.random.normal(key[0], (m, self.k), BF16) for key in keys]
+        if fmt == "fp8":
+            draw = jax.jit(lambda key: jax.random.normal(key, (self.n, self.k), jnp.float32).clip(-448, 448).astype(FP8))
+            self.w = [draw(key[1]) for key in keys]
+            self.scale = [jax.random.uniform(key[2], (self.n,), jnp.float32, 0.5, 2.0) / math.sqrt(self.k)
+                          for key in keys]
+            self.weights = (self.w, self.scale)
+        else:
+            self.w = [jax.random.normal(key[1], (self.k, self.n), BF16) / math.sqrt(self.k) for key in keys]
+            self.weights = (self.w,)
+        self.reference = self._reference(quantize_x=False)
+        # W8A8 methods multiply x rounded to e4m3 per row: checked against that product (on
+        # Gaussian x the rounding alone is ~2.5% of the output's norm, reported as x_rounding).
+        self.reference_w8a8 = self._reference(quantize_x=True) if fmt == "fp8" else None
+
+    def _reference(self, quantize_x: bool):
+        x = self.x[0].astype(jnp.float32)
+        if quantize_x:
+            x8, x_scale = quantize_rows_e4m3(x)
+            x = x8.astype(jnp.float32) * x_scale[:, None]
+        if self.fmt == "fp8":
+            w = self.w[0].astype(jnp.float32) * self.scale[0][:, None]
+            return np.asarray(jnp.dot(x, w.T, precision="highest"))
+        return np.asarray(jnp.dot(x, self.w[0].astype(jnp.float32), precision="highest"))
+
+    def program(self, fn):
+        def run(x, *weights):
+            return [fn(x[i], *(w[i] for w in weights)) for i in range(self.copies)]
+        return jax.jit(run)
+
+    def args(self):
+        return (self.x, *self.weights)
+
+
+def rel_error(out, ref) -> float:
+    out = np.asarray(out, np.float64)
+    if not np.all(np.isfinite(out)):
+        return float("nan")
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def time_program(compiled, args, runs: int) -> float:
+    jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        outs = [compiled(*args) for _ in range(REPEATS)]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - start) / REPEATS)
+    return float(np.median(times))
+
+
+def methods_for(case: Case, smoke: bool, interpret: bool) -> dict:
+    if case.fmt == "fp8":
+        methods = {"xla_w8a16": xla_w8a16, "xla_w8a8": xla_w8a8}
+        for sizes in candidates(case.m, case.n, case.k, FP8, smoke):
+            methods["ours " + describe(sizes)] = ours_fp8(sizes, interpret)
+    else:
+        methods = {"xla_bf16": xla_bf16_kn}
+        for sizes in candidates(case.m, case.n, case.k, BF16, smoke):
+            methods["ours " + describe(sizes)] = ours_bf16_kn(sizes, interpret)
+    if smoke and interpret:  # on CPU: XLA's first path and ours, to keep the smoke short
+        methods = {label: fn for i, (label, fn) in enumerate(methods.items()) if i == 0 or label.startswith("ours")}
+    return methods
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--ms", default="8,1,16", help="token counts, most important first")
+    parser.add_argument("--formats", default="fp8,bf16")
+    parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new cases after this")
+    parser.add_argument("--smoke", action="store_true", help="CPU: interpret mode, tiny shapes, one candidate")
+    args = parser.parse_args()
+    log = Log(elapsed=True)
+    start = time.time()
+    info = header(log)
+    interpret = args.smoke and jax.default_backend() == "cpu"
+    ceilings = measure_ceilings(log)
+    ceiling = ceilings["hbm_read_tbs"]
+    ms = [int(v) for v in args.ms.split(",")]
+    formats = args.formats.split(",")
+    shapes = {"fp8": SMOKE_FP8_SHAPES if args.smoke else FP8_SHAPES,
+              "bf16": SMOKE_BF16_SHAPES if args.smoke else BF16_SHAPES}
+    rows = []
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=12)
+    try:
+        for m, fmt in itertools.product(ms, formats):
+            for seed, (name, shape) in enumerate(shapes[fmt].items()):
+                if time.time() - start > args.budget_s:
+                    log(f"budget spent: skipping {fmt} {name} M={m}")
+                    continue
+                case = Case(fmt, name, shape, m, args.smoke, seed)
+                methods = methods_for(case, args.smoke, interpret)
+                programs = {label: case.program(fn) for label, fn in methods.items()}
+
+                def compile_one(item):
+                    label, program = item
+                    try:
+                        return label, program.lower(*case.args()).compile()
+                    except Exception as e:  # e.g. shared memory over the limit: reported, not fatal
+                        return label, e
+
+                compiled = dict(pool.map(compile_one, programs.items()))
+                for label, program in compiled.items():
+                    row = {"format": fmt, "projection": name, "m": m, "n": case.n, "k": case.k, "method": label}
+                    if isinstance(program, Exception):
+                        row["error"] = f"{type(program).__name__}: {str(program)[:200]}"
+                        log(f"{fmt} {name} M={m} {label}: {row['error']}")
+                        rows.append(row)
+                        continue
+                    outs = program(*case.args())
+                    w8a8 = case.fmt == "fp8" and label != "xla_w8a16"
+                    row["rel_error"] = rel_error(outs[0], case.reference_w8a8 if w8a8 else case.reference)
+                    if w8a8:
+                        row["x_rounding"] = rel_error(outs[0], case.reference)
+                    seconds = time_program(program, case.args(), runs=1 if interpret else 3) / case.copies
+                    row["us"] = seconds * 1e6
+                    row["tbs"] = case.weight_bytes / seconds / 1e12
+                    row["of_ceiling"] = row["tbs"] / ceiling
+                    row["ok"] = bool(row["rel_error"] <= MAX_REL_ERROR)
+                    rows.append(row)
+                    log(f"{fmt} {name:7s} M={m:2d} {label:26s} {row['us']:8.1f} us {row['tbs']:5.2f} TB/s "
+                        f"({row['of_ceiling']:4.0%}) err {row['rel_error']:.1e}{'' if row['ok'] else ' WRONG'}")
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        results = {**info, **ceilings, "rows": rows, "layers": layer_sums(rows, shapes, ms, formats)}
+        write_results(args.out, "wgmma_gemv", results, markdown(info, ceiling, rows, results["layers"]), log)
+
+
+def best(rows, fmt, name, m, prefix):
+    ok = [r for r in rows if r["format"] == fmt and r["projection"] == name and r["m"] == m
+          and r.get("ok") and r["method"].startswith(prefix)]
+    return min(ok, key=lambda r: r["us"]) if ok else None
+
+
+def layer_sums(rows, shapes, ms, formats) -> list[dict]:
+    """Per format and M: one layer's projections at each method's best, and x 32 layers."""
+    out = []
+    for fmt, m in itertools.product(formats, ms):
+        prefixes = ("xla_w8a16", "xla_w8a8", "ours") if fmt == "fp8" else ("xla_bf16", "ours")
+        for prefix in prefixes:
+            picks = [best(rows, fmt, name, m, prefix) for name in shapes[fmt]]
+            if any(p is None for p in picks):
+                continue
+            layer_us = sum(p["us"] for p in picks)
+            out.append({"format": fmt, "m": m, "method": prefix, "layer_us": layer_us,
+                        "step_ms": layer_us * NUM_LAYERS / 1e3})
+    return out
+
+
+def markdown(info, ceiling, rows, layers) -> str:
+    lines = ["# Decode projections: TMA + wgmma (ours) against XLA", "",
+             f"Command: `{info['command']}`  ",
+             f"{info['device']}, jax {info['jax']}, {info['date']}; HBM read ceiling {ceiling:.2f} TB/s", "",
+             "µs per call (the best correct tile sizes for ours), TB/s of the stored weight bytes, % of the ceiling.", "",
+             "| format | projection | M | method | µs | TB/s | % ceiling | sizes |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    keys = sorted({(r["format"], r["m"], r["projection"]) for r in rows}, key=lambda t: (t[0], t[1]))
+    for fmt, m, name in keys:
+        prefixes = ("xla_w8a16", "xla_w8a8", "ours") if fmt == "fp8" else ("xla_bf16", "ours")
+        for prefix in prefixes:
+            r = best(rows, fmt, name, m, prefix)
+            if r is None:
+                continue
+            sizes = r["method"][5:] if prefix == "ours" else ""
+            lines.append(f"| {fmt} | {name} | {m} | {prefix} | {r['us']:.1f} | {r['tbs']:.2f} | "
+                         f"{r['of_ceiling']:.0%} | {sizes} |")
+    lines += ["", "One layer's projections at each method's best, x 32 layers:", "",
+              "| format | M | method | µs a layer | ms a step (32 layers) |", "| --- | --- | --- | --- | --- |"]
+    for entry in layers:
+        lines.append(f"| {entry['format']} | {entry['m']} | {entry['method']} | {entry['layer_us']:.1f} | "
+                     f"{entry['step_ms']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,326 @@
+"""Few-token matmul that streams the weight by TMA into ``wgmma`` (Pallas Mosaic GPU, Hopper).
+
+Issue 18/21's decode GEMV without the register detour. The Pallas-Triton kernels of ``gpu.py``
+load each weight tile into registers, widen it there (fp8) and multiply on the CUDA cores or
+through a converted tensor-core operand; their best fp8 tiles read 50-60% of the H200's read
+ceiling at one row, and XLA's W8A16 path about as much (``docs/KERNELS.md``, runs 1-4). Here
+the weight never enters registers: TMA copies tiles into shared memory ``max_concurrent_steps``
+deep, and ``wgmma`` multiplies them as stored, so the only per-byte work is the copy.
+
+Orientation ("swap AB"). ``y [M, N] = x [M, K] @ W^T`` with M a few tokens and N, K thousands.
+wgmma's M is 64 rows a warpgroup and its N can be as small as 8, so the *weight* rows are the
+MMA's M (no padding waste: every row is a real output channel) and the tokens its N (padded to
+a multiple of 8). The accumulator is ``acc [block_n, Mp] = W_tile [block_n, K] @ x^T [K, Mp]``;
+the wrapper transposes the ``[N, Mp]`` result back (an elementwise step XLA fuses into the
+consumer).
+
+Two weight formats:
+
+- ``float8_e4m3fn`` ``[N, K]`` (``[out, in]``, the quantized weight layer's payload) with a float32
+  per-output-channel scale: **W8A8**. An 8-bit wgmma takes both operands e4m3 and K-major, so x
+  is rounded to e4m3 per token row (``scale = max|x_row| / 448``, the FP8_DYNAMIC scheme that
+  ``jaxinfer.linear`` already uses for many tokens), or by a static input scale; both scales
+  multiply the float32 accumulator in the epilogue.
+- ``bfloat16`` ``[N, K]`` or ``[K, N]`` (the dense model's ``[in, out]``: 16-bit wgmma operands
+  may be MN-major, so either layout is read as stored, never transposed in HBM).
+
+Parallelism. Grid ``(N / block_n, k_splits)``: program ``(i, s)`` owns rows ``i * block_n ..`` and
+the ``s``-th slice of K. With ``k_splits > 1`` the float32 partial sums ``[k_splits, N, Mp]`` are
+added in the wrapper's epilogue (one XLA reduction). ``max_concurrent_steps`` tiles of
+``block_n x block_k`` weights are in flight a program; a memory-bound kernel needs ~5 MB in
+flight across the GPU (Little's law: 4.5 TB/s x ~1 µs), e.g. 100 programs x 4 x 16 KB.
+
+Numerics: products of e4m3 (or bf16) values accumulate in float32 on the tensor cores; the
+reference is ``reference.w8a8_matmul_reference`` / ``weight_only_matmul_reference``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import mosaic_gpu_names
+
+FP8 = jnp.float8_e4m3fn
+E4M3_MAX = 448.0
+WGMMA_ROWS = 64  # wgmma's M for one warpgroup: block_n is a multiple of it
+TOKEN_MULTIPLE = 8  # wgmma's smallest N: the token rows are padded to a multiple of it
+MAX_TOKENS = 64
+WEIGHT_LAYOUTS = ("nk", "kn")
+_SWIZZLE_BYTES = 128
+
+
+def _smem_transforms(minor_elems: int, dtype) -> tuple:
+    """wgmma-ready tiling of a tile whose minor dimension holds ``minor_elems`` values."""
+    row_bytes = minor_elems * jnp.dtype(dtype).itemsize
+    swizzle = min(_SWIZZLE_BYTES, row_bytes)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+            plgpu.SwizzleTransform(swizzle))
+
+
+def padded_tokens(m: int) -> int:
+    """Token rows as the kernel multiplies them: ``m`` rounded up to wgmma's N granule (8)."""
+    return -(-m // TOKEN_MULTIPLE) * TOKEN_MULTIPLE
+
+
+def quantize_rows_e4m3(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row of ``x [M, K]`` rounded to e4m3 with its own scale: (``x8`` e4m3, ``scale [M]`` f32).
+
+    ``x ~= x8 * scale[:, None]``; a row's largest magnitude becomes 448 (exact). All-zero rows get
+    scale 1.
+    """
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1)
+    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+    return jnp.clip(x32 / scale[:, None], -E4M3_MAX, E4M3_MAX).astype(FP8), scale
+
+
+def _kernel(*refs, block_starts: tuple[int, ...], block_n: int, block_k: int, steps_per_split: int,
+            max_concurrent_steps: int, weight_layout: str, scaled: bool, fused_epilogue: bool):
+    # GMEM refs: the weights (each [N_i, K] or [K, N_i]), x [Mp, K], with ``scaled`` each
+    # weight's scale [N_i] and x's [Mp] (f32), then the output: [Mp, sum N_i] in the output dtype
+    # (``fused_epilogue``) or [k_splits, sum N_i, Mp] f32 partial sums; last, with ``scaled``
+    # and ``fused_epilogue``, two barriers. Program (b, s) owns output rows b * block_n .. of the
+    # weights laid end to end (weight i from block block_starts[i]) and K slice s.
+    num_weights = len(block_starts) - 1
+    w_refs, (x_ref, *rest) = refs[:num_weights], refs[num_weights:]
+    if scaled:
+        w_scale_refs, (x_scale_ref, out_ref, barriers) = rest[:num_weights], rest[num_weights:]
+    else:
+        (out_ref,) = rest
+    tokens = x_ref.shape[0]
+    block, split = lax.axis_index("n"), lax.axis_index("split")
+    out_rows = pl.ds(block * block_n, block_n)
+    k_slice = pl.ds(split * steps_per_split * block_k, steps_per_split * block_k)
+    x_spec = plgpu.BlockSpec((tokens, block_k), lambda k: (0, k), transforms=_smem_transforms(block_k, x_ref.dtype))
+
+    def one_weight(i):
+        w_ref = w_refs[i]
+        rows = pl.ds((block - block_starts[i]) * block_n, block_n)  # this weight's own rows
+        if weight_layout == "nk":
+            w_part = w_ref.at[rows, k_slice]
+            w_spec = plgpu.BlockSpec((block_n, block_k), lambda k: (0, k),
+                                     transforms=_smem_transforms(block_k, w_ref.dtype))
+        else:
+            w_part = w_ref.at[k_slice, rows]
+            w_spec = plgpu.BlockSpec((block_k, block_n), lambda k: (k, 0),
+                                     transforms=_smem_transforms(block_n, w_ref.dtype))
+
+        def accumulate(acc_ref):
+            def step(_, w_smem, x_smem):
+                weights = w_smem if weight_layout == "nk" else w_smem.transpose((1, 0))  # [block_n, block_k]
+                plgpu.wgmma(acc_ref, weights, x_smem.transpose((1, 0)))
+                # The tiles' slots are refilled when this step returns: the MMA must have read them.
+                plgpu.wgmma_wait(0)
+
+            plgpu.emit_pipeline(step, grid=(steps_per_split,), in_specs=[w_spec, x_spec],
+                                max_concurrent_steps=max_concurrent_steps)(w_part, x_ref.at[:, k_slice])
+            return acc_ref[...]
+
+        acc = pl.run_scoped(accumulate, plgpu.ACC((block_n, tokens), jnp.float32))  # [block_n, Mp]
+
+        if not fused_epilogue:
+            def store_partials(out_smem):
+                out_smem[...] = acc
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem, out_ref.at[split, out_rows])
+                plgpu.wait_smem_to_gmem(0)
+
+            pl.run_scoped(store_partials, plgpu.SMEM((block_n, tokens), jnp.float32))
+            return
+
+        def store(out_smem, *scale_smem):
+            result = acc
+            if scaled:
+                w_scale_smem, x_scale_smem = scale_smem
+                plgpu.copy_gmem_to_smem(w_scale_refs[i].at[rows], w_scale_smem, barriers.at[0])
+                plgpu.copy_gmem_to_smem(x_scale_ref, x_scale_smem, barriers.at[1])
+                plgpu.barrier_wait(barriers.at[0])
+                plgpu.barrier_wait(barriers.at[1])
+                w_scale = plgpu.load(w_scale_smem, layout=plgpu.Layout.WGMMA.reduce(1))  # [block_n]
+                x_scale = plgpu.load(x_scale_smem, layout=plgpu.Layout.WGMMA.reduce(0))  # [Mp]
+                result = (result * lax.broadcast_in_dim(w_scale, result.shape, [0])
+                          * lax.broadcast_in_dim(x_scale, result.shape, [1]))
+            # Stored through a transposed view: the output leaves as [Mp, N], the layout its consumer reads.
+            out_smem.transpose((1, 0))[...] = result.astype(out_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[:, out_rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        scratch = [plgpu.SMEM((tokens, block_n), out_ref.dtype)]
+        if scaled:
+            scratch += [plgpu.SMEM((block_n,), jnp.float32), plgpu.SMEM((tokens,), jnp.float32)]
+        pl.run_scoped(store, *scratch)
+
+    if num_weights == 1:
+        one_weight(0)
+        return
+    for i in range(num_weights):
+        pl.when((block >= block_starts[i]) & (block < block_starts[i + 1]))(functools.partial(one_weight, i))
+
+
+def check_shapes(m: int, n: int, k: int, *, block_n: int, block_k: int, k_splits: int,
+                 max_concurrent_steps: int) -> None:
+    """Raise ``ValueError`` naming the field and the limit if the kernel cannot take this shape."""
+    if not 1 <= m <= MAX_TOKENS:
+        raise ValueError(f"x must have 1 to {MAX_TOKENS} rows (tokens), got {m}")
+    if block_n % WGMMA_ROWS or block_n <= 0:
+        raise ValueError(f"block_n must be a positive multiple of {WGMMA_ROWS} (wgmma's M), got {block_n}")
+    if n % block_n:
+        raise ValueError(f"N ({n}) must be a multiple of block_n ({block_n})")
+    if block_k <= 0 or block_k % 32:
+        raise ValueError(f"block_k must be a positive multiple of 32 (an 8-bit wgmma's K), got {block_k}")
+    if k_splits < 1 or k % (block_k * k_splits):
+        raise ValueError(f"K ({k}) must be a multiple of block_k x k_splits ({block_k} x {k_splits})")
+    if max_concurrent_steps < 1:
+        raise ValueError(f"max_concurrent_steps must be at least 1, got {max_concurrent_steps}")
+
+
+def _check_weight(w, w_scale, k: int, weight_layout: str, fp8: bool, index: int) -> int:
+    """The weight's N, after checking its rank, dtype, K and scale."""
+    name = f"weights[{index}]"
+    if w.ndim != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {w.shape}")
+    n, wk = w.shape if weight_layout == "nk" else w.shape[::-1]
+    if wk != k:
+        raise ValueError(f"x's K ({k}) and {name}'s K ({wk}, layout {weight_layout!r}) differ")
+    if (w.dtype == FP8) != fp8 or w.dtype not in (FP8, jnp.bfloat16):
+        raise ValueError(f"{name} must be {'float8_e4m3fn' if fp8 else 'bfloat16'} like weights[0], got {w.dtype}")
+    if fp8 and (w_scale is None or w_scale.shape != (n,)):
+        raise ValueError(f"w_scales[{index}] must be [{n}] float32 for float8_e4m3fn weights, got "
+                         f"{None if w_scale is None else w_scale.shape}")
+    return n
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "weight_layout", "block_n", "block_k", "k_splits", "max_concurrent_steps", "out_dtype", "interpret"))
+def wgmma_matmul_many(x: jax.Array, weights: tuple, w_scales: tuple | None = None, *,
+                      x_scale: jax.Array | None = None, weight_layout: str = "nk", block_n: int = 64,
+                      block_k: int = 128, k_splits: int = 1, max_concurrent_steps: int = 4, out_dtype=None,
+                      interpret: bool = False) -> list[jax.Array]:
+    """``x [M, K]`` times each of ``weights`` (projections sharing an input: q/k/v, gate/up) in
+    one launch: a list of ``[M, N_i]`` in ``out_dtype`` (default: float32 for fp8 weights, else
+    x's dtype).
+
+    Weights ``float8_e4m3fn [N_i, K]`` with ``w_scales[i] [N_i]`` (float32, per output channel):
+    W8A8. x is either bf16/f32, rounded to e4m3 per row here (:func:`quantize_rows_e4m3`), or
+    already ``float8_e4m3fn`` with ``x_scale`` (``[M]`` per row, or ``[]`` for a static input
+    scale). Weights ``bfloat16`` ``[N_i, K]`` (``weight_layout="nk"``) or ``[K, N_i]`` (``"kn"``)
+    take no scales. Every ``N_i`` must be a multiple of ``block_n``.
+    """
+    mosaic_gpu_names.install()
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
+    weights = tuple(weights)
+    if not weights:
+        raise ValueError("weights must hold at least one weight")
+    if x.ndim != 2:
+        raise ValueError(f"x must be 2-D [tokens, K], got shape {x.shape}")
+    m, k = x.shape
+    if weights[0].dtype not in (FP8, jnp.bfloat16):
+        raise ValueError(f"weights must be float8_e4m3fn (with w_scales) or bfloat16, got {weights[0].dtype}")
+    fp8 = weights[0].dtype == FP8
+    if fp8 and weight_layout != "nk":
+        raise ValueError("float8_e4m3fn weights must be [N, K] (weight_layout='nk'): an 8-bit wgmma reads "
+                         "its operands K-major")
+    if fp8 and (w_scales is None or len(w_scales) != len(weights)):
+        raise ValueError(f"w_scales must hold one [N] float32 scale per float8_e4m3fn weight ({len(weights)})")
+    if not fp8 and w_scales is not None:
+        raise ValueError("bfloat16 weights take no w_scales")
+    ns = [_check_weight(w, w_scales[i] if fp8 else None, k, weight_layout, fp8, i) for i, w in enumerate(weights)]
+    row_scale = None
+    if fp8:
+        if x.dtype == FP8:
+            if x_scale is None or jnp.shape(x_scale) not in ((), (m,)):
+                raise ValueError(f"x_scale must be [] or [{m}] float32 for float8_e4m3fn x, got "
+                                 f"{None if x_scale is None else jnp.shape(x_scale)}")
+            x_in, row_scale = x, jnp.broadcast_to(jnp.asarray(x_scale, jnp.float32), (m,))
+        elif x_scale is not None:
+            raise ValueError("x_scale goes with float8_e4m3fn x (already quantized); bf16/f32 x is "
+                             "quantized per row here")
+        else:
+            x_in, row_scale = quantize_rows_e4m3(x)
+        out_dtype = out_dtype or jnp.float32
+    else:
+        if x_scale is not None:
+            raise ValueError("bfloat16 weights take no x_scale")
+        if x.dtype not in (jnp.bfloat16, jnp.float32):
+            raise ValueError(f"x must be bfloat16 or float32 for bfloat16 weights, got {x.dtype}")
+        x_in = x.astype(jnp.bfloat16)
+        out_dtype = out_dtype or x.dtype
+    for n in ns:
+        check_shapes(m, n, k, block_n=block_n, block_k=block_k, k_splits=k_splits,
+                     max_concurrent_steps=max_concurrent_steps)
+    n_total = sum(ns)
+    block_starts = tuple(int(v) for v in np.cumsum([0] + [n // block_n for n in ns]))
+    mp = padded_tokens(m)
+    x_in = jnp.pad(x_in, ((0, mp - m), (0, 0)))
+    steps_per_split = k // (block_k * k_splits)
+    # One split and a 16-bit output: the epilogue (scales, cast, [Mp, N] layout) is in the kernel.
+    # Otherwise float32 partials [k_splits, N, Mp], added and scaled by XLA after it.
+    fused_epilogue = k_splits == 1 and jnp.dtype(out_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    scaled = fp8 and fused_epilogue
+    if fused_epilogue:
+        out_type = jax.ShapeDtypeStruct((mp, n_total), out_dtype)
+    else:
+        out_type = jax.ShapeDtypeStruct((k_splits, n_total, mp), jnp.float32)
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, block_starts=block_starts, block_n=block_n, block_k=block_k,
+                          steps_per_split=steps_per_split, max_concurrent_steps=max_concurrent_steps,
+                          weight_layout=weight_layout, scaled=scaled, fused_epilogue=fused_epilogue),
+        out_type=out_type,
+        scratch_types=(plgpu.Barrier(num_barriers=2),) if scaled else (),
+        grid=(n_total // block_n, k_splits),
+        grid_names=("n", "split"),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    if fused_epilogue:
+        scales = ((*(s.astype(jnp.float32) for s in w_scales), jnp.pad(row_scale, (0, mp - m), constant_values=1.0))
+                  if scaled else ())
+        y = kernel(*weights, x_in, *scales)[:m]  # [M, sum N_i]
+    else:
+        partials = kernel(*weights, x_in)
+        acc = partials[0] if k_splits == 1 else partials.sum(axis=0)  # [sum N_i, Mp]
+        y = acc[:, :m].T
+        if fp8:
+            y = y * row_scale[:, None] * jnp.concatenate([s.astype(jnp.float32) for s in w_scales])[None, :]
+        y = y.astype(out_dtype)
+    bounds = np.cumsum([0] + ns)
+    return [y[:, int(lo):int(hi)] for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def wgmma_matmul(x: jax.Array, w: jax.Array, w_scale: jax.Array | None = None, **options) -> jax.Array:
+    """``x [M, K]`` times one weight: :func:`wgmma_matmul_many` with ``weights=(w,)``."""
+    return wgmma_matmul_many(x, (w,), None if w_scale is None else (w_scale,), **options)[0]
+
+
+def split_count(n: int, k: int, block_n: int, block_k: int, *, num_sms: int = 132, min_steps: int = 4) -> int:
+    """K splits for about one program per SM: doubled while the grid has fewer than 90% of
+    ``num_sms`` programs and each split keeps at least ``min_steps`` steps."""
+    k_splits = 1
+    while (n // block_n) * k_splits < num_sms * 0.9 and k % (block_k * k_splits * 2) == 0 \
+            and k // (block_k * k_splits * 2) >= min_steps:
+        k_splits *= 2
+    return k_splits
+
+
+# Programs below which the default sizes split K (and pay an XLA epilogue): with fewer, even deep
+# pipelines leave too few bytes in flight across the GPU.
+MIN_PROGRAMS_UNSPLIT = 48
+
+
+def default_sizes(m: int, n: int, k: int, weight_dtype, *, num_sms: int = 132) -> dict:
+    """Tile sizes for ``wgmma_matmul`` when nothing measured says better: 64 weight rows a program,
+    256 bytes of K a step (two 128-byte swizzle rows), 6 steps in flight (96 KB a program), and K
+    unsplit (the epilogue in the kernel) unless N gives fewer than ``MIN_PROGRAMS_UNSPLIT`` programs."""
+    block_n, block_k = 64, 256 // jnp.dtype(weight_dtype).itemsize
+    if k % block_k:
+        block_k //= 2
+    k_splits = 1 if n // block_n >= MIN_PROGRAMS_UNSPLIT else split_count(n, k, block_n, block_k, num_sms=num_sms)
+    return dict(block_n=block_n, block_k=block_k, k_splits=k_splits, max_concurrent_steps=6)

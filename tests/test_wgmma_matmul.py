@@ -1,0 +1,205 @@
+"""The TMA + wgmma decode matmul (``gpu_wgmma.py``) in Pallas's Mosaic GPU interpreter, its sm_90
+lowering, its refusals, and the weight layer's opt-in path to it (``JAXINFER_DECODE_MATMUL=wgmma``).
+
+The interpreter multiplies the operands as stored (e4m3 or bf16) in float32, so these check the
+kernel's indexing (row blocks of several weights laid end to end, K slices, the pipeline's steps),
+the in-kernel epilogue (both scales, the cast, the transposed store) and the split-K path's XLA
+epilogue against a float32 reference of the same rounded operands; speed is the GPU benchmark's
+(``benchmarks/wgmma_gemv.py``) and the engine's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.quantized_matmul import gpu_wgmma
+from pallas_kernels.quantized_matmul.gpu_wgmma import (FP8, default_sizes, quantize_rows_e4m3, wgmma_matmul,
+                                                       wgmma_matmul_many)
+
+
+def _fp8_weight(rng, n, k):
+    w = rng.standard_normal((n, k)).astype(np.float32) * np.exp(rng.standard_normal((n, 1)))
+    scale = np.abs(w).max(axis=1) / 448.0
+    return jnp.asarray(w / scale[:, None]).astype(FP8), jnp.asarray(scale, jnp.float32)
+
+
+def _w8a8_reference(x8, x_scale, w8, w_scale):
+    x = x8.astype(jnp.float32) * jnp.asarray(x_scale, jnp.float32).reshape(-1, 1)
+    return jnp.dot(x, (w8.astype(jnp.float32) * w_scale[:, None]).T, precision="highest")
+
+
+def _rel(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return np.max(np.abs(out - ref)) / np.max(np.abs(ref))
+
+
+BF16_ROUNDING = 2.0 ** -8  # the output's cast: half an ulp of bf16 at the largest value, and margin
+
+
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_fp8_weights_with_the_epilogue_in_the_kernel(m):
+    """bf16 x rounded to e4m3 per row, two row blocks, bf16 output: scales, cast and [M, N] store in the kernel."""
+    rng = np.random.default_rng(m)
+    x = jnp.asarray(rng.standard_normal((m, 256)) * 3, jnp.bfloat16)
+    w8, w_scale = _fp8_weight(rng, 128, 256)
+    out = wgmma_matmul(x, w8, w_scale, out_dtype=jnp.bfloat16, block_k=128, interpret=True)
+    assert out.shape == (m, 128) and out.dtype == jnp.bfloat16
+    x8, x_scale = quantize_rows_e4m3(x)
+    assert _rel(out, _w8a8_reference(x8, x_scale, w8, w_scale)) < BF16_ROUNDING
+
+
+def test_fp8_split_k_partials_in_float32_and_a_static_input_scale():
+    """K in 2 slices: float32 partial sums added by XLA (the float32 output keeps them exact to
+    f32 rounding); x already e4m3 with one static scale."""
+    rng = np.random.default_rng(0)
+    w8, w_scale = _fp8_weight(rng, 64, 512)
+    x8 = jnp.asarray(rng.standard_normal((5, 512)) * 40, jnp.float32).astype(FP8)
+    out = wgmma_matmul(x8, w8, w_scale, x_scale=jnp.float32(0.25), k_splits=2, block_k=128, interpret=True)
+    assert out.dtype == jnp.float32
+    assert _rel(out, _w8a8_reference(x8, jnp.full((5,), 0.25), w8, w_scale)) < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_bf16_weights_in_either_layout(layout):
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((4, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((256, 128) if layout == "kn" else (128, 256)), jnp.bfloat16)
+    out = wgmma_matmul(x, w, weight_layout=layout, block_k=64, interpret=True)
+    w32 = w.astype(jnp.float32)
+    ref = jnp.dot(x.astype(jnp.float32), w32 if layout == "kn" else w32.T, precision="highest")
+    assert out.dtype == jnp.bfloat16 and _rel(out, ref) < BF16_ROUNDING
+
+
+@pytest.mark.parametrize("k_splits", [1, 2])
+def test_several_weights_in_one_launch(k_splits):
+    """q/k/v-like weights of 128, 64 and 64 rows: each output is its own weight's, in both epilogues."""
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+    weights = [_fp8_weight(rng, n, 256) for n in (128, 64, 64)]
+    outs = wgmma_matmul_many(x, tuple(w for w, _ in weights), tuple(s for _, s in weights),
+                             out_dtype=jnp.bfloat16, block_k=64, k_splits=k_splits, interpret=True)
+    x8, x_scale = quantize_rows_e4m3(x)
+    for out, (w8, w_scale) in zip(outs, weights, strict=True):
+        assert out.shape == (3, w8.shape[0])
+        assert _rel(out, _w8a8_reference(x8, x_scale, w8, w_scale)) < BF16_ROUNDING
+
+
+def test_several_bf16_weights_in_the_model_layout():
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((2, 128)), jnp.bfloat16)
+    weights = tuple(jnp.asarray(rng.standard_normal((128, n)), jnp.bfloat16) for n in (64, 192))
+    outs = wgmma_matmul_many(x, weights, weight_layout="kn", block_k=64, interpret=True)
+    for out, w in zip(outs, weights, strict=True):
+        ref = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest")
+        assert _rel(out, ref) < BF16_ROUNDING
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+def test_lowers_for_hopper_at_the_llama_shapes_from_cpu(fmt):
+    """Mosaic GPU's lowering (layout inference, wgmma operand and swizzle checks) of the engine's
+    merged q/k/v and the down projection at the default sizes, at 8 tokens (the batch-1 bucket)."""
+    spec = jax.ShapeDtypeStruct
+    for ns, k in (((4096, 1024, 1024), 4096), ((4096,), 14336)):
+        if fmt == "fp8":
+            args = (spec((8, k), FP8), tuple(spec((n, k), FP8) for n in ns), tuple(spec((n,), jnp.float32) for n in ns))
+            options = dict(x_scale=spec((8,), jnp.float32), out_dtype=jnp.bfloat16)
+            dtype = FP8
+        else:
+            args = (spec((8, k), jnp.bfloat16), tuple(spec((k, n), jnp.bfloat16) for n in ns))
+            options, dtype = dict(weight_layout="kn"), jnp.bfloat16
+        lowered = wgmma_matmul_many.trace(*args, **options, **default_sizes(8, sum(ns), k, dtype)).lower(
+            lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_default_sizes_keep_k_whole_where_n_fills_the_gpu():
+    assert default_sizes(8, 6144, 4096, FP8) == dict(block_n=64, block_k=256, k_splits=1, max_concurrent_steps=6)
+    assert default_sizes(8, 4096, 14336, jnp.bfloat16)["block_k"] == 128
+    small = default_sizes(8, 1024, 4096, FP8)  # k or v alone: 16 row blocks, K split
+    assert small["k_splits"] > 1 and (1024 // 64) * small["k_splits"] <= 132
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(x=jnp.zeros((65, 128), jnp.bfloat16)), "1 to 64 rows"),
+    (dict(w=jnp.zeros((96, 128), FP8), w_scale=jnp.ones((96,))), r"N \(96\) must be a multiple of block_n"),
+    (dict(w=jnp.zeros((64, 96), FP8)), "K"),
+    (dict(w_scale=jnp.ones((32,))), r"w_scales\[0\] must be \[64\]"),
+    (dict(w=jnp.zeros((64, 128), jnp.int8)), "float8_e4m3fn"),
+    (dict(x=jnp.zeros((2, 128), FP8)), "x_scale must be"),
+    (dict(x_scale=jnp.float32(1.0)), "x_scale goes with float8_e4m3fn x"),
+])
+def test_bad_inputs_raise_naming_the_field(change, message):
+    args = dict(x=jnp.zeros((2, 128), jnp.bfloat16), w=jnp.zeros((64, 128), FP8), w_scale=jnp.ones((64,)))
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        wgmma_matmul(args.pop("x"), args.pop("w"), args.pop("w_scale"), interpret=True, **args)
+
+
+def test_fp8_weights_refuse_the_transposed_layout():
+    with pytest.raises(ValueError, match="K-major"):
+        wgmma_matmul(jnp.zeros((2, 128), jnp.bfloat16), jnp.zeros((128, 64), FP8), jnp.ones((64,)),
+                     weight_layout="kn", interpret=True)
+
+
+def test_the_weight_layer_runs_it_only_when_chosen_on_one_gpu(monkeypatch):
+    from jaxinfer.decode_gemv import DECODE_MATMUL_ENV, use_wgmma_matmul
+
+    monkeypatch.delenv(DECODE_MATMUL_ENV, raising=False)
+    assert not use_wgmma_matmul(8, 4096, 4096, FP8, platform="gpu", num_devices=1)
+    assert use_wgmma_matmul(8, 4096, 4096, FP8, platform="gpu", num_devices=1, choice="wgmma")
+    assert not use_wgmma_matmul(8, 4096, 4096, FP8, platform="cpu", num_devices=1, choice="wgmma")
+    assert not use_wgmma_matmul(8, 4096, 4096, FP8, platform="gpu", num_devices=2, choice="wgmma")
+    assert not use_wgmma_matmul(128, 4096, 4096, FP8, platform="gpu", num_devices=1, choice="wgmma")
+    assert not use_wgmma_matmul(8, 4096, 4096, jnp.int8, platform="gpu", num_devices=1, choice="wgmma")
+    monkeypatch.setenv(DECODE_MATMUL_ENV, "wgmma")
+    assert not use_wgmma_matmul(8, 4096, 4096, FP8)  # this process's backend is the CPU
+
+
+def test_linear_many_sends_fp8_and_bf16_projections_of_one_input_through_one_launch(monkeypatch):
+    """What the engine's step runs with the kernel chosen: q/k/v of a tiny layer, fp8 (W8A8, the
+    one launch) against the weight-only path, and dense bf16 against XLA's einsum (equal)."""
+    import jaxinfer.decode_gemv as decode_gemv
+    import jaxinfer.linear as linear
+    from jaxinfer.quantization import quantize
+
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((1, 3, 256)), jnp.bfloat16)
+    dense = [jnp.asarray(rng.standard_normal((256, h, 64)) / 16, jnp.bfloat16) for h in (2, 1, 1)]
+    fp8 = [quantize(jnp.moveaxis(w, 0, -1), "fp8", num_out_axes=2) for w in dense]
+    before_fp8 = linear.linear_many("ste,ehd->sthd", x, fp8)
+    before_dense = linear.linear_many("ste,ehd->sthd", x, dense)
+
+    launches = []
+    original = gpu_wgmma.wgmma_matmul_many
+
+    def interpreted(*args, **options):
+        launches.append(len(args[1]))
+        return original(*args, **{**options, "interpret": True})
+
+    monkeypatch.setattr(gpu_wgmma, "wgmma_matmul_many", interpreted)
+    monkeypatch.setattr(linear, "use_wgmma_matmul", lambda m, n, k, dtype: decode_gemv.use_wgmma_matmul(
+        m, n, k, dtype, platform="gpu", num_devices=1, choice="wgmma"))
+    after_fp8 = linear.linear_many("ste,ehd->sthd", x, fp8)
+    after_dense = linear.linear_many("ste,ehd->sthd", x, dense)
+    assert launches == [3, 3]
+    for before, after in zip(before_fp8, after_fp8, strict=True):
+        assert after.shape == before.shape and after.dtype == before.dtype
+        # W8A8 rounds x to e4m3 per token (~2^-4 relative), the weight-only path keeps it in bf16.
+        assert _rel(after, before) < 0.1
+    for before, after in zip(before_dense, after_dense, strict=True):
+        np.testing.assert_array_equal(np.asarray(after, np.float32), np.asarray(before, np.float32))
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_runs_on_cpu(tmp_path):
+    import json
+
+    from tests.test_benchmarks_smoke import run_script
+
+    run_script(["benchmarks/wgmma_gemv.py", "--out", tmp_path, "--smoke", "--ms", "3", "--formats", "fp8"], tmp_path)
+    results = json.loads((tmp_path / "wgmma_gemv.json").read_text())
+    ours = [row for row in results["rows"] if row["method"].startswith("ours")]
+    assert ours and all(row["ok"] for row in ours)
