@@ -832,8 +832,9 @@ s21a)
             --out "$R/dsb_$side" --rounds 1 --shapes 8x16384,4x8192,1x32768
     done ;;
 s21b)
-    # Run twice in session 21: its first call (the kernel's first version: one launch a projection,
-    # float32 partials and an XLA epilogue) is in benchmarks/results/session21_h200.md; this is the second.
+    # Its first call ran the kernel's first version (one launch a projection, float32 partials and an
+    # XLA epilogue; benchmarks/results/session21_h200.md). This form, for the second version, has not run
+    # yet (session 21's device time ran out); it fits in ~200 s of a warm machine.
     JAXINFER_DECODE_MATMUL=wgmma on_gpu 0 latency_fp8_wgmma.log 100 python3 benchmarks/engine_throughput.py \
         --out "$R/latency_fp8_wgmma" --workloads latency --quantization fp8 --kv-cache-dtype fp8 --profile-latency-steps 8
     on_gpu 0 latency_fp8_base.log 80 python3 benchmarks/engine_throughput.py \
