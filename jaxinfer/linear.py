@@ -266,8 +266,6 @@ def fp8_w8a8_matmul(x: jax.Array, payload: jax.Array, scale: jax.Array,
 def _wgmma_many(subscripts: str, x: jax.Array, x2: jax.Array, weights, preferred_element_type):
     """Projections of one input through one launch of the TMA + wgmma kernel, when it runs them
     all (all FP8, or all dense bf16 in the einsum's form); else None."""
-    from pallas_kernels.quantized_matmul.gpu_wgmma import wgmma_matmul_many
-
     m, k = x2.shape
     n_in, _ = split_subscripts(subscripts)
     lead_shape = x.shape[:x.ndim - n_in]
@@ -278,20 +276,27 @@ def _wgmma_many(subscripts: str, x: jax.Array, x2: jax.Array, weights, preferred
         if not use_wgmma_matmul(m, sum(ns), k, jnp.float8_e4m3fn) or any(n % 64 for n in ns):
             return None
         xq, x_scale = quantize_activations_fp8(x2, shared_input_scale(weights))
-        ys = wgmma_matmul_many(xq, tuple(w.payload.reshape(n, k) for w, n in zip(weights, ns)),
-                               tuple(w.scale.reshape(n) for w, n in zip(weights, ns)), x_scale=x_scale,
-                               out_dtype=preferred_element_type or x.dtype,
-                               **wgmma_sizes(m, sum(ns), k, jnp.float8_e4m3fn))
+        ys = _wgmma_matmul_many(xq, tuple(w.payload.reshape(n, k) for w, n in zip(weights, ns)),
+                                tuple(w.scale.reshape(n) for w, n in zip(weights, ns)), x_scale=x_scale,
+                                out_dtype=preferred_element_type or x.dtype,
+                                **wgmma_sizes(m, sum(ns), k, jnp.float8_e4m3fn))
         return [y.reshape(lead_shape + tuple(w.scale.shape)) for y, w in zip(ys, weights)]
     if preferred_element_type in (None, jnp.bfloat16) and all(
             not isinstance(w, QuantizedWeight) and dense_gemv_shape(subscripts, x, w) is not None for w in weights):
         ns = [math.prod(w.shape[n_in:]) for w in weights]
         if not use_wgmma_matmul(m, sum(ns), k, jnp.bfloat16) or any(n % 64 for n in ns):
             return None
-        ys = wgmma_matmul_many(x2, tuple(w.reshape(k, n) for w, n in zip(weights, ns)), weight_layout="kn",
-                               **wgmma_sizes(m, sum(ns), k, jnp.bfloat16))
+        ys = _wgmma_matmul_many(x2, tuple(w.reshape(k, n) for w, n in zip(weights, ns)), weight_layout="kn",
+                                **wgmma_sizes(m, sum(ns), k, jnp.bfloat16))
         return [y.reshape(lead_shape + w.shape[n_in:]) for y, w in zip(ys, weights)]
     return None
+
+
+def _wgmma_matmul_many(*args, **options):
+    # Imported only when chosen: the kernel's module pulls in Pallas's Mosaic GPU backend.
+    from pallas_kernels.quantized_matmul.gpu_wgmma import wgmma_matmul_many
+
+    return wgmma_matmul_many(*args, **options)
 
 
 def _use_wgmma(m: int, w: QuantizedWeight) -> bool:
