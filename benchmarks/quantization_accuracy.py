@@ -57,6 +57,9 @@ CONFIGS = [
     {"name": "fp8 weights (W8A8 when scoring)", "llm": {"quantization": "fp8"}},
     {"name": "fp8 weights (weight-only everywhere)", "llm": {"quantization": "fp8"}, "fp8_w8a8_min_tokens": NO_W8A8,
      "optional": True},
+    # What JAXINFER_DECODE_MATMUL=wgmma decodes with (gpu_wgmma.py: W8A8 at every step size).
+    {"name": "fp8 weights (W8A8 everywhere)", "llm": {"quantization": "fp8"}, "fp8_w8a8_min_tokens": 1,
+     "optional": True},
     {"name": "int8 weights (weight-only)", "llm": {"quantization": "int8"}},
     {"name": "bfloat16 weights, activations and KV", "llm": {"dtype": "bfloat16"}},
     {"name": "fp8 KV cache (float32 weights)", "llm": {"kv_cache_dtype": "fp8"}},
