@@ -87,6 +87,24 @@ def test_several_weights_in_one_launch(k_splits):
         assert _rel(out, _w8a8_reference(x8, x_scale, w8, w_scale)) < BF16_ROUNDING
 
 
+@pytest.mark.parametrize("k_splits", [1, 2])
+def test_no_data_races_in_the_interpreter(k_splits):
+    """The interpreter's happens-before race detector over the pipeline's TMA copies, the scales'
+    copies and barriers, the epilogue's smem stores and the wgmma reads, two weights a launch.
+    (Its wgmma is synchronous, so a missing wait on an asynchronous one would not show here.)"""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
+    weights = [_fp8_weight(rng, 64, 512) for _ in range(2)]
+    outs = wgmma_matmul_many(x, tuple(w for w, _ in weights), tuple(s for _, s in weights), out_dtype=jnp.bfloat16,
+                             block_k=128, k_splits=k_splits, max_concurrent_steps=2,
+                             interpret=plgpu.InterpretGPUParams(detect_races=True))
+    jax.block_until_ready(outs)
+    assert not interpret_pallas_call.get_races().races_found
+
+
 def test_several_bf16_weights_in_the_model_layout():
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((2, 128)), jnp.bfloat16)

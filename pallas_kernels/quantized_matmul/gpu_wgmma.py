@@ -203,7 +203,7 @@ def _check_weight(w, w_scale, k: int, weight_layout: str, fp8: bool, index: int)
 def wgmma_matmul_many(x: jax.Array, weights: tuple, w_scales: tuple | None = None, *,
                       x_scale: jax.Array | None = None, weight_layout: str = "nk", block_n: int = 64,
                       block_k: int = 128, k_splits: int = 1, max_concurrent_steps: int = 4, out_dtype=None,
-                      interpret: bool = False) -> list[jax.Array]:
+                      interpret: bool | plgpu.InterpretGPUParams = False) -> list[jax.Array]:
     """``x [M, K]`` times each of ``weights`` (projections sharing an input: q/k/v, gate/up) in
     one launch: a list of ``[M, N_i]`` in ``out_dtype`` (default: float32 for fp8 weights, else
     x's dtype).
@@ -212,7 +212,8 @@ def wgmma_matmul_many(x: jax.Array, weights: tuple, w_scales: tuple | None = Non
     W8A8. x is either bf16/f32, rounded to e4m3 per row here (:func:`quantize_rows_e4m3`), or
     already ``float8_e4m3fn`` with ``x_scale`` (``[M]`` per row, or ``[]`` for a static input
     scale). Weights ``bfloat16`` ``[N_i, K]`` (``weight_layout="nk"``) or ``[K, N_i]`` (``"kn"``)
-    take no scales. Every ``N_i`` must be a multiple of ``block_n``.
+    take no scales. Every ``N_i`` must be a multiple of ``block_n``. ``interpret`` runs Pallas's
+    Mosaic GPU interpreter (CPU tests): ``True``, or its parameters (e.g. race detection).
     """
     mosaic_gpu_names.install()
     if weight_layout not in WEIGHT_LAYOUTS:
@@ -278,7 +279,8 @@ def wgmma_matmul_many(x: jax.Array, weights: tuple, w_scales: tuple | None = Non
         scratch_types=(plgpu.Barrier(num_barriers=2),) if scaled else (),
         grid=(n_total // block_n, k_splits),
         grid_names=("n", "split"),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
+                   else plgpu.InterpretGPUParams() if interpret else None),
     )
     if fused_epilogue:
         scales = ((*(s.astype(jnp.float32) for s in w_scales), jnp.pad(row_scale, (0, mp - m), constant_values=1.0))
