@@ -402,7 +402,9 @@ def test_autoscaling_follows_the_queue_up_and_down(base_url, app_cleanup):
     for c in clients:
         c.start()
     scale_decided_s = wait_for(lambda: num_engine_replicas()[1] == 2, 60, "a second replica to be started")
-    scale_up_s = wait_for(lambda: num_engine_replicas()[0] == 2, 60, "the second replica to run") + scale_decided_s
+    # A replica's start is a process that imports jax: seconds on a quiet host, over a minute on a
+    # loaded 2-core one (a full run beside a CPU benchmark took > 60 s), so this wait is generous.
+    scale_up_s = wait_for(lambda: num_engine_replicas()[0] == 2, 150, "the second replica to run") + scale_decided_s
     for c in clients:
         c.join(timeout=120)
     load_s = time.monotonic() - start
