@@ -176,8 +176,9 @@
 #           split rule (this tree, with a trace of 8 of its decode steps: where the engine's step and
 #           latency_lab.py's differ) against .baseline/ (session 19's code); the 8x8 bucket
 #           at 384, 4k and 32k tokens; B=8 16k with all slots live, this tree against .baseline/.
-#   s21b    one GPU: the TMA + wgmma decode matmul (JAXINFER_DECODE_MATMUL=wgmma) in the engine's batch-1
-#           latency: fp8 weights + fp8 KV with it and without (each traced over 8 decode steps), bf16 with it.
+#   s21b    one GPU: the TMA + wgmma decode matmul (JAXINFER_DECODE_MATMUL=wgmma / wgmma-f16) in the engine's
+#           batch-1 latency: fp8 weights + fp8 KV with each and without, bf16 with it and without (the
+#           kernel's runs traced over 8 decode steps); then wgmma_gemv.py's tile sweep at 8 and 16 tokens.
 set -u
 PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f, s18g, s19a, s19b, s19c, s19d, s19e, s20a, s20b, s20c, s20g, s21a or s21b}
 OUT=${OUT:-$PWD/device-out}
@@ -833,16 +834,22 @@ s21a)
     done ;;
 s21b)
     # Its first call ran the kernel's first version (one launch a projection, float32 partials and an
-    # XLA epilogue; benchmarks/results/session21_h200.md). This form, for the second version, has not run
-    # yet (session 21's device time ran out); it fits in ~200 s of a warm machine.
-    JAXINFER_DECODE_MATMUL=wgmma on_gpu 0 latency_fp8_wgmma.log 100 python3 benchmarks/engine_throughput.py \
-        --out "$R/latency_fp8_wgmma" --workloads latency --quantization fp8 --kv-cache-dtype fp8 --profile-latency-steps 8
+    # XLA epilogue; benchmarks/results/session21_h200.md). This form, for the second version (one launch
+    # a group, the epilogue in the kernel, and the weight-only "wgmma-f16"), has not run yet (session
+    # 21's device time ran out). Engine runs take ~60 s each on a warm machine; the sweep gets the rest.
+    for choice in wgmma wgmma-f16; do
+        JAXINFER_DECODE_MATMUL=$choice on_gpu 0 latency_fp8_$choice.log 100 python3 benchmarks/engine_throughput.py \
+            --out "$R/latency_fp8_$choice" --workloads latency --quantization fp8 --kv-cache-dtype fp8 \
+            --profile-latency-steps 8
+    done
     on_gpu 0 latency_fp8_base.log 80 python3 benchmarks/engine_throughput.py \
         --out "$R/latency_fp8_base" --workloads latency --quantization fp8 --kv-cache-dtype fp8
     JAXINFER_DECODE_MATMUL=wgmma on_gpu 0 latency_bf16_wgmma.log 100 python3 \
         benchmarks/engine_throughput.py --out "$R/latency_bf16_wgmma" --workloads latency --profile-latency-steps 8
-    on_gpu 0 latency_bf16_base.log $(( END - SECONDS - 5 )) python3 \
-        benchmarks/engine_throughput.py --out "$R/latency_bf16_base" --workloads latency ;;
+    on_gpu 0 latency_bf16_base.log 80 python3 \
+        benchmarks/engine_throughput.py --out "$R/latency_bf16_base" --workloads latency
+    on_gpu 0 wgmma_gemv.log $(( END - SECONDS - 5 )) python3 benchmarks/wgmma_gemv.py --out "$R/wgmma_gemv" \
+        --ms 8,16 --budget-s $(( END - SECONDS - 40 )) ;;
 s20b)
     for side in new base new; do
         dir=.; [ $side = base ] && dir=.baseline

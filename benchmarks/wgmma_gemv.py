@@ -5,8 +5,9 @@ projections at 3.3-4.1 TB/s (bf16) and ~2.3-2.8 TB/s of fp8 bytes (W8A16). This 
 projection shape and token count M, the stored-weight read of:
 
 * fp8 weights ``[out, in]`` (per-channel scales): XLA's W8A16 (convert, then dot: what the
-  engine runs below 128 tokens), XLA's W8A8 (cuBLASLt FP8, M padded to 16), and ours (W8A8 by
-  wgmma, x rounded to e4m3 per row inside the timed call) at several tile sizes;
+  engine runs below 128 tokens), XLA's W8A8 (cuBLASLt FP8, M padded to 16), ours as W8A8 (x
+  rounded to e4m3 per row inside the timed call) at several tile sizes, and ours weight-only
+  (``wgmma-f16``: x in f16, tiles widened in registers) at the default sizes;
 * bf16 weights in the model's ``[in, out]`` layout: XLA's einsum (what the engine runs) and ours.
   q/k/v and gate/up are timed merged (``[4096, 6144]``, ``[4096, 28672]``), as XLA's DotMerger
   runs them in the engine's small steps.
@@ -82,6 +83,12 @@ def xla_bf16_kn(x, w):
 def ours_fp8(sizes, interpret):
     # bf16 out, as the weight layer asks: with one K split the epilogue is the kernel's own.
     return lambda x, w, scale: wgmma_matmul(x, w, scale, out_dtype=BF16, interpret=interpret, **sizes)
+
+
+def ours_fp8_weight_only(sizes, interpret):
+    # activations="f16": x scaled per row into f16, each e4m3 tile widened in registers (weight-only).
+    return lambda x, w, scale: wgmma_matmul(x, w, scale, activations="f16", out_dtype=BF16, interpret=interpret,
+                                            **sizes)
 
 
 def ours_bf16_kn(sizes, interpret):
@@ -185,12 +192,15 @@ def methods_for(case: Case, smoke: bool, interpret: bool) -> dict:
         methods = {"xla_w8a16": xla_w8a16, "xla_w8a8": xla_w8a8}
         for sizes in candidates(case.m, case.n, case.k, FP8, smoke):
             methods["ours " + describe(sizes)] = ours_fp8(sizes, interpret)
+        sizes = default_sizes(case.m, case.n, case.k, FP8)  # weight-only: the defaults only (compile budget)
+        methods["wgmma-f16 " + describe(sizes)] = ours_fp8_weight_only(sizes, interpret)
     else:
         methods = {"xla_bf16": xla_bf16_kn}
         for sizes in candidates(case.m, case.n, case.k, BF16, smoke):
             methods["ours " + describe(sizes)] = ours_bf16_kn(sizes, interpret)
     if smoke and interpret:  # on CPU: XLA's first path and ours, to keep the smoke short
-        methods = {label: fn for i, (label, fn) in enumerate(methods.items()) if i == 0 or label.startswith("ours")}
+        methods = {label: fn for i, (label, fn) in enumerate(methods.items())
+                   if i == 0 or label.startswith(("ours", "wgmma-f16"))}
     return methods
 
 
@@ -240,7 +250,7 @@ def main() -> None:
                         rows.append(row)
                         continue
                     outs = program(*case.args())
-                    w8a8 = case.fmt == "fp8" and label != "xla_w8a16"
+                    w8a8 = case.fmt == "fp8" and label.startswith(("xla_w8a8", "ours"))
                     row["rel_error"] = rel_error(outs[0], case.reference_w8a8 if w8a8 else case.reference)
                     if w8a8:
                         row["x_rounding"] = rel_error(outs[0], case.reference)
@@ -268,7 +278,7 @@ def layer_sums(rows, shapes, ms, formats) -> list[dict]:
     """Per format and M: one layer's projections at each method's best, and x 32 layers."""
     out = []
     for fmt, m in itertools.product(formats, ms):
-        prefixes = ("xla_w8a16", "xla_w8a8", "ours") if fmt == "fp8" else ("xla_bf16", "ours")
+        prefixes = ("xla_w8a16", "xla_w8a8", "ours", "wgmma-f16") if fmt == "fp8" else ("xla_bf16", "ours")
         for prefix in prefixes:
             picks = [best(rows, fmt, name, m, prefix) for name in shapes[fmt]]
             if any(p is None for p in picks):
@@ -287,12 +297,12 @@ def markdown(info, ceiling, rows, layers) -> str:
              "| format | projection | M | method | µs | TB/s | % ceiling | sizes |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     keys = sorted({(r["format"], r["m"], r["projection"]) for r in rows}, key=lambda t: (t[0], t[1]))
     for fmt, m, name in keys:
-        prefixes = ("xla_w8a16", "xla_w8a8", "ours") if fmt == "fp8" else ("xla_bf16", "ours")
+        prefixes = ("xla_w8a16", "xla_w8a8", "ours", "wgmma-f16") if fmt == "fp8" else ("xla_bf16", "ours")
         for prefix in prefixes:
             r = best(rows, fmt, name, m, prefix)
             if r is None:
                 continue
-            sizes = r["method"][5:] if prefix == "ours" else ""
+            sizes = r["method"][len(prefix) + 1:] if prefix in ("ours", "wgmma-f16") else ""
             lines.append(f"| {fmt} | {name} | {m} | {prefix} | {r['us']:.1f} | {r['tbs']:.2f} | "
                          f"{r['of_ceiling']:.0%} | {sizes} |")
     lines += ["", "One layer's projections at each method's best, x 32 layers:", "",

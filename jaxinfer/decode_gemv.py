@@ -44,24 +44,41 @@ def use_pallas_gemv(m: int, n: int, k: int, weight_dtype, layout: str, *, platfo
     return supports_shape(m, n, k) and prefer_pallas(m, n, k, weight_dtype, table=table, layout=layout)
 
 
-# Opt-in, being measured (issue 18/21): ``JAXINFER_DECODE_MATMUL=wgmma`` runs small GPU steps'
-# projections through the TMA + wgmma kernel (``pallas_kernels.quantized_matmul.gpu_wgmma``):
-# FP8 weights as W8A8 (x rounded to e4m3 per token, or by the static input scale), dense bf16
-# weights as stored. Read when a step is traced; unset: the paths above.
+# Opt-in, being measured (issue 18/21): ``JAXINFER_DECODE_MATMUL`` runs small GPU steps'
+# projections through the TMA + wgmma kernel (``pallas_kernels.quantized_matmul.gpu_wgmma``), dense
+# bf16 weights as stored and FP8 weights either as W8A8 (``wgmma``: x rounded to e4m3 per token, or
+# by the static input scale) or weight-only (``wgmma-f16``: x scaled per token into f16, each tile
+# widened to f16 in registers). Read when a step is traced; unset: the paths above.
 DECODE_MATMUL_ENV = "JAXINFER_DECODE_MATMUL"
+DECODE_MATMUL_CHOICES = {"wgmma": "e4m3", "wgmma-f16": "f16"}  # choice -> the kernel's FP8 activations
 WGMMA_MAX_TOKENS = 64
+
+
+def wgmma_choice(choice: str | None = None) -> str:
+    """The decode matmul chosen (``choice``, default the environment variable); "" for none.
+
+    An unknown value raises ``ValueError`` naming the variable and the accepted values.
+    """
+    choice = os.environ.get(DECODE_MATMUL_ENV, "") if choice is None else choice
+    if choice and choice not in DECODE_MATMUL_CHOICES:
+        raise ValueError(f"{DECODE_MATMUL_ENV}={choice!r}: expected one of {sorted(DECODE_MATMUL_CHOICES)} or unset")
+    return choice
+
+
+def wgmma_fp8_activations(choice: str | None = None) -> str:
+    """How the chosen kernel runs FP8 weights: ``"e4m3"`` (W8A8) or ``"f16"`` (weight-only)."""
+    return DECODE_MATMUL_CHOICES.get(wgmma_choice(choice), "e4m3")
 
 
 def use_wgmma_matmul(m: int, n: int, k: int, weight_dtype, *, platform: str | None = None,
                      num_devices: int | None = None, choice: str | None = None) -> bool:
     """Whether ``x [m, k]`` times a weight of ``n`` outputs runs the TMA + wgmma kernel.
 
-    Only when chosen (``choice``, default the ``JAXINFER_DECODE_MATMUL`` environment variable,
-    ``"wgmma"``), on one GPU, at ``m <= WGMMA_MAX_TOKENS``, for fp8 or bf16 weights whose shape the
+    Only when chosen (``choice``, default the ``JAXINFER_DECODE_MATMUL`` environment variable:
+    ``"wgmma"`` or ``"wgmma-f16"``), on one GPU, at ``m <= WGMMA_MAX_TOKENS``, for fp8 or bf16 weights whose shape the
     kernel tiles at its default sizes.
     """
-    choice = os.environ.get(DECODE_MATMUL_ENV, "") if choice is None else choice
-    if choice != "wgmma":
+    if not wgmma_choice(choice):
         return False
     platform = platform or jax.default_backend()
     num_devices = jax.device_count() if num_devices is None else num_devices

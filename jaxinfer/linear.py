@@ -46,7 +46,7 @@ from jaxinfer.activation_scales import ActivationObserver
 from jaxinfer.cpu_int8_matmul import int8_matmul_cpu, int8_matmul_many_cpu
 from jaxinfer.cpu_int8_matmul import is_available as cpu_int8_kernel_is_available
 from jaxinfer.decode_gemv import (dense_gemv_shape, dense_pallas_matmul, dense_wgmma_matmul, use_pallas_gemv,
-                                  use_wgmma_matmul, wgmma_sizes)
+                                  use_wgmma_matmul, wgmma_fp8_activations, wgmma_sizes)
 from jaxinfer.quantization import FP8_MAX, QuantizedWeight
 from pallas_kernels.precision import matmul_precision
 
@@ -118,7 +118,7 @@ def linear_many(subscripts: str, x: jax.Array, weights, preferred_element_type=N
         return merged
     prequantized = None
     fp8 = [w for w in weights if isinstance(w, QuantizedWeight) and w.quantization == "fp8"]
-    if fp8 and (uses_fp8_w8a8(m) or all(_use_wgmma(m, w) for w in fp8)):
+    if fp8 and (uses_fp8_w8a8(m) or (all(_use_wgmma(m, w) for w in fp8) and wgmma_fp8_activations() == "e4m3")):
         prequantized = quantize_activations_fp8(x2, shared_input_scale(fp8))
     return [quantized_linear(subscripts, x, w, preferred_element_type, prequantized)
             if isinstance(w, QuantizedWeight) else linear(subscripts, x, w, preferred_element_type)
@@ -206,11 +206,13 @@ def quantized_linear(subscripts: str, x: jax.Array, w: QuantizedWeight, preferre
             prequantized = quantize_activations_fp8(x2, w.input_scale)
         y = fp8_w8a8_matmul(x2, payload, scale, prequantized)
     elif w.quantization == "fp8" and use_wgmma_matmul(m, n, k, payload.dtype):
-        from pallas_kernels.quantized_matmul.gpu_wgmma import wgmma_matmul
-
-        xq, x_scale = prequantized if prequantized is not None else quantize_activations_fp8(x2, w.input_scale)
-        y = wgmma_matmul(xq, payload, scale, x_scale=x_scale, out_dtype=out_dtype,
-                         **wgmma_sizes(m, n, k, payload.dtype))
+        if wgmma_fp8_activations() == "f16":  # weight-only: x as it is, the tiles widened in the kernel
+            y = _wgmma_matmul_many(x2, (payload,), (scale,), activations="f16", out_dtype=out_dtype,
+                                   **wgmma_sizes(m, n, k, payload.dtype))[0]
+        else:
+            xq, x_scale = prequantized if prequantized is not None else quantize_activations_fp8(x2, w.input_scale)
+            y = _wgmma_matmul_many(xq, (payload,), (scale,), x_scale=x_scale, out_dtype=out_dtype,
+                                   **wgmma_sizes(m, n, k, payload.dtype))[0]
     elif w.quantization == "int8" and _use_cpu_int8_kernel(m):
         y = int8_matmul_cpu(x2, payload, scale, max_threads=CPU_INT8_MAX_THREADS)
     elif w.quantization == "fp8" and use_pallas_gemv(m, n, k, payload.dtype, "nk"):
@@ -275,10 +277,14 @@ def _wgmma_many(subscripts: str, x: jax.Array, x2: jax.Array, weights, preferred
         ns = [math.prod(w.scale.shape) for w in weights]
         if not use_wgmma_matmul(m, sum(ns), k, jnp.float8_e4m3fn) or any(n % 64 for n in ns):
             return None
-        xq, x_scale = quantize_activations_fp8(x2, shared_input_scale(weights))
-        ys = _wgmma_matmul_many(xq, tuple(w.payload.reshape(n, k) for w, n in zip(weights, ns)),
-                                tuple(w.scale.reshape(n) for w, n in zip(weights, ns)), x_scale=x_scale,
-                                out_dtype=preferred_element_type or x.dtype,
+        if wgmma_fp8_activations() == "f16":  # weight-only: x as it is, the tiles widened in the kernel
+            inputs, options = x2, {"activations": "f16"}
+        else:
+            inputs, x_scale = quantize_activations_fp8(x2, shared_input_scale(weights))
+            options = {"x_scale": x_scale}
+        ys = _wgmma_matmul_many(inputs, tuple(w.payload.reshape(n, k) for w, n in zip(weights, ns)),
+                                tuple(w.scale.reshape(n) for w, n in zip(weights, ns)),
+                                out_dtype=preferred_element_type or x.dtype, **options,
                                 **wgmma_sizes(m, sum(ns), k, jnp.float8_e4m3fn))
         return [y.reshape(lead_shape + tuple(w.scale.shape)) for y, w in zip(ys, weights)]
     if preferred_element_type in (None, jnp.bfloat16) and all(

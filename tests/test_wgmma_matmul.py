@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.quantized_matmul import gpu_wgmma
-from pallas_kernels.quantized_matmul.gpu_wgmma import (FP8, default_sizes, quantize_rows_e4m3, wgmma_matmul,
-                                                       wgmma_matmul_many)
+from pallas_kernels.quantized_matmul.gpu_wgmma import (FP8, default_sizes, quantize_rows_e4m3, scale_rows_f16,
+                                                       wgmma_matmul, wgmma_matmul_many)
 
 
 def _fp8_weight(rng, n, k):
@@ -105,6 +105,36 @@ def test_no_data_races_in_the_interpreter(k_splits):
     assert not interpret_pallas_call.get_races().races_found
 
 
+def _int8_weight(rng, n, k):
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    scale = np.abs(w).max(axis=1) / 127.0
+    return jnp.asarray(np.round(w / scale[:, None]), jnp.int8), jnp.asarray(scale, jnp.float32)
+
+
+@pytest.mark.parametrize("weight_format", ["fp8", "int8"])
+@pytest.mark.parametrize("k_splits", [1, 2])
+def test_weight_only_widens_the_tiles_and_keeps_x_in_f16(weight_format, k_splits):
+    """activations="f16": x scaled per row into f16, e4m3 (or int8) tiles widened to f16 for the MMA;
+    against the weight-only product of the unrounded bf16 x (f16 keeps 3 more bits of x than bf16)."""
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((3, 512)) * 50, jnp.bfloat16)
+    make = _fp8_weight if weight_format == "fp8" else _int8_weight
+    weights = [make(rng, n, 512) for n in (128, 64)]
+    outs = wgmma_matmul_many(x, tuple(w for w, _ in weights), tuple(s for _, s in weights), activations="f16",
+                             out_dtype=jnp.bfloat16, block_k=128, k_splits=k_splits, interpret=True)
+    for out, (w, scale) in zip(outs, weights, strict=True):
+        ref = jnp.dot(x.astype(jnp.float32), (w.astype(jnp.float32) * scale[:, None]).T, precision="highest")
+        assert out.dtype == jnp.bfloat16 and _rel(out, ref) < BF16_ROUNDING
+
+
+def test_f16_rows_keep_their_largest_value_at_256_and_zero_rows_at_scale_one():
+    x = jnp.asarray([[0.0, 0.0], [1e5, -3.0], [-2e-3, 1e-3]], jnp.float32)
+    x16, scale = scale_rows_f16(x)
+    assert x16.dtype == jnp.float16
+    np.testing.assert_allclose(np.asarray(scale), [1.0, 1e5 / 256, 2e-3 / 256], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(x16, np.float32) * np.asarray(scale)[:, None], np.asarray(x), rtol=1e-3)
+
+
 def test_several_bf16_weights_in_the_model_layout():
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((2, 128)), jnp.bfloat16)
@@ -115,7 +145,7 @@ def test_several_bf16_weights_in_the_model_layout():
         assert _rel(out, ref) < BF16_ROUNDING
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-weight-only", "bf16"])
 def test_lowers_for_hopper_at_the_llama_shapes_from_cpu(fmt):
     """Mosaic GPU's lowering (layout inference, wgmma operand and swizzle checks) of the engine's
     merged q/k/v and the down projection at the default sizes, at 8 tokens (the batch-1 bucket)."""
@@ -124,6 +154,11 @@ def test_lowers_for_hopper_at_the_llama_shapes_from_cpu(fmt):
         if fmt == "fp8":
             args = (spec((8, k), FP8), tuple(spec((n, k), FP8) for n in ns), tuple(spec((n,), jnp.float32) for n in ns))
             options = dict(x_scale=spec((8,), jnp.float32), out_dtype=jnp.bfloat16)
+            dtype = FP8
+        elif fmt == "fp8-weight-only":  # the widened tile is the MMA's A operand in registers (not staged)
+            args = (spec((8, k), jnp.bfloat16), tuple(spec((n, k), FP8) for n in ns),
+                    tuple(spec((n,), jnp.float32) for n in ns))
+            options = dict(activations="f16", out_dtype=jnp.bfloat16)
             dtype = FP8
         else:
             args = (spec((8, k), jnp.bfloat16), tuple(spec((k, n), jnp.bfloat16) for n in ns))
@@ -145,9 +180,11 @@ def test_default_sizes_keep_k_whole_where_n_fills_the_gpu():
     (dict(w=jnp.zeros((96, 128), FP8), w_scale=jnp.ones((96,))), r"N \(96\) must be a multiple of block_n"),
     (dict(w=jnp.zeros((64, 96), FP8)), "K"),
     (dict(w_scale=jnp.ones((32,))), r"w_scales\[0\] must be \[64\]"),
-    (dict(w=jnp.zeros((64, 128), jnp.int8)), "float8_e4m3fn"),
+    (dict(w=jnp.zeros((64, 128), jnp.float16)), "float8_e4m3fn or int8"),
     (dict(x=jnp.zeros((2, 128), FP8)), "x_scale must be"),
     (dict(x_scale=jnp.float32(1.0)), "x_scale goes with float8_e4m3fn x"),
+    (dict(activations="bf16"), "activations must be one of"),
+    (dict(w=jnp.zeros((64, 128), jnp.int8), activations="e4m3"), r"activations must be one of \('f16',\)"),
 ])
 def test_bad_inputs_raise_naming_the_field(change, message):
     args = dict(x=jnp.zeros((2, 128), jnp.bfloat16), w=jnp.zeros((64, 128), FP8), w_scale=jnp.ones((64,)))
@@ -174,11 +211,16 @@ def test_the_weight_layer_runs_it_only_when_chosen_on_one_gpu(monkeypatch):
     assert not use_wgmma_matmul(8, 4096, 4096, jnp.int8, platform="gpu", num_devices=1, choice="wgmma")
     monkeypatch.setenv(DECODE_MATMUL_ENV, "wgmma")
     assert not use_wgmma_matmul(8, 4096, 4096, FP8)  # this process's backend is the CPU
+    monkeypatch.setenv(DECODE_MATMUL_ENV, "wgmma-fp16")
+    with pytest.raises(ValueError, match="JAXINFER_DECODE_MATMUL='wgmma-fp16': expected one of"):
+        use_wgmma_matmul(8, 4096, 4096, FP8, platform="gpu", num_devices=1)
 
 
-def test_linear_many_sends_fp8_and_bf16_projections_of_one_input_through_one_launch(monkeypatch):
-    """What the engine's step runs with the kernel chosen: q/k/v of a tiny layer, fp8 (W8A8, the
-    one launch) against the weight-only path, and dense bf16 against XLA's einsum (equal)."""
+@pytest.mark.parametrize("choice", ["wgmma", "wgmma-f16"])
+def test_linear_many_sends_fp8_and_bf16_projections_of_one_input_through_one_launch(monkeypatch, choice):
+    """What the engine's step runs with the kernel chosen: q/k/v of a tiny layer, fp8 (the one
+    launch; W8A8 or weight-only) against XLA's weight-only path, and dense bf16 against XLA's
+    einsum (equal)."""
     import jaxinfer.decode_gemv as decode_gemv
     import jaxinfer.linear as linear
     from jaxinfer.quantization import quantize
@@ -198,15 +240,16 @@ def test_linear_many_sends_fp8_and_bf16_projections_of_one_input_through_one_lau
         return original(*args, **{**options, "interpret": True})
 
     monkeypatch.setattr(gpu_wgmma, "wgmma_matmul_many", interpreted)
+    monkeypatch.setenv(decode_gemv.DECODE_MATMUL_ENV, choice)
     monkeypatch.setattr(linear, "use_wgmma_matmul", lambda m, n, k, dtype: decode_gemv.use_wgmma_matmul(
-        m, n, k, dtype, platform="gpu", num_devices=1, choice="wgmma"))
+        m, n, k, dtype, platform="gpu", num_devices=1))
     after_fp8 = linear.linear_many("ste,ehd->sthd", x, fp8)
     after_dense = linear.linear_many("ste,ehd->sthd", x, dense)
     assert launches == [3, 3]
     for before, after in zip(before_fp8, after_fp8, strict=True):
         assert after.shape == before.shape and after.dtype == before.dtype
-        # W8A8 rounds x to e4m3 per token (~2^-4 relative), the weight-only path keeps it in bf16.
-        assert _rel(after, before) < 0.1
+        # W8A8 rounds x to e4m3 per token (~2^-4 relative); weight-only differs by output rounding.
+        assert _rel(after, before) < (0.1 if choice == "wgmma" else BF16_ROUNDING)
     for before, after in zip(before_dense, after_dense, strict=True):
         np.testing.assert_array_equal(np.asarray(after, np.float32), np.asarray(before, np.float32))
 

@@ -81,8 +81,24 @@ def quantize_rows_e4m3(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(x32 / scale[:, None], -E4M3_MAX, E4M3_MAX).astype(FP8), scale
 
 
+F16_ROW_MAX = 256.0  # x's largest magnitude a row in f16: products with e4m3 (<= 448) or int8 stay far from f16's limits
+
+
+def scale_rows_f16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row of ``x [M, K]`` scaled into f16 (largest magnitude ``F16_ROW_MAX``): (``x16``, ``scale [M]``).
+
+    ``x ~= x16 * scale[:, None]``; f16's 11-bit significand keeps more of a bf16 x than bf16 does,
+    and the scale keeps any row in range. All-zero rows get scale 1.
+    """
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1)
+    scale = jnp.where(amax > 0, amax / F16_ROW_MAX, 1.0)
+    return (x32 / scale[:, None]).astype(jnp.float16), scale
+
+
 def _kernel(*refs, block_starts: tuple[int, ...], block_n: int, block_k: int, steps_per_split: int,
-            max_concurrent_steps: int, weight_layout: str, scaled: bool, fused_epilogue: bool):
+            max_concurrent_steps: int, weight_layout: str, scaled: bool, fused_epilogue: bool, widen: bool,
+            stage_in_smem: bool):
     # GMEM refs: the weights (each [N_i, K] or [K, N_i]), x [Mp, K], with ``scaled`` each
     # weight's scale [N_i] and x's [Mp] (f32), then the output: [Mp, sum N_i] in the output dtype
     # (``fused_epilogue``) or [k_splits, sum N_i, Mp] f32 partial sums; last, with ``scaled``
@@ -112,9 +128,15 @@ def _kernel(*refs, block_starts: tuple[int, ...], block_n: int, block_k: int, st
             w_spec = plgpu.BlockSpec((block_k, block_n), lambda k: (k, 0),
                                      transforms=_smem_transforms(block_n, w_ref.dtype))
 
-        def accumulate(acc_ref):
+        def accumulate(acc_ref, widened_smem=None):
             def step(_, w_smem, x_smem):
                 weights = w_smem if weight_layout == "nk" else w_smem.transpose((1, 0))  # [block_n, block_k]
+                if widen:  # weight-only: the 8-bit tile to f16 in registers, the A operand from there
+                    weights = weights[...].astype(jnp.float16)
+                    if widened_smem is not None:  # the interpreter takes wgmma operands from smem only
+                        widened_smem[...] = weights
+                        plgpu.commit_smem()
+                        weights = widened_smem
                 plgpu.wgmma(acc_ref, weights, x_smem.transpose((1, 0)))
                 # The tiles' slots are refilled when this step returns: the MMA must have read them.
                 plgpu.wgmma_wait(0)
@@ -123,7 +145,13 @@ def _kernel(*refs, block_starts: tuple[int, ...], block_n: int, block_k: int, st
                                 max_concurrent_steps=max_concurrent_steps)(w_part, x_ref.at[:, k_slice])
             return acc_ref[...]
 
-        acc = pl.run_scoped(accumulate, plgpu.ACC((block_n, tokens), jnp.float32))  # [block_n, Mp]
+        accumulator = plgpu.ACC((block_n, tokens), jnp.float32)
+        if widen and stage_in_smem:  # (an accumulator and an smem buffer need separate scopes)
+            acc = pl.run_scoped(
+                lambda widened_smem: pl.run_scoped(lambda acc_ref: accumulate(acc_ref, widened_smem), accumulator),
+                plgpu.SMEM((block_n, block_k), jnp.float16, transforms=_smem_transforms(block_k, jnp.float16)))
+        else:
+            acc = pl.run_scoped(accumulate, accumulator)  # [block_n, Mp]
 
         if not fused_epilogue:
             def store_partials(out_smem):
@@ -182,36 +210,48 @@ def check_shapes(m: int, n: int, k: int, *, block_n: int, block_k: int, k_splits
         raise ValueError(f"max_concurrent_steps must be at least 1, got {max_concurrent_steps}")
 
 
-def _check_weight(w, w_scale, k: int, weight_layout: str, fp8: bool, index: int) -> int:
-    """The weight's N, after checking its rank, dtype, K and scale."""
+def _check_weight(w, w_scale, k: int, weight_layout: str, quantized, index: int) -> int:
+    """The weight's N, after checking its rank, dtype (``quantized``: weights[0]'s 8-bit dtype, or
+    None for bf16), K and scale."""
     name = f"weights[{index}]"
     if w.ndim != 2:
         raise ValueError(f"{name} must be 2-D, got shape {w.shape}")
     n, wk = w.shape if weight_layout == "nk" else w.shape[::-1]
     if wk != k:
         raise ValueError(f"x's K ({k}) and {name}'s K ({wk}, layout {weight_layout!r}) differ")
-    if (w.dtype == FP8) != fp8 or w.dtype not in (FP8, jnp.bfloat16):
-        raise ValueError(f"{name} must be {'float8_e4m3fn' if fp8 else 'bfloat16'} like weights[0], got {w.dtype}")
-    if fp8 and (w_scale is None or w_scale.shape != (n,)):
-        raise ValueError(f"w_scales[{index}] must be [{n}] float32 for float8_e4m3fn weights, got "
+    expected = jnp.dtype(quantized or jnp.bfloat16)
+    if w.dtype != expected:
+        raise ValueError(f"{name} must be {expected.name} like weights[0], got {w.dtype}")
+    if quantized and (w_scale is None or w_scale.shape != (n,)):
+        raise ValueError(f"w_scales[{index}] must be [{n}] float32 for {expected.name} weights, got "
                          f"{None if w_scale is None else w_scale.shape}")
     return n
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "weight_layout", "block_n", "block_k", "k_splits", "max_concurrent_steps", "out_dtype", "interpret"))
+    "activations", "weight_layout", "block_n", "block_k", "k_splits", "max_concurrent_steps", "out_dtype",
+    "interpret"))
 def wgmma_matmul_many(x: jax.Array, weights: tuple, w_scales: tuple | None = None, *,
-                      x_scale: jax.Array | None = None, weight_layout: str = "nk", block_n: int = 64,
+                      x_scale: jax.Array | None = None, activations: str | None = None,
+                      weight_layout: str = "nk", block_n: int = 64,
                       block_k: int = 128, k_splits: int = 1, max_concurrent_steps: int = 4, out_dtype=None,
                       interpret: bool | plgpu.InterpretGPUParams = False) -> list[jax.Array]:
     """``x [M, K]`` times each of ``weights`` (projections sharing an input: q/k/v, gate/up) in
     one launch: a list of ``[M, N_i]`` in ``out_dtype`` (default: float32 for fp8 weights, else
     x's dtype).
 
-    Weights ``float8_e4m3fn [N_i, K]`` with ``w_scales[i] [N_i]`` (float32, per output channel):
-    W8A8. x is either bf16/f32, rounded to e4m3 per row here (:func:`quantize_rows_e4m3`), or
-    already ``float8_e4m3fn`` with ``x_scale`` (``[M]`` per row, or ``[]`` for a static input
-    scale). Weights ``bfloat16`` ``[N_i, K]`` (``weight_layout="nk"``) or ``[K, N_i]`` (``"kn"``)
+    Weights ``float8_e4m3fn [N_i, K]`` with ``w_scales[i] [N_i]`` (float32, per output channel),
+    by ``activations``:
+
+    - ``"e4m3"`` (fp8's default): W8A8. x is either bf16/f32, rounded to e4m3 per row here
+      (:func:`quantize_rows_e4m3`), or already ``float8_e4m3fn`` with ``x_scale`` (``[M]`` per
+      row, or ``[]`` for a static input scale);
+    - ``"f16"``: weight-only. x (bf16/f32) is scaled per row into f16 (:func:`scale_rows_f16`:
+      f16 keeps more of x than bf16 does), and each 8-bit tile is widened to f16 in registers
+      between shared memory and the MMA (its A operand). Also for ``int8`` weights (the only mode
+      they take).
+
+    Weights ``bfloat16`` ``[N_i, K]`` (``weight_layout="nk"``) or ``[K, N_i]`` (``"kn"``)
     take no scales. Every ``N_i`` must be a multiple of ``block_n``. ``interpret`` runs Pallas's
     Mosaic GPU interpreter (CPU tests): ``True``, or its parameters (e.g. race detection).
     """
@@ -224,19 +264,26 @@ def wgmma_matmul_many(x: jax.Array, weights: tuple, w_scales: tuple | None = Non
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D [tokens, K], got shape {x.shape}")
     m, k = x.shape
-    if weights[0].dtype not in (FP8, jnp.bfloat16):
-        raise ValueError(f"weights must be float8_e4m3fn (with w_scales) or bfloat16, got {weights[0].dtype}")
-    fp8 = weights[0].dtype == FP8
-    if fp8 and weight_layout != "nk":
-        raise ValueError("float8_e4m3fn weights must be [N, K] (weight_layout='nk'): an 8-bit wgmma reads "
-                         "its operands K-major")
-    if fp8 and (w_scales is None or len(w_scales) != len(weights)):
-        raise ValueError(f"w_scales must hold one [N] float32 scale per float8_e4m3fn weight ({len(weights)})")
-    if not fp8 and w_scales is not None:
+    quantized = jnp.dtype(weights[0].dtype) if weights[0].dtype in (FP8, jnp.int8) else None
+    if quantized is None and weights[0].dtype != jnp.bfloat16:
+        raise ValueError(f"weights must be float8_e4m3fn or int8 (with w_scales) or bfloat16, got {weights[0].dtype}")
+    activations = activations or ("e4m3" if quantized == FP8 else "f16" if quantized else None)
+    allowed = ("e4m3", "f16") if quantized == FP8 else ("f16",) if quantized else (None,)
+    if activations not in allowed:
+        raise ValueError(f"activations must be one of {allowed} for {jnp.dtype(weights[0].dtype).name} weights, "
+                         f"got {activations!r}")
+    if quantized and weight_layout != "nk":
+        raise ValueError("float8_e4m3fn and int8 weights must be [N, K] (weight_layout='nk'): an 8-bit wgmma "
+                         "reads its operands K-major, and a widened tile is loaded row by row")
+    if quantized and (w_scales is None or len(w_scales) != len(weights)):
+        raise ValueError(f"w_scales must hold one [N] float32 scale per {jnp.dtype(quantized).name} weight "
+                         f"({len(weights)})")
+    if not quantized and w_scales is not None:
         raise ValueError("bfloat16 weights take no w_scales")
-    ns = [_check_weight(w, w_scales[i] if fp8 else None, k, weight_layout, fp8, i) for i, w in enumerate(weights)]
+    ns = [_check_weight(w, w_scales[i] if quantized else None, k, weight_layout, quantized, i)
+          for i, w in enumerate(weights)]
     row_scale = None
-    if fp8:
+    if activations == "e4m3":
         if x.dtype == FP8:
             if x_scale is None or jnp.shape(x_scale) not in ((), (m,)):
                 raise ValueError(f"x_scale must be [] or [{m}] float32 for float8_e4m3fn x, got "
@@ -247,14 +294,16 @@ def wgmma_matmul_many(x: jax.Array, weights: tuple, w_scales: tuple | None = Non
                              "quantized per row here")
         else:
             x_in, row_scale = quantize_rows_e4m3(x)
-        out_dtype = out_dtype or jnp.float32
     else:
         if x_scale is not None:
-            raise ValueError("bfloat16 weights take no x_scale")
+            raise ValueError(f"x_scale goes with float8_e4m3fn x; activations={activations!r} takes bf16/f32 x")
         if x.dtype not in (jnp.bfloat16, jnp.float32):
-            raise ValueError(f"x must be bfloat16 or float32 for bfloat16 weights, got {x.dtype}")
-        x_in = x.astype(jnp.bfloat16)
-        out_dtype = out_dtype or x.dtype
+            raise ValueError(f"x must be bfloat16 or float32 here, got {x.dtype}")
+        if activations == "f16":
+            x_in, row_scale = scale_rows_f16(x)
+        else:
+            x_in = x.astype(jnp.bfloat16)
+    out_dtype = out_dtype or (jnp.float32 if quantized else x.dtype)
     for n in ns:
         check_shapes(m, n, k, block_n=block_n, block_k=block_k, k_splits=k_splits,
                      max_concurrent_steps=max_concurrent_steps)
@@ -266,7 +315,7 @@ def wgmma_matmul_many(x: jax.Array, weights: tuple, w_scales: tuple | None = Non
     # One split and a 16-bit output: the epilogue (scales, cast, [Mp, N] layout) is in the kernel.
     # Otherwise float32 partials [k_splits, N, Mp], added and scaled by XLA after it.
     fused_epilogue = k_splits == 1 and jnp.dtype(out_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    scaled = fp8 and fused_epilogue
+    scaled = quantized is not None and fused_epilogue
     if fused_epilogue:
         out_type = jax.ShapeDtypeStruct((mp, n_total), out_dtype)
     else:
@@ -274,7 +323,8 @@ def wgmma_matmul_many(x: jax.Array, weights: tuple, w_scales: tuple | None = Non
     kernel = plgpu.kernel(
         functools.partial(_kernel, block_starts=block_starts, block_n=block_n, block_k=block_k,
                           steps_per_split=steps_per_split, max_concurrent_steps=max_concurrent_steps,
-                          weight_layout=weight_layout, scaled=scaled, fused_epilogue=fused_epilogue),
+                          weight_layout=weight_layout, scaled=scaled, fused_epilogue=fused_epilogue,
+                          widen=activations == "f16", stage_in_smem=bool(interpret)),
         out_type=out_type,
         scratch_types=(plgpu.Barrier(num_barriers=2),) if scaled else (),
         grid=(n_total // block_n, k_splits),
@@ -290,7 +340,7 @@ def wgmma_matmul_many(x: jax.Array, weights: tuple, w_scales: tuple | None = Non
         partials = kernel(*weights, x_in)
         acc = partials[0] if k_splits == 1 else partials.sum(axis=0)  # [sum N_i, Mp]
         y = acc[:, :m].T
-        if fp8:
+        if quantized is not None:
             y = y * row_scale[:, None] * jnp.concatenate([s.astype(jnp.float32) for s in w_scales])[None, :]
         y = y.astype(out_dtype)
     bounds = np.cumsum([0] + ns)
