@@ -14,24 +14,34 @@ a multiple of 8). The accumulator is ``acc [block_n, Mp] = W_tile [block_n, K] @
 the wrapper transposes the ``[N, Mp]`` result back (an elementwise step XLA fuses into the
 consumer).
 
-Two weight formats:
+Weight formats:
 
 - ``float8_e4m3fn`` ``[N, K]`` (``[out, in]``, the quantized weight layer's payload) with a float32
-  per-output-channel scale: **W8A8**. An 8-bit wgmma takes both operands e4m3 and K-major, so x
-  is rounded to e4m3 per token row (``scale = max|x_row| / 448``, the FP8_DYNAMIC scheme that
-  ``jaxinfer.linear`` already uses for many tokens), or by a static input scale; both scales
-  multiply the float32 accumulator in the epilogue.
+  per-output-channel scale, in one of two modes (``activations``):
+  ``"e4m3"``, **W8A8**: an 8-bit wgmma takes both operands e4m3 and K-major, so x is rounded to
+  e4m3 per token row (``scale = max|x_row| / 448``, the FP8_DYNAMIC scheme that ``jaxinfer.linear``
+  already uses for many tokens), or by a static input scale; nothing is converted.
+  ``"f16"``, **weight-only**: x is scaled per token row into f16 and each e4m3 tile is widened to
+  f16 between shared memory and registers, where it is the MMA's A operand (Hopper converts e4m3
+  to f16, not to bf16). Both scales multiply the float32 accumulator in the epilogue.
+- ``int8`` ``[N, K]`` with its scale: weight-only, as the fp8 ``"f16"`` mode.
 - ``bfloat16`` ``[N, K]`` or ``[K, N]`` (the dense model's ``[in, out]``: 16-bit wgmma operands
   may be MN-major, so either layout is read as stored, never transposed in HBM).
 
-Parallelism. Grid ``(N / block_n, k_splits)``: program ``(i, s)`` owns rows ``i * block_n ..`` and
-the ``s``-th slice of K. With ``k_splits > 1`` the float32 partial sums ``[k_splits, N, Mp]`` are
-added in the wrapper's epilogue (one XLA reduction). ``max_concurrent_steps`` tiles of
-``block_n x block_k`` weights are in flight a program; a memory-bound kernel needs ~5 MB in
-flight across the GPU (Little's law: 4.5 TB/s x ~1 µs), e.g. 100 programs x 4 x 16 KB.
+Several weights that share an input (q/k/v, gate/up) run in one launch: their row blocks are
+laid end to end in the grid and each program branches to its own weight's pipeline.
 
-Numerics: products of e4m3 (or bf16) values accumulate in float32 on the tensor cores; the
-reference is ``reference.w8a8_matmul_reference`` / ``weight_only_matmul_reference``.
+Parallelism. Grid ``(sum N_i / block_n, k_splits)``: program ``(i, s)`` owns output rows
+``i * block_n ..`` and the ``s``-th slice of K. With one split and a 16-bit output the epilogue
+(scales, cast, a store through a transposed shared-memory view so the output leaves ``[M, N]``)
+is the kernel's own; with ``k_splits > 1`` the float32 partial sums ``[k_splits, N, Mp]`` are
+added and scaled by XLA after it. ``max_concurrent_steps`` tiles of ``block_n x block_k`` weights
+are in flight a program; a memory-bound kernel needs ~5 MB in flight across the GPU (Little's
+law: 4.5 TB/s x ~1 µs), e.g. 100 programs x 6 x 16 KB.
+
+Numerics: products of e4m3, f16 or bf16 values accumulate in float32 on the tensor cores; the
+tests' reference is the float32 product of the same rounded operands (W8A8) or of x itself
+(weight-only, bf16).
 """
 
 from __future__ import annotations
