@@ -55,8 +55,10 @@ def header(log: Log) -> dict:
     }
     if os.environ.get("XLA_FLAGS"):  # a run under other compiler options must say so in its results
         info["xla_flags"] = os.environ["XLA_FLAGS"].strip()
-    if os.environ.get("JAXINFER_DECODE_MATMUL"):  # the opt-in decode matmul (jaxinfer.decode_gemv)
-        info["decode_matmul"] = os.environ["JAXINFER_DECODE_MATMUL"]
+    from jaxinfer.decode_gemv import DECODE_MATMUL_ENV
+
+    if os.environ.get(DECODE_MATMUL_ENV):  # the opt-in decode matmul
+        info["decode_matmul"] = os.environ[DECODE_MATMUL_ENV]
     for key, value in info.items():
         log(f"{key}: {value}")
     return info

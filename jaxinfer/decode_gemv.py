@@ -127,17 +127,6 @@ def dense_gemv_shape(subscripts: str, x: jax.Array, w: jax.Array) -> tuple[int, 
     return math.prod(x.shape[:x.ndim - n_in]), math.prod(w.shape[n_in:]), k
 
 
-def dense_wgmma_matmul(subscripts: str, x: jax.Array, w: jax.Array, *, interpret: bool = False) -> jax.Array:
-    """The einsum ``subscripts`` of bf16 ``x`` and a dense bf16 weight through the TMA + wgmma kernel, in bf16."""
-    from pallas_kernels.quantized_matmul.gpu_wgmma import wgmma_matmul
-
-    m, n, k = dense_gemv_shape(subscripts, x, w)
-    n_in = dense_contraction(subscripts)
-    y = wgmma_matmul(x.reshape(m, k), w.reshape(k, n), weight_layout="kn", interpret=interpret,
-                     **wgmma_sizes(m, n, k, jnp.bfloat16))
-    return y.reshape(x.shape[:x.ndim - n_in] + w.shape[n_in:])
-
-
 def dense_pallas_matmul(subscripts: str, x: jax.Array, w: jax.Array, *, interpret: bool = False) -> jax.Array:
     """The einsum ``subscripts`` of bf16 ``x`` and a dense bf16 weight through the "kn" GEMV kernel, in bf16."""
     from pallas_kernels.quantized_matmul import bf16_weight_only_matmul

@@ -45,8 +45,8 @@ import jax.numpy as jnp
 from jaxinfer.activation_scales import ActivationObserver
 from jaxinfer.cpu_int8_matmul import int8_matmul_cpu, int8_matmul_many_cpu
 from jaxinfer.cpu_int8_matmul import is_available as cpu_int8_kernel_is_available
-from jaxinfer.decode_gemv import (dense_gemv_shape, dense_pallas_matmul, dense_wgmma_matmul, use_pallas_gemv,
-                                  use_wgmma_matmul, wgmma_fp8_activations, wgmma_sizes)
+from jaxinfer.decode_gemv import (dense_gemv_shape, dense_pallas_matmul, use_pallas_gemv, use_wgmma_matmul,
+                                  wgmma_fp8_activations, wgmma_sizes)
 from jaxinfer.quantization import FP8_MAX, QuantizedWeight
 from pallas_kernels.precision import matmul_precision
 
@@ -89,8 +89,9 @@ def linear(subscripts: str, x: jax.Array, w, preferred_element_type=None) -> jax
         return quantized_linear(subscripts, x, w, preferred_element_type)
     # The kernel returns bf16: a caller asking for another output type (the lm_head's f32 logits) keeps XLA's dot.
     shape = dense_gemv_shape(subscripts, x, w) if preferred_element_type in (None, jnp.bfloat16) else None
-    if shape is not None and use_wgmma_matmul(*shape, jnp.bfloat16):
-        return dense_wgmma_matmul(subscripts, x, w)
+    through_wgmma = _wgmma_many(subscripts, x, [w], preferred_element_type) if shape is not None else None
+    if through_wgmma is not None:
+        return through_wgmma[0]
     if shape is not None and use_pallas_gemv(*shape, jnp.bfloat16, "kn"):
         return dense_pallas_matmul(subscripts, x, w)
     precision = matmul_precision(jnp.result_type(x, w))
@@ -113,12 +114,12 @@ def linear_many(subscripts: str, x: jax.Array, weights, preferred_element_type=N
         return int8_linear_many_cpu(subscripts, x, weights, preferred_element_type)
     x2 = x.reshape(m, math.prod(x.shape[x.ndim - n_in:]))  # [M, K]
     weights = [observed(x2, w) for w in weights]
-    merged = _wgmma_many(subscripts, x, x2, weights, preferred_element_type)
+    merged = _wgmma_many(subscripts, x, weights, preferred_element_type)
     if merged is not None:
         return merged
     prequantized = None
     fp8 = [w for w in weights if isinstance(w, QuantizedWeight) and w.quantization == "fp8"]
-    if fp8 and (uses_fp8_w8a8(m) or (all(_use_wgmma(m, w) for w in fp8) and wgmma_fp8_activations() == "e4m3")):
+    if fp8 and uses_fp8_w8a8(m):
         prequantized = quantize_activations_fp8(x2, shared_input_scale(fp8))
     return [quantized_linear(subscripts, x, w, preferred_element_type, prequantized)
             if isinstance(w, QuantizedWeight) else linear(subscripts, x, w, preferred_element_type)
@@ -206,13 +207,7 @@ def quantized_linear(subscripts: str, x: jax.Array, w: QuantizedWeight, preferre
             prequantized = quantize_activations_fp8(x2, w.input_scale)
         y = fp8_w8a8_matmul(x2, payload, scale, prequantized)
     elif w.quantization == "fp8" and use_wgmma_matmul(m, n, k, payload.dtype):
-        if wgmma_fp8_activations() == "f16":  # weight-only: x as it is, the tiles widened in the kernel
-            y = _wgmma_matmul_many(x2, (payload,), (scale,), activations="f16", out_dtype=out_dtype,
-                                   **wgmma_sizes(m, n, k, payload.dtype))[0]
-        else:
-            xq, x_scale = prequantized if prequantized is not None else quantize_activations_fp8(x2, w.input_scale)
-            y = _wgmma_matmul_many(xq, (payload,), (scale,), x_scale=x_scale, out_dtype=out_dtype,
-                                   **wgmma_sizes(m, n, k, payload.dtype))[0]
+        (y,) = _wgmma_fp8(x2, [payload], [scale], w.input_scale, prequantized, out_dtype)
     elif w.quantization == "int8" and _use_cpu_int8_kernel(m):
         y = int8_matmul_cpu(x2, payload, scale, max_threads=CPU_INT8_MAX_THREADS)
     elif w.quantization == "fp8" and use_pallas_gemv(m, n, k, payload.dtype, "nk"):
@@ -265,37 +260,42 @@ def fp8_w8a8_matmul(x: jax.Array, payload: jax.Array, scale: jax.Array,
     return y * x_scale[:, None] * scale[None, :]
 
 
-def _wgmma_many(subscripts: str, x: jax.Array, x2: jax.Array, weights, preferred_element_type):
-    """Projections of one input through one launch of the TMA + wgmma kernel, when it runs them
-    all (all FP8, or all dense bf16 in the einsum's form); else None."""
-    m, k = x2.shape
+def _wgmma_many(subscripts: str, x: jax.Array, weights, preferred_element_type):
+    """Projections of one input (one weight, or q/k/v, gate/up) through one launch of the TMA +
+    wgmma kernel when it runs them all (all FP8, or all dense bf16 in the einsum's form); else None."""
     n_in, _ = split_subscripts(subscripts)
     lead_shape = x.shape[:x.ndim - n_in]
-    if len(weights) < 2:
-        return None
+    m, k = math.prod(lead_shape), math.prod(x.shape[x.ndim - n_in:])
     if all(isinstance(w, QuantizedWeight) and w.quantization == "fp8" for w in weights):
         ns = [math.prod(w.scale.shape) for w in weights]
         if not use_wgmma_matmul(m, sum(ns), k, jnp.float8_e4m3fn) or any(n % 64 for n in ns):
             return None
-        if wgmma_fp8_activations() == "f16":  # weight-only: x as it is, the tiles widened in the kernel
-            inputs, options = x2, {"activations": "f16"}
-        else:
-            inputs, x_scale = quantize_activations_fp8(x2, shared_input_scale(weights))
-            options = {"x_scale": x_scale}
-        ys = _wgmma_matmul_many(inputs, tuple(w.payload.reshape(n, k) for w, n in zip(weights, ns)),
-                                tuple(w.scale.reshape(n) for w, n in zip(weights, ns)),
-                                out_dtype=preferred_element_type or x.dtype, **options,
-                                **wgmma_sizes(m, sum(ns), k, jnp.float8_e4m3fn))
+        ys = _wgmma_fp8(x.reshape(m, k), [w.payload.reshape(n, k) for w, n in zip(weights, ns)],
+                        [w.scale.reshape(n) for w, n in zip(weights, ns)], shared_input_scale(weights), None,
+                        preferred_element_type or x.dtype)
         return [y.reshape(lead_shape + tuple(w.scale.shape)) for y, w in zip(ys, weights)]
     if preferred_element_type in (None, jnp.bfloat16) and all(
             not isinstance(w, QuantizedWeight) and dense_gemv_shape(subscripts, x, w) is not None for w in weights):
         ns = [math.prod(w.shape[n_in:]) for w in weights]
         if not use_wgmma_matmul(m, sum(ns), k, jnp.bfloat16) or any(n % 64 for n in ns):
             return None
-        ys = _wgmma_matmul_many(x2, tuple(w.reshape(k, n) for w, n in zip(weights, ns)), weight_layout="kn",
-                                **wgmma_sizes(m, sum(ns), k, jnp.bfloat16))
+        ys = _wgmma_matmul_many(x.reshape(m, k), tuple(w.reshape(k, n) for w, n in zip(weights, ns)),
+                                weight_layout="kn", **wgmma_sizes(m, sum(ns), k, jnp.bfloat16))
         return [y.reshape(lead_shape + w.shape[n_in:]) for y, w in zip(ys, weights)]
     return None
+
+
+def _wgmma_fp8(x2: jax.Array, payloads, scales, input_scale, prequantized, out_dtype) -> list[jax.Array]:
+    """FP8 payloads ``[N_i, K]`` of one input ``x2 [M, K]`` in one launch, W8A8 or weight-only as
+    chosen (``prequantized``/``input_scale``: as for :func:`fp8_w8a8_matmul`); ``[M, N_i]`` each."""
+    m, k = x2.shape
+    if wgmma_fp8_activations() == "f16":  # weight-only: x as it is, the tiles widened in the kernel
+        inputs, options = x2, {"activations": "f16"}
+    else:
+        inputs, x_scale = prequantized if prequantized is not None else quantize_activations_fp8(x2, input_scale)
+        options = {"x_scale": x_scale}
+    return _wgmma_matmul_many(inputs, tuple(payloads), tuple(scales), out_dtype=out_dtype, **options,
+                              **wgmma_sizes(m, sum(p.shape[0] for p in payloads), k, jnp.float8_e4m3fn))
 
 
 def _wgmma_matmul_many(*args, **options):
@@ -303,12 +303,6 @@ def _wgmma_matmul_many(*args, **options):
     from pallas_kernels.quantized_matmul.gpu_wgmma import wgmma_matmul_many
 
     return wgmma_matmul_many(*args, **options)
-
-
-def _use_wgmma(m: int, w: QuantizedWeight) -> bool:
-    """Whether the fp8 weight ``w`` runs the TMA + wgmma kernel (W8A8) in a step of ``m`` tokens."""
-    n = math.prod(w.scale.shape)
-    return use_wgmma_matmul(m, n, w.payload.size // n, w.payload.dtype)
 
 
 def _use_cpu_int8_kernel(num_tokens: int) -> bool:

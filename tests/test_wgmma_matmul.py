@@ -245,7 +245,11 @@ def test_linear_many_sends_fp8_and_bf16_projections_of_one_input_through_one_lau
         m, n, k, dtype, platform="gpu", num_devices=1))
     after_fp8 = linear.linear_many("ste,ehd->sthd", x, fp8)
     after_dense = linear.linear_many("ste,ehd->sthd", x, dense)
-    assert launches == [3, 3]
+    one_fp8 = linear.linear("ste,ehd->sthd", x, fp8[0])  # one weight: linear's own paths
+    one_dense = linear.linear("ste,ehd->sthd", x, dense[0])
+    assert launches == [3, 3, 1, 1]
+    assert _rel(one_fp8, after_fp8[0]) < BF16_ROUNDING
+    np.testing.assert_array_equal(np.asarray(one_dense, np.float32), np.asarray(before_dense[0], np.float32))
     for before, after in zip(before_fp8, after_fp8, strict=True):
         assert after.shape == before.shape and after.dtype == before.dtype
         # W8A8 rounds x to e4m3 per token (~2^-4 relative); weight-only differs by output rounding.
