@@ -6,8 +6,10 @@ projection shape and token count M, the stored-weight read of:
 
 * fp8 weights ``[out, in]`` (per-channel scales): XLA's W8A16 (convert, then dot: what the
   engine runs below 128 tokens), XLA's W8A8 (cuBLASLt FP8, M padded to 16), ours as W8A8 (x
-  rounded to e4m3 per row inside the timed call) at several tile sizes, and ours weight-only
-  (``wgmma-f16``: x in f16, tiles widened in registers) at the default sizes;
+  rounded to e4m3 per row inside the timed call) at several tile sizes, ours as W8A8 with x
+  rounded inside the kernel (``wgmma-fused``: per token and 256-value K step) at the default
+  sizes and two neighbours, and ours weight-only (``wgmma-f16``: x in f16, tiles widened in
+  registers) at the default sizes;
 * bf16 weights in the model's ``[in, out]`` layout: XLA's einsum (what the engine runs) and ours.
   q/k/v and gate/up are timed merged (``[4096, 6144]``, ``[4096, 28672]``), as XLA's DotMerger
   runs them in the engine's small steps.
@@ -43,13 +45,15 @@ from jax import lax  # noqa: E402
 
 from common import Log, header, measure_ceilings, write_results  # noqa: E402
 from pallas_kernels.quantized_matmul.gpu_wgmma import (  # noqa: E402
-    FP8, default_sizes, quantize_rows_e4m3, split_count, wgmma_matmul)  # noqa: E402
+    FP8, default_sizes, quantize_blocks_e4m3, quantize_rows_e4m3, split_count, wgmma_matmul)  # noqa: E402
 
 BF16 = jnp.bfloat16
 REPEATS = 8
 MIN_BYTES_PER_PROGRAM = 256 * 2**20  # 5x the L2: each call reads its weights from HBM
 MAX_COPIES = 32  # calls a program (compile time grows with them)
 MAX_REL_ERROR = 2e-2
+FP8_METHODS = ("xla_w8a16", "xla_w8a8", "ours", "wgmma-fused", "wgmma-f16")  # label prefixes, in table order
+BF16_METHODS = ("xla_bf16", "ours")
 NUM_LAYERS = 32
 _CONTRACT_MINOR = (((1,), (1,)), ((), ()))
 
@@ -89,6 +93,20 @@ def ours_fp8_weight_only(sizes, interpret):
     # activations="f16": x scaled per row into f16, each e4m3 tile widened in registers (weight-only).
     return lambda x, w, scale: wgmma_matmul(x, w, scale, activations="f16", out_dtype=BF16, interpret=interpret,
                                             **sizes)
+
+
+def ours_fp8_fused(sizes, interpret):
+    # A partial, so the check below can read the block_k its reference rounds x by.
+    return functools.partial(wgmma_matmul, activations="e4m3-fused", out_dtype=BF16, interpret=interpret, **sizes)
+
+
+def fused_candidates(m: int, n: int, k: int) -> list[dict]:
+    """``wgmma-fused``'s default sizes, then 128 weight rows a program and 4 steps in flight."""
+    base = default_sizes(m, n, k, FP8, activations="e4m3-fused")
+    out = [base, {**base, "max_concurrent_steps": 4}]
+    if n % 128 == 0:
+        out.append({**base, "block_n": 128, "max_concurrent_steps": 4})
+    return out
 
 
 def ours_bf16_kn(sizes, interpret):
@@ -149,10 +167,20 @@ class Case:
         # W8A8 methods multiply x rounded to e4m3 per row: checked against that product (on
         # Gaussian x the rounding alone is ~2.5% of the output's norm, reported as x_rounding).
         self.reference_w8a8 = self._reference(quantize_x=True) if fmt == "fp8" else None
+        self._references_fused = {}
 
-    def _reference(self, quantize_x: bool):
+    def reference_fused(self, block_k: int):
+        """wgmma-fused's product: x rounded per token row and ``block_k``-value K step."""
+        if block_k not in self._references_fused:
+            self._references_fused[block_k] = self._reference(quantize_x=block_k)
+        return self._references_fused[block_k]
+
+    def _reference(self, quantize_x: bool | int):
         x = self.x[0].astype(jnp.float32)
-        if quantize_x:
+        if quantize_x is not True and quantize_x:  # an int: wgmma-fused's K step
+            x8, block_scale = quantize_blocks_e4m3(x, quantize_x)
+            x = (x8.astype(jnp.float32).reshape(self.m, -1, quantize_x) * block_scale[..., None]).reshape(x.shape)
+        elif quantize_x:
             x8, x_scale = quantize_rows_e4m3(x)
             x = x8.astype(jnp.float32) * x_scale[:, None]
         if self.fmt == "fp8":
@@ -192,7 +220,9 @@ def methods_for(case: Case, smoke: bool, interpret: bool) -> dict:
         methods = {"xla_w8a16": xla_w8a16, "xla_w8a8": xla_w8a8}
         for sizes in candidates(case.m, case.n, case.k, FP8, smoke):
             methods["ours " + describe(sizes)] = ours_fp8(sizes, interpret)
-        sizes = default_sizes(case.m, case.n, case.k, FP8)  # weight-only: the defaults only (compile budget)
+        for sizes in fused_candidates(case.m, case.n, case.k)[:1 if smoke else None]:
+            methods["wgmma-fused " + describe(sizes)] = ours_fp8_fused(sizes, interpret)
+        sizes = default_sizes(case.m, case.n, case.k, FP8, activations="f16")  # weight-only: the defaults only
         methods["wgmma-f16 " + describe(sizes)] = ours_fp8_weight_only(sizes, interpret)
     else:
         methods = {"xla_bf16": xla_bf16_kn}
@@ -200,7 +230,7 @@ def methods_for(case: Case, smoke: bool, interpret: bool) -> dict:
             methods["ours " + describe(sizes)] = ours_bf16_kn(sizes, interpret)
     if smoke and interpret:  # on CPU: XLA's first path and ours, to keep the smoke short
         methods = {label: fn for i, (label, fn) in enumerate(methods.items())
-                   if i == 0 or label.startswith(("ours", "wgmma-f16"))}
+                   if i == 0 or label.startswith(("ours", "wgmma-"))}
     return methods
 
 
@@ -250,8 +280,10 @@ def main() -> None:
                         rows.append(row)
                         continue
                     outs = program(*case.args())
-                    w8a8 = case.fmt == "fp8" and label.startswith(("xla_w8a8", "ours"))
-                    row["rel_error"] = rel_error(outs[0], case.reference_w8a8 if w8a8 else case.reference)
+                    w8a8 = case.fmt == "fp8" and label.startswith(("xla_w8a8", "ours", "wgmma-fused"))
+                    reference = (case.reference_fused(methods[label].keywords["block_k"])
+                                 if label.startswith("wgmma-fused") else case.reference_w8a8)
+                    row["rel_error"] = rel_error(outs[0], reference if w8a8 else case.reference)
                     if w8a8:
                         row["x_rounding"] = rel_error(outs[0], case.reference)
                     seconds = time_program(program, case.args(), runs=1 if interpret else 3) / case.copies
@@ -278,7 +310,7 @@ def layer_sums(rows, shapes, ms, formats) -> list[dict]:
     """Per format and M: one layer's projections at each method's best, and x 32 layers."""
     out = []
     for fmt, m in itertools.product(formats, ms):
-        prefixes = ("xla_w8a16", "xla_w8a8", "ours", "wgmma-f16") if fmt == "fp8" else ("xla_bf16", "ours")
+        prefixes = FP8_METHODS if fmt == "fp8" else BF16_METHODS
         for prefix in prefixes:
             picks = [best(rows, fmt, name, m, prefix) for name in shapes[fmt]]
             if any(p is None for p in picks):
@@ -297,12 +329,12 @@ def markdown(info, ceiling, rows, layers) -> str:
              "| format | projection | M | method | µs | TB/s | % ceiling | sizes |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     keys = sorted({(r["format"], r["m"], r["projection"]) for r in rows}, key=lambda t: (t[0], t[1]))
     for fmt, m, name in keys:
-        prefixes = ("xla_w8a16", "xla_w8a8", "ours", "wgmma-f16") if fmt == "fp8" else ("xla_bf16", "ours")
+        prefixes = FP8_METHODS if fmt == "fp8" else BF16_METHODS
         for prefix in prefixes:
             r = best(rows, fmt, name, m, prefix)
             if r is None:
                 continue
-            sizes = r["method"][len(prefix) + 1:] if prefix in ("ours", "wgmma-f16") else ""
+            sizes = r["method"][len(prefix) + 1:] if prefix in ("ours", "wgmma-fused", "wgmma-f16") else ""
             lines.append(f"| {fmt} | {name} | {m} | {prefix} | {r['us']:.1f} | {r['tbs']:.2f} | "
                          f"{r['of_ceiling']:.0%} | {sizes} |")
     lines += ["", "One layer's projections at each method's best, x 32 layers:", "",

@@ -46,11 +46,13 @@ def use_pallas_gemv(m: int, n: int, k: int, weight_dtype, layout: str, *, platfo
 
 # Opt-in, being measured (issue 18/21): ``JAXINFER_DECODE_MATMUL`` runs small GPU steps'
 # projections through the TMA + wgmma kernel (``pallas_kernels.quantized_matmul.gpu_wgmma``), dense
-# bf16 weights as stored and FP8 weights either as W8A8 (``wgmma``: x rounded to e4m3 per token, or
-# by the static input scale) or weight-only (``wgmma-f16``: x scaled per token into f16, each tile
-# widened to f16 in registers). Read when a step is traced; unset: the paths above.
+# bf16 weights as stored and FP8 weights as W8A8 (``wgmma``: x rounded to e4m3 per token by XLA
+# first, or by the static input scale; ``wgmma-fused``: bf16 x rounded inside the kernel, per token
+# and K step, so no XLA op precedes it) or weight-only (``wgmma-f16``: x scaled per token into
+# f16, each tile widened to f16 in registers). Read when a step is traced; unset: the paths above.
 DECODE_MATMUL_ENV = "JAXINFER_DECODE_MATMUL"
-DECODE_MATMUL_CHOICES = {"wgmma": "e4m3", "wgmma-f16": "f16"}  # choice -> the kernel's FP8 activations
+# choice -> the kernel's FP8 activations
+DECODE_MATMUL_CHOICES = {"wgmma": "e4m3", "wgmma-fused": "e4m3-fused", "wgmma-f16": "f16"}
 WGMMA_MAX_TOKENS = 64
 
 
@@ -66,7 +68,8 @@ def wgmma_choice(choice: str | None = None) -> str:
 
 
 def wgmma_fp8_activations(choice: str | None = None) -> str:
-    """How the chosen kernel runs FP8 weights: ``"e4m3"`` (W8A8) or ``"f16"`` (weight-only)."""
+    """How the chosen kernel runs FP8 weights: ``"e4m3"`` or ``"e4m3-fused"`` (W8A8, x rounded before
+    the kernel or in it) or ``"f16"`` (weight-only)."""
     return DECODE_MATMUL_CHOICES.get(wgmma_choice(choice), "e4m3")
 
 
@@ -75,8 +78,8 @@ def use_wgmma_matmul(m: int, n: int, k: int, weight_dtype, *, platform: str | No
     """Whether ``x [m, k]`` times a weight of ``n`` outputs runs the TMA + wgmma kernel.
 
     Only when chosen (``choice``, default the ``JAXINFER_DECODE_MATMUL`` environment variable:
-    ``"wgmma"`` or ``"wgmma-f16"``), on one GPU, at ``m <= WGMMA_MAX_TOKENS``, for fp8 or bf16 weights whose shape the
-    kernel tiles at its default sizes.
+    ``"wgmma"``, ``"wgmma-fused"`` or ``"wgmma-f16"``), on one GPU, at ``m <= WGMMA_MAX_TOKENS``, for
+    fp8 or bf16 weights whose shape the kernel tiles at its default sizes.
     """
     if not wgmma_choice(choice):
         return False
@@ -86,17 +89,20 @@ def use_wgmma_matmul(m: int, n: int, k: int, weight_dtype, *, platform: str | No
         return False
     if jnp.dtype(weight_dtype) not in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.bfloat16)):
         return False
-    from pallas_kernels.quantized_matmul.gpu_wgmma import default_sizes
+    from pallas_kernels.quantized_matmul.gpu_wgmma import FUSED_BLOCK_K_MULTIPLE, default_sizes
 
-    sizes = default_sizes(m, n, k, weight_dtype)
+    activations = wgmma_fp8_activations(choice)
+    sizes = default_sizes(m, n, k, weight_dtype, activations=activations)
+    if activations == "e4m3-fused" and sizes["block_k"] % FUSED_BLOCK_K_MULTIPLE:
+        return False  # K too short a multiple for the fused rounding's tiles: XLA's path
     return n % sizes["block_n"] == 0 and k % (sizes["block_k"] * sizes["k_splits"]) == 0
 
 
-def wgmma_sizes(m: int, n: int, k: int, weight_dtype) -> dict:
-    """The kernel's tile sizes for this shape: its defaults (no measured table yet)."""
+def wgmma_sizes(m: int, n: int, k: int, weight_dtype, *, activations: str | None = None) -> dict:
+    """The kernel's tile sizes for this shape and activation mode: its defaults (no measured table yet)."""
     from pallas_kernels.quantized_matmul.gpu_wgmma import default_sizes
 
-    return default_sizes(m, n, k, weight_dtype)
+    return default_sizes(m, n, k, weight_dtype, activations=activations)
 
 
 def dense_contraction(subscripts: str) -> int | None:

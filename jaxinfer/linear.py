@@ -289,13 +289,16 @@ def _wgmma_fp8(x2: jax.Array, payloads, scales, input_scale, prequantized, out_d
     """FP8 payloads ``[N_i, K]`` of one input ``x2 [M, K]`` in one launch, W8A8 or weight-only as
     chosen (``prequantized``/``input_scale``: as for :func:`fp8_w8a8_matmul`); ``[M, N_i]`` each."""
     m, k = x2.shape
-    if wgmma_fp8_activations() == "f16":  # weight-only: x as it is, the tiles widened in the kernel
-        inputs, options = x2, {"activations": "f16"}
+    activations = wgmma_fp8_activations()
+    if activations == "e4m3-fused" and (prequantized is not None or input_scale is not None):
+        activations = "e4m3"  # x already rounded, or a checkpoint's static input scale: honoured as given
+    if activations in ("f16", "e4m3-fused"):  # x as it is: widened tiles, or x rounded in the kernel
+        inputs, options = x2, {"activations": activations}
     else:
         inputs, x_scale = prequantized if prequantized is not None else quantize_activations_fp8(x2, input_scale)
         options = {"x_scale": x_scale}
-    return _wgmma_matmul_many(inputs, tuple(payloads), tuple(scales), out_dtype=out_dtype, **options,
-                              **wgmma_sizes(m, sum(p.shape[0] for p in payloads), k, jnp.float8_e4m3fn))
+    sizes = wgmma_sizes(m, sum(p.shape[0] for p in payloads), k, jnp.float8_e4m3fn, activations=activations)
+    return _wgmma_matmul_many(inputs, tuple(payloads), tuple(scales), out_dtype=out_dtype, **options, **sizes)
 
 
 def _wgmma_matmul_many(*args, **options):

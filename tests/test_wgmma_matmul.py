@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.quantized_matmul import gpu_wgmma
-from pallas_kernels.quantized_matmul.gpu_wgmma import (FP8, default_sizes, quantize_rows_e4m3, scale_rows_f16,
-                                                       wgmma_matmul, wgmma_matmul_many)
+from pallas_kernels.quantized_matmul.gpu_wgmma import (FP8, default_sizes, quantize_blocks_e4m3, quantize_rows_e4m3,
+                                                       scale_rows_f16, wgmma_matmul, wgmma_matmul_many)
 
 
 def _fp8_weight(rng, n, k):
@@ -87,8 +87,8 @@ def test_several_weights_in_one_launch(k_splits):
         assert _rel(out, _w8a8_reference(x8, x_scale, w8, w_scale)) < BF16_ROUNDING
 
 
-@pytest.mark.parametrize("k_splits", [1, 2])
-def test_no_data_races_in_the_interpreter(k_splits):
+@pytest.mark.parametrize("activations, k_splits", [("e4m3", 1), ("e4m3", 2), ("e4m3-fused", 1)])
+def test_no_data_races_in_the_interpreter(activations, k_splits):
     """The interpreter's happens-before race detector over the pipeline's TMA copies, the scales'
     copies and barriers, the epilogue's smem stores and the wgmma reads, two weights a launch.
     (Its wgmma is synchronous, so a missing wait on an asynchronous one would not show here.)"""
@@ -99,10 +99,50 @@ def test_no_data_races_in_the_interpreter(k_splits):
     x = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
     weights = [_fp8_weight(rng, 64, 512) for _ in range(2)]
     outs = wgmma_matmul_many(x, tuple(w for w, _ in weights), tuple(s for _, s in weights), out_dtype=jnp.bfloat16,
-                             block_k=128, k_splits=k_splits, max_concurrent_steps=2,
+                             block_k=256 if activations == "e4m3-fused" else 128, k_splits=k_splits,
+                             max_concurrent_steps=2, activations=activations,
                              interpret=plgpu.InterpretGPUParams(detect_races=True))
     jax.block_until_ready(outs)
     assert not interpret_pallas_call.get_races().races_found
+
+
+@pytest.mark.parametrize("m, k_splits", [(1, 1), (9, 1), (20, 2)])
+def test_fused_mode_rounds_each_k_step_of_x_in_the_kernel(m, k_splits):
+    """activations="e4m3-fused": bf16 x (columns from 0.01 to 30 in size, one all-zero row) rounded
+    to e4m3 inside the kernel, per token row and 256-value K step with that block's own scale;
+    one token (the batch-1 bucket, 7 padding rows), 9, and 20 with K split in two;
+    against the float32 product of quantize_blocks_e4m3's operands, two weights a launch, both epilogues."""
+    rng = np.random.default_rng(7 + m)
+    x = jnp.asarray(rng.standard_normal((m, 1024)) * np.linspace(0.01, 30, 1024), jnp.bfloat16)
+    x = x.at[0].set(0) if m > 1 else x
+    weights = [_fp8_weight(rng, n, 1024) for n in (128, 64)]
+    out_dtype = jnp.bfloat16 if k_splits == 1 else jnp.float32
+    outs = wgmma_matmul_many(x, tuple(w for w, _ in weights), tuple(s for _, s in weights), activations="e4m3-fused",
+                             out_dtype=out_dtype, block_k=256, k_splits=k_splits, max_concurrent_steps=2,
+                             interpret=True)
+    x8, block_scale = quantize_blocks_e4m3(x, 256)
+    x_rounded = (x8.astype(jnp.float32).reshape(m, 4, 256) * block_scale[..., None]).reshape(m, 1024)
+    for out, (w8, w_scale) in zip(outs, weights, strict=True):
+        ref = _w8a8_reference(x_rounded, jnp.ones((m,)), w8, w_scale)
+        assert out.dtype == out_dtype and _rel(out, ref) < (BF16_ROUNDING if k_splits == 1 else 1e-5)
+        assert m == 1 or not np.asarray(out[0]).any()  # the zero row: 0, not NaN
+
+
+def test_fused_rounding_is_finer_than_one_scale_a_row():
+    """Per-block scales follow x's size along K: where a row's small values sit under one scale set
+    by its largest (e4m3's subnormals, or 0), a block's own scale keeps them to e4m3's precision."""
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((4, 1024)) * np.geomspace(1e-4, 1e2, 1024), jnp.float32)
+    x8, block_scale = quantize_blocks_e4m3(x, 256)
+    blocks = (x8.astype(jnp.float32).reshape(4, 4, 256) * block_scale[..., None]).reshape(4, 1024)
+    row8, row_scale = quantize_rows_e4m3(x)
+    rows = row8.astype(jnp.float32) * row_scale[:, None]
+    small = x.astype(jnp.bfloat16).astype(jnp.float32)[:, :256]  # the first K step: 1e-4 to 3e-3
+
+    def rel(y):
+        return float(jnp.linalg.norm(y[:, :256] - small) / jnp.linalg.norm(small))
+
+    assert rel(blocks) < 0.05 and rel(rows) > 5 * rel(blocks)  # measured: 0.023 and 0.17
 
 
 def _int8_weight(rng, n, k):
@@ -145,26 +185,37 @@ def test_several_bf16_weights_in_the_model_layout():
         assert _rel(out, ref) < BF16_ROUNDING
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "fp8-weight-only", "bf16"])
-def test_lowers_for_hopper_at_the_llama_shapes_from_cpu(fmt):
-    """Mosaic GPU's lowering (layout inference, wgmma operand and swizzle checks) of the engine's
-    merged q/k/v and the down projection at the default sizes, at 8 tokens (the batch-1 bucket)."""
+@pytest.mark.parametrize("m", [8, 64])
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-fused", "fp8-weight-only", "bf16"])
+def test_lowers_for_hopper_at_the_llama_shapes_from_cpu(fmt, m):
+    """Mosaic GPU's lowering (layout inference, wgmma operand and swizzle checks, and the shared
+    memory against sm_90's 227 KB) of the engine's merged q/k/v and the down projection at the
+    default sizes, at 8 tokens (the batch-1 bucket) and 64 (the most the engine sends: 64 tokens
+    of f16 x take 32 KB a step, which six steps overflowed on the H200)."""
     spec = jax.ShapeDtypeStruct
     for ns, k in (((4096, 1024, 1024), 4096), ((4096,), 14336)):
+        activations = None
         if fmt == "fp8":
-            args = (spec((8, k), FP8), tuple(spec((n, k), FP8) for n in ns), tuple(spec((n,), jnp.float32) for n in ns))
-            options = dict(x_scale=spec((8,), jnp.float32), out_dtype=jnp.bfloat16)
+            args = (spec((m, k), FP8), tuple(spec((n, k), FP8) for n in ns), tuple(spec((n,), jnp.float32) for n in ns))
+            options = dict(x_scale=spec((m,), jnp.float32), out_dtype=jnp.bfloat16)
+            dtype = FP8
+        elif fmt == "fp8-fused":  # x rounded to e4m3 in registers, stored for the MMA at a 64-byte swizzle
+            args = (spec((m, k), jnp.bfloat16), tuple(spec((n, k), FP8) for n in ns),
+                    tuple(spec((n,), jnp.float32) for n in ns))
+            activations = "e4m3-fused"
+            options = dict(activations=activations, out_dtype=jnp.bfloat16)
             dtype = FP8
         elif fmt == "fp8-weight-only":  # the widened tile is the MMA's A operand in registers (not staged)
-            args = (spec((8, k), jnp.bfloat16), tuple(spec((n, k), FP8) for n in ns),
+            args = (spec((m, k), jnp.bfloat16), tuple(spec((n, k), FP8) for n in ns),
                     tuple(spec((n,), jnp.float32) for n in ns))
-            options = dict(activations="f16", out_dtype=jnp.bfloat16)
+            activations = "f16"
+            options = dict(activations=activations, out_dtype=jnp.bfloat16)
             dtype = FP8
         else:
-            args = (spec((8, k), jnp.bfloat16), tuple(spec((k, n), jnp.bfloat16) for n in ns))
+            args = (spec((m, k), jnp.bfloat16), tuple(spec((k, n), jnp.bfloat16) for n in ns))
             options, dtype = dict(weight_layout="kn"), jnp.bfloat16
-        lowered = wgmma_matmul_many.trace(*args, **options, **default_sizes(8, sum(ns), k, dtype)).lower(
-            lowering_platforms=("cuda",))
+        sizes = default_sizes(m, sum(ns), k, dtype, activations=activations)
+        lowered = wgmma_matmul_many.trace(*args, **options, **sizes).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
 
 
@@ -173,6 +224,15 @@ def test_default_sizes_keep_k_whole_where_n_fills_the_gpu():
     assert default_sizes(8, 4096, 14336, jnp.bfloat16)["block_k"] == 128
     small = default_sizes(8, 1024, 4096, FP8)  # k or v alone: 16 row blocks, K split
     assert small["k_splits"] > 1 and (1024 // 64) * small["k_splits"] <= 132
+
+
+def test_default_sizes_fit_the_pipeline_in_shared_memory():
+    assert default_sizes(64, 4096, 4096, FP8)["max_concurrent_steps"] == 6  # e4m3 x: 16 + 16 KB a step
+    wide = default_sizes(64, 4096, 4096, FP8, activations="f16")  # f16 x: 16 + 32 KB a step
+    assert wide["max_concurrent_steps"] == 4
+    with pytest.raises(ValueError, match="max_concurrent_steps"):
+        wgmma_matmul(jnp.zeros((64, 256), jnp.bfloat16), jnp.zeros((64, 256), FP8), jnp.ones((64,)),
+                     activations="f16", block_k=256, max_concurrent_steps=6, interpret=True)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -184,6 +244,8 @@ def test_default_sizes_keep_k_whole_where_n_fills_the_gpu():
     (dict(x=jnp.zeros((2, 128), FP8)), "x_scale must be"),
     (dict(x_scale=jnp.float32(1.0)), "x_scale goes with float8_e4m3fn x"),
     (dict(activations="bf16"), "activations must be one of"),
+    (dict(activations="e4m3-fused", block_k=128), "multiple of 256"),
+    (dict(activations="e4m3-fused", x=jnp.zeros((2, 128), FP8), x_scale=jnp.float32(1.0)), "x_scale goes with"),
     (dict(w=jnp.zeros((64, 128), jnp.int8), activations="e4m3"), r"activations must be one of \('f16',\)"),
 ])
 def test_bad_inputs_raise_naming_the_field(change, message):
@@ -209,6 +271,10 @@ def test_the_weight_layer_runs_it_only_when_chosen_on_one_gpu(monkeypatch):
     assert not use_wgmma_matmul(8, 4096, 4096, FP8, platform="gpu", num_devices=2, choice="wgmma")
     assert not use_wgmma_matmul(128, 4096, 4096, FP8, platform="gpu", num_devices=1, choice="wgmma")
     assert not use_wgmma_matmul(8, 4096, 4096, jnp.int8, platform="gpu", num_devices=1, choice="wgmma")
+    assert use_wgmma_matmul(8, 4096, 4096, FP8, platform="gpu", num_devices=1, choice="wgmma-fused")
+    # 32 tokens and K = 4224: 128-value steps, short of the fused rounding's 256: XLA's path, not an error
+    assert use_wgmma_matmul(32, 4096, 4224, FP8, platform="gpu", num_devices=1, choice="wgmma")
+    assert not use_wgmma_matmul(32, 4096, 4224, FP8, platform="gpu", num_devices=1, choice="wgmma-fused")
     monkeypatch.setenv(DECODE_MATMUL_ENV, "wgmma")
     assert not use_wgmma_matmul(8, 4096, 4096, FP8)  # this process's backend is the CPU
     monkeypatch.setenv(DECODE_MATMUL_ENV, "wgmma-fp16")
@@ -216,7 +282,7 @@ def test_the_weight_layer_runs_it_only_when_chosen_on_one_gpu(monkeypatch):
         use_wgmma_matmul(8, 4096, 4096, FP8, platform="gpu", num_devices=1)
 
 
-@pytest.mark.parametrize("choice", ["wgmma", "wgmma-f16"])
+@pytest.mark.parametrize("choice", ["wgmma", "wgmma-fused", "wgmma-f16"])
 def test_linear_many_sends_fp8_and_bf16_projections_of_one_input_through_one_launch(monkeypatch, choice):
     """What the engine's step runs with the kernel chosen: q/k/v of a tiny layer, fp8 (the one
     launch; W8A8 or weight-only) against XLA's weight-only path, and dense bf16 against XLA's
@@ -252,8 +318,8 @@ def test_linear_many_sends_fp8_and_bf16_projections_of_one_input_through_one_lau
     np.testing.assert_array_equal(np.asarray(one_dense, np.float32), np.asarray(before_dense[0], np.float32))
     for before, after in zip(before_fp8, after_fp8, strict=True):
         assert after.shape == before.shape and after.dtype == before.dtype
-        # W8A8 rounds x to e4m3 per token (~2^-4 relative); weight-only differs by output rounding.
-        assert _rel(after, before) < (0.1 if choice == "wgmma" else BF16_ROUNDING)
+        # W8A8 rounds x to e4m3 (~2^-4 relative); weight-only differs by output rounding.
+        assert _rel(after, before) < (BF16_ROUNDING if choice == "wgmma-f16" else 0.1)
     for before, after in zip(before_dense, after_dense, strict=True):
         np.testing.assert_array_equal(np.asarray(after, np.float32), np.asarray(before, np.float32))
 
@@ -268,3 +334,8 @@ def test_gpu_benchmark_runs_on_cpu(tmp_path):
     results = json.loads((tmp_path / "wgmma_gemv.json").read_text())
     ours = [row for row in results["rows"] if row["method"].startswith("ours")]
     assert ours and all(row["ok"] for row in ours)
+    # The fused mode at its default sizes: 256-value steps for q (K = 256), 512 for down (K = 512),
+    # each checked against x rounded by its own step.
+    fused = {row["projection"]: row for row in results["rows"] if row["method"].startswith("wgmma-fused")}
+    assert set(fused) == {"q", "down"} and all(row["ok"] for row in fused.values())
+    assert "x256" in fused["q"]["method"] and "x512" in fused["down"]["method"]

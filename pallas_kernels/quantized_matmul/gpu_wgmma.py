@@ -17,10 +17,14 @@ consumer).
 Weight formats:
 
 - ``float8_e4m3fn`` ``[N, K]`` (``[out, in]``, the quantized weight layer's payload) with a float32
-  per-output-channel scale, in one of two modes (``activations``):
+  per-output-channel scale, in one of three modes (``activations``):
   ``"e4m3"``, **W8A8**: an 8-bit wgmma takes both operands e4m3 and K-major, so x is rounded to
   e4m3 per token row (``scale = max|x_row| / 448``, the FP8_DYNAMIC scheme that ``jaxinfer.linear``
   already uses for many tokens), or by a static input scale; nothing is converted.
+  ``"e4m3-fused"``, **W8A8 quantized in the kernel**: x arrives bf16 and each step rounds its
+  ``[tokens, block_k]`` tile to e4m3 in registers, per token row with that block's own scale;
+  each step's product goes to a fresh accumulator, scaled and added to a running sum (no XLA op
+  before the kernel, and finer scales than one a row).
   ``"f16"``, **weight-only**: x is scaled per token row into f16 and each e4m3 tile is widened to
   f16 between shared memory and registers, where it is the MMA's A operand (Hopper converts e4m3
   to f16, not to bf16). Both scales multiply the float32 accumulator in the epilogue.
@@ -63,7 +67,14 @@ WGMMA_ROWS = 64  # wgmma's M for one warpgroup: block_n is a multiple of it
 TOKEN_MULTIPLE = 8  # wgmma's smallest N: the token rows are padded to a multiple of it
 MAX_TOKENS = 64
 WEIGHT_LAYOUTS = ("nk", "kn")
+ACTIVATIONS = ("e4m3", "e4m3-fused", "f16")  # fp8 weights' modes (int8 takes "f16" only)
+FUSED_BLOCK_K_MULTIPLE = 256
 _SWIZZLE_BYTES = 128
+# "e4m3-fused": the e4m3 weight and x tiles at a 64-byte swizzle. An x tile quantized in registers
+# (from bf16 16-bit tiles of 64 values) can be stored only in 64-value tiles, and wgmma takes both
+# operands at one swizzle.
+_FUSED_E4M3_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
+_TINY = 1e-30  # an all-zero row's maximum: its values stay 0 and its scale is negligible
 
 
 def _smem_transforms(minor_elems: int, dtype) -> tuple:
@@ -91,6 +102,17 @@ def quantize_rows_e4m3(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(x32 / scale[:, None], -E4M3_MAX, E4M3_MAX).astype(FP8), scale
 
 
+def quantize_blocks_e4m3(x: jax.Array, block_k: int) -> tuple[jax.Array, jax.Array]:
+    """``"e4m3-fused"``'s rounding of ``x [M, K]``, as the kernel does it: each row's ``block_k``
+    values of each K step to e4m3 with their own scale. (``x8``, ``scale [M, K / block_k]``),
+    ``x ~= x8 * repeat(scale, block_k)``."""
+    m, k = x.shape
+    blocks = x.astype(jnp.bfloat16).astype(jnp.float32).reshape(m, k // block_k, block_k)
+    amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), _TINY)
+    x8 = (blocks * (E4M3_MAX / amax)[..., None]).astype(FP8).reshape(m, k)
+    return x8, amax / E4M3_MAX
+
+
 F16_ROW_MAX = 256.0  # x's largest magnitude a row in f16: products with e4m3 (<= 448) or int8 stay far from f16's limits
 
 
@@ -108,7 +130,7 @@ def scale_rows_f16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _kernel(*refs, block_starts: tuple[int, ...], block_n: int, block_k: int, steps_per_split: int,
             max_concurrent_steps: int, weight_layout: str, scaled: bool, fused_epilogue: bool, widen: bool,
-            stage_in_smem: bool):
+            quantize_x: bool, stage_in_smem: bool):
     # GMEM refs: the weights (each [N_i, K] or [K, N_i]), x [Mp, K], with ``scaled`` each
     # weight's scale [N_i] and x's [Mp] (f32), then the output: [Mp, sum N_i] in the output dtype
     # (``fused_epilogue``) or [k_splits, sum N_i, Mp] f32 partial sums; last, with ``scaled``
@@ -125,18 +147,20 @@ def _kernel(*refs, block_starts: tuple[int, ...], block_n: int, block_k: int, st
     out_rows = pl.ds(block * block_n, block_n)
     k_slice = pl.ds(split * steps_per_split * block_k, steps_per_split * block_k)
     x_spec = plgpu.BlockSpec((tokens, block_k), lambda k: (0, k), transforms=_smem_transforms(block_k, x_ref.dtype))
+    if quantize_x:  # the e4m3 tiles at a 64-byte swizzle: the one an x tile quantized in registers can be stored in
+        w_transforms = _FUSED_E4M3_TRANSFORMS
+    else:
+        w_transforms = _smem_transforms(block_k if weight_layout == "nk" else block_n, w_refs[0].dtype)
 
     def one_weight(i):
         w_ref = w_refs[i]
         rows = pl.ds((block - block_starts[i]) * block_n, block_n)  # this weight's own rows
         if weight_layout == "nk":
             w_part = w_ref.at[rows, k_slice]
-            w_spec = plgpu.BlockSpec((block_n, block_k), lambda k: (0, k),
-                                     transforms=_smem_transforms(block_k, w_ref.dtype))
+            w_spec = plgpu.BlockSpec((block_n, block_k), lambda k: (0, k), transforms=w_transforms)
         else:
             w_part = w_ref.at[k_slice, rows]
-            w_spec = plgpu.BlockSpec((block_k, block_n), lambda k: (k, 0),
-                                     transforms=_smem_transforms(block_n, w_ref.dtype))
+            w_spec = plgpu.BlockSpec((block_k, block_n), lambda k: (k, 0), transforms=w_transforms)
 
         def accumulate(acc_ref, widened_smem=None):
             def step(_, w_smem, x_smem):
@@ -155,8 +179,40 @@ def _kernel(*refs, block_starts: tuple[int, ...], block_n: int, block_k: int, st
                                 max_concurrent_steps=max_concurrent_steps)(w_part, x_ref.at[:, k_slice])
             return acc_ref[...]
 
+        def accumulate_quantizing(x8_smem, scale_smem):
+            # Each step's x tile [tokens, block_k] (bf16) is rounded to e4m3 per token row with its
+            # own scale, max|x| / 448 over the row's block_k values, and multiplied into a fresh
+            # accumulator that is scaled and added to the running sum in registers.
+            copy_layout = plgpu.Layout.SMEM_GMEM_COPY((tokens, block_k), jnp.bfloat16, _SWIZZLE_BYTES)
+
+            def step(_, w_smem, x_smem, total):
+                x = plgpu.load(x_smem, layout=copy_layout).astype(jnp.float32)  # [tokens, block_k]
+                amax = jnp.maximum(jnp.max(jnp.abs(x), axis=1), _TINY)
+                x8_smem[...] = (x * lax.broadcast_in_dim(E4M3_MAX / amax, x.shape, [0])).astype(FP8)
+                scale_smem[...] = amax * (1 / E4M3_MAX)
+                plgpu.commit_smem()
+                # The scales again in the accumulator's column layout, through shared memory.
+                scale = plgpu.load(scale_smem, layout=plgpu.Layout.WGMMA.reduce(0))  # [tokens]
+
+                def multiply(acc_ref):
+                    plgpu.wgmma(acc_ref, w_smem, x8_smem.T)
+                    plgpu.wgmma_wait(0)  # the tiles' slots (and x8_smem) are reused after this step
+                    return acc_ref[...]
+
+                part = pl.run_scoped(multiply, plgpu.ACC((block_n, tokens), jnp.float32))
+                return total + part * lax.broadcast_in_dim(scale, part.shape, [1])
+
+            zeros = plgpu.layout_cast(jnp.zeros((block_n, tokens), jnp.float32), plgpu.Layout.WGMMA)
+            return plgpu.emit_pipeline(step, grid=(steps_per_split,), in_specs=[w_spec, x_spec],
+                                       max_concurrent_steps=max_concurrent_steps, init_carry=zeros)(
+                w_part, x_ref.at[:, k_slice])
+
         accumulator = plgpu.ACC((block_n, tokens), jnp.float32)
-        if widen and stage_in_smem:  # (an accumulator and an smem buffer need separate scopes)
+        if quantize_x:
+            acc = pl.run_scoped(accumulate_quantizing,
+                                plgpu.SMEM((tokens, block_k), FP8, transforms=_FUSED_E4M3_TRANSFORMS),
+                                plgpu.SMEM((tokens,), jnp.float32))
+        elif widen and stage_in_smem:  # (an accumulator and an smem buffer need separate scopes)
             acc = pl.run_scoped(
                 lambda widened_smem: pl.run_scoped(lambda acc_ref: accumulate(acc_ref, widened_smem), accumulator),
                 plgpu.SMEM((block_n, block_k), jnp.float16, transforms=_smem_transforms(block_k, jnp.float16)))
@@ -256,6 +312,10 @@ def wgmma_matmul_many(x: jax.Array, weights: tuple, w_scales: tuple | None = Non
     - ``"e4m3"`` (fp8's default): W8A8. x is either bf16/f32, rounded to e4m3 per row here
       (:func:`quantize_rows_e4m3`), or already ``float8_e4m3fn`` with ``x_scale`` (``[M]`` per
       row, or ``[]`` for a static input scale);
+    - ``"e4m3-fused"``: W8A8 with the rounding inside the kernel. x (bf16/f32, read as bf16) is
+      rounded to e4m3 tile by tile, each token row of each K step with its own scale
+      (:func:`quantize_blocks_e4m3` is the reference), so no XLA op quantizes it first; ``block_k``
+      a multiple of 256;
     - ``"f16"``: weight-only. x (bf16/f32) is scaled per row into f16 (:func:`scale_rows_f16`:
       f16 keeps more of x than bf16 does), and each 8-bit tile is widened to f16 in registers
       between shared memory and the MMA (its A operand). Also for ``int8`` weights (the only mode
@@ -278,7 +338,7 @@ def wgmma_matmul_many(x: jax.Array, weights: tuple, w_scales: tuple | None = Non
     if quantized is None and weights[0].dtype != jnp.bfloat16:
         raise ValueError(f"weights must be float8_e4m3fn or int8 (with w_scales) or bfloat16, got {weights[0].dtype}")
     activations = activations or ("e4m3" if quantized == FP8 else "f16" if quantized else None)
-    allowed = ("e4m3", "f16") if quantized == FP8 else ("f16",) if quantized else (None,)
+    allowed = ACTIVATIONS if quantized == FP8 else ("f16",) if quantized else (None,)
     if activations not in allowed:
         raise ValueError(f"activations must be one of {allowed} for {jnp.dtype(weights[0].dtype).name} weights, "
                          f"got {activations!r}")
@@ -304,6 +364,17 @@ def wgmma_matmul_many(x: jax.Array, weights: tuple, w_scales: tuple | None = Non
                              "quantized per row here")
         else:
             x_in, row_scale = quantize_rows_e4m3(x)
+    elif activations == "e4m3-fused":
+        if x_scale is not None:
+            raise ValueError("x_scale goes with float8_e4m3fn x; activations='e4m3-fused' rounds bf16 x "
+                             "in the kernel")
+        if x.dtype not in (jnp.bfloat16, jnp.float32):
+            raise ValueError(f"x must be bfloat16 or float32 for activations='e4m3-fused', got {x.dtype}")
+        if block_k % FUSED_BLOCK_K_MULTIPLE:
+            raise ValueError(f"block_k must be a multiple of {FUSED_BLOCK_K_MULTIPLE} for activations='e4m3-fused' "
+                             f"(x's bf16 tile is rounded in 64-value tiles spread over the warpgroup's 4 "
+                             f"warps), got {block_k}")
+        x_in, row_scale = x.astype(jnp.bfloat16), jnp.ones((m,), jnp.float32)  # x's scales apply inside
     else:
         if x_scale is not None:
             raise ValueError(f"x_scale goes with float8_e4m3fn x; activations={activations!r} takes bf16/f32 x")
@@ -317,6 +388,12 @@ def wgmma_matmul_many(x: jax.Array, weights: tuple, w_scales: tuple | None = Non
     for n in ns:
         check_shapes(m, n, k, block_n=block_n, block_k=block_k, k_splits=k_splits,
                      max_concurrent_steps=max_concurrent_steps)
+    per_step = stage_bytes(m, block_n, block_k, weights[0].dtype, activations)
+    room = PIPELINE_SMEM_BYTES - fixed_smem_bytes(m, block_k, activations)
+    if max_concurrent_steps * per_step > room:
+        raise ValueError(f"max_concurrent_steps ({max_concurrent_steps}) x {per_step} bytes a step "
+                         f"(a {block_n}x{block_k} weight tile and {padded_tokens(m)} tokens of x) exceeds the "
+                         f"pipeline's {room} bytes of shared memory")
     n_total = sum(ns)
     block_starts = tuple(int(v) for v in np.cumsum([0] + [n // block_n for n in ns]))
     mp = padded_tokens(m)
@@ -330,11 +407,17 @@ def wgmma_matmul_many(x: jax.Array, weights: tuple, w_scales: tuple | None = Non
         out_type = jax.ShapeDtypeStruct((mp, n_total), out_dtype)
     else:
         out_type = jax.ShapeDtypeStruct((k_splits, n_total, mp), jnp.float32)
-    kernel = plgpu.kernel(
-        functools.partial(_kernel, block_starts=block_starts, block_n=block_n, block_k=block_k,
+    body = functools.partial(_kernel, block_starts=block_starts, block_n=block_n, block_k=block_k,
                           steps_per_split=steps_per_split, max_concurrent_steps=max_concurrent_steps,
                           weight_layout=weight_layout, scaled=scaled, fused_epilogue=fused_epilogue,
-                          widen=activations == "f16", stage_in_smem=bool(interpret)),
+                          widen=activations == "f16", quantize_x=activations == "e4m3-fused",
+                          stage_in_smem=bool(interpret))
+    # The kernel's name (Mosaic GPU's is its body's) says what it multiplies, so a profile's
+    # kernels read "wgmma_matmul_e4m3_fused_n6144_k4096" rather than "anonymous".
+    mode = (activations or "bf16").replace("-", "_")
+    body.__name__ = f"wgmma_matmul_{mode}_n{n_total}_k{k}"
+    kernel = plgpu.kernel(
+        body,
         out_type=out_type,
         scratch_types=(plgpu.Barrier(num_barriers=2),) if scaled else (),
         grid=(n_total // block_n, k_splits),
@@ -375,14 +458,49 @@ def split_count(n: int, k: int, block_n: int, block_k: int, *, num_sms: int = 13
 # Programs below which the default sizes split K (and pay an XLA epilogue): with fewer, even deep
 # pipelines leave too few bytes in flight across the GPU.
 MIN_PROGRAMS_UNSPLIT = 48
+# Shared memory the pipeline's stages may take: sm_90's 227 KB a block less room for the
+# epilogue's staging tile ([64 tokens, block_n] in 16 bits: 8 KB), its scales and barriers.
+PIPELINE_SMEM_BYTES = 208 * 1024
 
 
-def default_sizes(m: int, n: int, k: int, weight_dtype, *, num_sms: int = 132) -> dict:
+def stage_bytes(m: int, block_n: int, block_k: int, weight_dtype, activations: str | None = None) -> int:
+    """Shared memory of one pipeline step: a weight tile and an x tile (tokens padded to 8) in the
+    operand dtypes the kernel stages (e4m3 x for W8A8, f16 for the weight-only modes, else bf16;
+    ``"e4m3-fused"`` stages bf16 x and rounds it into one e4m3 tile outside the stages:
+    :func:`fixed_smem_bytes`)."""
+    x_itemsize = 1 if _x_operand_is_e4m3(weight_dtype, activations) else 2
+    return block_n * block_k * jnp.dtype(weight_dtype).itemsize + padded_tokens(m) * block_k * x_itemsize
+
+
+def fixed_smem_bytes(m: int, block_k: int, activations: str | None = None) -> int:
+    """Shared memory outside the pipeline's stages that grows with the tiles: ``"e4m3-fused"``'s
+    one e4m3 x tile (the epilogue's staging is within ``PIPELINE_SMEM_BYTES``'s margin)."""
+    return padded_tokens(m) * block_k if activations == "e4m3-fused" else 0
+
+
+def _x_operand_is_e4m3(weight_dtype, activations: str | None) -> bool:
+    return jnp.dtype(weight_dtype) == jnp.dtype(FP8) and activations in (None, "e4m3")
+
+
+def default_sizes(m: int, n: int, k: int, weight_dtype, *, activations: str | None = None,
+                  num_sms: int = 132) -> dict:
     """Tile sizes for ``wgmma_matmul`` when nothing measured says better: 64 weight rows a program,
-    256 bytes of K a step (two 128-byte swizzle rows), 6 steps in flight (96 KB a program), and K
-    unsplit (the epilogue in the kernel) unless N gives fewer than ``MIN_PROGRAMS_UNSPLIT`` programs."""
-    block_n, block_k = 64, 256 // jnp.dtype(weight_dtype).itemsize
+    256 bytes of K a step (two 128-byte swizzle rows), up to 6 steps in flight (96 KB of weight a
+    program) within ``PIPELINE_SMEM_BYTES`` of stages (x's tile grows with the tokens: 64 tokens
+    of f16 x take 32 KB a step), and K unsplit (the epilogue in the kernel) unless N gives fewer
+    than ``MIN_PROGRAMS_UNSPLIT`` programs. ``activations`` as for :func:`wgmma_matmul_many`;
+    ``"e4m3-fused"`` rounds x every step, which costs more than the step's copy (session 22: 1.2-2.2
+    TB/s at 256-byte steps and 64-448 programs), so it takes 512-byte steps (half the steps; up
+    to 16 tokens) and splits K to about a program an SM."""
+    fused = activations == "e4m3-fused"
+    step_bytes = 512 if fused and padded_tokens(m) <= 16 else 256  # (more tokens: bf16 x fills the stages)
+    block_n, block_k = 64, step_bytes // jnp.dtype(weight_dtype).itemsize
     if k % block_k:
         block_k //= 2
-    k_splits = 1 if n // block_n >= MIN_PROGRAMS_UNSPLIT else split_count(n, k, block_n, block_k, num_sms=num_sms)
-    return dict(block_n=block_n, block_k=block_k, k_splits=k_splits, max_concurrent_steps=6)
+    if fused:  # each step's rounding of x costs more than its copy at 64 programs: a program an SM
+        k_splits = split_count(n, k, block_n, block_k, num_sms=num_sms)
+    else:
+        k_splits = 1 if n // block_n >= MIN_PROGRAMS_UNSPLIT else split_count(n, k, block_n, block_k, num_sms=num_sms)
+    room = PIPELINE_SMEM_BYTES - fixed_smem_bytes(m, block_k, activations)
+    steps = min(6, room // stage_bytes(m, block_n, block_k, weight_dtype, activations))
+    return dict(block_n=block_n, block_k=block_k, k_splits=k_splits, max_concurrent_steps=steps)
