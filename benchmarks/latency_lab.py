@@ -73,7 +73,7 @@ KINDS = (
     ("sampler", ("sampler", "logits_processing", "random_sampling")),
     ("lm_head", ("lm_head",)),
     ("attention kernel", ("paged_attention", "decode_attention", "ragged_attention")),
-    ("KV write (scatter)", ("scatter", "dynamic_update_slice", "dynamic-update-slice")),
+    ("KV write (scatter)", ("scatter", "dynamic_update_slice", "dynamic-update-slice", "write_kv")),
     ("weight GEMV (ours)", ("weight_only_matmul", "wgmma_matmul")),
     ("weight GEMV (XLA)", ("gemm", "gemv", "nvjet", "cublas", "cutlass", "xmma", "triton_dot", "dot_general",
                            "dot.", "matmul")),

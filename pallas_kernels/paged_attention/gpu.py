@@ -79,7 +79,7 @@ from pallas_kernels.paged_attention import gpu_tile as tile_lib
 from pallas_kernels.paged_attention import work_tiles as wt
 from pallas_kernels.paged_attention.block_sizes import BlockSizes, default_kernel_mechanisms, gpu_block_sizes
 from pallas_kernels.paged_attention.gpu_merge import merge_splits_gpu
-from pallas_kernels.paged_attention.reference import write_kv_reference
+from pallas_kernels.paged_attention.gpu_write_kv import write_kv
 from pallas_kernels.paged_attention.validation import check_inputs
 # Re-exported: callers and tests know them from here.
 from pallas_kernels.paged_attention.gpu_tile import F16_MAX, FP8_WIDEN_CHOICES, fp8_tile_dtype  # noqa: F401
@@ -255,7 +255,8 @@ def _split_init_refs(kernel, *refs, num_init: int):
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q", "block_kv", "num_splits",
-                     "num_warps", "num_stages", "prefetch_pages", "merge_kernel", "interpret", "fp8_widen_to"),
+                     "num_warps", "num_stages", "prefetch_pages", "merge_kernel", "interpret", "fp8_widen_to",
+                     "kv_write"),
     donate_argnames=("k_pages", "v_pages"),
 )
 def ragged_paged_attention_gpu(
@@ -280,13 +281,15 @@ def ragged_paged_attention_gpu(
     merge_kernel: bool | None = None,
     interpret: bool = False,
     fp8_widen_to: str = "float16",
+    kv_write: str = "xla",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Same contract as ``ragged_paged_attention_reference``; the cache is donated and updated in place.
 
     Tile sizes default to the tuned table; any of them can be forced for sweeps and tests.
     ``interpret=True`` runs the kernel through Pallas's interpreter (CPU tests). Float8 pages take
     their own measured sizes (``gpu_block_sizes(kv_itemsize=1)``) and widen tiles as
-    ``fp8_widen_to`` says (``fp8_tile_dtype``).
+    ``fp8_widen_to`` says (``fp8_tile_dtype``). ``kv_write``: the new K/V's write, XLA's two
+    scatters (``"xla"``) or one Pallas launch (``"pallas"``, opt-in): ``gpu_write_kv.write_kv``.
     """
     check_inputs(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -312,19 +315,22 @@ def ragged_paged_attention_gpu(
     return attend_and_write_gpu(
         q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes, interpret=interpret, fp8_widen_to=fp8_widen_to,
+        kv_write=kv_write,
     )
 
 
 def attend_and_write_gpu(
     q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sliding_window=None,
-    soft_cap=None, sizes: BlockSizes, interpret: bool = False, fp8_widen_to: str = "float16",
+    soft_cap=None, sizes: BlockSizes, interpret: bool = False, fp8_widen_to: str = "float16", kv_write: str = "xla",
 ):
-    """XLA scatter of this step's K/V into the cache, then ``attend_gpu``. Returns (out, k_pages, v_pages).
+    """This step's K/V written into the cache (``gpu_write_kv.write_kv``: XLA's two scatters, or
+    one Pallas launch), then ``attend_gpu``. Returns (out, k_pages, v_pages).
 
-    Same signature as ``gpu_fused.attend_and_write_gpu``, so benchmarks time either at given sizes.
-    The scatter is in place only when the caller's jit donates the cache.
+    Same signature as ``gpu_fused.attend_and_write_gpu`` (less ``kv_write``), so benchmarks time
+    either at given sizes. The write is in place only when the caller's jit donates the cache.
     """
-    k_pages, v_pages = write_kv_reference(k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
+    k_pages, v_pages = write_kv(k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, kv_write=kv_write,
+                                interpret=interpret)
     out = attend_gpu(
         q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes, interpret=interpret, fp8_widen_to=fp8_widen_to,

@@ -116,7 +116,7 @@ from pallas_kernels.paged_attention.gpu import attend_gpu
 from pallas_kernels.paged_attention.gpu_fresh_window import packed_causal_attention_mosaic_gpu
 from pallas_kernels.paged_attention.gpu_zero_rows import zero_rows_from
 from pallas_kernels.paged_attention.page_storage import E4M3
-from pallas_kernels.paged_attention.reference import write_kv_reference
+from pallas_kernels.paged_attention.gpu_write_kv import write_kv
 from pallas_kernels.paged_attention.validation import check_inputs
 
 # Shorter fresh prompts stay with Triton. A guess: measured gains start at 4k (session 8: 1.1x);
@@ -441,7 +441,7 @@ def can_take_fresh_prefill(q_dtype, page_dtype, head_dim: int, sliding_window, s
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "soft_cap", "min_fresh_tokens", "fresh_attend", "interpret",
-                     "max_window_waste", "branchless", "cudnn", "cudnn_segments", "max_fresh_prompts"),
+                     "max_window_waste", "branchless", "cudnn", "cudnn_segments", "max_fresh_prompts", "kv_write"),
     donate_argnames=("k_pages", "v_pages"),
 )
 def ragged_paged_attention_gpu_fresh_prefill(
@@ -465,6 +465,7 @@ def ragged_paged_attention_gpu_fresh_prefill(
     cudnn: bool = False,
     cudnn_segments: bool = False,
     max_fresh_prompts: int = MAX_FRESH_PROMPTS,
+    kv_write: str = "xla",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Same contract as ``ragged_paged_attention_reference``; the cache is donated and updated in place.
 
@@ -480,7 +481,8 @@ def ragged_paged_attention_gpu_fresh_prefill(
     ``SEGMENTS_MIN_FRESH_TOKENS`` to the segments path). ``min_fresh_tokens``,
     ``max_window_waste`` and ``max_fresh_prompts`` are static, for benchmarks to sweep. Steps the
     fresh kernel cannot serve (see ``can_take_fresh_prefill``) run exactly as
-    ``ragged_paged_attention_gpu`` at its tuned sizes (fp8 pages: its fp8 sizes).
+    ``ragged_paged_attention_gpu`` at its tuned sizes (fp8 pages: its fp8 sizes). ``kv_write``: as
+    for ``ragged_paged_attention_gpu``.
     """
     check_inputs(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
     if branchless + cudnn + cudnn_segments > 1:
@@ -494,7 +496,8 @@ def ragged_paged_attention_gpu_fresh_prefill(
         num_kv_heads=num_kv_heads, group=num_q_heads // num_kv_heads, head_dim=head_dim,
         page_size=page_size, itemsize=q.dtype.itemsize, kv_itemsize=k_pages.dtype.itemsize,
     )
-    k_pages, v_pages = write_kv_reference(k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
+    k_pages, v_pages = write_kv(k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, kv_write=kv_write,
+                                interpret=interpret)
     if can_take_fresh_prefill(q.dtype, k_pages.dtype, head_dim, sliding_window, soft_cap) and cudnn_segments:
         out = attend_with_fresh_segments(
             q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale, sizes=sizes,
