@@ -207,11 +207,11 @@ def decode_host_time(engine, num_requests, prompt_len, output_len, log):
     runner = engine.runner
     original_execute = runner.execute
 
-    def execute(inputs):  # keep one full-batch pure-decode step's inputs for the replay
+    def execute(inputs, *args, **kwargs):  # keep one full-batch pure-decode step's inputs for the replay
         n = int(np.count_nonzero(np.diff(inputs.batch.cu_q_lens)))
         if n == num_requests and int(inputs.batch.cu_q_lens[-1]) == num_requests:
             captured["inputs"] = inputs
-        return original_execute(inputs)
+        return original_execute(inputs, *args, **kwargs)
 
     runner.execute = execute
     try:

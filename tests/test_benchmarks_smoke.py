@@ -42,7 +42,7 @@ def test_engine_throughput_workloads_complete(tmp_path):
             "--scale", "0.01", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
             "--workloads", "startup,throughput-1k,throughput-nano"]
     # Half of throughput-1k's requests again, under a JSON schema (the tiny fixture's tokenizer).
-    run_script([*args[:-1], "startup,latency,throughput-1k,throughput-nano", "--profile-latency-steps", "2",
+    run_script([*args[:-1], "startup,latency,decode256,throughput-1k,throughput-nano", "--profile-latency-steps", "2",
                 "--profile-steps", "2", "--profile-prefill-steps", "1", "--structured-fraction", "0.5",
                 "--structured-tokenizer", TINY_TOKENIZER], tmp_path)
     run_script([*args[:-1], "startup", "--resume"], tmp_path)  # the cache the first run filled: warm
@@ -77,6 +77,8 @@ def test_engine_throughput_workloads_complete(tmp_path):
         assert sum(p["steps"] for p in phases.values()) == len(steps["wall_ms"])
         assert phases["with_prefill"]["tokens"] + phases["decode_only"]["tokens"] == sum(steps["num_tokens"])
         assert phases["with_prefill"]["tokens"] >= workloads[name]["input_tokens"]
+    # decode256: the step replayed from the inputs it captured (scaled to the run's few requests).
+    assert workloads["decode256"]["device_replay_step_ms"] > 0 and workloads["decode256"]["num_steady_steps"] > 0
     structured = workloads["throughput-1k-structured"]
     assert structured["compilations_after_warmup"] == 0 and structured["grammar_mask_seconds"] > 0
     assert structured["output_tokens"] == workloads["throughput-1k"]["output_tokens"]
