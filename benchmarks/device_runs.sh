@@ -176,11 +176,17 @@
 #           split rule (this tree, with a trace of 8 of its decode steps: where the engine's step and
 #           latency_lab.py's differ) against .baseline/ (session 19's code); the 8x8 bucket
 #           at 384, 4k and 32k tokens; B=8 16k with all slots live, this tree against .baseline/.
+#   s22a    one GPU: the decode matmul's fused W8A8 mode (JAXINFER_DECODE_MATMUL=wgmma-fused) in the engine's
+#           fp8 batch-1 latency, traced beside XLA's W8A16; wgmma and wgmma-f16 untraced; the fp8 projection sweep.
+#   s22b    one GPU: the K/V write as one Pallas launch against XLA's scatters (.baseline), bf16 latency traced
+#           and decode256; the fused W8A8 mode at its new sizes, traced; fp8 latency with the new write.
+#   s22c    one GPU: s22b's A/B of the K/V write with the slots found in the write's launch, bf16 (traced,
+#           decode256) and fp8.
 #   s21b    one GPU: the TMA + wgmma decode matmul (JAXINFER_DECODE_MATMUL=wgmma / wgmma-f16) in the engine's
 #           batch-1 latency: fp8 weights + fp8 KV with each and without, bf16 with it and without (the
 #           kernel's runs traced over 8 decode steps); then wgmma_gemv.py's tile sweep at 8 and 16 tokens.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f, s18g, s19a, s19b, s19c, s19d, s19e, s20a, s20b, s20c, s20g, s21a or s21b}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f, s18g, s19a, s19b, s19c, s19d, s19e, s20a, s20b, s20c, s20g, s21a, s21b, s22a, s22b or s22c}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -850,6 +856,51 @@ s21b)
         benchmarks/engine_throughput.py --out "$R/latency_bf16_base" --workloads latency
     on_gpu 0 wgmma_gemv.log $(( END - SECONDS - 5 )) python3 benchmarks/wgmma_gemv.py --out "$R/wgmma_gemv" \
         --ms 8,16 --budget-s $(( END - SECONDS - 40 )) ;;
+s22a)
+    # Session 22: the decode matmul's fused W8A8 mode (x rounded to e4m3 inside the kernel, per
+    # token and K step: no XLA op before it) in the engine's fp8 batch-1 latency, traced beside XLA's
+    # W8A16 (the default), then the other two modes untraced (wgmma-f16 overflowed shared memory at
+    # 64 tokens in s21b, fixed), then the projection sweep with the fused mode.
+    on_gpu 0 latency_fp8_base.log 150 python3 benchmarks/engine_throughput.py --out "$R/latency_fp8_base" \
+        --workloads latency --quantization fp8 --kv-cache-dtype fp8 --profile-latency-steps 8
+    JAXINFER_DECODE_MATMUL=wgmma-fused on_gpu 0 latency_fp8_wgmma-fused.log 110 python3 \
+        benchmarks/engine_throughput.py --out "$R/latency_fp8_wgmma-fused" --workloads latency --quantization fp8 \
+        --kv-cache-dtype fp8 --profile-latency-steps 8
+    for choice in wgmma wgmma-f16; do
+        JAXINFER_DECODE_MATMUL=$choice on_gpu 0 latency_fp8_$choice.log 80 python3 benchmarks/engine_throughput.py \
+            --out "$R/latency_fp8_$choice" --workloads latency --quantization fp8 --kv-cache-dtype fp8
+    done
+    on_gpu 0 wgmma_gemv.log $(( END - SECONDS - 5 )) python3 benchmarks/wgmma_gemv.py --out "$R/wgmma_gemv" \
+        --ms 8,16 --formats fp8 --budget-s $(( END - SECONDS - 40 )) ;;
+s22b)
+    # Session 22: the K/V write as one Pallas launch (gpu_write_kv, now the GPU kernels' default)
+    # against XLA's two scatters (.baseline = the commit before), bf16 batch-1 latency traced and
+    # batch-256 decode; then the fused W8A8 mode at its new sizes (512-byte steps, K split to a
+    # program an SM), traced, and fp8 without it.
+    for side in new base; do
+        dir=.; [ $side = base ] && dir=.baseline
+        on_gpu 0 latency_bf16_$side.log 170 python3 $dir/benchmarks/engine_throughput.py --out "$R/latency_bf16_$side" \
+            --workloads latency,decode256 --profile-latency-steps 8
+    done
+    JAXINFER_DECODE_MATMUL=wgmma-fused on_gpu 0 latency_fp8_wgmma-fused.log 110 python3 \
+        benchmarks/engine_throughput.py --out "$R/latency_fp8_wgmma-fused" --workloads latency --quantization fp8 \
+        --kv-cache-dtype fp8 --profile-latency-steps 8
+    on_gpu 0 latency_fp8_new.log $(( END - SECONDS - 5 )) python3 benchmarks/engine_throughput.py \
+        --out "$R/latency_fp8_new" --workloads latency --quantization fp8 --kv-cache-dtype fp8 ;;
+s22c)
+    # Session 22: s22b again with the slots found inside the write's launch (s22b's XLA fusion for
+    # them cost what the one launch saved): bf16 latency traced and decode256, new against
+    # .baseline (XLA's scatters); fp8 + fp8 KV latency, new against .baseline.
+    for side in new base; do
+        dir=.; [ $side = base ] && dir=.baseline
+        on_gpu 0 latency_bf16_$side.log 120 python3 $dir/benchmarks/engine_throughput.py --out "$R/latency_bf16_$side" \
+            --workloads latency,decode256 --profile-latency-steps 8
+    done
+    for side in new base; do
+        dir=.; [ $side = base ] && dir=.baseline
+        on_gpu 0 latency_fp8_$side.log $(( (END - SECONDS) / 2 )) python3 $dir/benchmarks/engine_throughput.py \
+            --out "$R/latency_fp8_$side" --workloads latency --quantization fp8 --kv-cache-dtype fp8
+    done ;;
 s20b)
     for side in new base new; do
         dir=.; [ $side = base ] && dir=.baseline
