@@ -339,3 +339,19 @@ def test_gpu_benchmark_runs_on_cpu(tmp_path):
     fused = {row["projection"]: row for row in results["rows"] if row["method"].startswith("wgmma-fused")}
     assert set(fused) == {"q", "down"} and all(row["ok"] for row in fused.values())
     assert "x256" in fused["q"]["method"] and "x512" in fused["down"]["method"]
+    # The device-time pass ran; a CPU's trace has no GPU kernels, so the tables fall back to host time.
+    assert results["device_time_errors"] == ["no GPU kernel events in the trace"]
+    assert "µs on the device" not in (tmp_path / "wgmma_gemv.log").read_text()
+
+
+def test_the_device_timed_sweep_splits_its_trace_at_idle_gaps():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from wgmma_gemv import split_at_gaps
+
+    kernels = [{"ts": 0, "dur": 10}, {"ts": 12, "dur": 5}, {"ts": 30_000, "dur": 8}, {"ts": 30_010, "dur": 1},
+               {"ts": 90_000, "dur": 3}]
+    assert [[k["ts"] for k in group] for group in split_at_gaps(kernels, 25_000)] == [[0, 12], [30_000, 30_010],
+                                                                                       [90_000]]
