@@ -180,13 +180,14 @@
 #           fp8 batch-1 latency, traced beside XLA's W8A16; wgmma and wgmma-f16 untraced; the fp8 projection sweep.
 #   s22b    one GPU: the K/V write as one Pallas launch against XLA's scatters (.baseline), bf16 latency traced
 #           and decode256; the fused W8A8 mode at its new sizes, traced; fp8 latency with the new write.
+#   s23a    one GPU: the fp8 projection sweep timed on the device (queued by session 22).
 #   s22c    one GPU: s22b's A/B of the K/V write with the slots found in the write's launch, bf16 (traced,
 #           decode256) and fp8.
 #   s21b    one GPU: the TMA + wgmma decode matmul (JAXINFER_DECODE_MATMUL=wgmma / wgmma-f16) in the engine's
 #           batch-1 latency: fp8 weights + fp8 KV with each and without, bf16 with it and without (the
 #           kernel's runs traced over 8 decode steps); then wgmma_gemv.py's tile sweep at 8 and 16 tokens.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f, s18g, s19a, s19b, s19c, s19d, s19e, s20a, s20b, s20c, s20g, s21a, s21b, s22a, s22b or s22c}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f, s18g, s19a, s19b, s19c, s19d, s19e, s20a, s20b, s20c, s20g, s21a, s21b, s22a, s22b, s22c or s23a}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -901,6 +902,12 @@ s22c)
         on_gpu 0 latency_fp8_$side.log $(( (END - SECONDS) / 2 )) python3 $dir/benchmarks/engine_throughput.py \
             --out "$R/latency_fp8_$side" --workloads latency --quantization fp8 --kv-cache-dtype fp8
     done ;;
+s23a)
+    # Queued by session 22: the projection sweep timed on the device (its kernels' busy time in a
+    # trace; s21b/s22a's host-timed sweeps disagreed with the engine's traces), fp8 at 8 and 16
+    # tokens (XLA W8A16/W8A8, ours W8A8 tile sweep, the fused mode at three sizes, weight-only).
+    on_gpu 0 wgmma_gemv.log $(( END - SECONDS - 5 )) python3 benchmarks/wgmma_gemv.py --out "$R/wgmma_gemv" \
+        --ms 8,16 --formats fp8 --budget-s $(( END - SECONDS - 60 )) ;;
 s20b)
     for side in new base new; do
         dir=.; [ $side = base ] && dir=.baseline
