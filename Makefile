@@ -45,7 +45,7 @@ demo: model
 # log: the suite must stay under 30 minutes on 2 cores.
 TEST_WORKERS ?= 2
 test: model
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .cache

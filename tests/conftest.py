@@ -20,6 +20,51 @@ jax.config.update("jax_compilation_cache_dir", str(default_cache_dir() / "jax-co
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
+# The benchmark scripts that smoke tests run in child processes (Pallas kernels interpreted, tiny
+# engines) spent half their time or more compiling the same programs in every run of the suite:
+# with this cache a later run (CI on the same machine, a developer's re-run) loads each program
+# whose code did not change and compiles only the ones that did. Every program is kept, however
+# fast it compiles (most of the interpreted kernels take under a second). A test of start-up itself
+# (cold against warm cache, compile seconds) keeps a fresh cache of its own instead.
+BENCHMARK_CACHE_ENV = {
+    "JAX_COMPILATION_CACHE_DIR": str(default_cache_dir() / "jax-compilation-cache-benchmarks"),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+}
+
+
+# The heaviest test files, longest first, by seconds on 2 cores (session 22's full run: 4,613
+# worker-seconds in all). The workers take whole files in collection order (the Makefile's
+# --no-loadscope-reorder; xdist's default orders files by their number of tests), so these start
+# first and the run ends on small files: longest-first, both workers finish within a small file
+# of each other (session 22's run left one idle ~100 s while the other ran a 90 s file).
+HEAVY_TEST_FILES = (
+    "test_benchmarks_smoke.py",  # 563
+    "test_quantized_matmul.py",  # 362
+    "test_ray_serve.py",  # 350
+    "test_notebooks.py",  # 238
+    "test_prefill_benchmarks_smoke.py",  # 197
+    "test_readme.py",  # 192
+    "test_spec_decode_lagged.py",  # 165
+    "test_structured_output.py",  # 161
+    "test_wgmma_matmul.py",  # 151
+    "test_gpu_fresh_prefill.py",  # 128
+    "test_paged_attention_fp8_wgmma.py",  # 113
+    "test_orbax_checkpoint.py",  # 113
+    "test_quantized_matmul_bits.py",  # 113
+    "test_kv_cache_cpu_storage.py",  # 111
+    "test_spec_decode_eagle3.py",  # 103
+    "test_sharding.py",  # 100
+    "test_spec_decode.py",  # 99
+    "test_model_golden.py",  # 90
+    "test_compare_trees.py",  # 88
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The heavy files first, longest first (``HEAVY_TEST_FILES``); the rest as collected."""
+    rank = {name: i for i, name in enumerate(HEAVY_TEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
 
 # Tests between two looks at the process's memory mappings: reading /proc/self/maps costs a few ms
 # near the limit, and 16 tests add a few thousand mappings at most, far inside the guard's half.

@@ -15,18 +15,21 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import BENCHMARK_CACHE_ENV, REPO
 
 BENCHMARKS = REPO / "benchmarks"
 TINY_TOKENIZER = REPO / "tests" / "fixtures" / "tiny-llama3"
 sys.path.insert(0, str(BENCHMARKS))
 
 
-def run_script(args, tmp_path, devices=1, timeout=900):
+def run_script(args, tmp_path, devices=1, timeout=900, shared_cache=False):
+    """``shared_cache``: the suite's benchmark compilation cache (tests/conftest.py), for a script
+    whose test checks what it runs, not how long compiling takes; else a fresh one in ``tmp_path``."""
     # Every program goes to the cache, however fast it compiles: the tiny model's do in under
     # JAX's default threshold of 1 s, and the warm start-up run must find them.
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    cache = BENCHMARK_CACHE_ENV if shared_cache else {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
+                                                      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **cache,
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     done = subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
@@ -90,7 +93,7 @@ def test_tensor_parallel_smoke_with_profiles(tmp_path):
     out = tmp_path / "tp"
     run_script([BENCHMARKS / "tensor_parallel.py", "--out", out, "--shape", "tiny", "--smoke", "--tp", "2",
                 "--profile", "--workloads", "allreduce,prefill-overlap,latency",
-                "--xla-option", "xla_gpu_enable_latency_hiding_scheduler=true"], tmp_path, devices=2)
+                "--xla-option", "xla_gpu_enable_latency_hiding_scheduler=true"], tmp_path, devices=2, shared_cache=True)
     results = json.loads((out / "tensor_parallel.json").read_text())
     assert set(results["workloads"]) == {"allreduce", "prefill-overlap", "engine"}
     assert results["workloads"]["engine"]["latency_tpot_ratio"] > 0
@@ -159,7 +162,7 @@ def test_agreement_counts_positions_before_the_first_divergence(tmp_path):
     assert report["median_first_divergence"] == 2
     out = tmp_path / "agreement"
     run_script([BENCHMARKS / "agreement.py", "--out", out, "--dtype", "float32", "--num-prompts", "4",
-                "--max-tokens", "8"], tmp_path)
+                "--max-tokens", "8"], tmp_path, shared_cache=True)
     result = json.loads((out / "agreement.json").read_text())["agreement"]
     assert result["identical_fraction"] == 1.0 and result["compilations_after_warmup"] == 0
     assert result["compared"] == "batched vs alone"
@@ -168,7 +171,7 @@ def test_agreement_counts_positions_before_the_first_divergence(tmp_path):
 def test_agreement_compares_tensor_parallel_with_one_device(tmp_path):
     out = tmp_path / "agreement_tp"
     run_script([BENCHMARKS / "agreement.py", "--out", out, "--dtype", "float32", "--num-prompts", "3",
-                "--max-tokens", "6", "--against-tp", "2"], tmp_path, devices=2)
+                "--max-tokens", "6", "--against-tp", "2"], tmp_path, devices=2, shared_cache=True)
     result = json.loads((out / "agreement.json").read_text())["agreement"]
     assert result["compared"] == "TP=1 vs TP=2" and result["num_prompts"] == 3
     assert result["identical_fraction"] == 1.0  # f32 on CPU: the sharded sums agree to far below a flip
@@ -234,7 +237,7 @@ def test_structured_output_host_fill_completes(tmp_path):
 def test_spec_decode_step_cost_completes(tmp_path):
     # Two of the GPU run's eight draft counts: every k runs the same code with its own runner.
     run_script([BENCHMARKS / "spec_decode.py", "step-cost", "--out", tmp_path, "--shape", "tiny", "--steps", "2",
-                "--context", "128", "--max-k", "2"], tmp_path)
+                "--context", "128", "--max-k", "2"], tmp_path, shared_cache=True)
     rows = json.loads((tmp_path / "spec_step_cost.json").read_text())["rows"]
     assert [row["k"] for row in rows] == [1, 2]
     assert all(row["verify_ms"] > 0 and row["ratio_to_plain"] > 0 for row in rows)
@@ -242,7 +245,7 @@ def test_spec_decode_step_cost_completes(tmp_path):
 
 def test_spec_decode_eagle3_cost_completes(tmp_path):
     run_script([BENCHMARKS / "spec_decode.py", "eagle3", "--out", tmp_path, "--shape", "tiny", "--steps", "2",
-                "--context", "128", "--ks", "1", "3"], tmp_path)
+                "--context", "128", "--ks", "1", "3"], tmp_path, shared_cache=True)
     results = json.loads((tmp_path / "spec_eagle3.json").read_text())
     assert [row["k"] for row in results["rows"]] == [1, 3]
     assert all(row["cycle_ms"] > row["draft_round_ms"] > 0 for row in results["rows"])
@@ -251,7 +254,7 @@ def test_spec_decode_eagle3_cost_completes(tmp_path):
 def test_spec_decode_eagle3_engine_completes(tmp_path):
     """The engine loop with a random head the benchmark writes in the speculators layout."""
     run_script([BENCHMARKS / "spec_decode.py", "eagle3-engine", "--out", tmp_path, "--shape", "tiny", "--context", "64",
-                "--max-tokens", "24", "--ks", "2"], tmp_path)
+                "--max-tokens", "24", "--ks", "2"], tmp_path, shared_cache=True)
     rows = json.loads((tmp_path / "spec_eagle3_engine.json").read_text())["rows"]
     assert rows[0]["k"] == 2 and rows[0]["share_of_steps_verifying"] > 0.5
 
@@ -261,7 +264,8 @@ def test_kernel_frontier_fp8_stage_writes_an_adoptable_table(tmp_path):
     # The fp8 stage the lead runs on the H200 (bf16 vs fp8 pages, the fp8 sweep, the table), in the
     # interpreter on two tiny shapes; then the adopt script reads its output (dry run).
     out = tmp_path / "fp8"
-    run_script([BENCHMARKS / "kernel_frontier.py", "--smoke", "--only", "fp8", "--out", out], tmp_path)
+    run_script([BENCHMARKS / "kernel_frontier.py", "--smoke", "--only", "fp8", "--out", out], tmp_path,
+               shared_cache=True)
     report = json.loads((out / "kernel_frontier.json").read_text())
     rows = [r for r in report["results"] if r["workload"] == "decode-fp8"]
     assert len(rows) == 2 and all(r.get("bf16_s") and r.get("fp8_s") and r.get("best_s") for r in rows)
@@ -342,7 +346,7 @@ def test_spec_decode_engine_completes(tmp_path):
     acceptance = tmp_path / "acceptance.json"
     acceptance.write_text(json.dumps({"rows": [{"set": "copy-heavy", "k": 2, "tokens_per_step": 2.0}]}))
     run_script([BENCHMARKS / "spec_decode.py", "engine", "--out", tmp_path, "--shape", "tiny", "--ks", "2",
-                "--context", "64", "--max-tokens", "12", "--acceptance", acceptance], tmp_path)
+                "--context", "64", "--max-tokens", "12", "--acceptance", acceptance], tmp_path, shared_cache=True)
     row = json.loads((tmp_path / "spec_engine.json").read_text())["rows"][0]
     assert row["async_step_ms"] > 0 and row["sync_step_ms"] > 0 and row["judged_tpot_ms"] > 0
     # Forced drafts: every decode step verifies but the last few (no room left under max_tokens).
@@ -355,7 +359,7 @@ def test_host_step_cost_splits_each_step_into_phases(tmp_path):
     (``detokenize`` and ``gc`` lie inside others) add up to the host time it reports."""
     out = tmp_path / "host"
     run_script([BENCHMARKS / "host_step_cost.py", "--trees", REPO, "--batches", "1,4", "--steps", "4",
-                "--rounds", "1", "--prompt-len", "20", "--profile", "4", "--out", out], tmp_path)
+                "--rounds", "1", "--prompt-len", "20", "--profile", "4", "--out", out], tmp_path, shared_cache=True)
     results = json.loads((out / "host_step_cost.json").read_text())
     (rows,) = results["results"].values()
     assert [row["batch"] for row in rows] == [1, 4]
@@ -374,7 +378,7 @@ def test_step_dispatch_times_every_variant(tmp_path):
     and ignored there) has a dispatch time and a back-to-back wall time, none failed."""
     run_script([BENCHMARKS / "step_dispatch.py", "--shape", "tiny", "--quantization", "none", "--kv-cache-dtype",
                 "auto", "--dtype", "float32", "--batch", "8", "--context", "40", "--iters", "2", "--rounds", "1",
-                "--out", tmp_path], tmp_path)
+                "--out", tmp_path], tmp_path, shared_cache=True)
     results = json.loads((tmp_path / "step_dispatch.json").read_text())
     assert results["failed"] == {}
     assert set(results["variants"]) == {"fresh", "staged", "same-inputs", "skip-temp", "staged+skip-temp",
@@ -401,7 +405,8 @@ def test_w8a8_epilogue_times_both_output_dtypes_and_the_gemms(tmp_path):
 def test_static_activation_accuracy_checks_which_path_ran(tmp_path):
     """The static-vs-dynamic accuracy benchmark on the tiny fixture: every row runs W8A8 (7 FP8 x
     FP8 dots a layer), the dynamic row 4 row-max reductions a layer more than the static ones."""
-    run_script([BENCHMARKS / "static_activation_accuracy.py", "--model", TINY_TOKENIZER, "--out", tmp_path], tmp_path)
+    run_script([BENCHMARKS / "static_activation_accuracy.py", "--model", TINY_TOKENIZER, "--out", tmp_path], tmp_path,
+               shared_cache=True)
     results = json.loads((tmp_path / "static_activation_scales.json").read_text())
     num_layers = 2
     dynamic, *static = results["rows"]
@@ -420,7 +425,7 @@ def test_host_step_cost_with_a_fake_device_times_host_work_only(tmp_path):
     and the median step is reported beside the mean."""
     out = tmp_path / "host"
     run_script([BENCHMARKS / "host_step_cost.py", "--trees", REPO, "--batches", "8", "--steps", "4", "--rounds", "1",
-                "--prompt-len", "40", "--fake-device", "--out", out], tmp_path)
+                "--prompt-len", "40", "--fake-device", "--out", out], tmp_path, shared_cache=True)
     results = json.loads((out / "host_step_cost.json").read_text())
     assert results["info"]["fake_device"] is True
     ((row,),) = results["results"].values()

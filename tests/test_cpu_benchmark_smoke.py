@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import REPO
+from tests.conftest import BENCHMARK_CACHE_ENV, REPO
 
 
 def test_cpu_default_model_benchmark_completes(tmp_path):
@@ -17,7 +17,7 @@ def test_cpu_default_model_benchmark_completes(tmp_path):
     args = [REPO / "benchmarks" / "cpu_default_model.py", "--model", REPO / "tests" / "fixtures" / "tiny-llama3",
             "--dtypes", "float32", "--batch-sizes", "1,2", "--prompt-len", "8", "--new-tokens", "4",
             "--repeats", "1", "--read-mib", "16", "--max-model-len", "128", "--out", out]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache")}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **BENCHMARK_CACHE_ENV}
     done = subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

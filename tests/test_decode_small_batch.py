@@ -50,10 +50,11 @@ def test_report_names_the_fastest_and_the_ratio_to_session_18(tmp_path):
 
 def test_small_bucket_benchmark_runs_on_cpu(tmp_path):
     """benchmarks/small_bucket_decode.py end to end in the interpreter: both kernels agree on the live row."""
-    from tests.conftest import REPO
+    from tests.conftest import BENCHMARK_CACHE_ENV, REPO
 
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "small_bucket_decode.py"), "--out", str(tmp_path),
-                    "--smoke"], check=True, capture_output=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                    "--smoke"], check=True, capture_output=True, timeout=600,
+                   env={**os.environ, "JAX_PLATFORMS": "cpu", **BENCHMARK_CACHE_ENV})
     report = json.loads((tmp_path / "small_bucket_decode.json").read_text())
     (row,) = report["results"]
     assert len(row["us"]) == 4 and all(us > 0 for us in row["us"].values())

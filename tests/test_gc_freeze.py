@@ -7,7 +7,7 @@ garbage alive (which is why only the serving processes freeze; jaxinfer/gc_freez
 import subprocess
 import sys
 
-from tests.conftest import REPO
+from tests.conftest import BENCHMARK_CACHE_ENV, REPO
 
 CHILD = """
 import gc, sys, weakref
@@ -49,7 +49,7 @@ def test_host_step_cost_runs_each_tree_with_and_without_a_frozen_heap(tmp_path):
     import os
 
     out = tmp_path / "host"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **BENCHMARK_CACHE_ENV}
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "host_step_cost.py"), "--trees", str(REPO),
                            "--batches", "2", "--steps", "6", "--rounds", "1", "--gc-modes", "default,freeze",
                            "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

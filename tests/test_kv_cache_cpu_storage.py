@@ -143,9 +143,9 @@ def test_kv_write_benchmark_smoke_reports_the_pool_copies_it_removed(tmp_path):
     import subprocess
     import sys
 
-    from tests.conftest import REPO
+    from tests.conftest import BENCHMARK_CACHE_ENV, REPO
 
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **BENCHMARK_CACHE_ENV}
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kv_write_cpu.py"), "--smoke", "--out",
                            str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -2,11 +2,12 @@
 
 import gzip
 import json
+import os
 import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import BENCHMARK_CACHE_ENV, REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -88,7 +89,8 @@ def test_latency_lab_runs_on_cpu_with_tiny_shapes(tmp_path):
     done = subprocess.run([sys.executable, "benchmarks/latency_lab.py", "--out", str(tmp_path), "--shape", "tiny",
                            "--steps", "2", "--repeats", "1", "--batches", "4", "--batch-context", "64",
                            "--w8a8-min-tokens", "4"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+                          cwd=REPO, env={**os.environ, **BENCHMARK_CACHE_ENV}, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "latency_lab.json").read_text())
     assert list(results["formats"]) == ["bf16", "fp8"]

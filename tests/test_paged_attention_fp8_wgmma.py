@@ -261,7 +261,7 @@ def test_gpu_benchmark_runs_on_cpu(tmp_path):
 
     from tests.test_benchmarks_smoke import BENCHMARKS, run_script
 
-    run_script([BENCHMARKS / "fp8_wgmma_decode.py", "--out", tmp_path, "--smoke"], tmp_path)
+    run_script([BENCHMARKS / "fp8_wgmma_decode.py", "--out", tmp_path, "--smoke"], tmp_path, shared_cache=True)
     report = json.loads((tmp_path / "fp8_wgmma_decode.json").read_text())
     assert report["check"]["passed"]
     (row,) = report["rows"]

@@ -17,7 +17,7 @@ from tests.test_benchmarks_smoke import BENCHMARKS, run_script
 @pytest.mark.slow
 def test_prefill_engine_measures_every_impl_and_compiles_nothing_after_warmup(tmp_path):
     out = tmp_path / "pe"
-    run_script([BENCHMARKS / "prefill_engine.py", "--out", out, "--smoke"], tmp_path)
+    run_script([BENCHMARKS / "prefill_engine.py", "--out", out, "--smoke"], tmp_path, shared_cache=True)
     results = json.loads((out / "prefill_engine.json").read_text())
     assert list(results["impls"]) == ["reference", "cpu"]
     for r in results["impls"].values():
@@ -43,7 +43,7 @@ def test_prefill_peers_runs_only_the_named_impls(tmp_path):
     out = tmp_path / "pp"
     impls = "ours,fresh_path,fresh_branchless,fresh_cudnn,fresh_segments,segments_alone,proto"
     run_script([BENCHMARKS / "prefill_peers.py", "--out", out, "--smoke", "--shapes", "ragged", "--impls", impls,
-                "--trace-impls", "fresh_segments", "--budget-s", "1500"], tmp_path)
+                "--trace-impls", "fresh_segments", "--budget-s", "1500"], tmp_path, shared_cache=True)
     rows = json.loads((out / "prefill_peers.json").read_text())["results"]
     assert [r["shape"] for r in rows] == ["ragged"]
     for r in rows:
@@ -64,7 +64,8 @@ def test_prefill_peers_times_several_fresh_prompts_a_step_over_bf16_and_fp8_page
     # Triton, the single-prompt window path and Hopper's default (segments); the other window paths
     # run over bf16 pages in the test above.
     run_script([BENCHMARKS / "prefill_peers.py", "--out", out, "--smoke", "--shapes", "3x128", "--kv-dtypes",
-                "bf16,fp8", "--impls", "ours,fresh_single,fresh_segments", "--budget-s", "1500"], tmp_path)
+                "bf16,fp8", "--impls", "ours,fresh_single,fresh_segments", "--budget-s", "1500"], tmp_path,
+               shared_cache=True)
     (row,) = json.loads((out / "prefill_peers.json").read_text())["results"]
     paths = ("ours", "fresh_single", "fresh_segments")
     assert set(row["tflops"]) == {p + s for p in paths for s in ("", "_fp8")}, row["errors"]

@@ -364,9 +364,9 @@ def test_benchmark_runs_on_cpu_with_tiny_shapes(tmp_path):
     import subprocess
     import sys
 
-    from tests.conftest import REPO
+    from tests.conftest import BENCHMARK_CACHE_ENV, REPO
 
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), **BENCHMARK_CACHE_ENV}
     done = subprocess.run([sys.executable, "benchmarks/fp8_matmul.py", "--out", str(tmp_path), "--shape", "tiny",
                            "--layers", "1", "--ms", "1,3", "--budget-s", "120", "--repeats", "1",
                            "--max-candidates", "3"],
@@ -392,9 +392,9 @@ def test_gemv_benchmark_runs_on_cpu_with_tiny_shapes(tmp_path):
     import subprocess
     import sys
 
-    from tests.conftest import REPO
+    from tests.conftest import BENCHMARK_CACHE_ENV, REPO
 
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), **BENCHMARK_CACHE_ENV}
     done = subprocess.run([sys.executable, "benchmarks/gemv_decode.py", "--out", str(tmp_path), "--shape", "tiny",
                            "--layers", "1", "--ms", "1,8", "--budget-s", "400", "--compile-threads", "2",
                            "--repeats", "1", "--max-candidates", "4"],
