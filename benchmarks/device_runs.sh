@@ -181,13 +181,20 @@
 #   s22b    one GPU: the K/V write as one Pallas launch against XLA's scatters (.baseline), bf16 latency traced
 #           and decode256; the fused W8A8 mode at its new sizes, traced; fp8 latency with the new write.
 #   s23a    one GPU: the fp8 projection sweep timed on the device (queued by session 22).
+#   s23b    one GPU: throughput-1k in fp8 (weights + KV) and bf16, each with 3 decode-only and 2
+#           prefill-carrying steps traced: where a step's time goes, by kind, in each JSON.
+#   s23c    one GPU: fp8 throughput-1k with the W8A8 GEMMs writing bf16 against float32 (.baseline = the
+#           commit before, with this commit's engine_throughput.py), both traced; bf16 decode at 384
+#           sequences with and without XLA's dot merger; the FP8 HLO check at the W8A8 buckets.
+#   s23d    one GPU: Nsight Compute's full report of the decode attention kernel over fp8 and bf16 pages
+#           (384 sequences at 1k tokens: throughput-1k's decode steps; 32 at 4k).
 #   s22c    one GPU: s22b's A/B of the K/V write with the slots found in the write's launch, bf16 (traced,
 #           decode256) and fp8.
 #   s21b    one GPU: the TMA + wgmma decode matmul (JAXINFER_DECODE_MATMUL=wgmma / wgmma-f16) in the engine's
 #           batch-1 latency: fp8 weights + fp8 KV with each and without, bf16 with it and without (the
 #           kernel's runs traced over 8 decode steps); then wgmma_gemv.py's tile sweep at 8 and 16 tokens.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f, s18g, s19a, s19b, s19c, s19d, s19e, s20a, s20b, s20c, s20g, s21a, s21b, s22a, s22b, s22c or s23a}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f, s18g, s19a, s19b, s19c, s19d, s19e, s20a, s20b, s20c, s20g, s21a, s21b, s22a, s22b, s22c, s23a, s23b, s23c or s23d}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -908,6 +915,30 @@ s23a)
     # tokens (XLA W8A16/W8A8, ours W8A8 tile sweep, the fused mode at three sizes, weight-only).
     on_gpu 0 wgmma_gemv.log $(( END - SECONDS - 5 )) python3 benchmarks/wgmma_gemv.py --out "$R/wgmma_gemv" \
         --ms 8,16 --formats fp8 --budget-s $(( END - SECONDS - 60 )) ;;
+s23b)
+    on_gpu 0 tp1k_fp8.log 300 python3 benchmarks/engine_throughput.py --out "$R/tp1k_fp8" --quantization fp8 \
+        --kv-cache-dtype fp8 --workloads throughput-1k --profile-steps 3 --profile-prefill-steps 2
+    on_gpu 0 tp1k_bf16.log $(( END - SECONDS - 5 )) python3 benchmarks/engine_throughput.py --out "$R/tp1k_bf16" \
+        --workloads throughput-1k --profile-steps 3 --profile-prefill-steps 2 ;;
+s23c)
+    for side in new base; do
+        dir=.; [ $side = base ] && dir=.baseline
+        on_gpu 0 tp1k_fp8_$side.log 200 python3 $dir/benchmarks/engine_throughput.py --out "$R/tp1k_fp8_$side" \
+            --quantization fp8 --kv-cache-dtype fp8 --workloads throughput-1k --profile-steps 3 --profile-prefill-steps 2
+    done
+    on_gpu 0 lab_bf16_384.log 110 python3 benchmarks/latency_lab.py --out "$R/lab_bf16_384" --weights bf16 \
+        --batches 384 --batch-context 1024 --steps 8 --repeats 3 --xla-options xla_gpu_dot_merger_threshold_mb=0
+    on_gpu 0 fp8_hlo_check.log $(( END - SECONDS - 5 )) python3 benchmarks/fp8_hlo_check.py --out "$R/fp8_hlo_check" \
+        --buckets 128,512,2048 --layers 4 ;;
+s23d)
+    for shape in "384 1024" "32 4096"; do
+        set -- $shape
+        for kv in fp8 bf16; do
+            on_gpu 0 ncu_${kv}_b$1_c$2.log 120 ncu --clock-control none --kernel-name regex:ragged_paged_attention \
+                --launch-skip 1 --launch-count 1 --set full python3 benchmarks/kernel_ncu.py --batch $1 \
+                --context $2 --kv-dtype $kv
+        done
+    done ;;
 s20b)
     for side in new base new; do
         dir=.; [ $side = base ] && dir=.baseline

@@ -187,7 +187,7 @@ def trace_latency_steps(engine, out_dir: Path, num_steps: int, log) -> dict:
     on-device step loop does not have."""
     from latency_lab import breakdown, log_breakdown
 
-    profiler = DecodeProfiler(out_dir, num_steps, min_running=1, settle_steps=16, log=log)
+    profiler = DecodeProfiler(out_dir, num_steps, min_running=1, settle_steps=16, log=log, breakdown=False)
     rng = np.random.default_rng(3)
     run_requests(engine, random_prompts(rng, [128], engine.model_config.vocab_size), [256], "lat-trace",
                  capture=profiler)
@@ -264,12 +264,13 @@ class DecodeProfiler:
     ``phase="prefill"`` traces prefill-carrying steps instead (more tokens than running
     sequences: prompt chunks beside the running decodes), the admission ramp's state. ``after``:
     another profiler; this one never starts while that one traces (one trace at a time).
+    ``breakdown``: the report also carries the trace's µs a step by kind (``latency_lab.breakdown``).
     """
 
     def __init__(self, out_dir: Path, num_steps: int, min_running: int, settle_steps: int = 4, log=print,
-                 phase: str = "decode", after=None):
+                 phase: str = "decode", after=None, breakdown: bool = True):
         self.out_dir, self.num_steps, self.min_running, self.settle_steps = out_dir, num_steps, min_running, settle_steps
-        self.log, self.phase, self.after = log, phase, after
+        self.log, self.phase, self.after, self.breakdown = log, phase, after, breakdown
         self.num_seen = self.num_traced = self.decode_run = self.max_decode_running = 0
         self.started_at_step = None
         self.active = False
@@ -321,9 +322,15 @@ class DecodeProfiler:
         else:
             self.log(f"profile: traced {self.num_traced} steps from step {self.started_at_step}; "
                      f"{len(traces)} trace file(s) {traces}")
-        return {"started_at_step": self.started_at_step, "num_traced_steps": self.num_traced,
-                "min_running": self.min_running, "max_decode_only_running": self.max_decode_running,
-                "trace_files": traces}
+        report = {"started_at_step": self.started_at_step, "num_traced_steps": self.num_traced,
+                  "min_running": self.min_running, "max_decode_only_running": self.max_decode_running,
+                  "trace_files": traces}
+        if traces and self.num_traced and self.breakdown:
+            from latency_lab import breakdown, log_breakdown
+
+            report["breakdown"] = breakdown(self.out_dir / traces[-1], self.num_traced, top=30)
+            log_breakdown(self.log, f"{self.phase} steps", report["breakdown"])
+        return report
 
 
 class HostProfiler:

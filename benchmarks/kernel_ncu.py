@@ -13,6 +13,14 @@ and outputs are < 1% at these shapes); well above 1.0 would mean re-reads (e.g. 
 query head instead of per KV head), below 1.0 an L2 hit rate the timing would overstate.
 The kernel time under ``ncu`` is serialised and cache-flushed: read the bandwidth from
 ``kernel_attention.py``, not from here.
+
+``--kv-dtype fp8`` launches the kernel over e4m3 pages (bytes counted at one a value). For where a
+kernel's time goes rather than its bytes, run the launcher under ``ncu --set full`` (stall
+reasons, pipe utilisation, shared-memory traffic) and keep ncu's own report:
+
+    ncu --clock-control none --kernel-name regex:ragged_paged_attention --launch-skip 1 \
+        --launch-count 1 --set full python3 benchmarks/kernel_ncu.py --batch 384 --context 1024 \
+        --kv-dtype fp8 > DIR/ncu_full_fp8.txt
 """
 
 from __future__ import annotations
@@ -28,28 +36,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def counted_bytes(batch: int, context: int) -> dict:
+KV_DTYPES = ("bf16", "fp8")
+
+
+def kv_jnp_dtype(name: str):
+    import jax.numpy as jnp
+
+    return {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}[name]
+
+
+def counted_bytes(batch: int, context: int, kv_itemsize: int = 2) -> dict:
     from kernel_attention import HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS
 
-    kv = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
+    kv = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * kv_itemsize
     q_and_out = 2 * batch * NUM_Q_HEADS * HEAD_DIM * 2
     return {"kv_bytes": kv, "q_and_out_bytes": q_and_out}
 
 
-def launch(batch: int, context: int, page_size: int, launches: int) -> None:
+def launch(batch: int, context: int, page_size: int, launches: int, kv_dtype: str = "bf16") -> None:
     import jax
 
     from kernel_attention import decode_inputs, ours_sizes, ours_step
 
-    args = decode_inputs(batch, context, page_size)
-    step = jax.jit(ours_step(ours_sizes(batch, batch, context, page_size)))
+    dtype = kv_jnp_dtype(kv_dtype)
+    args = decode_inputs(batch, context, page_size, kv_dtype=dtype)
+    sizes = ours_sizes(batch, batch, context, page_size, kv_itemsize=jax.numpy.dtype(dtype).itemsize)
+    step = jax.jit(ours_step(sizes))
     for _ in range(launches):
         out = step(*args)
     out.block_until_ready()
-    print(f"launched {launches} times: B={batch} ctx={context} page {page_size}", file=sys.stderr)
+    print(f"launched {launches} times: B={batch} ctx={context} page {page_size} {kv_dtype} pages, {sizes}",
+          file=sys.stderr)
 
 
-def report(csv_path: Path, batch: int, context: int) -> dict:
+def report(csv_path: Path, batch: int, context: int, kv_itemsize: int = 2) -> dict:
     """Parse ``ncu --csv`` (one row per kernel launch and metric) into per-launch byte counts."""
     text = csv_path.read_text()
     start = text.find('"ID"')
@@ -65,7 +85,7 @@ def report(csv_path: Path, batch: int, context: int) -> dict:
     launches = list(per_launch.values())
     if not launches:
         raise SystemExit("ncu printed no launches of the kernel")
-    counted = counted_bytes(batch, context)
+    counted = counted_bytes(batch, context, kv_itemsize)
     read = sorted(launch["dram__bytes_read.sum"] for launch in launches)
     median_read = read[len(read) // 2]
     result = {
@@ -87,15 +107,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--launches", type=int, default=3)
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16", help="the pages' dtype (fp8: e4m3)")
     parser.add_argument("--report", type=Path, help="ncu --csv output to summarise (instead of launching)")
     parser.add_argument("--json", type=Path, help="with --report: also write the summary here")
     args = parser.parse_args()
     if args.report:
-        result = report(args.report, args.batch, args.context)
+        result = report(args.report, args.batch, args.context, 1 if args.kv_dtype == "fp8" else 2)
         if args.json:
             args.json.write_text(json.dumps(result, indent=1) + "\n")
     else:
-        launch(args.batch, args.context, args.page_size, args.launches)
+        launch(args.batch, args.context, args.page_size, args.launches, args.kv_dtype)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -313,6 +314,32 @@ def test_decode_profiler_traces_steps_after_a_settled_decode_only_run(tmp_path, 
     assert calls[-1] == ("stop",) and len(calls) == 2
     report = profiler.report()
     assert report["started_at_step"] == 5 and report["num_traced_steps"] == 3
+
+
+def test_decode_profiler_reports_where_the_traced_steps_went(tmp_path, monkeypatch):
+    import engine_throughput
+    import jax
+    from tests.test_latency_lab import write_trace
+
+    def start_trace(path):  # what jax.profiler writes: one trace of two 100 us steps
+        trace_dir = Path(path) / "plugins" / "profile" / "2026_12_03"
+        trace_dir.mkdir(parents=True)
+        step = [("ragged_paged_attention", 0, 60, {}), ("nvjet_sm90_qqsss_128x128", 60, 30, {}),
+                ("loop_add_fusion", 90, 10, {})]
+        write_trace(trace_dir / "vm.trace.json.gz",
+                    [(name, ts + offset, dur, args) for offset in (0, 100) for name, ts, dur, args in step])
+
+    monkeypatch.setattr(jax.profiler, "start_trace", start_trace)
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: None)
+    lines = []
+    profiler = engine_throughput.DecodeProfiler(tmp_path, num_steps=2, min_running=4, settle_steps=1, log=lines.append)
+    for engine in fake_engine_steps([(4, 4), (4, 4), (4, 4)]):
+        profiler(engine)
+    breakdown = profiler.report()["breakdown"]
+    assert breakdown["step_us"] == pytest.approx(100)
+    assert breakdown["by_kind_us"]["attention kernel"] == pytest.approx(60)
+    assert breakdown["by_kind_us"]["weight GEMV (XLA)"] == pytest.approx(30)
+    assert any(line.startswith("decode steps: trace 100 us a step") for line in lines)
 
 
 def test_decode_profiler_says_why_it_never_started(tmp_path, monkeypatch):
