@@ -20,7 +20,8 @@ The path is chosen per step bucket at trace time (``M``, the token count, is sta
   bf16/f32: a decode step is bound by reading the weights, which are half of bf16's bytes.
 - FP8 with at least :data:`FP8_W8A8_MIN_TOKENS` tokens: **W8A8**. The activations are scaled
   to e4m3, the dot runs FP8 x FP8 with float32 accumulation, M padded to a multiple of 16
-  (cuBLASLt's FP8 GEMM wants it), and both scales multiply the output. The activations' scale is
+  (cuBLASLt's FP8 GEMM wants it), writing bfloat16 for a bfloat16 model (float32 otherwise),
+  and both scales multiply the output. The activations' scale is
   either *dynamic*, each token row by its own absmax (a row-max reduction over x, then a second
   pass to quantize), or *static*, the weight's ``input_scale`` (``jaxinfer.activation_scales``):
   ``clip(x / s, -448, 448)`` with no reduction, an elementwise op XLA can fuse into x's producer
@@ -205,7 +206,7 @@ def quantized_linear(subscripts: str, x: jax.Array, w: QuantizedWeight, preferre
     if w.quantization == "fp8" and uses_fp8_w8a8(m):
         if prequantized is None:
             prequantized = quantize_activations_fp8(x2, w.input_scale)
-        y = fp8_w8a8_matmul(x2, payload, scale, prequantized)
+        y = fp8_w8a8_matmul(x2, payload, scale, prequantized, out_dtype)
     elif w.quantization == "fp8" and use_wgmma_matmul(m, n, k, payload.dtype):
         (y,) = _wgmma_fp8(x2, [payload], [scale], w.input_scale, prequantized, out_dtype)
     elif w.quantization == "int8" and _use_cpu_int8_kernel(m):
@@ -243,18 +244,26 @@ def quantize_activations_fp8(x: jax.Array, input_scale: jax.Array | None = None)
 
 
 def fp8_w8a8_matmul(x: jax.Array, payload: jax.Array, scale: jax.Array,
-                    prequantized: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+                    prequantized: tuple[jax.Array, jax.Array] | None = None, out_dtype=jnp.float32) -> jax.Array:
     """W8A8: x [M, K] quantized to e4m3, times the e4m3 payload [N, K] -> [M, N] float32.
 
     ``prequantized``: ``quantize_activations_fp8(x, ...)`` already made (shared by several
-    weights, or with a static scale); default: x quantized per token here.
+    weights, or with a static scale); default: x quantized per token here. ``out_dtype``: the
+    dtype the caller casts the result to. bfloat16 makes the FP8 dot itself write bfloat16
+    (cuBLASLt rounds its float32 accumulator once, before the scales, which are applied in float32
+    after): the GEMM's output and every fusion that reads it move half the bytes of a float32
+    output. (Not float16: an unscaled sum of e4m3 products, up to 448^2 a term, can pass its range.) On an H200, fp8 ``throughput-1k``'s prompt-carrying steps spent 27% of their time in
+    such fusions (session 23, ``benchmarks/results/session23_h200.md``). The extra rounding is
+    bf16's 2^-9 relative, where the e4m3 operands already carry 2^-4.
     """
     m = x.shape[0]
     xq, x_scale = prequantized if prequantized is not None else quantize_activations_fp8(x)
     padded = -m % FP8_GEMM_ROW_MULTIPLE
     if padded:
         xq = jnp.pad(xq, ((0, padded), (0, 0)))
-    y = jax.lax.dot_general(xq, payload, _CONTRACT_MINOR, preferred_element_type=jnp.float32)[:m]
+    dot_dtype = jnp.bfloat16 if jnp.dtype(out_dtype) == jnp.bfloat16 else jnp.float32
+    y = jax.lax.dot_general(xq, payload, _CONTRACT_MINOR, preferred_element_type=dot_dtype)[:m]
+    y = y.astype(jnp.float32)
     if x_scale.ndim == 0:
         return y * (x_scale * scale)[None, :]  # static: one [N] multiplier, s * w_scale
     return y * x_scale[:, None] * scale[None, :]

@@ -141,11 +141,16 @@ def test_w8a8_path_equals_the_einsum_of_both_dequantized_operands(subscripts):
     assert rel < 0.06 and n_in == num_in
 
 
-def dot_operand_dtypes(fn, *args):
+def the_dot(fn, *args):
     jaxpr = jax.make_jaxpr(fn)(*args)
     dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
     assert len(dots) == 1
-    return [str(v.aval.dtype) for v in dots[0].invars], dots[0].params["dimension_numbers"]
+    return dots[0]
+
+
+def dot_operand_dtypes(fn, *args):
+    dot = the_dot(fn, *args)
+    return [str(v.aval.dtype) for v in dot.invars], dot.params["dimension_numbers"]
 
 
 @pytest.mark.parametrize("tokens,quantization,want", [
@@ -164,6 +169,22 @@ def test_each_token_bucket_puts_its_dtypes_into_the_dot(tokens, quantization, wa
     assert dtypes == want
     # Both operands contract on their minor dimension: [M, K] x [N, K], no transpose of the weight.
     assert dims == (((1,), (1,)), ((), ()))
+
+
+@pytest.mark.parametrize("dtype,want", [(jnp.bfloat16, "bfloat16"), (jnp.float32, "float32")])
+def test_the_w8a8_dot_writes_a_bf16_models_output_in_bf16(dtype, want):
+    # Half the bytes for the GEMM's output and for every fusion reading it (scales, SiLU, the
+    # next quantization); an f32 model keeps f32 (and float16 would overflow: see fp8_w8a8_matmul).
+    q = quantized_from_dense(weights((32, 48), scale_rows=False), 1, "fp8")
+    x = jnp.asarray(RNG.standard_normal((FP8_W8A8_MIN_TOKENS, 32)), dtype)
+    dot = the_dot(lambda x, q: linear("te,ef->tf", x, q), x, q)
+    assert [str(v.aval.dtype) for v in dot.invars] == ["float8_e4m3fn", "float8_e4m3fn"]
+    assert str(dot.outvars[0].aval.dtype) == want
+    got = linear("te,ef->tf", x, q)
+    assert got.dtype == dtype
+    # bf16: the accumulator rounded once more before the scales; within bf16's own output rounding.
+    want_f32 = linear("te,ef->tf", x.astype(jnp.float32), q)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want_f32), rtol=2e-2, atol=2e-2)
 
 
 def test_the_pallas_gemv_is_gpu_only():
