@@ -61,11 +61,12 @@ from sharding.placement import StepPlacement, committed_device
 logger = logging.getLogger(__name__)
 
 # Sampler paths, each its own small program per sequence bucket, chosen by the host per step:
-# "basic" serves greedy and plain temperature sampling; "full" adds penalties, bans
-# (min_tokens), logit_bias, bad words, top-k/top-p/min-p and 20 top logprobs. Each has a
+# "basic" serves greedy and plain temperature sampling, without logprobs (a row asking for them
+# takes "full": SequenceSampling.needs_full_sampler); "full" adds penalties, bans
+# (min_tokens), logit_bias, bad words, top-k/top-p/min-p, logprobs and 20 top logprobs. Each has a
 # "_masked" twin taking a structured-output token bitmask, an extra input filled on the host
 # while the forward runs (docs/STRUCTURED_OUTPUT.md: why twins rather than a mask always there).
-_BASIC_FLAGS = SamplingFlags(any_random=True)
+_BASIC_FLAGS = SamplingFlags(any_random=True, any_logprobs=False)
 _FULL_FLAGS = SamplingFlags(any_penalties=True, any_banned=True, any_random=True, any_truncation=True,
                             num_top_logprobs=MAX_TOP_LOGPROBS, any_logit_bias=True, any_bad_words=True)
 SAMPLER_PATHS = {"basic": _BASIC_FLAGS, "full": _FULL_FLAGS, "basic_masked": _BASIC_FLAGS, "full_masked": _FULL_FLAGS}

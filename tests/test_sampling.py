@@ -229,10 +229,26 @@ def test_flags_only_skip_stages_no_row_needs():
     rng = np.random.default_rng(4)
     logits = rng.normal(size=(16, 40)).astype(np.float32) * 2
     t = _tensors(16, temperature=np.r_[np.zeros(8), rng.uniform(0.5, 2, 8)], seed=np.arange(16))
-    minimal = _sample(logits, t, SamplingFlags(any_random=True))  # the runner's "basic" path
+    minimal = _sample(logits, t, SamplingFlags(any_random=True))
+    basic = _sample(logits, t, SamplingFlags(any_random=True, any_logprobs=False))  # the runner's "basic" path
     full = _sample(logits, t, dataclasses.replace(ALL_ON, num_top_logprobs=3))
     np.testing.assert_array_equal(minimal.token_ids, full.token_ids)
     np.testing.assert_array_equal(minimal.logprobs, full.logprobs)
+    np.testing.assert_array_equal(basic.token_ids, full.token_ids)
+    assert np.isnan(np.asarray(basic.logprobs)).all()  # not computed, and visibly so
+
+
+def test_a_sampler_without_logprobs_never_normalises_the_logits():
+    # The "basic" path's program has no exp over the logits: logsumexp is its only use there.
+    logits = jnp.zeros((4, 32), jnp.float32)
+    flags = SamplingFlags(any_random=False, any_logprobs=False)
+
+    def primitives(flags):
+        jaxpr = jax.make_jaxpr(lambda x, t: sample(x, t, flags))(logits, _tensors(4))
+        return {e.primitive.name for e in jaxpr.eqns}
+
+    assert "exp" not in primitives(flags)
+    assert "exp" in primitives(dataclasses.replace(flags, any_logprobs=True))
 
 
 def test_logprobs_are_raw_log_softmax():
