@@ -86,6 +86,20 @@ MERGED_DOTS_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 1024}
 MERGED_DOTS_MAX_TOKENS = 32
 MERGED_DOTS_QUANTIZATIONS = (None,)
 
+# Dense steps of DENSE_UNMERGED_MIN_TOKENS to DENSE_UNMERGED_BELOW_TOKENS rows: no dot merging at
+# all. Their GEMMs are cuBLAS's, so a merged q/k/v (each <= 32 MB, under XLA's default threshold)
+# reads a concatenation of the three weights written out every step, as FP8_UNMERGED_OPTIONS says
+# of cuBLASLt: traced on an H200 (session 23, bf16 throughput-1k at 384 sequences), 26 us a layer
+# of `wrapped_concatenate`, 825 us of a 23.6 ms decode step. Unmerged, the copy is gone and q, k
+# and v take 405 us more GEMM time a step (k and v as XLA Triton GEMMs); throughput-1k's decode
+# steps took 25.87 against 26.12 ms (-1.0%; the run 9,759 against 9,689 output tok/s, one call).
+# Measured at 256-384 rows (throughput-1k's decode buckets); 512 follows the FP8 rule's bound,
+# unmeasured. Smaller steps keep XLA's default (a Triton GEMM may fuse the concatenation there),
+# and so do prefill sizes.
+DENSE_UNMERGED_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+DENSE_UNMERGED_MIN_TOKENS = 256
+DENSE_UNMERGED_BELOW_TOKENS = 1024
+
 
 def _is_in_xla_flags(option: str) -> bool:
     # The "=" keeps out options that share the prefix.
@@ -112,11 +126,17 @@ def quantized_gemm_options(quantization: str | None, num_tokens: int, platform: 
 
 def merged_dots_options(quantization: str | None, num_tokens: int, platform: str) -> dict:
     """:data:`MERGED_DOTS_OPTIONS` for a GPU step of at most :data:`MERGED_DOTS_MAX_TOKENS` token rows over
-    projections quantized as ``quantization`` (one of :data:`MERGED_DOTS_QUANTIZATIONS`); else none.
+    projections quantized as ``quantization`` (one of :data:`MERGED_DOTS_QUANTIZATIONS`), and
+    :data:`DENSE_UNMERGED_OPTIONS` from :data:`DENSE_UNMERGED_MIN_TOKENS` to :data:`DENSE_UNMERGED_BELOW_TOKENS`
+    rows; else none.
     An option the user set in ``XLA_FLAGS`` stays theirs."""
-    if platform != "gpu" or num_tokens > MERGED_DOTS_MAX_TOKENS or quantization not in MERGED_DOTS_QUANTIZATIONS:
+    if platform != "gpu" or quantization not in MERGED_DOTS_QUANTIZATIONS:
         return {}
-    return _unless_in_xla_flags(MERGED_DOTS_OPTIONS)
+    if num_tokens <= MERGED_DOTS_MAX_TOKENS:
+        return _unless_in_xla_flags(MERGED_DOTS_OPTIONS)
+    if DENSE_UNMERGED_MIN_TOKENS <= num_tokens < DENSE_UNMERGED_BELOW_TOKENS:
+        return _unless_in_xla_flags(DENSE_UNMERGED_OPTIONS)
+    return {}
 
 
 def graph_options(num_devices: int) -> dict:

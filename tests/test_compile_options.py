@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxinfer.compile_options import (FP8_UNMERGED_BELOW_TOKENS, FP8_UNMERGED_OPTIONS, FP8_W8A8_GEMM_OPTIONS,
+from jaxinfer.compile_options import (DENSE_UNMERGED_BELOW_TOKENS, DENSE_UNMERGED_MIN_TOKENS, DENSE_UNMERGED_OPTIONS,
+                                      FP8_UNMERGED_BELOW_TOKENS, FP8_UNMERGED_OPTIONS, FP8_W8A8_GEMM_OPTIONS,
                                       MERGED_DOTS_MAX_TOKENS, MERGED_DOTS_OPTIONS, XLA_OVERLAP_OPTIONS, OverlapConfig,
                                       PhasedJit, merged_dots_options, quantized_gemm_options)
 from jaxinfer.linear import FP8_W8A8_MIN_TOKENS, uses_fp8_w8a8
@@ -71,21 +72,28 @@ def test_other_models_and_platforms_get_no_gemm_options(quantization, platform):
     assert all(jitted.compiler_options(t) is None for t in gpu_token_buckets())
 
 
-def test_small_dense_gpu_steps_merge_gate_and_up_and_larger_ones_keep_xlas_default(monkeypatch):
+def test_small_dense_gpu_steps_merge_gate_and_up_and_larger_ones_merge_nothing(monkeypatch):
     # One Triton GEMV over gate and up (fused concatenation) reads them faster than two; a cuBLAS
-    # GEMM of a large step would read a copy of the concatenation, so large steps keep the default.
+    # GEMM of a large decode step would read a copy of the concatenation written every step, so
+    # those merge nothing; the sizes between and the prefill sizes keep XLA's default.
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     buckets = gpu_token_buckets()
     jitted = PhasedJit(step, None, 384, platform="gpu")
     for tokens in buckets:
-        expected = MERGED_DOTS_OPTIONS if tokens <= MERGED_DOTS_MAX_TOKENS else None
+        expected = (MERGED_DOTS_OPTIONS if tokens <= MERGED_DOTS_MAX_TOKENS
+                    else DENSE_UNMERGED_OPTIONS if DENSE_UNMERGED_MIN_TOKENS <= tokens < DENSE_UNMERGED_BELOW_TOKENS
+                    else None)
         assert jitted.compiler_options(tokens) == expected, tokens
-    assert min(buckets) <= MERGED_DOTS_MAX_TOKENS < max(buckets)
+    assert min(buckets) <= MERGED_DOTS_MAX_TOKENS < 128 < DENSE_UNMERGED_MIN_TOKENS <= 384 < DENSE_UNMERGED_BELOW_TOKENS
+    assert DENSE_UNMERGED_BELOW_TOKENS <= max(buckets)
+    assert jitted.compiler_options(128) is None and jitted.compiler_options(384) == DENSE_UNMERGED_OPTIONS
     assert MERGED_DOTS_OPTIONS["xla_gpu_dot_merger_threshold_mb"] > 117  # gate/up of an 8B model, bf16
+    assert DENSE_UNMERGED_OPTIONS["xla_gpu_dot_merger_threshold_mb"] == 0
     assert merged_dots_options("fp8", 8, "gpu") == {}  # no gain measured in the engine
     assert merged_dots_options("int8", 8, "gpu") == {}  # not measured on a GPU
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_dot_merger_threshold_mb=0")
     assert merged_dots_options(None, 8, "gpu") == {}  # the user's choice stays theirs
+    assert merged_dots_options(None, 384, "gpu") == {}
     assert len({id(jitted.for_tokens(t)) for t in gpu_token_buckets()}) == 1  # one program family
 
 
