@@ -188,13 +188,16 @@
 #           sequences with and without XLA's dot merger; the FP8 HLO check at the W8A8 buckets.
 #   s23d    one GPU: Nsight Compute's full report of the decode attention kernel over fp8 and bf16 pages
 #           (384 sequences at 1k tokens: throughput-1k's decode steps; 32 at 4k).
+#   s23e    one GPU: bf16 throughput-1k with XLA's dot merger off from 33 to 1023 rows and the basic sampler
+#           without logprobs, against the commit before (.baseline), both traced (the traces tell the two
+#           apart); then s23d's fp8 Nsight Compute report at 384 x 1k.
 #   s22c    one GPU: s22b's A/B of the K/V write with the slots found in the write's launch, bf16 (traced,
 #           decode256) and fp8.
 #   s21b    one GPU: the TMA + wgmma decode matmul (JAXINFER_DECODE_MATMUL=wgmma / wgmma-f16) in the engine's
 #           batch-1 latency: fp8 weights + fp8 KV with each and without, bf16 with it and without (the
 #           kernel's runs traced over 8 decode steps); then wgmma_gemv.py's tile sweep at 8 and 16 tokens.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f, s18g, s19a, s19b, s19c, s19d, s19e, s20a, s20b, s20c, s20g, s21a, s21b, s22a, s22b, s22c, s23a, s23b, s23c or s23d}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f, s18g, s19a, s19b, s19c, s19d, s19e, s20a, s20b, s20c, s20g, s21a, s21b, s22a, s22b, s22c, s23a, s23b, s23c, s23d or s23e}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -939,6 +942,15 @@ s23d)
                 --context $2 --kv-dtype $kv
         done
     done ;;
+s23e)
+    for side in new base; do
+        dir=.; [ $side = base ] && dir=.baseline
+        on_gpu 0 tp1k_bf16_$side.log 180 python3 $dir/benchmarks/engine_throughput.py --out "$R/tp1k_bf16_$side" \
+            --workloads throughput-1k --profile-steps 3 --profile-prefill-steps 2
+    done
+    on_gpu 0 ncu_fp8_b384_c1024.log $(( END - SECONDS - 5 )) ncu --clock-control none \
+        --kernel-name regex:ragged_paged_attention --launch-skip 1 --launch-count 1 --set full \
+        python3 benchmarks/kernel_ncu.py --batch 384 --context 1024 --kv-dtype fp8 ;;
 s20b)
     for side in new base new; do
         dir=.; [ $side = base ] && dir=.baseline

@@ -53,20 +53,26 @@ def counted_bytes(batch: int, context: int, kv_itemsize: int = 2) -> dict:
     return {"kv_bytes": kv, "q_and_out_bytes": q_and_out}
 
 
-def launch(batch: int, context: int, page_size: int, launches: int, kv_dtype: str = "bf16") -> None:
+def launch(batch: int, context: int, page_size: int, launches: int, kv_dtype: str = "bf16",
+           interpret: bool = False):
+    """Run the engine's decode attention kernel (``gpu.attend_gpu`` at its tuned sizes, pages
+    already written) ``launches`` times; returns the last output. ``interpret``: Pallas's
+    interpreter (CPU tests)."""
     import jax
 
-    from kernel_attention import decode_inputs, ours_sizes, ours_step
+    from kernel_attention import HEAD_DIM, decode_inputs, ours_sizes
+    from pallas_kernels.paged_attention.gpu import attend_gpu
 
     dtype = kv_jnp_dtype(kv_dtype)
     args = decode_inputs(batch, context, page_size, kv_dtype=dtype)
     sizes = ours_sizes(batch, batch, context, page_size, kv_itemsize=jax.numpy.dtype(dtype).itemsize)
-    step = jax.jit(ours_step(sizes))
+    step = jax.jit(lambda *a: attend_gpu(*a, sm_scale=HEAD_DIM**-0.5, sizes=sizes, interpret=interpret))
     for _ in range(launches):
         out = step(*args)
     out.block_until_ready()
     print(f"launched {launches} times: B={batch} ctx={context} page {page_size} {kv_dtype} pages, {sizes}",
           file=sys.stderr)
+    return out
 
 
 def report(csv_path: Path, batch: int, context: int, kv_itemsize: int = 2) -> dict:

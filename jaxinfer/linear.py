@@ -252,9 +252,11 @@ def fp8_w8a8_matmul(x: jax.Array, payload: jax.Array, scale: jax.Array,
     dtype the caller casts the result to. bfloat16 makes the FP8 dot itself write bfloat16
     (cuBLASLt rounds its float32 accumulator once, before the scales, which are applied in float32
     after): the GEMM's output and every fusion that reads it move half the bytes of a float32
-    output. (Not float16: an unscaled sum of e4m3 products, up to 448^2 a term, can pass its range.) On an H200, fp8 ``throughput-1k``'s prompt-carrying steps spent 27% of their time in
-    such fusions (session 23, ``benchmarks/results/session23_h200.md``). The extra rounding is
-    bf16's 2^-9 relative, where the e4m3 operands already carry 2^-4.
+    output. (Not float16: an unscaled sum of e4m3 products, up to 448^2 a term, can pass its
+    range.) On an H200, fp8 ``throughput-1k``'s prompt-carrying steps spent 27% of their time in
+    such fusions; with bf16 outputs the run took 13,644 against 13,301 output tok/s (session 23,
+    ``benchmarks/results/session23_h200.md``). The extra rounding is bf16's 2^-9 relative, where
+    the e4m3 operands already carry 2^-4.
     """
     m = x.shape[0]
     xq, x_scale = prequantized if prequantized is not None else quantize_activations_fp8(x)

@@ -202,6 +202,17 @@ def test_kernel_ncu_report_reads_bytes_per_launch(tmp_path):
     assert result["dram_write_bytes_median"] == 140.5e3
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_kernel_ncu_launches_the_decode_kernel(kv_dtype):
+    # What ncu profiles on the GPU, here in interpret mode at a small shape: the launcher must keep
+    # up with the kernel's API (session 23's GPU call found it importing a function long gone).
+    import numpy as np
+    from kernel_ncu import launch
+
+    out = launch(batch=2, context=64, page_size=16, launches=1, kv_dtype=kv_dtype, interpret=True)
+    assert out.shape == (2, 32, 128) and np.isfinite(np.asarray(out, np.float32)).all()
+
+
 def test_loader_memory_loads_a_sharded_bf16_checkpoint_in_a_child_process(tmp_path):
     from safetensors import safe_open
 
