@@ -185,19 +185,12 @@ def trace_latency_steps(engine, out_dir: Path, num_steps: int, log) -> dict:
     trace's µs a step by kind (``latency_lab.breakdown``). The span between the first and last kernel
     counts the device's idle time between steps (the host's share) as gaps, which the lab's
     on-device step loop does not have."""
-    from latency_lab import breakdown, log_breakdown
-
-    profiler = DecodeProfiler(out_dir, num_steps, min_running=1, settle_steps=16, log=log, breakdown=False)
+    profiler = DecodeProfiler(out_dir, num_steps, min_running=1, settle_steps=16, log=log, label="latency decode")
     rng = np.random.default_rng(3)
     run_requests(engine, random_prompts(rng, [128], engine.model_config.vocab_size), [256], "lat-trace",
                  capture=profiler)
     profiler.stop(engine)
-    report = profiler.report()
-    traces = sorted(out_dir.glob("plugins/profile/*/*.trace.json.gz"))
-    if traces and report["num_traced_steps"]:
-        report["breakdown"] = breakdown(traces[-1], report["num_traced_steps"], top=30)
-        log_breakdown(log, "latency decode steps", report["breakdown"])
-    return report
+    return profiler.report()
 
 
 def decode_host_time(engine, num_requests, prompt_len, output_len, log):
@@ -264,13 +257,14 @@ class DecodeProfiler:
     ``phase="prefill"`` traces prefill-carrying steps instead (more tokens than running
     sequences: prompt chunks beside the running decodes), the admission ramp's state. ``after``:
     another profiler; this one never starts while that one traces (one trace at a time).
-    ``breakdown``: the report also carries the trace's µs a step by kind (``latency_lab.breakdown``).
+    The report also carries the trace's µs a step by kind (``latency_lab.breakdown``), logged
+    under ``label`` (default: the phase).
     """
 
     def __init__(self, out_dir: Path, num_steps: int, min_running: int, settle_steps: int = 4, log=print,
-                 phase: str = "decode", after=None, breakdown: bool = True):
+                 phase: str = "decode", after=None, label: str | None = None):
         self.out_dir, self.num_steps, self.min_running, self.settle_steps = out_dir, num_steps, min_running, settle_steps
-        self.log, self.phase, self.after, self.breakdown = log, phase, after, breakdown
+        self.log, self.phase, self.after, self.label = log, phase, after, label or phase
         self.num_seen = self.num_traced = self.decode_run = self.max_decode_running = 0
         self.started_at_step = None
         self.active = False
@@ -325,11 +319,11 @@ class DecodeProfiler:
         report = {"started_at_step": self.started_at_step, "num_traced_steps": self.num_traced,
                   "min_running": self.min_running, "max_decode_only_running": self.max_decode_running,
                   "trace_files": traces}
-        if traces and self.num_traced and self.breakdown:
+        if traces and self.num_traced:
             from latency_lab import breakdown, log_breakdown
 
             report["breakdown"] = breakdown(self.out_dir / traces[-1], self.num_traced, top=30)
-            log_breakdown(self.log, f"{self.phase} steps", report["breakdown"])
+            log_breakdown(self.log, f"{self.label} steps", report["breakdown"])
         return report
 
 
