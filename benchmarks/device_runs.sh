@@ -192,8 +192,9 @@
 #           load: Nsight Compute's full report at 384 x 1k, fp8 throughput-1k against .baseline (the commit
 #           before), then kernel_frontier's fp8 stage (both V paths at every shape, the fp8 tile sweep).
 #   s25a    one GPU: s24b reordered for a session with ~12 device minutes (s24b never ran): kernel_frontier's
-#           fp8 stage (both V paths side by side) first, then fp8 throughput-1k against .baseline, then the
-#           Nsight Compute report of fp8 pages at 384 x 1k with the time left.
+#           fp8 stage (both V paths side by side) first, then fp8 throughput-1k with V widened in registers
+#           (a copy of this tree with that default) and as committed, then the Nsight Compute report of fp8
+#           pages at 384 x 1k with the time left.
 #   s23d    one GPU: Nsight Compute's full report of the decode attention kernel over fp8 and bf16 pages
 #           (384 sequences at 1k tokens: throughput-1k's decode steps; 32 at 4k).
 #   s23e    one GPU: bf16 throughput-1k with XLA's dot merger off from 33 to 1023 rows and the basic sampler
@@ -998,8 +999,12 @@ s20b)
 s25a)
     on_gpu 0 frontier_fp8.log 150 python3 benchmarks/kernel_frontier.py --out "$R/fp8k" --only ceilings,fp8 \
         --budget-s 90 --fp8-shapes 384x1024,32x4096,1x16384
-    for side in ${SIDES:-new base}; do  # SIDES=new: no time for the baseline
-        dir=.; [ $side = base ] && dir=.baseline
+    # "cand": this tree with fp8 V widened in registers by default (gpu_tile.FP8_V_WIDENING_DEFAULT).
+    mkdir -p /tmp/cand && cp -r pallas_kernels jaxinfer sharding benchmarks tests /tmp/cand/
+    sed -i 's/^FP8_V_WIDENING_DEFAULT = "operand"/FP8_V_WIDENING_DEFAULT = "registers"/' \
+        /tmp/cand/pallas_kernels/paged_attention/gpu_tile.py
+    for side in ${SIDES:-cand new}; do  # SIDES=cand: no time for the engine as committed
+        dir=.; [ $side = cand ] && dir=/tmp/cand
         on_gpu 0 tp1k_fp8_$side.log 160 python3 $dir/benchmarks/engine_throughput.py --out "$R/tp1k_fp8_$side" \
             --quantization fp8 --kv-cache-dtype fp8 --workloads throughput-1k
     done
@@ -1007,7 +1012,7 @@ s25a)
     [ $(( END - SECONDS )) -gt 60 ] || exit_plan=1  # no time left for the Nsight Compute report
     [ -z "${exit_plan:-}" ] && on_gpu 0 ncu_$name.log $(( END - SECONDS - 10 )) ncu --clock-control none \
         --kernel-name regex:ragged_paged_attention --launch-skip 1 --launch-count 1 --set full -o "$R/$name" \
-        python3 benchmarks/kernel_ncu.py --batch 384 --context 1024 --kv-dtype fp8
+        python3 /tmp/cand/benchmarks/kernel_ncu.py --batch 384 --context 1024 --kv-dtype fp8  # V in registers
     [ -f "$R/$name.ncu-rep" ] && ncu -i "$R/$name.ncu-rep" --page details >"$R/details_$name.txt" 2>&1
     [ -f "$R/$name.ncu-rep" ] && ncu -i "$R/$name.ncu-rep" --page source --csv --print-source sass \
         >"$R/sass_$name.csv" 2>&1 ;;
