@@ -188,13 +188,10 @@
 #           sequences with and without XLA's dot merger; the FP8 HLO check at the W8A8 buckets.
 #   s24a    one GPU: s23d's Nsight Compute reports kept as .ncu-rep, each also printed as its details page
 #           and as per-SASS-instruction source counters (stall samples by instruction), fp8 and bf16 pages.
-#   s24b    one GPU: fp8 V tiles widened in registers behind a select (gpu_tile.widen_v) against the MMA operand
-#           load: Nsight Compute's full report at 384 x 1k, fp8 throughput-1k against .baseline (the commit
-#           before), then kernel_frontier's fp8 stage (both V paths at every shape, the fp8 tile sweep).
-#   s25a    one GPU: s24b reordered for a session with ~12 device minutes (s24b never ran): kernel_frontier's
-#           fp8 stage (both V paths side by side) first, then fp8 throughput-1k with V widened in registers
-#           (a copy of this tree with that default) and as committed, then the Nsight Compute report of fp8
-#           pages at 384 x 1k with the time left.
+#   s25a    one GPU, session 25, at commit 4bee89e (the option it measures, fp8_v_widening="registers", was
+#           removed after it: slower at every shape): kernel_frontier's fp8 stage (both V paths side by side),
+#           fp8 throughput-1k with V widened in registers (a copy of the tree with that default) and as
+#           committed, then the Nsight Compute report of fp8 pages at 384 x 1k with V in registers.
 #   s23d    one GPU: Nsight Compute's full report of the decode attention kernel over fp8 and bf16 pages
 #           (384 sequences at 1k tokens: throughput-1k's decode steps; 32 at 4k).
 #   s23e    one GPU: bf16 throughput-1k with XLA's dot merger off from 33 to 1023 rows and the basic sampler
@@ -206,7 +203,7 @@
 #           batch-1 latency: fp8 weights + fp8 KV with each and without, bf16 with it and without (the
 #           kernel's runs traced over 8 decode steps); then wgmma_gemv.py's tile sweep at 8 and 16 tokens.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f, s18g, s19a, s19b, s19c, s19d, s19e, s20a, s20b, s20c, s20g, s21a, s21b, s22a, s22b, s22c, s23a, s23b, s23c, s23d, s23e, s24a, s24b or s25a}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f, s18g, s19a, s19b, s19c, s19d, s19e, s20a, s20b, s20c, s20g, s21a, s21b, s22a, s22b, s22c, s23a, s23b, s23c, s23d, s23e, s24a or s25a}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -964,38 +961,6 @@ s24a)
         ncu -i "$R/$name.ncu-rep" --page details >"$R/details_$name.txt" 2>&1
         ncu -i "$R/$name.ncu-rep" --page source --csv --print-source sass >"$R/sass_$name.csv" 2>&1
     done ;;
-s24b)
-    name=fp8_b384_c1024
-    on_gpu 0 ncu_$name.log 110 ncu --clock-control none --kernel-name regex:ragged_paged_attention \
-        --launch-skip 1 --launch-count 1 --set full --import-source yes -o "$R/$name" \
-        python3 benchmarks/kernel_ncu.py --batch 384 --context 1024 --kv-dtype fp8
-    ncu -i "$R/$name.ncu-rep" --page details >"$R/details_$name.txt" 2>&1
-    ncu -i "$R/$name.ncu-rep" --page source --csv --print-source sass >"$R/sass_$name.csv" 2>&1
-    for side in new base; do
-        dir=.; [ $side = base ] && dir=.baseline
-        on_gpu 0 tp1k_fp8_$side.log 170 python3 $dir/benchmarks/engine_throughput.py --out "$R/tp1k_fp8_$side" \
-            --quantization fp8 --kv-cache-dtype fp8 --workloads throughput-1k --profile-steps 3 --profile-prefill-steps 2
-    done
-    on_gpu 0 frontier_fp8.log $(( END - SECONDS - 5 )) python3 benchmarks/kernel_frontier.py --out "$R/fp8k" \
-        --only ceilings,fp8 --budget-s $(( END - SECONDS - 40 )) \
-        --fp8-shapes 384x1024,256x1024,32x4096,64x4096,256x4096,1x16384,32x16384 ;;
-s23e)
-    for side in new base; do
-        dir=.; [ $side = base ] && dir=.baseline
-        on_gpu 0 tp1k_bf16_$side.log 180 python3 $dir/benchmarks/engine_throughput.py --out "$R/tp1k_bf16_$side" \
-            --workloads throughput-1k --profile-steps 3 --profile-prefill-steps 2
-    done
-    on_gpu 0 ncu_fp8_b384_c1024.log $(( END - SECONDS - 5 )) ncu --clock-control none \
-        --kernel-name regex:ragged_paged_attention --launch-skip 1 --launch-count 1 --set full \
-        python3 benchmarks/kernel_ncu.py --batch 384 --context 1024 --kv-dtype fp8 ;;
-s20b)
-    for side in new base new; do
-        dir=.; [ $side = base ] && dir=.baseline
-        on_gpu 0 latency_bf16_$side.log 140 python3 $dir/benchmarks/engine_throughput.py \
-            --out "$R/latency_bf16_$side$SECONDS" --workloads latency
-    done
-    on_gpu 0 latency_fp8_new.log $(( END - SECONDS - 5 )) python3 benchmarks/engine_throughput.py \
-        --out "$R/latency_fp8_new" --workloads latency --quantization fp8 --kv-cache-dtype fp8 ;;
 s25a)
     on_gpu 0 frontier_fp8.log 150 python3 benchmarks/kernel_frontier.py --out "$R/fp8k" --only ceilings,fp8 \
         --budget-s 90 --fp8-shapes 384x1024,32x4096,1x16384

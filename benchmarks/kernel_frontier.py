@@ -499,10 +499,6 @@ FP8_SHAPES = [(b, c) for c in (1024, 4096) for b in (1, 32, 64, 256)] + [(b, 163
 FP8_SWEEP_SHAPES = [(32, 4096), (256, 4096), (64, 4096), (32, 16384), (128, 16384), (64, 16384), (1, 16384),
                     (1, 4096), (256, 1024), (32, 1024)]
 FP8_WIDEN_QUERY_SHAPES = {(32, 4096), (256, 4096), (32, 16384), (128, 16384)}
-# The columns of a shape: bf16 pages, fp8 pages at the engine's sizes (the engine's kernel: V widened in
-# the MMA operand load), the same with V widened in registers behind a select (gpu_tile.widen_v, session
-# 24's candidate), and widened to bf16 (the kernel before session 8).
-FP8_KINDS = ("bf16", "fp8", "fp8_v_registers", "fp8_widen_query")
 # (block_kv, warps, stages): an fp8 tile of 128 KV tokens holds the bytes of a bf16 tile of 64.
 FP8_TILE_VARIANTS = [(128, 2, 3), (128, 4, 3), (256, 4, 2), (64, 4, 3), (256, 8, 2)]
 
@@ -513,14 +509,13 @@ def fp8_sizes(batch, context, page_size, kv_itemsize):
                            group=GROUP, head_dim=HEAD_DIM, page_size=page_size, itemsize=2, kv_itemsize=kv_itemsize)
 
 
-def default_full_step(sizes: BlockSizes, fp8_widen_to: str = "float16",
-                      fp8_v_widening: str = baseline_gpu.FP8_V_WIDENING_DEFAULT):
+def default_full_step(sizes: BlockSizes, fp8_widen_to: str = "float16"):
     """One full call of the engine's default kernel (XLA scatter + attention) at the given sizes."""
     def step(state, k_new, v_new, page_tables, cu_q_lens, kv_lens):
         q, k_pages, v_pages = state
         return baseline_gpu.attend_and_write_gpu(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens,
                                                  sm_scale=SM_SCALE, sizes=sizes, interpret=INTERPRET,
-                                                 fp8_widen_to=fp8_widen_to, fp8_v_widening=fp8_v_widening)
+                                                 fp8_widen_to=fp8_widen_to)
     return step
 
 
@@ -576,8 +571,6 @@ def run_fp8_stage(results, table, budget, page_size, shapes=None, sweep_shapes=N
         fp8_args = fp8_abstract_args(batch, context, page_size, fp8)
         jobs[batch, context, "bf16"] = (default_full_step(bf16_sizes), bf16_args[0], bf16_args[1], True)
         jobs[batch, context, "fp8"] = (default_full_step(fp8_default), fp8_args[0], fp8_args[1], True)
-        jobs[batch, context, "fp8_v_registers"] = (default_full_step(fp8_default, fp8_v_widening="registers"),
-                                                 *fp8_args, True)
         if (batch, context) in FP8_WIDEN_QUERY_SHAPES or INTERPRET:
             jobs[batch, context, "fp8_widen_query"] = (default_full_step(fp8_default, "query"), *fp8_args, True)
     start = time.time()
@@ -586,7 +579,7 @@ def run_fp8_stage(results, table, budget, page_size, shapes=None, sweep_shapes=N
     tried = {}
     for (batch, context), row in rows.items():
         results.append(row)
-        for kind in FP8_KINDS:
+        for kind in ("bf16", "fp8", "fp8_widen_query"):
             run = compiled.get((batch, context, kind))
             if run is None:
                 continue
@@ -653,36 +646,28 @@ def check_fp8_widening(results):
     args[1:5] = [x.astype(jnp.float8_e4m3fn) for x in args[1:5]]
     ref_args = [x.astype(jnp.float32) if j in (1, 2, 3, 4) else x for j, x in enumerate(args)]
     ref_out = ragged_paged_attention_reference(*ref_args, sm_scale=case.sm_scale)[0].astype(jnp.float32)
-    for widen, v_widening in (("float16", "registers"), ("float16", "operand"), ("query", "registers")):
+    for widen in ("float16", "query"):
         out = baseline_gpu.ragged_paged_attention_gpu(*[jnp.array(a) for a in args], sm_scale=case.sm_scale,
-                                                      interpret=INTERPRET, fp8_widen_to=widen,
-                                                      fp8_v_widening=v_widening)[0].astype(jnp.float32)
+                                                      interpret=INTERPRET, fp8_widen_to=widen)[0].astype(jnp.float32)
         err = float(jnp.linalg.norm(out - ref_out) / jnp.linalg.norm(ref_out))
         nan = bool(jnp.isnan(out).any())
-        say(f"fp8 check (default kernel, fp8 pages, tiles widened to {widen}, V in {v_widening}): rel err {err:.2e} "
-            f"vs reference, nan={nan}")
-        results.append({"workload": "check-fp8", "fp8_widen_to": widen, "fp8_v_widening": v_widening, "rel_err": err,
-                        "nan": nan})
+        say(f"fp8 check (default kernel, fp8 pages, tiles widened to {widen}): rel err {err:.2e} vs reference, nan={nan}")
+        results.append({"workload": "check-fp8", "fp8_widen_to": widen, "rel_err": err, "nan": nan})
 
 
 def _fp8_row_summary(row):
     """TB/s (each page dtype's own bytes), tokens/s and the fp8 / bf16 speed-up; printed."""
     fp8_bytes = row["fp8_bytes"]
-    for kind in FP8_KINDS:
-        nbytes = 2 * fp8_bytes if kind == "bf16" else fp8_bytes
+    for kind, nbytes in (("bf16", 2 * fp8_bytes), ("fp8", fp8_bytes), ("fp8_widen_query", fp8_bytes)):
         if row.get(f"{kind}_s"):
             row[f"{kind}_tbs"] = nbytes / row[f"{kind}_s"] / 1e12
             row[f"{kind}_tok_s"] = row["batch"] / row[f"{kind}_s"]
     if row.get("bf16_s") and row.get("fp8_s"):
         row["fp8_speedup"] = row["bf16_s"] / row["fp8_s"]
-    if row.get("fp8_v_registers_s") and row.get("fp8_s"):
-        row["v_registers_speedup"] = row["fp8_s"] / row["fp8_v_registers_s"]
     fmt = lambda k: (f"{row[k + '_s'] * 1e6:.1f}us {row[k + '_tbs']:.2f}TB/s {row[k + '_tok_s'] / 1e3:.0f}k tok/s"  # noqa: E731
                      if row.get(k + "_s") else "-")
     say(f"fp8 B={row['batch']} ctx={row['context']}: bf16 pages {fmt('bf16')} | fp8 pages {fmt('fp8')} "
-        f"(x{row.get('fp8_speedup', float('nan')):.2f} tok/s) | V widened in registers (session 24's candidate) "
-        f"{fmt('fp8_v_registers')} (x{row.get('v_registers_speedup', float('nan')):.2f}) | fp8 widened to bf16 "
-        f"{fmt('fp8_widen_query')}")
+        f"(x{row.get('fp8_speedup', float('nan')):.2f} tok/s) | fp8 widened to bf16 (before) {fmt('fp8_widen_query')}")
 
 
 # 4. Prefill ----------------------------------------------------------------------------------
@@ -862,13 +847,11 @@ def fp8_markdown(report, read) -> list[str]:
         return []
     lines = ["", "Decode through the engine's default kernel (full call: XLA scatter + attention), bf16 pages vs "
              "float8_e4m3fn pages; TB/s of each page dtype's own bytes (fp8: one a value), against the read "
-             f"ceiling {read:.2f} TB/s; tok/s = B / time of one layer's call. 'V registers': V widened in "
-             "registers behind a select (gpu_tile.widen_v), same sizes. 'to bf16': tiles widened to bf16 (the kernel "
-             "before session 8). 'best': the fp8 sweep's best (→ gpu_fp8_decode_table.json).",
+             f"ceiling {read:.2f} TB/s; tok/s = B / time of one layer's call. 'fp8 before': tiles widened to "
+             "bf16 (the kernel before this change), same sizes. 'best': the fp8 sweep's best (→ gpu_fp8_decode_table.json).",
              "", "| B | ctx | bf16 pages µs | bf16 TB/s | fp8 µs | fp8 TB/s | fp8 / ceiling | fp8 ÷ bf16 tok/s "
-             "| V registers TB/s | to bf16 TB/s | best fp8 µs | best TB/s | best / ceiling | best ÷ bf16 tok/s "
-             "| best sizes |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| fp8 before TB/s | best fp8 µs | best TB/s | best / ceiling | best ÷ bf16 tok/s | best sizes |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     us = lambda r, k: f"{r[k] * 1e6:.1f}" if r.get(k) else "–"  # noqa: E731
     tb = lambda r, k: f"{r[k]:.2f}" if r.get(k) else "–"  # noqa: E731
     pct = lambda r, k: f"{r[k] / read:.0%}" if r.get(k) and read == read else "–"  # noqa: E731
@@ -877,8 +860,7 @@ def fp8_markdown(report, read) -> list[str]:
         best_speedup = f"{r['bf16_s'] / r['best_s']:.2f}" if r.get("bf16_s") and r.get("best_s") else "–"
         lines.append(
             f"| {r['batch']} | {r['context']} | {us(r, 'bf16_s')} | {tb(r, 'bf16_tbs')} | {us(r, 'fp8_s')} "
-            f"| {tb(r, 'fp8_tbs')} | {pct(r, 'fp8_tbs')} | {tb(r, 'fp8_speedup')} | {tb(r, 'fp8_v_registers_tbs')} "
-            f"| {tb(r, 'fp8_widen_query_tbs')} "
+            f"| {tb(r, 'fp8_tbs')} | {pct(r, 'fp8_tbs')} | {tb(r, 'fp8_speedup')} | {tb(r, 'fp8_widen_query_tbs')} "
             f"| {us(r, 'best_s')} | **{tb(r, 'best_tbs')}** | {pct(r, 'best_tbs')} | {best_speedup} "
             f"| {(str(bs['block_kv']) + '/' + str(bs['num_warps']) + 'w/' + str(bs['num_stages']) + 'st, ' + str(bs['num_splits']) + ' splits') if bs else '–'} |")
     return lines

@@ -117,13 +117,10 @@ def test_gpu_kernel_prefetch_and_merge_options_match_reference(prefetch_pages, m
 
 @pytest.mark.parametrize("kernel,q_dtype,options", [
     (ragged_paged_attention_gpu, F32, {}), (ragged_paged_attention_gpu, BF16, {}),
-    (ragged_paged_attention_gpu, BF16, dict(fp8_widen_to="query")),
-    (ragged_paged_attention_gpu, BF16, dict(fp8_v_widening="registers")),
-    (ragged_paged_attention_gpu_fused, BF16, {})])
+    (ragged_paged_attention_gpu, BF16, dict(fp8_widen_to="query")), (ragged_paged_attention_gpu_fused, BF16, {})])
 def test_gpu_kernel_fp8_pages_match_reference_on_dequantized_pages(kernel, q_dtype, options):
     # float8_e4m3fn pages (and new K/V, already quantized by the dispatcher): the kernel widens
-    # loaded tiles (the default kernel: to f16 for bf16 queries, or to q's dtype with "query"; V
-    # in the MMA operand load, or in registers behind a select with "registers").
+    # loaded tiles (the default kernel: to f16 for bf16 queries, or to q's dtype with "query").
     # Oracle: the reference over the same values held in float32.
     fp8 = jnp.float8_e4m3fn
     case = make_case(5, [(1, 70), (12, 40), (0, 0), (1, 17)], num_q_heads=8, num_kv_heads=2, head_dim=64,
@@ -173,46 +170,6 @@ def test_gpu_kernel_widens_fp8_tiles_to_float16_for_bf16_queries(kernel, q_dtype
     args[1:5] = [x.astype(jnp.float8_e4m3fn) for x in args[1:5]]
     jaxpr = jax.make_jaxpr(lambda *a: kernel(*a, sm_scale=case.sm_scale, interpret=True, **options))(*args)
     assert _kernel_converts_of_fp8(jaxpr.jaxpr) == widened_to
-
-
-def _selects_of_widened_fp8(jaxpr) -> int:
-    """How many select_n take a value widened from float8 in the same jaxpr, in a jaxpr and all its sub-jaxprs."""
-    widened, count = set(), 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "convert_element_type" and eqn.invars[0].aval.dtype == jnp.float8_e4m3fn:
-            widened.add(eqn.outvars[0])
-        if eqn.primitive.name == "select_n" and any(v in widened for v in eqn.invars[1:]):
-            count += 1
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                if isinstance(sub, jax_core.ClosedJaxpr):
-                    count += _selects_of_widened_fp8(sub.jaxpr)
-                elif isinstance(sub, jax_core.Jaxpr):
-                    count += _selects_of_widened_fp8(sub)
-    return count
-
-
-@pytest.mark.parametrize("options,selects", [(dict(fp8_v_widening="registers"), 3),
-                                             (dict(fp8_v_widening="operand"), 0), ({}, 0)])
-def test_gpu_kernel_widens_fp8_v_behind_a_select_when_asked(options, selects):
-    # Triton moves a dot operand's layout conversion above elementwise ops, back to the 8-bit load,
-    # but not above a select: the select keeps fp8 V's widening in registers (gpu_tile.widen_v).
-    # One per loop of the walk (masked head, unmasked bulk, masked tail); K never gets one.
-    case = make_case(6, [(1, 40), (3, 20)], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
-    args = list(case.args())
-    args[0] = args[0].astype(BF16)
-    args[1:5] = [x.astype(jnp.float8_e4m3fn) for x in args[1:5]]
-    jaxpr = jax.make_jaxpr(lambda *a: ragged_paged_attention_gpu(
-        *a, sm_scale=case.sm_scale, interpret=True, num_splits=1, **options))(*args)
-    assert _selects_of_widened_fp8(jaxpr.jaxpr) == selects
-
-
-def test_gpu_kernel_rejects_an_unknown_fp8_v_widening():
-    case = make_case(6, [(1, 40)], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
-    args = list(case.args())
-    args[1:5] = [x.astype(jnp.float8_e4m3fn) for x in args[1:5]]
-    with pytest.raises(ValueError, match="fp8_v_widening must be one of"):
-        ragged_paged_attention_gpu(*args, sm_scale=case.sm_scale, interpret=True, fp8_v_widening="smem")
 
 
 def test_gpu_kernel_fp8_pages_keep_bf16_queries_past_float16_range_finite():
@@ -278,13 +235,9 @@ def test_gpu_kernel_lowers_through_triton_from_cpu(kernel):
                                                                    num_splits=2), BF16),
                                        ([(1, 300), (40, 90)], dict(prefetch_pages=False, merge_kernel=False,
                                                                    num_splits=2), BF16),
-                                       ([(1, 300), (40, 90)], dict(num_splits=2), jnp.float8_e4m3fn),
-                                       ([(1, 300), (40, 90)], dict(num_splits=2, fp8_v_widening="registers"),
-                                        jnp.float8_e4m3fn)):
+                                       ([(1, 300), (40, 90)], dict(num_splits=2), jnp.float8_e4m3fn)):
         if kernel is ragged_paged_attention_gpu and options.keys() & FUSED_ONLY.keys():
             continue  # the default kernel has no such options
-        if kernel is ragged_paged_attention_gpu_fused and "fp8_v_widening" in options:
-            continue  # nor the fused kernel this one
         case = make_case(1, seqs, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=BF16)
         args = list(case.args())
         args[1:5] = [x.astype(cache_dtype) for x in args[1:5]]

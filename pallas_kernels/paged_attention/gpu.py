@@ -82,8 +82,7 @@ from pallas_kernels.paged_attention.gpu_merge import merge_splits_gpu
 from pallas_kernels.paged_attention.gpu_write_kv import write_kv
 from pallas_kernels.paged_attention.validation import check_inputs
 # Re-exported: callers and tests know them from here.
-from pallas_kernels.paged_attention.gpu_tile import (  # noqa: F401
-    F16_MAX, FP8_V_WIDENING_CHOICES, FP8_V_WIDENING_DEFAULT, FP8_WIDEN_CHOICES, fp8_tile_dtype)
+from pallas_kernels.paged_attention.gpu_tile import F16_MAX, FP8_WIDEN_CHOICES, fp8_tile_dtype  # noqa: F401
 from pallas_kernels.precision import matmul_precision
 
 def _attention_kernel(
@@ -95,7 +94,7 @@ def _attention_kernel(
     *out_refs,  # out [T (+ 1), Hq, D], or out [T + 1, Hq, D] f32 and lse [T + 1, Hq] f32 of this split
     sm_scale: float, soft_cap: float | None, sliding_window: int | None,
     page_size: int, block_kv: int, block_q: int, group: int, group_padded: int, num_splits: int, precision,
-    tile_dtype, prefetch_pages: bool, fp8_v_widening: str,
+    tile_dtype, prefetch_pages: bool,
 ):
     # Program ids are read here, outside the condition: the interpreter (CPU tests) lowers them only here.
     tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -110,12 +109,12 @@ def _attention_kernel(
                      sm_scale=sm_scale, soft_cap=soft_cap,
                      sliding_window=sliding_window, page_size=page_size, block_kv=block_kv, block_q=block_q,
                      group=group, group_padded=group_padded, num_splits=num_splits, precision=precision,
-                     tile_dtype=tile_dtype, prefetch_pages=prefetch_pages, fp8_v_widening=fp8_v_widening)
+                     tile_dtype=tile_dtype, prefetch_pages=prefetch_pages)
 
 
 def _attend_tile(tile, kv_head, split, meta_ref, page_tables_ref, q_ref, k_ref, v_ref, *out_refs, sm_scale, soft_cap,
                  sliding_window, page_size, block_kv, block_q, group, group_padded, num_splits, precision, tile_dtype,
-                 prefetch_pages, fp8_v_widening):
+                 prefetch_pages):
     """One non-empty work tile of ``_attention_kernel`` (program ids ``tile``, ``kv_head``, ``split``)."""
     seq = meta_ref[tile, wt.SEQ]
     first_pos = meta_ref[tile, wt.FIRST_POS]
@@ -145,14 +144,11 @@ def _attend_tile(tile, kv_head, split, meta_ref, page_tables_ref, q_ref, k_ref, 
         load_mask = jnp.broadcast_to(in_seq[:, None], (block_kv, head_dim)) if masked else None
         other = 0.0 if masked else None
 
-        def load(ref):  # [BK, D] as stored
-            return plgpu.load(ref.at[slot_2d, lane_2d], mask=load_mask, other=other)
-
-        def load_v():
-            return tile_lib.widen_v(load(v_ref), in_seq, v_ref.dtype, tile_dtype, fp8_v_widening)
+        def load(ref):  # [BK, D] in the tile dtype
+            return plgpu.load(ref.at[slot_2d, lane_2d], mask=load_mask, other=other).astype(tile_dtype)
 
         return tile_lib.softmax_step(
-            q, load(k_ref).astype(tile_dtype), load_v, kv_pos, rows.row_pos, lambda: in_seq, carry, masked=masked,
+            q, load(k_ref), lambda: load(v_ref), kv_pos, rows.row_pos, lambda: in_seq, carry, masked=masked,
             scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, precision=precision)
 
     full_lo, full_hi = tile_lib.unmasked_block_range(my_lo, my_hi, first_pos, kv_end, block_kv=block_kv,
@@ -178,12 +174,11 @@ def _attend_tile(tile, kv_head, split, meta_ref, page_tables_ref, q_ref, k_ref, 
 def attend_gpu(
     q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sliding_window=None,
     soft_cap=None, sizes: BlockSizes, interpret: bool = False, fp8_widen_to: str = "float16",
-    fp8_v_widening: str = FP8_V_WIDENING_DEFAULT, tiles: wt.WorkTiles | None = None, out_init: jax.Array | None = None,
+    tiles: wt.WorkTiles | None = None, out_init: jax.Array | None = None,
 ):
     """Attention of packed queries over their (already written) pages; returns out [T, Hq, D].
 
-    ``fp8_widen_to``: see ``fp8_tile_dtype``, ``fp8_v_widening``: see ``gpu_tile.widen_v`` (only
-    float8 pages read them). ``tiles``: the work
+    ``fp8_widen_to``: see ``fp8_tile_dtype`` (only float8 pages read it). ``tiles``: the work
     tiles, when the caller planned them itself (``gpu_fresh_prefill`` empties the tiles of the
     sequence another kernel serves); by default planned here with ``sizes.block_q``.
     ``out_init`` [T, Hq, D] in q's dtype (one split only): the output buffer to write the tiles'
@@ -209,7 +204,6 @@ def attend_gpu(
         _attention_kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
         page_size=page_size, block_kv=sizes.block_kv, block_q=block_q, group=group, group_padded=group_padded,
         num_splits=splits, precision=precision, tile_dtype=tile_dtype, prefetch_pages=sizes.prefetch_pages,
-        fp8_v_widening=fp8_v_widening,
     )
     whole = lambda shape: pl.BlockSpec(shape, lambda w, h, s: (0,) * len(shape))  # noqa: E731
     cache_spec = pl.BlockSpec((None, num_pages * page_size, head_dim), lambda w, h, s: (h, 0, 0))
@@ -262,7 +256,7 @@ def _split_init_refs(kernel, *refs, num_init: int):
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q", "block_kv", "num_splits",
                      "num_warps", "num_stages", "prefetch_pages", "merge_kernel", "interpret", "fp8_widen_to",
-                     "fp8_v_widening", "kv_write"),
+                     "kv_write"),
     donate_argnames=("k_pages", "v_pages"),
 )
 def ragged_paged_attention_gpu(
@@ -287,7 +281,6 @@ def ragged_paged_attention_gpu(
     merge_kernel: bool | None = None,
     interpret: bool = False,
     fp8_widen_to: str = "float16",
-    fp8_v_widening: str = FP8_V_WIDENING_DEFAULT,
     kv_write: str = "xla",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Same contract as ``ragged_paged_attention_reference``; the cache is donated and updated in place.
@@ -295,9 +288,8 @@ def ragged_paged_attention_gpu(
     Tile sizes default to the tuned table; any of them can be forced for sweeps and tests.
     ``interpret=True`` runs the kernel through Pallas's interpreter (CPU tests). Float8 pages take
     their own measured sizes (``gpu_block_sizes(kv_itemsize=1)``) and widen tiles as
-    ``fp8_widen_to`` says (``fp8_tile_dtype``), V where ``fp8_v_widening`` says (``gpu_tile.widen_v``).
-    ``kv_write``: the new K/V's write, XLA's two scatters (``"xla"``) or one Pallas launch
-    (``"pallas"``, opt-in): ``gpu_write_kv.write_kv``.
+    ``fp8_widen_to`` says (``fp8_tile_dtype``). ``kv_write``: the new K/V's write, XLA's two
+    scatters (``"xla"``) or one Pallas launch (``"pallas"``, opt-in): ``gpu_write_kv.write_kv``.
     """
     check_inputs(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -323,14 +315,13 @@ def ragged_paged_attention_gpu(
     return attend_and_write_gpu(
         q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes, interpret=interpret, fp8_widen_to=fp8_widen_to,
-        fp8_v_widening=fp8_v_widening, kv_write=kv_write,
+        kv_write=kv_write,
     )
 
 
 def attend_and_write_gpu(
     q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sliding_window=None,
-    soft_cap=None, sizes: BlockSizes, interpret: bool = False, fp8_widen_to: str = "float16",
-    fp8_v_widening: str = FP8_V_WIDENING_DEFAULT, kv_write: str = "xla",
+    soft_cap=None, sizes: BlockSizes, interpret: bool = False, fp8_widen_to: str = "float16", kv_write: str = "xla",
 ):
     """This step's K/V written into the cache (``gpu_write_kv.write_kv``: XLA's two scatters, or
     one Pallas launch), then ``attend_gpu``. Returns (out, k_pages, v_pages).
@@ -343,6 +334,5 @@ def attend_and_write_gpu(
     out = attend_gpu(
         q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes, interpret=interpret, fp8_widen_to=fp8_widen_to,
-        fp8_v_widening=fp8_v_widening,
     )
     return out, k_pages, v_pages

@@ -24,10 +24,6 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 F16_MAX = 65504.0
 FP8_WIDEN_CHOICES = ("float16", "query")
-# Where an fp8 V tile is widened: see ``widen_v``. The default stays the kernel as measured until the
-# GPU's A/B (kernel_frontier's fp8 stage, throughput-1k) says "registers" is faster.
-FP8_V_WIDENING_CHOICES = ("registers", "operand")
-FP8_V_WIDENING_DEFAULT = "operand"
 
 
 def fp8_tile_dtype(q_dtype, kv_dtype, fp8_widen_to: str = "float16"):
@@ -43,27 +39,6 @@ def fp8_tile_dtype(q_dtype, kv_dtype, fp8_widen_to: str = "float16"):
     if kv_dtype.itemsize == 1 and q_dtype.itemsize == 2 and fp8_widen_to == "float16":
         return jnp.dtype(jnp.float16)
     return q_dtype
-
-
-def widen_v(v, in_seq, kv_dtype, tile_dtype, fp8_v_widening: str):
-    """A V tile [BK, D] as loaded, in the tile dtype; ``in_seq`` [BK] bool: the rows inside the sequence.
-
-    For fp8 pages, where the widening happens decides how V reaches P·V's MMA. P·V contracts over
-    V's tokens, which are strided in a ``[BK, D]`` tile, so the MMA's B operand needs V transposed.
-    ``"operand"``: Triton widens inside the operand load, from the 8-bit shared tile; with no 8-bit
-    transposing ``ldmatrix`` on sm_90 that is one ``LDS.U8`` per value (Nsight Compute, session 24:
-    13% of the kernel's instructions at 384 sequences x 1k, and the packing moves after them).
-    ``"registers"``: a select on the rows keeps the widening in registers (Triton hoists its
-    dot-operand layout above elementwise ops but not above a select), where it is vectorised, and the
-    f16 tile reaches the MMA through a 16-bit shared tile read by ``ldmatrix.trans``, as bf16 V does.
-    The select changes no value: rows past the sequence are masked loads (zeros) or past the walk.
-    """
-    if fp8_v_widening not in FP8_V_WIDENING_CHOICES:
-        raise ValueError(f"fp8_v_widening must be one of {FP8_V_WIDENING_CHOICES}, got {fp8_v_widening!r}")
-    v = v.astype(tile_dtype)
-    if jnp.dtype(kv_dtype).itemsize == 1 and fp8_v_widening == "registers":
-        v = jax.lax.select(jnp.broadcast_to(in_seq[:, None], v.shape), v, jnp.zeros_like(v))
-    return v
 
 
 def split_block_range(first_pos, tile_q_len, split, *, block_kv: int, num_splits: int, sliding_window: int | None):
