@@ -21,6 +21,12 @@ reasons, pipe utilisation, shared-memory traffic) and keep ncu's own report:
     ncu --clock-control none --kernel-name regex:ragged_paged_attention --launch-skip 1 \
         --launch-count 1 --set full python3 benchmarks/kernel_ncu.py --batch 384 --context 1024 \
         --kv-dtype fp8 > DIR/ncu_full_fp8.txt
+
+Where the instructions go, by opcode: keep the report (``-o DIR/fp8``), print its per-instruction
+counters, then summarise them (executed warp instructions and stall samples per opcode):
+
+    ncu -i DIR/fp8.ncu-rep --page source --csv --print-source sass > DIR/sass_fp8.csv
+    python3 benchmarks/kernel_ncu.py --sass DIR/sass_fp8.csv --json DIR/sass_fp8.json
 """
 
 from __future__ import annotations
@@ -107,6 +113,44 @@ def report(csv_path: Path, batch: int, context: int, kv_itemsize: int = 2) -> di
     return result
 
 
+def opcode(sass: str) -> str:
+    """The opcode of one SASS line with its modifiers (``@P0 LDS.U8 R1, [R2]`` -> ``LDS.U8``)."""
+    words = sass.split()
+    if words and words[0].startswith("@"):  # a predicate guard
+        words = words[1:]
+    return words[0].rstrip(";") if words else "?"
+
+
+def sass_mix(csv_path: Path, top: int = 25) -> dict:
+    """Parse ``ncu --page source --csv --print-source sass`` into totals per opcode.
+
+    Returns the kernel's executed warp instructions, its stall samples, and the ``top`` opcodes
+    by instructions executed, each with its share of both (sorted, largest first); printed."""
+    lines = csv_path.read_text().splitlines()
+    header_at = next((i for i, line in enumerate(lines) if line.startswith('"Address","Source"')), None)
+    if header_at is None:
+        raise SystemExit(f"no per-instruction table in {csv_path}: was it printed with --page source --csv "
+                         "--print-source sass from a report of --set full?")
+    executed: dict[str, float] = {}
+    stalls: dict[str, float] = {}
+    for row in csv.DictReader(io.StringIO("\n".join(lines[header_at:]))):
+        op = opcode(row["Source"])
+        number = lambda key: float((row[key] or "0").replace(",", ""))  # noqa: E731
+        executed[op] = executed.get(op, 0.0) + number("Instructions Executed")
+        stalls[op] = stalls.get(op, 0.0) + number("Warp Stall Sampling (All Samples)")
+    total, total_stalls = sum(executed.values()), sum(stalls.values())
+    if not total:
+        raise SystemExit(f"{csv_path}: the instructions carry no execution counts (source counters not collected)")
+    ranked = sorted(executed, key=executed.get, reverse=True)[:top]
+    result = {"instructions_executed": total, "stall_samples": total_stalls,
+              "opcodes": [{"opcode": op, "instructions": executed[op], "share": executed[op] / total,
+                           "stall_share": stalls[op] / total_stalls if total_stalls else 0.0} for op in ranked]}
+    print(f"{csv_path.name}: {total / 1e6:.1f}M warp instructions, {total_stalls:.0f} stall samples")
+    for entry in result["opcodes"]:
+        print(f"  {entry['opcode']:<28} {entry['share']:6.1%} of instructions  {entry['stall_share']:6.1%} of stalls")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=32)
@@ -115,9 +159,14 @@ def main() -> None:
     parser.add_argument("--launches", type=int, default=3)
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16", help="the pages' dtype (fp8: e4m3)")
     parser.add_argument("--report", type=Path, help="ncu --csv output to summarise (instead of launching)")
-    parser.add_argument("--json", type=Path, help="with --report: also write the summary here")
+    parser.add_argument("--sass", type=Path, help="ncu --page source --csv --print-source sass output to summarise")
+    parser.add_argument("--json", type=Path, help="with --report or --sass: also write the summary here")
     args = parser.parse_args()
-    if args.report:
+    if args.sass:
+        result = sass_mix(args.sass)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1) + "\n")
+    elif args.report:
         result = report(args.report, args.batch, args.context, 1 if args.kv_dtype == "fp8" else 2)
         if args.json:
             args.json.write_text(json.dumps(result, indent=1) + "\n")

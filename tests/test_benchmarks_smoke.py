@@ -202,6 +202,29 @@ def test_kernel_ncu_report_reads_bytes_per_launch(tmp_path):
     assert result["dram_write_bytes_median"] == 140.5e3
 
 
+def test_kernel_ncu_sass_mix_totals_instructions_and_stalls_per_opcode(tmp_path):
+    from kernel_ncu import sass_mix
+
+    header = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+              '"# Samples","Instructions Executed"')
+    lines = ['"Kernel Name","ragged_paged_attention",', header,
+             '"0x10","      LDS.U8 R4, [R2+0x10]","30","20","30","6,000"',
+             '"0x20","      @P0 LDS.U8 R5, [R2+0x11]","10","5","10","2000"',
+             '"0x30","      HMMA.16816.F32 R8, R12, R4, R8 ;","0","0","0","1000"',
+             '"0x40","      BAR.SYNC.DEFER_BLOCKING 0x0 ;","60","60","60","1000"']
+    csv_path = tmp_path / "sass.csv"
+    csv_path.write_text("\n".join(lines) + "\n")
+    result = sass_mix(csv_path)
+    assert result["instructions_executed"] == 10_000 and result["stall_samples"] == 100
+    by_op = {entry["opcode"]: entry for entry in result["opcodes"]}
+    assert [entry["opcode"] for entry in result["opcodes"]][0] == "LDS.U8"  # the guarded one counted with it
+    assert by_op["LDS.U8"]["share"] == 0.8 and by_op["LDS.U8"]["stall_share"] == 0.4
+    assert by_op["BAR.SYNC.DEFER_BLOCKING"]["stall_share"] == 0.6
+    with pytest.raises(SystemExit, match="no per-instruction table"):
+        (tmp_path / "empty.csv").write_text("==PROF== nothing\n")
+        sass_mix(tmp_path / "empty.csv")
+
+
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 def test_kernel_ncu_launches_the_decode_kernel(kv_dtype):
     # What ncu profiles on the GPU, here in interpret mode at a small shape: the launcher must keep
