@@ -80,6 +80,7 @@ from pallas_kernels.paged_attention import work_tiles as wt
 from pallas_kernels.paged_attention.block_sizes import BlockSizes, default_kernel_mechanisms, gpu_block_sizes
 from pallas_kernels.paged_attention.gpu_merge import merge_splits_gpu
 from pallas_kernels.paged_attention.gpu_write_kv import write_kv
+from pallas_kernels.paged_attention.v_layout import V_LAYOUTS
 from pallas_kernels.paged_attention.validation import check_inputs
 # Re-exported: callers and tests know them from here.
 from pallas_kernels.paged_attention.gpu_tile import F16_MAX, FP8_WIDEN_CHOICES, fp8_tile_dtype  # noqa: F401
@@ -94,7 +95,7 @@ def _attention_kernel(
     *out_refs,  # out [T (+ 1), Hq, D], or out [T + 1, Hq, D] f32 and lse [T + 1, Hq] f32 of this split
     sm_scale: float, soft_cap: float | None, sliding_window: int | None,
     page_size: int, block_kv: int, block_q: int, group: int, group_padded: int, num_splits: int, precision,
-    tile_dtype, prefetch_pages: bool,
+    tile_dtype, prefetch_pages: bool, v_dim_major: bool,
 ):
     # Program ids are read here, outside the condition: the interpreter (CPU tests) lowers them only here.
     tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -109,12 +110,12 @@ def _attention_kernel(
                      sm_scale=sm_scale, soft_cap=soft_cap,
                      sliding_window=sliding_window, page_size=page_size, block_kv=block_kv, block_q=block_q,
                      group=group, group_padded=group_padded, num_splits=num_splits, precision=precision,
-                     tile_dtype=tile_dtype, prefetch_pages=prefetch_pages)
+                     tile_dtype=tile_dtype, prefetch_pages=prefetch_pages, v_dim_major=v_dim_major)
 
 
 def _attend_tile(tile, kv_head, split, meta_ref, page_tables_ref, q_ref, k_ref, v_ref, *out_refs, sm_scale, soft_cap,
                  sliding_window, page_size, block_kv, block_q, group, group_padded, num_splits, precision, tile_dtype,
-                 prefetch_pages):
+                 prefetch_pages, v_dim_major):
     """One non-empty work tile of ``_attention_kernel`` (program ids ``tile``, ``kv_head``, ``split``)."""
     seq = meta_ref[tile, wt.SEQ]
     first_pos = meta_ref[tile, wt.FIRST_POS]
@@ -147,9 +148,17 @@ def _attend_tile(tile, kv_head, split, meta_ref, page_tables_ref, q_ref, k_ref, 
         def load(ref):  # [BK, D] in the tile dtype
             return plgpu.load(ref.at[slot_2d, lane_2d], mask=load_mask, other=other).astype(tile_dtype)
 
+        def load_v_transposed():  # V^T [D, BK] from dim-major pages: dim d of token (page, r) is row
+            # page * D + d, column r, of the flattened pages (v_layout.py)
+            v_row = page[None, :] * head_dim + jnp.arange(head_dim, dtype=jnp.int32)[:, None]
+            v_col = jnp.broadcast_to((kv_pos % page_size)[None, :], (head_dim, block_kv))
+            v_mask = jnp.broadcast_to(in_seq[None, :], (head_dim, block_kv)) if masked else None
+            return plgpu.load(v_ref.at[v_row, v_col], mask=v_mask, other=other).astype(tile_dtype)
+
         return tile_lib.softmax_step(
-            q, load(k_ref), lambda: load(v_ref), kv_pos, rows.row_pos, lambda: in_seq, carry, masked=masked,
-            scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, precision=precision)
+            q, load(k_ref), load_v_transposed if v_dim_major else lambda: load(v_ref), kv_pos, rows.row_pos,
+            lambda: in_seq, carry, masked=masked, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+            precision=precision, v_transposed=v_dim_major)
 
     full_lo, full_hi = tile_lib.unmasked_block_range(my_lo, my_hi, first_pos, kv_end, block_kv=block_kv,
                                                      sliding_window=sliding_window)
@@ -174,7 +183,7 @@ def _attend_tile(tile, kv_head, split, meta_ref, page_tables_ref, q_ref, k_ref, 
 def attend_gpu(
     q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sliding_window=None,
     soft_cap=None, sizes: BlockSizes, interpret: bool = False, fp8_widen_to: str = "float16",
-    tiles: wt.WorkTiles | None = None, out_init: jax.Array | None = None,
+    tiles: wt.WorkTiles | None = None, out_init: jax.Array | None = None, v_layout: str = "token_major",
 ):
     """Attention of packed queries over their (already written) pages; returns out [T, Hq, D].
 
@@ -184,7 +193,12 @@ def attend_gpu(
     ``out_init`` [T, Hq, D] in q's dtype (one split only): the output buffer to write the tiles'
     rows into, in place (donate it), instead of zeros; rows of no tile keep its values. So another
     kernel's output for the rows of emptied tiles needs no select and no zero fill.
+    ``v_layout``: ``"token_major"`` (the engine's pages) or ``"dim_major"``: ``v_pages`` is
+    ``[Hkv, P, D, page_size]`` and the kernel loads V tiles transposed (``v_layout.py``, a layout
+    under measurement for float8 pages).
     """
+    if v_layout not in V_LAYOUTS:
+        raise ValueError(f"v_layout must be one of {V_LAYOUTS}, got {v_layout!r}")
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -195,7 +209,11 @@ def attend_gpu(
     num_tiles = tiles.meta.shape[0]
     # Flattening pages is a bitcast: row page * page_size + r is token r of that page.
     k_flat = k_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
-    v_flat = v_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
+    v_dim_major = v_layout == "dim_major"
+    v_rows, v_cols = (num_pages * head_dim, page_size) if v_dim_major else (num_pages * page_size, head_dim)
+    if v_pages.size != num_kv_heads * v_rows * v_cols:
+        raise ValueError(f"v_pages {v_pages.shape} do not hold k_pages' {k_pages.shape} tokens")
+    v_flat = v_pages.reshape(num_kv_heads, v_rows, v_cols)
     # HIGHEST makes Triton's dot IEEE float32 for float32 inputs; at the default it rounds them to TF32.
     precision = matmul_precision(q.dtype)
     tile_dtype = fp8_tile_dtype(q.dtype, k_pages.dtype, fp8_widen_to)
@@ -204,6 +222,7 @@ def attend_gpu(
         _attention_kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
         page_size=page_size, block_kv=sizes.block_kv, block_q=block_q, group=group, group_padded=group_padded,
         num_splits=splits, precision=precision, tile_dtype=tile_dtype, prefetch_pages=sizes.prefetch_pages,
+        v_dim_major=v_dim_major,
     )
     whole = lambda shape: pl.BlockSpec(shape, lambda w, h, s: (0,) * len(shape))  # noqa: E731
     cache_spec = pl.BlockSpec((None, num_pages * page_size, head_dim), lambda w, h, s: (h, 0, 0))
@@ -224,7 +243,8 @@ def attend_gpu(
                     jnp.full((splits, *out_rows), -jnp.inf, jnp.float32)]
         out_specs = [pl.BlockSpec((None, *out_rows, head_dim), lambda w, h, s: (s, 0, 0, 0)),
                      pl.BlockSpec((None, *out_rows), lambda w, h, s: (s, 0, 0))]
-    in_specs = [whole(tiles.meta.shape), whole(page_tables.shape), whole(q.shape), cache_spec, cache_spec]
+    v_spec = pl.BlockSpec((None, v_rows, v_cols), lambda w, h, s: (h, 0, 0))
+    in_specs = [whole(tiles.meta.shape), whole(page_tables.shape), whole(q.shape), cache_spec, v_spec]
     in_specs += [whole(x.shape) for x in out_init]
     num_inputs = len(in_specs) - len(out_init)
     results = pl.pallas_call(

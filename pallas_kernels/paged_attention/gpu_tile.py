@@ -142,11 +142,12 @@ def score_scale(sm_scale: float, soft_cap: float | None) -> float:
 
 
 def softmax_step(q, k, load_v, kv_pos, row_pos, in_seq, carry, *, masked: bool, scale: float,
-                 soft_cap: float | None, sliding_window: int | None, precision):
+                 soft_cap: float | None, sliding_window: int | None, precision, v_transposed: bool = False):
     """One KV block of the online softmax; returns the new ``(acc [rows, D], row_max [rows], denom [rows])``.
 
     ``k`` [BK, D] is loaded by the caller; ``load_v()`` loads V [BK, D] after the scores (the
-    order both kernels had). ``masked``: apply the causal / sequence-end / window masks;
+    order both kernels had), or V^T [D, BK] with ``v_transposed`` (dim-major V pages, see
+    ``v_layout.py``). ``masked``: apply the causal / sequence-end / window masks;
     ``in_seq()`` [BK] bool says which positions are before the tile's KV end (called only then).
     """
     acc, row_max, denom = carry  # max in log2 units
@@ -165,7 +166,7 @@ def softmax_step(q, k, load_v, kv_pos, row_pos, in_seq, carry, *, masked: bool, 
         weights = jnp.where(visible, weights, 0.0)
     denom = denom * correction + jnp.sum(weights, axis=1)
     v = load_v()
-    acc = acc * correction[:, None] + plgpu.dot(weights.astype(v.dtype), v, precision=precision)
+    acc = acc * correction[:, None] + plgpu.dot(weights.astype(v.dtype), v, trans_b=v_transposed, precision=precision)
     return acc, new_max, denom
 
 

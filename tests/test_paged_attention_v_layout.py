@@ -1,0 +1,100 @@
+"""Dim-major V pages (``v_layout.py``): the write and the GPU kernel's transposed V loads, against
+the token-major reference, in interpret mode on CPU; and the Triton lowering of that kernel."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.paged_attention.block_sizes import BlockSizes
+from pallas_kernels.paged_attention.gpu import attend_gpu
+from pallas_kernels.paged_attention.reference import attend_reference, write_kv_reference
+from pallas_kernels.paged_attention.v_layout import to_dim_major, write_kv_dim_major_v
+from tests.attention_cases import make_case
+
+F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
+
+
+def _as_f32(x):
+    return np.asarray(x.astype(F32))
+
+
+@pytest.mark.parametrize("page_dtype", [F32, FP8])
+def test_dim_major_write_stores_what_the_reference_stores_transposed(page_dtype):
+    # Decode and prefill tokens, an empty slot, two padding tokens (dropped), NaN in unowned rows (kept).
+    case = make_case(3, [(1, 40), (0, 0), (9, 9), (1, 17)], num_q_heads=4, num_kv_heads=2, head_dim=32,
+                     page_size=8, pad_tokens=2)
+    k_new, v_new, k_pages, v_pages = (x.astype(page_dtype) for x in (case.k_new, case.v_new, case.k_pages,
+                                                                        case.v_pages))
+    rest = (case.page_tables, case.cu_q_lens, case.kv_lens)
+    ref_k, ref_v = write_kv_reference(k_new, v_new, k_pages, v_pages, *rest)
+    got_k, got_v = write_kv_dim_major_v(k_new, v_new, k_pages, to_dim_major(v_pages), *rest)
+    assert got_v.shape == to_dim_major(v_pages).shape and got_v.dtype == page_dtype
+    np.testing.assert_array_equal(_as_f32(got_k), _as_f32(ref_k))
+    np.testing.assert_array_equal(_as_f32(got_v), _as_f32(to_dim_major(ref_v)))
+
+
+def test_dim_major_write_rejects_token_major_v_pages():
+    case = make_case(3, [(1, 40)], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=8)
+    with pytest.raises(ValueError, match=r"dim-major v_pages must be \[Hkv, P, D, page_size\]"):
+        write_kv_dim_major_v(case.k_new, case.v_new, case.k_pages, case.v_pages, case.page_tables,
+                             case.cu_q_lens, case.kv_lens)
+
+
+# (seqs, q dtype, page dtype, sizes): decode with splits over fp8 pages (the layout's purpose), a
+# mixed prefill + decode batch at one split with tiles of several pages, and f32 to the reference's
+# precision; contexts end mid-page and on a page boundary.
+CASES = {
+    "fp8_decode_splits": ([(1, 70), (1, 32), (0, 0), (1, 5)], BF16, FP8, BlockSizes(4, 16, 3, merge_kernel=True)),
+    "bf16_mixed": ([(12, 40), (1, 64), (5, 5)], BF16, BF16, BlockSizes(8, 32, 1)),
+    "f32_decode": ([(1, 37), (1, 16), (1, 1)], F32, F32, BlockSizes(4, 8, 2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gpu_kernel_reads_dim_major_v_pages_as_the_reference_reads_token_major(name):
+    seqs, q_dtype, page_dtype, sizes = CASES[name]
+    case = make_case(11, seqs, num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16, pad_tokens=1)
+    rest = (case.page_tables, case.cu_q_lens, case.kv_lens)
+    # This step's K/V written first (the pages hold NaN where they go, as in the engine before its write).
+    k_pages, v_pages = write_kv_reference(*(x.astype(page_dtype) for x in (case.k_new, case.v_new, case.k_pages,
+                                                                          case.v_pages)), *rest)
+    q = case.q.astype(q_dtype)
+    want = attend_reference(q.astype(F32), k_pages.astype(F32), v_pages.astype(F32), *rest, sm_scale=case.sm_scale)
+    got = attend_gpu(q, k_pages, to_dim_major(v_pages), *rest, sm_scale=case.sm_scale, sizes=sizes, interpret=True,
+                     v_layout="dim_major")
+    token_major = attend_gpu(q, k_pages, v_pages, *rest, sm_scale=case.sm_scale, sizes=sizes, interpret=True)
+    assert got.shape == q.shape and got.dtype == q_dtype and not np.isnan(_as_f32(got)).any()
+    tol = 1e-4 if q_dtype == F32 else 3e-2
+    np.testing.assert_allclose(_as_f32(got), _as_f32(want), rtol=tol, atol=tol)
+    # Same values in, the same sums: the layout changes only how V reaches the dot.
+    np.testing.assert_allclose(_as_f32(got), _as_f32(token_major), rtol=tol / 10, atol=tol / 10)
+
+
+def test_gpu_kernel_rejects_an_unknown_v_layout_and_mismatched_v_pages():
+    case = make_case(11, [(1, 20)], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    args = (case.q, case.k_pages, case.v_pages, case.page_tables, case.cu_q_lens, case.kv_lens)
+    with pytest.raises(ValueError, match="v_layout must be one of"):
+        attend_gpu(*args, sm_scale=0.1, sizes=BlockSizes(4, 16, 1), interpret=True, v_layout="head_major")
+    with pytest.raises(ValueError, match="do not hold k_pages"):
+        attend_gpu(case.q, case.k_pages, case.v_pages[:, :-1], *args[3:], sm_scale=0.1, sizes=BlockSizes(4, 16, 1),
+                   interpret=True, v_layout="dim_major")
+
+
+def test_gpu_kernel_over_dim_major_fp8_v_pages_lowers_through_triton_from_cpu():
+    # Pallas -> Triton IR for an abstract H200: catches what interpret mode does not (the transposed
+    # gather and the dot's trans_b on a widened fp8 tile).
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
+    spec = jax.ShapeDtypeStruct
+    num_kv_heads, num_pages, page_size, head_dim = 2, 64, 32, 128
+    step = jax.jit(lambda q, k, v, pt, cu, kv: attend_gpu(q, k, v, pt, cu, kv, sm_scale=0.1, v_layout="dim_major",
+                                                          sizes=BlockSizes(4, 64, 2, num_warps=2, num_stages=3,
+                                                                           merge_kernel=True)))
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = step.trace(spec((4, 8, head_dim), BF16), spec((num_kv_heads, num_pages, page_size, head_dim), FP8),
+                             spec((num_kv_heads, num_pages, head_dim, page_size), FP8), spec((4, 16), jnp.int32),
+                             spec((5,), jnp.int32), spec((4,), jnp.int32)).lower(lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text()
