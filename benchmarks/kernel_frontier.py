@@ -626,27 +626,44 @@ def run_fp8_stage(results, table, budget, page_size, shapes=None, sweep_shapes=N
         candidates = {k: v for k, v in candidates.items() if k not in tried[batch, context]}
         if INTERPRET:
             candidates = dict(list(candidates.items())[:1])
-        state_shape, consts_shape = fp8_abstract_args(batch, context, page_size, fp8)
+        # Each candidate also over dim-major V pages (its own best sizes; recorded, never adopted:
+        # the engine's pages are token-major), and the dim-major column at the engine's sizes.
+        jobs = {}
+        for label, c in candidates.items():
+            jobs[label, "token_major"] = (default_full_step(c), *fp8_abstract_args(batch, context, page_size, fp8),
+                                          True)
+            jobs[label, "dim_major"] = (dim_major_v_full_step(c),
+                                        *fp8_abstract_args(batch, context, page_size, fp8, True), True)
         start = time.time()
-        compiled = compile_jobs({k: (default_full_step(v), state_shape, consts_shape, True) for k, v in candidates.items()})
+        compiled = compile_jobs(jobs)
         say(f"  fp8 sweep B={batch} ctx={context}: compiled {len(compiled)} candidates in {time.time() - start:.1f}s")
-        state, consts = fp8_real_args(batch, context, page_size, fp8)
+        dim_major_tried = {sizes_label(default): row["fp8_v_dim_major_s"]} if row.get("fp8_v_dim_major_s") else {}
+        # Both layouts' chains alive at once, so each candidate's two timings are taken back to back.
+        states = {layout: fp8_real_args(batch, context, page_size, fp8, v_dim_major=layout == "dim_major")
+                  for layout in ("token_major", "dim_major")}
         try:
-            for key, run in compiled.items():
+            for (key, layout), run in compiled.items():
                 budget.check(3)
                 if isinstance(run, Exception):
-                    say(f"  fp8 sweep B={batch} ctx={context} {key}: {type(run).__name__} {str(run)[:150]}")
+                    say(f"  fp8 sweep B={batch} ctx={context} {key} V {layout}: {type(run).__name__} {str(run)[:150]}")
                     continue
+                state, consts = states[layout]
                 t, state = time_compiled(run, state, *consts)
-                tried[batch, context][key] = t
-                say(f"  fp8 sweep B={batch} ctx={context} {key}: {t * 1e6:8.1f}us "
+                states[layout] = state, consts
+                (tried[batch, context] if layout == "token_major" else dim_major_tried)[key] = t
+                say(f"  fp8 sweep B={batch} ctx={context} {key} V {layout}: {t * 1e6:8.1f}us "
                     f"{row['fp8_bytes'] / t / 1e12:.2f}TB/s of fp8 bytes")
                 results.append({"workload": "sweep-decode-fp8", "batch": batch, "context": context,
-                                "sizes": dataclasses.asdict(candidates[key]), "s": t,
+                                "sizes": dataclasses.asdict(candidates[key]), "s": t, "v_layout": layout,
                                 "tbs": row["fp8_bytes"] / t / 1e12})
         except OutOfTime:
             say(f"fp8 sweep B={batch} ctx={context}: stopped by the time budget")
-        del state, consts, compiled
+        del states, compiled
+        if dim_major_tried:
+            best_dm = min(dim_major_tried, key=dim_major_tried.get)
+            row["best_v_dim_major_s"] = dim_major_tried[best_dm]
+            row["best_v_dim_major_sizes"] = dataclasses.asdict(_parse(best_dm))
+            row["best_v_dim_major_tbs"] = row["fp8_bytes"] / dim_major_tried[best_dm] / 1e12
         best_label = min(tried[batch, context], key=tried[batch, context].get)
         best_s = tried[batch, context][best_label]
         row["best_s"], row["best_sizes"] = best_s, dataclasses.asdict(_parse(best_label))
@@ -657,7 +674,9 @@ def run_fp8_stage(results, table, budget, page_size, shapes=None, sweep_shapes=N
                       "default_us": row.get("fp8_s", float("nan")) * 1e6})
         say(f"fp8 B={batch} ctx={context} RESULT: best {best_s * 1e6:.1f}us {row['best_tbs']:.2f}TB/s of fp8 bytes "
             f"[{best_label}] | engine's sizes {row.get('fp8_s', float('nan')) * 1e6:.1f}us | bf16 pages "
-            f"{row.get('bf16_s', float('nan')) * 1e6:.1f}us")
+            f"{row.get('bf16_s', float('nan')) * 1e6:.1f}us | V dim-major best "
+            f"{row.get('best_v_dim_major_s', float('nan')) * 1e6:.1f}us "
+            f"{row.get('best_v_dim_major_tbs', float('nan')):.2f}TB/s")
 
 
 def check_fp8_widening(results):
@@ -890,8 +909,10 @@ def fp8_markdown(report, read) -> list[str]:
              "before session 8), same sizes. 'best': the fp8 sweep's best (→ gpu_fp8_decode_table.json).",
              "", "| B | ctx | bf16 pages µs | bf16 TB/s | fp8 µs | fp8 TB/s | fp8 / ceiling | fp8 ÷ bf16 tok/s "
              "| V dim-major µs | V dim-major TB/s | V dim-major / ceiling "
-             "| fp8 before TB/s | best fp8 µs | best TB/s | best / ceiling | best ÷ bf16 tok/s | best sizes |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| fp8 before TB/s | best fp8 µs | best TB/s | best / ceiling | best ÷ bf16 tok/s | best sizes "
+             "| best V dim-major TB/s | its / ceiling | its sizes |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+             "| --- | --- | --- |"]
     us = lambda r, k: f"{r[k] * 1e6:.1f}" if r.get(k) else "–"  # noqa: E731
     tb = lambda r, k: f"{r[k]:.2f}" if r.get(k) else "–"  # noqa: E731
     pct = lambda r, k: f"{r[k] / read:.0%}" if r.get(k) and read == read else "–"  # noqa: E731
@@ -903,8 +924,16 @@ def fp8_markdown(report, read) -> list[str]:
             f"| {tb(r, 'fp8_tbs')} | {pct(r, 'fp8_tbs')} | {tb(r, 'fp8_speedup')} | {us(r, 'fp8_v_dim_major_s')} "
             f"| {tb(r, 'fp8_v_dim_major_tbs')} | {pct(r, 'fp8_v_dim_major_tbs')} | {tb(r, 'fp8_widen_query_tbs')} "
             f"| {us(r, 'best_s')} | **{tb(r, 'best_tbs')}** | {pct(r, 'best_tbs')} | {best_speedup} "
-            f"| {(str(bs['block_kv']) + '/' + str(bs['num_warps']) + 'w/' + str(bs['num_stages']) + 'st, ' + str(bs['num_splits']) + ' splits') if bs else '–'} |")
+            f"| {_sizes_cell(bs)} | {tb(r, 'best_v_dim_major_tbs')} | {pct(r, 'best_v_dim_major_tbs')} "
+            f"| {_sizes_cell(r.get('best_v_dim_major_sizes'))} |")
     return lines
+
+
+def _sizes_cell(sizes: dict | None) -> str:
+    """block_kv/warps/stages and splits of a sizes dict, for a table cell."""
+    if not sizes:
+        return "–"
+    return f"{sizes['block_kv']}/{sizes['num_warps']}w/{sizes['num_stages']}st, {sizes['num_splits']} splits"
 
 
 def plot(out_dir, report, read_ceiling, matmul_rate):

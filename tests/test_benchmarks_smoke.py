@@ -309,6 +309,10 @@ def test_kernel_frontier_fp8_stage_writes_an_adoptable_table(tmp_path):
     assert {(c["fp8_widen_to"], c.get("v_layout", "token_major")) for c in checks} == {
         ("float16", "token_major"), ("query", "token_major"), ("float16", "dim_major")}
     assert all(c["rel_err"] < 3e-2 and not c["nan"] for c in checks)
+    # The sweep times each candidate over both V layouts; only token-major entries reach the table.
+    sweep = [r for r in report["results"] if r["workload"] == "sweep-decode-fp8"]
+    assert {r["v_layout"] for r in sweep} == {"token_major", "dim_major"}
+    assert all(r.get("best_v_dim_major_s") for r in rows)
     entries = json.loads((out / "gpu_fp8_decode_table.json").read_text())["entries"]
     assert {(e["batch"], e["context"], e["kv_itemsize"]) for e in entries} == {(2, 256, 1), (1, 512, 1)}
     assert "fp8 ÷ bf16 tok/s" in (out / "kernel_frontier.md").read_text()
