@@ -98,3 +98,81 @@ def test_gpu_kernel_over_dim_major_fp8_v_pages_lowers_through_triton_from_cpu():
                              spec((num_kv_heads, num_pages, head_dim, page_size), FP8), spec((4, 16), jnp.int32),
                              spec((5,), jnp.int32), spec((4,), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text()
+
+
+# The engine's side: the dispatcher, the cache and the switch ------------------------------------------------
+
+
+def _batch(case):
+    from jaxinfer.batch import StepBatch
+
+    return StepBatch(token_ids=None, positions=None, cu_q_lens=case.cu_q_lens, kv_lens=case.kv_lens,
+                     page_tables=case.page_tables, logits_indices=None)
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu_interpret"])
+def test_dispatcher_over_dim_major_fp8_pages_equals_it_over_token_major(impl):
+    # Scaled fp8 pages as the engine holds them; copies, since the kernel donates its pages.
+    from jaxinfer.attention import paged_attention
+    from jaxinfer.kv_cache_dtype import quantize_to_fp8
+
+    case = make_case(5, [(1, 37), (6, 40), (0, 0), (17, 17)], num_q_heads=8, num_kv_heads=2, pad_tokens=2)
+    k_scale, v_scale = jnp.float32(0.05), jnp.float32(3.0)
+    k_pages, v_pages = quantize_to_fp8(case.k_pages, k_scale), quantize_to_fp8(case.v_pages, v_scale)
+    common = dict(sm_scale=case.sm_scale, impl=impl, k_scale=k_scale, v_scale=v_scale)
+    want, want_k, want_v = paged_attention(case.q, case.k_new, case.v_new, jnp.array(k_pages), jnp.array(v_pages),
+                                           _batch(case), **common)
+    got, got_k, got_v = paged_attention(case.q, case.k_new, case.v_new, jnp.array(k_pages), to_dim_major(v_pages),
+                                        _batch(case), v_layout="dim_major", **common)
+    assert not np.isnan(np.asarray(got)).any()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(_as_f32(got_k), _as_f32(want_k))
+    np.testing.assert_array_equal(_as_f32(got_v), _as_f32(to_dim_major(want_v)))  # NaN of unowned rows kept
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu", "pallas_tpu_interpret", "pallas_gpu_fused_interpret"])
+def test_dispatcher_refuses_dim_major_v_pages_where_the_kernel_cannot_read_them(impl):
+    from jaxinfer.attention import check_v_layout
+
+    with pytest.raises(ValueError, match=f"not by attention impl '{impl}'"):
+        check_v_layout("dim_major", impl)
+    with pytest.raises(ValueError, match="v_layout must be one of"):
+        check_v_layout("transposed", "pallas_gpu")
+    check_v_layout("token_major", impl)  # every implementation reads the engine's default
+
+
+def _fp8_llm(**options):
+    from jaxinfer import LLM
+
+    from .conftest import FIXTURES
+
+    return LLM(str(FIXTURES / "tiny-llama3"), dtype="float32", kv_cache_dtype="fp8", max_model_len=256,
+               max_num_seqs=4, max_num_batched_tokens=32, num_pages=40, page_size=16, use_tqdm=False, max_wait_s=0.0,
+               warm_up=False, **options)
+
+
+def test_engine_with_dim_major_v_pages_generates_what_it_does_with_token_major(monkeypatch):
+    # JAXINFER_V_LAYOUT is read once, when the engine is made: the cache's V arrays are dim-major and every
+    # step reads them so. A 32-token budget chunks the prompts and mixes chunks with decode tokens.
+    from jaxinfer import SamplingParams
+
+    prompts = ["The quick brown fox jumps over the lazy dog " * 4, "hello", "Paged attention reads pages"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in _fp8_llm(attention_impl="pallas_gpu_interpret").generate(
+        prompts, params, use_tqdm=False)]
+    monkeypatch.setenv("JAXINFER_V_LAYOUT", "dim_major")
+    llm = _fp8_llm(attention_impl="pallas_gpu_interpret")
+    cache = llm.engine.runner.cache
+    assert cache.v_layout == "dim_major" and cache.v[0].shape == cache.k[0].shape[:2] + cache.k[0].shape[2:][::-1]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+
+
+def test_engine_refuses_dim_major_v_pages_for_an_attention_that_cannot_read_them(monkeypatch):
+    monkeypatch.setenv("JAXINFER_V_LAYOUT", "dim_major")
+    with pytest.raises(ValueError, match=r"\$JAXINFER_V_LAYOUT='dim_major': dim-major V pages are read by the "
+                                         r"pallas_gpu kernels only, not by attention impl 'cpu'"):
+        _fp8_llm(attention_impl="cpu")
+    monkeypatch.setenv("JAXINFER_V_LAYOUT", "sideways")
+    with pytest.raises(ValueError, match="v_layout must be one of"):
+        _fp8_llm(attention_impl="pallas_gpu_interpret")

@@ -276,7 +276,7 @@ def _split_init_refs(kernel, *refs, num_init: int):
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q", "block_kv", "num_splits",
                      "num_warps", "num_stages", "prefetch_pages", "merge_kernel", "interpret", "fp8_widen_to",
-                     "kv_write"),
+                     "kv_write", "v_layout"),
     donate_argnames=("k_pages", "v_pages"),
 )
 def ragged_paged_attention_gpu(
@@ -302,6 +302,7 @@ def ragged_paged_attention_gpu(
     interpret: bool = False,
     fp8_widen_to: str = "float16",
     kv_write: str = "xla",
+    v_layout: str = "token_major",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Same contract as ``ragged_paged_attention_reference``; the cache is donated and updated in place.
 
@@ -310,8 +311,9 @@ def ragged_paged_attention_gpu(
     their own measured sizes (``gpu_block_sizes(kv_itemsize=1)``) and widen tiles as
     ``fp8_widen_to`` says (``fp8_tile_dtype``). ``kv_write``: the new K/V's write, XLA's two
     scatters (``"xla"``) or one Pallas launch (``"pallas"``, opt-in): ``gpu_write_kv.write_kv``.
+    ``v_layout="dim_major"``: V pages stored ``[Hkv, P, D, page_size]`` (``v_layout.py``, opt-in).
     """
-    check_inputs(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
+    check_inputs(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, v_layout)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     if head_dim & (head_dim - 1):
@@ -335,13 +337,14 @@ def ragged_paged_attention_gpu(
     return attend_and_write_gpu(
         q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes, interpret=interpret, fp8_widen_to=fp8_widen_to,
-        kv_write=kv_write,
+        kv_write=kv_write, v_layout=v_layout,
     )
 
 
 def attend_and_write_gpu(
     q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sliding_window=None,
     soft_cap=None, sizes: BlockSizes, interpret: bool = False, fp8_widen_to: str = "float16", kv_write: str = "xla",
+    v_layout: str = "token_major",
 ):
     """This step's K/V written into the cache (``gpu_write_kv.write_kv``: XLA's two scatters, or
     one Pallas launch), then ``attend_gpu``. Returns (out, k_pages, v_pages).
@@ -350,9 +353,10 @@ def attend_and_write_gpu(
     either at given sizes. The write is in place only when the caller's jit donates the cache.
     """
     k_pages, v_pages = write_kv(k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, kv_write=kv_write,
-                                interpret=interpret)
+                                interpret=interpret, v_layout=v_layout)
     out = attend_gpu(
         q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes, interpret=interpret, fp8_widen_to=fp8_widen_to,
+        v_layout=v_layout,
     )
     return out, k_pages, v_pages

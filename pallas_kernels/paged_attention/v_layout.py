@@ -10,10 +10,13 @@ Stored "dim_major" (``[Hkv, pages, D, page_size]``), each of a page's dims holds
 contiguously: the V tile is loaded transposed, ``[D, BK]``, and P·V takes it as K is taken in
 Q·K^T, with vectorised operand loads.
 
-So far only ``gpu.attend_gpu`` reads this layout (``v_layout="dim_major"``), and
-:func:`write_kv_dim_major_v` writes it, for the kernel benchmark (``benchmarks/kernel_frontier.py``'s
-fp8 stage). The engine's cache, its K/V writes, the reference, prefix sharing and the TPU
-kernel keep token-major pages until a GPU run shows the layout pays for them.
+The Pallas-Triton kernel reads this layout (``gpu.attend_gpu`` / ``ragged_paged_attention_gpu`` /
+the fresh-prefill paths, ``v_layout="dim_major"``) and :func:`write_kv_dim_major_v` writes it
+(XLA's scatters). The engine stores it only when asked, ``JAXINFER_V_LAYOUT=dim_major``
+(``jaxinfer.kv_cache.engine_v_layout``), until a GPU run shows it pays: kernel_frontier's fp8 stage
+and throughput-1k with and without (plan s26a). The reference, the CPU paths, the TPU kernel and
+the fused-write kernel read token-major pages only (``jaxinfer.attention.check_v_layout`` refuses
+the rest); prefix sharing and preemption move whole pages and are indifferent to the layout.
 """
 
 from __future__ import annotations
