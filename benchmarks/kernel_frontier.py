@@ -506,6 +506,8 @@ FP8_WIDEN_QUERY_SHAPES = {(32, 4096), (256, 4096), (32, 16384), (128, 16384)}
 FP8_KINDS = ("bf16", "fp8", "fp8_v_dim_major", "fp8_widen_query")
 # (block_kv, warps, stages): an fp8 tile of 128 KV tokens holds the bytes of a bf16 tile of 64.
 FP8_TILE_VARIANTS = [(128, 2, 3), (128, 4, 3), (256, 4, 2), (64, 4, 3), (256, 8, 2)]
+# Over dim-major V pages a block is one page at most (32 tokens at the engine's page size): deeper pipelines too.
+DIM_MAJOR_TILE_VARIANTS = [(32, 2, 4), (32, 4, 4), (32, 2, 2)]
 
 
 def fp8_sizes(batch, context, page_size, kv_itemsize):
@@ -522,6 +524,11 @@ def default_full_step(sizes: BlockSizes, fp8_widen_to: str = "float16"):
                                                  sm_scale=SM_SCALE, sizes=sizes, interpret=INTERPRET,
                                                  fp8_widen_to=fp8_widen_to)
     return step
+
+
+def dim_major_sizes(sizes: BlockSizes, page_size: int) -> BlockSizes:
+    """``sizes`` as the kernel runs them over dim-major V pages: a block of at most one page."""
+    return dataclasses.replace(sizes, block_kv=min(sizes.block_kv, page_size))
 
 
 def dim_major_v_full_step(sizes: BlockSizes):
@@ -558,10 +565,11 @@ def fp8_real_args(batch, context, page_size, kv_dtype, v_dim_major: bool = False
     return (q, k_pages, v_pages), (k_new, v_new, page_tables, cu_q_lens, kv_lens)
 
 
-def fp8_sweep_candidates(default: BlockSizes, context: int) -> list[BlockSizes]:
-    """FP8_TILE_VARIANTS at the default's split count (capped so that each split walks two tiles)."""
+def fp8_sweep_candidates(default: BlockSizes, context: int, variants=None) -> list[BlockSizes]:
+    """``variants`` (default FP8_TILE_VARIANTS) at the default's split count (capped so that each
+    split walks two tiles)."""
     out = []
-    for block_kv, warps, stages in FP8_TILE_VARIANTS:
+    for block_kv, warps, stages in variants or FP8_TILE_VARIANTS:
         splits = max(1, min(default.num_splits, context // (block_kv * 2)))
         out.append(dataclasses.replace(default, block_kv=block_kv, num_warps=warps, num_stages=stages,
                                        num_splits=splits))
@@ -626,18 +634,25 @@ def run_fp8_stage(results, table, budget, page_size, shapes=None, sweep_shapes=N
         candidates = {k: v for k, v in candidates.items() if k not in tried[batch, context]}
         if INTERPRET:
             candidates = dict(list(candidates.items())[:1])
-        # Each candidate also over dim-major V pages (its own best sizes; recorded, never adopted:
-        # the engine's pages are token-major), and the dim-major column at the engine's sizes.
+        # The same candidates over dim-major V pages (their own best sizes; recorded, never adopted: the
+        # engine's pages are token-major). The kernel caps their block at a page, so several collapse.
+        dm_default = dim_major_sizes(default, page_size)
+        dm_candidates = {sizes_label(dim_major_sizes(c, page_size)): dim_major_sizes(c, page_size)
+                         for c in fp8_sweep_candidates(default, context, FP8_TILE_VARIANTS + DIM_MAJOR_TILE_VARIANTS)}
+        dm_candidates = {k: v for k, v in dm_candidates.items() if k != sizes_label(dm_default)}
+        if INTERPRET:
+            dm_candidates = dict(list(dm_candidates.items())[:1])
         jobs = {}
         for label, c in candidates.items():
             jobs[label, "token_major"] = (default_full_step(c), *fp8_abstract_args(batch, context, page_size, fp8),
                                           True)
+        for label, c in dm_candidates.items():
             jobs[label, "dim_major"] = (dim_major_v_full_step(c),
                                         *fp8_abstract_args(batch, context, page_size, fp8, True), True)
         start = time.time()
         compiled = compile_jobs(jobs)
         say(f"  fp8 sweep B={batch} ctx={context}: compiled {len(compiled)} candidates in {time.time() - start:.1f}s")
-        dim_major_tried = {sizes_label(default): row["fp8_v_dim_major_s"]} if row.get("fp8_v_dim_major_s") else {}
+        dim_major_tried = {sizes_label(dm_default): row["fp8_v_dim_major_s"]} if row.get("fp8_v_dim_major_s") else {}
         # Both layouts' chains alive at once, so each candidate's two timings are taken back to back.
         states = {layout: fp8_real_args(batch, context, page_size, fp8, v_dim_major=layout == "dim_major")
                   for layout in ("token_major", "dim_major")}
@@ -653,8 +668,9 @@ def run_fp8_stage(results, table, budget, page_size, shapes=None, sweep_shapes=N
                 (tried[batch, context] if layout == "token_major" else dim_major_tried)[key] = t
                 say(f"  fp8 sweep B={batch} ctx={context} {key} V {layout}: {t * 1e6:8.1f}us "
                     f"{row['fp8_bytes'] / t / 1e12:.2f}TB/s of fp8 bytes")
+                sizes = (candidates if layout == "token_major" else dm_candidates)[key]
                 results.append({"workload": "sweep-decode-fp8", "batch": batch, "context": context,
-                                "sizes": dataclasses.asdict(candidates[key]), "s": t, "v_layout": layout,
+                                "sizes": dataclasses.asdict(sizes), "s": t, "v_layout": layout,
                                 "tbs": row["fp8_bytes"] / t / 1e12})
         except OutOfTime:
             say(f"fp8 sweep B={batch} ctx={context}: stopped by the time budget")

@@ -149,8 +149,13 @@ def _attend_tile(tile, kv_head, split, meta_ref, page_tables_ref, q_ref, k_ref, 
             return plgpu.load(ref.at[slot_2d, lane_2d], mask=load_mask, other=other).astype(tile_dtype)
 
         def load_v_transposed():  # V^T [D, BK] from dim-major pages: dim d of token (page, r) is row
-            # page * D + d, column r, of the flattened pages (v_layout.py)
-            v_row = page[None, :] * head_dim + jnp.arange(head_dim, dtype=jnp.int32)[:, None]
+            # page * D + d, column r, of the flattened pages (v_layout.py). The block lies in one page
+            # (attend_gpu keeps block_kv <= page_size), read as a scalar: with the page the same for
+            # the whole row, Triton can prove each row's columns contiguous and vectorise the load
+            # (a per-token page vector would hide that; token-major tiles are contiguous along D).
+            block_page = page_tables_ref[seq, (i * block_kv) // page_size]
+            v_row = block_page * head_dim + jnp.arange(head_dim, dtype=jnp.int32)[:, None]  # [D, 1]
+            v_row = jnp.broadcast_to(v_row, (head_dim, block_kv))
             v_col = jnp.broadcast_to((kv_pos % page_size)[None, :], (head_dim, block_kv))
             v_mask = jnp.broadcast_to(in_seq[None, :], (head_dim, block_kv)) if masked else None
             return plgpu.load(v_ref.at[v_row, v_col], mask=v_mask, other=other).astype(tile_dtype)
@@ -194,8 +199,9 @@ def attend_gpu(
     rows into, in place (donate it), instead of zeros; rows of no tile keep its values. So another
     kernel's output for the rows of emptied tiles needs no select and no zero fill.
     ``v_layout``: ``"token_major"`` (the engine's pages) or ``"dim_major"``: ``v_pages`` is
-    ``[Hkv, P, D, page_size]`` and the kernel loads V tiles transposed (``v_layout.py``, a layout
-    under measurement for float8 pages).
+    ``[Hkv, P, D, page_size]`` and the kernel loads V tiles transposed, a page at most a block
+    (``sizes.block_kv`` is capped at the page size; ``v_layout.py``, a layout under measurement
+    for float8 pages).
     """
     if v_layout not in V_LAYOUTS:
         raise ValueError(f"v_layout must be one of {V_LAYOUTS}, got {v_layout!r}")
@@ -210,6 +216,8 @@ def attend_gpu(
     # Flattening pages is a bitcast: row page * page_size + r is token r of that page.
     k_flat = k_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
     v_dim_major = v_layout == "dim_major"
+    if v_dim_major and sizes.block_kv > page_size:  # a block's V^T is read from one page (load_v_transposed)
+        sizes = dataclasses.replace(sizes, block_kv=page_size)
     v_rows, v_cols = (num_pages * head_dim, page_size) if v_dim_major else (num_pages * page_size, head_dim)
     if v_pages.size != num_kv_heads * v_rows * v_cols:
         raise ValueError(f"v_pages {v_pages.shape} do not hold k_pages' {k_pages.shape} tokens")
