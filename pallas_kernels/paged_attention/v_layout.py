@@ -16,7 +16,7 @@ The Pallas-Triton kernel reads this layout (``gpu.attend_gpu`` / ``ragged_paged_
 the fresh-prefill paths, ``v_layout="dim_major"``) and :func:`write_kv_dim_major_v` writes it
 (XLA's scatters). The engine stores it only when asked, ``JAXINFER_V_LAYOUT=dim_major``
 (``jaxinfer.kv_cache.engine_v_layout``), until a GPU run shows it pays: kernel_frontier's fp8 stage
-and throughput-1k with and without (plan s26a). The reference, the CPU paths, the TPU kernel and
+and throughput-1k with and without (plans s26a and s26b). The reference, the CPU paths, the TPU kernel and
 the fused-write kernel read token-major pages only (``jaxinfer.attention.check_v_layout`` refuses
 the rest); prefix sharing and preemption move whole pages and are indifferent to the layout.
 """
