@@ -218,6 +218,9 @@ def attend_gpu(
     v_dim_major = v_layout == "dim_major"
     if v_dim_major and sizes.block_kv > page_size:  # a block's V^T is read from one page (load_v_transposed)
         sizes = dataclasses.replace(sizes, block_kv=page_size)
+    if v_dim_major and sizes.block_kv < 16 and not interpret:
+        raise ValueError(f"dim-major V pages need blocks of >= 16 tokens on a GPU (Triton's dot), so pages of >= 16 "
+                         f"tokens; got block_kv {sizes.block_kv}, page_size {page_size}")
     v_rows, v_cols = (num_pages * head_dim, page_size) if v_dim_major else (num_pages * page_size, head_dim)
     if v_pages.size != num_kv_heads * v_rows * v_cols:
         raise ValueError(f"v_pages {v_pages.shape} do not hold k_pages' {k_pages.shape} tokens")
