@@ -506,8 +506,9 @@ FP8_WIDEN_QUERY_SHAPES = {(32, 4096), (256, 4096), (32, 16384), (128, 16384)}
 FP8_KINDS = ("bf16", "fp8", "fp8_v_dim_major", "fp8_widen_query")
 # (block_kv, warps, stages): an fp8 tile of 128 KV tokens holds the bytes of a bf16 tile of 64.
 FP8_TILE_VARIANTS = [(128, 2, 3), (128, 4, 3), (256, 4, 2), (64, 4, 3), (256, 8, 2)]
-# Over dim-major V pages a block is one page at most (32 tokens at the engine's page size): deeper pipelines too.
-DIM_MAJOR_TILE_VARIANTS = [(32, 2, 4), (32, 4, 4), (32, 2, 2)]
+# Over dim-major V pages a block is read a page at a time: blocks of one page (32 tokens at the engine's
+# page size) with deeper pipelines too.
+DIM_MAJOR_TILE_VARIANTS = [(32, 2, 3), (32, 2, 4), (32, 4, 4)]
 
 
 def fp8_sizes(batch, context, page_size, kv_itemsize):
@@ -524,11 +525,6 @@ def default_full_step(sizes: BlockSizes, fp8_widen_to: str = "float16"):
                                                  sm_scale=SM_SCALE, sizes=sizes, interpret=INTERPRET,
                                                  fp8_widen_to=fp8_widen_to)
     return step
-
-
-def dim_major_sizes(sizes: BlockSizes, page_size: int) -> BlockSizes:
-    """``sizes`` as the kernel runs them over dim-major V pages: a block of at most one page."""
-    return dataclasses.replace(sizes, block_kv=min(sizes.block_kv, page_size))
 
 
 def dim_major_v_full_step(sizes: BlockSizes):
@@ -634,12 +630,11 @@ def run_fp8_stage(results, table, budget, page_size, shapes=None, sweep_shapes=N
         candidates = {k: v for k, v in candidates.items() if k not in tried[batch, context]}
         if INTERPRET:
             candidates = dict(list(candidates.items())[:1])
-        # The same candidates over dim-major V pages (their own best sizes; recorded, never adopted: the
-        # engine's pages are token-major). The kernel caps their block at a page, so several collapse.
-        dm_default = dim_major_sizes(default, page_size)
-        dm_candidates = {sizes_label(dim_major_sizes(c, page_size)): dim_major_sizes(c, page_size)
+        # The same candidates over dim-major V pages, and blocks of one page (their own best sizes; recorded,
+        # never adopted: the engine's pages are token-major).
+        dm_candidates = {sizes_label(c): c
                          for c in fp8_sweep_candidates(default, context, FP8_TILE_VARIANTS + DIM_MAJOR_TILE_VARIANTS)}
-        dm_candidates = {k: v for k, v in dm_candidates.items() if k != sizes_label(dm_default)}
+        dm_candidates = {k: v for k, v in dm_candidates.items() if k != sizes_label(default)}
         if INTERPRET:
             dm_candidates = dict(list(dm_candidates.items())[:1])
         jobs = {}
@@ -652,7 +647,7 @@ def run_fp8_stage(results, table, budget, page_size, shapes=None, sweep_shapes=N
         start = time.time()
         compiled = compile_jobs(jobs)
         say(f"  fp8 sweep B={batch} ctx={context}: compiled {len(compiled)} candidates in {time.time() - start:.1f}s")
-        dim_major_tried = {sizes_label(dm_default): row["fp8_v_dim_major_s"]} if row.get("fp8_v_dim_major_s") else {}
+        dim_major_tried = {sizes_label(default): row["fp8_v_dim_major_s"]} if row.get("fp8_v_dim_major_s") else {}
         # Both layouts' chains alive at once, so each candidate's two timings are taken back to back.
         states = {layout: fp8_real_args(batch, context, page_size, fp8, v_dim_major=layout == "dim_major")
                   for layout in ("token_major", "dim_major")}

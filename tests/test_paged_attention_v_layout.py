@@ -42,12 +42,14 @@ def test_dim_major_write_rejects_token_major_v_pages():
 
 
 # (seqs, q dtype, page dtype, sizes): decode with splits over fp8 pages (the layout's purpose), a
-# mixed prefill + decode batch at one split with tiles of several pages, and f32 to the reference's
-# precision; contexts end mid-page and on a page boundary.
+# mixed prefill + decode batch at one split with blocks of two pages, f32 to the reference's precision
+# with blocks of half a page, and blocks of four pages; contexts end mid-page and on a page boundary.
 CASES = {
     "fp8_decode_splits": ([(1, 70), (1, 32), (0, 0), (1, 5)], BF16, FP8, BlockSizes(4, 16, 3, merge_kernel=True)),
     "bf16_mixed": ([(12, 40), (1, 64), (5, 5)], BF16, BF16, BlockSizes(8, 32, 1)),
     "f32_decode": ([(1, 37), (1, 16), (1, 1)], F32, F32, BlockSizes(4, 8, 2)),
+    # Four pages a block, one part each, with splits: parts past a sequence's pages are masked.
+    "fp8_four_pages_a_block": ([(1, 150), (1, 20), (3, 70)], BF16, FP8, BlockSizes(4, 64, 2, merge_kernel=True)),
 }
 
 

@@ -133,6 +133,8 @@ def _attend_tile(tile, kv_head, split, meta_ref, page_tables_ref, q_ref, k_ref, 
         return tile_lib.block_page_ids(page_tables_ref, seq, i, block_kv=block_kv, page_size=page_size)
 
     def step(i, carry, masked: bool, page=None):
+        if v_dim_major:
+            return dim_major_step(i, carry, masked)
         kv_pos = i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # [BK]
         in_seq = kv_pos < kv_end
         if page is None:
@@ -148,22 +150,44 @@ def _attend_tile(tile, kv_head, split, meta_ref, page_tables_ref, q_ref, k_ref, 
         def load(ref):  # [BK, D] in the tile dtype
             return plgpu.load(ref.at[slot_2d, lane_2d], mask=load_mask, other=other).astype(tile_dtype)
 
-        def load_v_transposed():  # V^T [D, BK] from dim-major pages: dim d of token (page, r) is row
-            # page * D + d, column r, of the flattened pages (v_layout.py). The block lies in one page
-            # (attend_gpu keeps block_kv <= page_size), read as a scalar: with the page the same for
-            # the whole row, Triton can prove each row's columns contiguous and vectorise the load
-            # (a per-token page vector would hide that; token-major tiles are contiguous along D).
-            block_page = page_tables_ref[seq, (i * block_kv) // page_size]
-            v_row = block_page * head_dim + jnp.arange(head_dim, dtype=jnp.int32)[:, None]  # [D, 1]
-            v_row = jnp.broadcast_to(v_row, (head_dim, block_kv))
-            v_col = jnp.broadcast_to((kv_pos % page_size)[None, :], (head_dim, block_kv))
-            v_mask = jnp.broadcast_to(in_seq[None, :], (head_dim, block_kv)) if masked else None
-            return plgpu.load(v_ref.at[v_row, v_col], mask=v_mask, other=other).astype(tile_dtype)
-
         return tile_lib.softmax_step(
-            q, load(k_ref), load_v_transposed if v_dim_major else lambda: load(v_ref), kv_pos, rows.row_pos,
-            lambda: in_seq, carry, masked=masked, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-            precision=precision, v_transposed=v_dim_major)
+            q, load(k_ref), lambda: load(v_ref), kv_pos, rows.row_pos, lambda: in_seq, carry, masked=masked,
+            scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, precision=precision)
+
+    def dim_major_step(i, carry, masked: bool):
+        """``step`` over dim-major V pages (v_layout.py): the block in parts of one page each (or the block,
+        when smaller), each part's page id read as a scalar. With the page the same along a V^T row
+        [D, part], Triton can prove the row's columns contiguous and vectorise its loads (a per-token page
+        vector would hide that; token-major rows are contiguous along D whatever their page)."""
+        part = min(block_kv, page_size)
+        pages_per_seq = page_tables_ref.shape[1]
+        other = 0.0 if masked else None
+
+        def load_v_part(v_rows, v_cols, v_mask):  # after the scores, as the token-major step loads V
+            return plgpu.load(v_ref.at[v_rows, v_cols], mask=v_mask, other=other).astype(tile_dtype)
+        ks, load_vs, kv_pos_parts, in_seq_parts = [], [], [], []
+        for j in range(block_kv // part):
+            first = i * block_kv + j * part
+            kv_pos = first + jnp.arange(part, dtype=jnp.int32)  # [part]
+            in_seq = kv_pos < kv_end
+            # Clamped: a part past the sequence's pages (a masked block's tail) is never read.
+            page = page_tables_ref[seq, jnp.minimum(first // page_size, pages_per_seq - 1)]
+            offset = kv_pos % page_size
+            k_rows = jnp.broadcast_to((page * page_size + offset)[:, None], (part, head_dim))
+            k_lanes = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32)[None, :], (part, head_dim))
+            k_mask = jnp.broadcast_to(in_seq[:, None], (part, head_dim)) if masked else None
+            ks.append(plgpu.load(k_ref.at[k_rows, k_lanes], mask=k_mask, other=other).astype(tile_dtype))
+            # V^T [D, part]: dim d of token (page, r) is row page * D + d, column r, of the flattened pages.
+            v_rows = jnp.broadcast_to(page * head_dim + jnp.arange(head_dim, dtype=jnp.int32)[:, None],
+                                      (head_dim, part))
+            v_cols = jnp.broadcast_to(offset[None, :], (head_dim, part))
+            v_mask = jnp.broadcast_to(in_seq[None, :], (head_dim, part)) if masked else None
+            load_vs.append(functools.partial(load_v_part, v_rows, v_cols, v_mask))
+            kv_pos_parts.append(kv_pos)
+            in_seq_parts.append(in_seq)
+        return tile_lib.softmax_step_parts(
+            q, ks, load_vs, kv_pos_parts, rows.row_pos, in_seq_parts, carry, masked=masked, scale=scale,
+            soft_cap=soft_cap, sliding_window=sliding_window, precision=precision, v_transposed=True)
 
     full_lo, full_hi = tile_lib.unmasked_block_range(my_lo, my_hi, first_pos, kv_end, block_kv=block_kv,
                                                      sliding_window=sliding_window)
@@ -199,9 +223,8 @@ def attend_gpu(
     rows into, in place (donate it), instead of zeros; rows of no tile keep its values. So another
     kernel's output for the rows of emptied tiles needs no select and no zero fill.
     ``v_layout``: ``"token_major"`` (the engine's pages) or ``"dim_major"``: ``v_pages`` is
-    ``[Hkv, P, D, page_size]`` and the kernel loads V tiles transposed, a page at most a block
-    (``sizes.block_kv`` is capped at the page size; ``v_layout.py``, a layout under measurement
-    for float8 pages).
+    ``[Hkv, P, D, page_size]`` and the kernel loads V tiles transposed, one page a part of a block
+    (``v_layout.py``, a layout under measurement for float8 pages).
     """
     if v_layout not in V_LAYOUTS:
         raise ValueError(f"v_layout must be one of {V_LAYOUTS}, got {v_layout!r}")
@@ -216,11 +239,9 @@ def attend_gpu(
     # Flattening pages is a bitcast: row page * page_size + r is token r of that page.
     k_flat = k_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
     v_dim_major = v_layout == "dim_major"
-    if v_dim_major and sizes.block_kv > page_size:  # a block's V^T is read from one page (load_v_transposed)
-        sizes = dataclasses.replace(sizes, block_kv=page_size)
-    if v_dim_major and sizes.block_kv < 16 and not interpret:
-        raise ValueError(f"dim-major V pages need blocks of >= 16 tokens on a GPU (Triton's dot), so pages of >= 16 "
-                         f"tokens; got block_kv {sizes.block_kv}, page_size {page_size}")
+    if v_dim_major and min(sizes.block_kv, page_size) < 16 and not interpret:  # a part: a page at most
+        raise ValueError(f"dim-major V pages need parts of >= 16 tokens on a GPU (Triton's dot), so pages and "
+                         f"blocks of >= 16 tokens; got block_kv {sizes.block_kv}, page_size {page_size}")
     v_rows, v_cols = (num_pages * head_dim, page_size) if v_dim_major else (num_pages * page_size, head_dim)
     if v_pages.size != num_kv_heads * v_rows * v_cols:
         raise ValueError(f"v_pages {v_pages.shape} do not hold k_pages' {k_pages.shape} tokens")

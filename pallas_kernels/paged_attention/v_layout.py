@@ -8,9 +8,8 @@ float8 pages Triton builds the operand one byte per value (Nsight Compute, ``doc
 ``LDS.U8`` is 13% of the kernel's instructions, which are twice bf16 pages' for half the bytes).
 Stored "dim_major" (``[Hkv, pages, D, page_size]``), each of a page's dims holds its tokens
 contiguously: the V tile is loaded transposed, ``[D, BK]``, and P·V takes it as K is taken in
-Q·K^T, with vectorised operand loads. The kernel's block is then one page at most (``gpu.attend_gpu``
-caps ``block_kv`` at the page size), so that the whole tile comes from one page, addressed by a
-scalar, which is what lets Triton vectorise its global loads.
+Q·K^T, with vectorised operand loads. The kernel reads a block a page at a time, each page
+addressed by a scalar page id, which is what lets Triton vectorise the V^T tile's global loads.
 
 The Pallas-Triton kernel reads this layout (``gpu.attend_gpu`` / ``ragged_paged_attention_gpu`` /
 the fresh-prefill paths, ``v_layout="dim_major"``) and :func:`write_kv_dim_major_v` writes it
