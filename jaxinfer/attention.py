@@ -42,7 +42,7 @@ from jaxinfer.kv_cache_dtype import is_fp8, quantize_to_fp8
 from pallas_kernels.paged_attention.cpu import ragged_paged_attention_cpu
 from pallas_kernels.paged_attention.page_storage import E4M3, E4M3_BITS, holds_e4m3_bits
 from pallas_kernels.paged_attention.reference import ragged_paged_attention_reference
-from pallas_kernels.paged_attention.v_layout import V_LAYOUTS
+from pallas_kernels.paged_attention.v_layout import check_v_layout_name
 from sharding.rules import shard_over_heads
 
 IMPLEMENTATIONS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret",
@@ -162,8 +162,7 @@ def check_v_layout(v_layout: str, impl: str) -> None:
     """Dim-major V pages (``pallas_kernels.paged_attention.v_layout``) are read by the Pallas-Triton
     kernel and its fresh-prefill paths only; a concrete ``impl`` (``resolve_impl``) that reads
     none, or an unknown layout, is refused here, before anything is traced."""
-    if v_layout not in V_LAYOUTS:
-        raise ValueError(f"v_layout must be one of {V_LAYOUTS}, got {v_layout!r}")
+    check_v_layout_name(v_layout)
     if v_layout == "dim_major" and not (impl in ("pallas_gpu", "pallas_gpu_interpret") or impl in _FRESH_PREFILL):
         raise ValueError(f"dim-major V pages are read by the pallas_gpu kernels only, not by attention impl {impl!r}")
 

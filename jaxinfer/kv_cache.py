@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache_dtype import is_fp8, page_array_dtype
-from pallas_kernels.paged_attention.v_layout import V_LAYOUTS
+from pallas_kernels.paged_attention.v_layout import check_v_layout_name
 
 
 @jax.tree_util.register_dataclass
@@ -72,8 +72,7 @@ def create_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=j
     ``scales``: per-layer (K, V) float32 scales of FP8 pages (default 1.0; ignored otherwise);
     ``v_layout``: how V is stored (``KVCache.v_layout``; ``sharding`` must be built for the same).
     """
-    if v_layout not in V_LAYOUTS:
-        raise ValueError(f"v_layout must be one of {V_LAYOUTS}, got {v_layout!r}")
+    check_v_layout_name(v_layout)
     shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
     v_shape = (config.num_kv_heads, num_pages, config.head_dim, page_size) if v_layout == "dim_major" else shape
     dtype = page_array_dtype(dtype)

@@ -80,7 +80,7 @@ from pallas_kernels.paged_attention import work_tiles as wt
 from pallas_kernels.paged_attention.block_sizes import BlockSizes, default_kernel_mechanisms, gpu_block_sizes
 from pallas_kernels.paged_attention.gpu_merge import merge_splits_gpu
 from pallas_kernels.paged_attention.gpu_write_kv import write_kv
-from pallas_kernels.paged_attention.v_layout import V_LAYOUTS
+from pallas_kernels.paged_attention.v_layout import check_v_layout_name
 from pallas_kernels.paged_attention.validation import check_inputs
 # Re-exported: callers and tests know them from here.
 from pallas_kernels.paged_attention.gpu_tile import F16_MAX, FP8_WIDEN_CHOICES, fp8_tile_dtype  # noqa: F401
@@ -165,6 +165,8 @@ def _attend_tile(tile, kv_head, split, meta_ref, page_tables_ref, q_ref, k_ref, 
 
         def load_v_part(v_rows, v_cols, v_mask):  # after the scores, as the token-major step loads V
             return plgpu.load(v_ref.at[v_rows, v_cols], mask=v_mask, other=other).astype(tile_dtype)
+
+        k_lanes = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32)[None, :], (part, head_dim))
         ks, load_vs, kv_pos_parts, in_seq_parts = [], [], [], []
         for j in range(block_kv // part):
             first = i * block_kv + j * part
@@ -174,7 +176,6 @@ def _attend_tile(tile, kv_head, split, meta_ref, page_tables_ref, q_ref, k_ref, 
             page = page_tables_ref[seq, jnp.minimum(first // page_size, pages_per_seq - 1)]
             offset = kv_pos % page_size
             k_rows = jnp.broadcast_to((page * page_size + offset)[:, None], (part, head_dim))
-            k_lanes = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32)[None, :], (part, head_dim))
             k_mask = jnp.broadcast_to(in_seq[:, None], (part, head_dim)) if masked else None
             ks.append(plgpu.load(k_ref.at[k_rows, k_lanes], mask=k_mask, other=other).astype(tile_dtype))
             # V^T [D, part]: dim d of token (page, r) is row page * D + d, column r, of the flattened pages.
@@ -226,8 +227,7 @@ def attend_gpu(
     ``[Hkv, P, D, page_size]`` and the kernel loads V tiles transposed, one page a part of a block
     (``v_layout.py``, a layout under measurement for float8 pages).
     """
-    if v_layout not in V_LAYOUTS:
-        raise ValueError(f"v_layout must be one of {V_LAYOUTS}, got {v_layout!r}")
+    check_v_layout_name(v_layout)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads

@@ -185,12 +185,14 @@ def softmax_step_parts(q, ks, load_vs, kv_pos_parts, row_pos, in_seq_parts, carr
     weights = [jnp.exp2(part - new_max[:, None]) for part in scores]
     if masked:
         weights = [jnp.where(seen, w, 0.0) for seen, w in zip(visible, weights)]
-    total = jnp.sum(weights[0], axis=1)
+    # The first part's terms in softmax_step's order (so that one part traces to the same program).
+    denom = denom * correction + jnp.sum(weights[0], axis=1)
     for w in weights[1:]:
-        total = total + jnp.sum(w, axis=1)
-    denom = denom * correction + total
-    acc = acc * correction[:, None]
-    for w, load_v in zip(weights, load_vs):
+        denom = denom + jnp.sum(w, axis=1)
+    v = load_vs[0]()
+    acc = acc * correction[:, None] + plgpu.dot(weights[0].astype(v.dtype), v, trans_b=v_transposed,
+                                                precision=precision)
+    for w, load_v in zip(weights[1:], load_vs[1:]):
         v = load_v()
         acc = acc + plgpu.dot(w.astype(v.dtype), v, trans_b=v_transposed, precision=precision)
     return acc, new_max, denom

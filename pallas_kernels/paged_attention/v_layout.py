@@ -1,4 +1,4 @@
-"""V pages stored dim-major: a cache layout under measurement for float8 pages (opt-in, kernel only).
+"""V pages stored dim-major: a cache layout under measurement for float8 pages (opt-in, GPU kernels only).
 
 The decode kernel's second product, P·V, contracts over V's tokens. The engine stores a token's
 ``head_dim`` values contiguously (``[Hkv, pages, page_size, D]``, "token_major"), so in a V tile
@@ -29,6 +29,12 @@ from pallas_kernels.paged_attention.page_storage import to_page_storage
 from pallas_kernels.paged_attention.reference import kv_slots, scatter_rows
 
 V_LAYOUTS = ("token_major", "dim_major")
+
+
+def check_v_layout_name(v_layout: str) -> None:
+    """Refuse a layout that is not one of ``V_LAYOUTS``, naming them."""
+    if v_layout not in V_LAYOUTS:
+        raise ValueError(f"v_layout must be one of {V_LAYOUTS}, got {v_layout!r}")
 
 
 def to_dim_major(v_pages: jax.Array) -> jax.Array:
