@@ -33,7 +33,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path

@@ -197,6 +197,8 @@
 #           dim-major kernel at 384 x 1k, summarised per opcode (kernel_ncu.py --sass), with the time left.
 #   s26b    one GPU (queued by session 25, ~6 min): fp8 throughput-1k with V pages dim-major
 #           (JAXINFER_V_LAYOUT=dim_major) and token-major, interleaved in one call, both traced.
+#           Both ran in session 26 at a0cc3cc (benchmarks/results/session26_h100.md); dim-major lost and
+#           was removed, so they run only in a checkout of a0cc3cc.
 #   s23d    one GPU: Nsight Compute's full report of the decode attention kernel over fp8 and bf16 pages
 #           (384 sequences at 1k tokens: throughput-1k's decode steps; 32 at 4k).
 #   s23e    one GPU: bf16 throughput-1k with XLA's dot merger off from 33 to 1023 rows and the basic sampler
