@@ -104,7 +104,6 @@ def bench_jaxinfer(model: str, dtypes: list[str], batch_sizes: list[int], prompt
                    repeats: int, max_model_len: int | None) -> dict[str, dict]:
     """Every dtype's LLM is built first, then each timing runs the dtypes in turn (interleaved:
     on a shared machine each sees the same load), best of ``repeats``."""
-    import jax
 
     from jaxinfer import LLM, SamplingParams
 

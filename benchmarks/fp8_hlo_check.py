@@ -42,7 +42,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -241,7 +240,7 @@ def crossover(rows: list[dict]) -> int | None:
 
 def markdown(results: dict) -> str:
     info = results["info"]
-    lines = [f"# FP8 weights: compiled GEMMs and the weight-only / W8A8 crossover", "",
+    lines = ["# FP8 weights: compiled GEMMs and the weight-only / W8A8 crossover", "",
              f"`{info['command']}` · {info['date']} · {info['device']} · jax {info['jax']}", "",
              f"HBM read ceiling (same run): {results['ceilings']['hbm_read_tbs']:.2f} TB/s. "
              f"`FP8_W8A8_MIN_TOKENS` in the tree: {results['threshold_in_tree']}; measured crossover: "

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -39,7 +38,6 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -235,7 +233,7 @@ def write_outputs(out_dir, report):
     with open(os.path.join(out_dir, "fp8_wgmma_decode.json"), "w") as f:
         json.dump(report, f, indent=1)
     ceiling = report.get("ceilings", {}).get("hbm_read_tbs", float("nan"))
-    lines = [f"# fp8 pages: e4m3-wgmma Mosaic GPU kernel vs the engine's kernel", "",
+    lines = ["# fp8 pages: e4m3-wgmma Mosaic GPU kernel vs the engine's kernel", "",
              f"`{report['header']['command']}` on {report['header']['device']}, jax {report['header']['jax']}; "
              f"read ceiling {ceiling:.2f} TB/s (same run). TB/s of fp8 bytes (K+V, 1 byte a value).", "",
              f"Check (relative error vs the reference on the same fp8 pages): {json.dumps(report.get('check'))}", "",

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import resource
 import subprocess
 import sys
@@ -68,7 +67,6 @@ def hf_llama_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
 def write_random_bf16(f, rng, num_elements: int, chunk: int = 1 << 25) -> None:
     """Little-endian bf16 values of random sign and mantissa, magnitudes in [2^-7, 2^-5): finite,
     cheap to make, written a chunk at a time."""
-    import numpy as np
 
     for start in range(0, num_elements, chunk):
         bits = rng.integers(0, 1 << 16, size=min(chunk, num_elements - start), dtype="<u2")

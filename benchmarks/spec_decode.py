@@ -410,7 +410,6 @@ def best_seconds_per_call(one, steps):
 
 
 def step_cost(args, log):
-    import jax.numpy as jnp
 
     from common import measure_ceilings, random_model
     from jaxinfer.memory import weight_bytes

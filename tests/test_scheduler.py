@@ -345,7 +345,6 @@ def test_decodes_scheduled_in_bulk_match_the_one_by_one_loop(num_pages):
     """Plain decodes are scheduled by whole-list passes when the free pages cover them; the
     items, page tables, preemptions and free pages must be those of the one-by-one loop, also
     when the pool is one page short (the loop preempts) or a prefill runs beside them."""
-    import copy
 
     def build():
         # Greedy admission: the case with 16 pages admits a prefill beside the decodes.

@@ -19,7 +19,6 @@ if some earlier sequence drafted over it.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax

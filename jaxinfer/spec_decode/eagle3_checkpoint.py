@@ -27,7 +27,6 @@ Everything that must agree with the target is checked here, and a mismatch raise
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
