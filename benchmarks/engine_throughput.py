@@ -99,7 +99,8 @@ def build_engine(model, *, max_model_len, max_num_seqs, max_num_batched_tokens, 
                     "sampler_compile_seconds": times.sampler_seconds, "lowering_seconds": times.lowering_seconds,
                     "shared_kernel_compile_seconds": times.kernel_seconds,
                     "programs": [list(program) for program in times.programs], "kv_cache_dtype": kv_cache_dtype,
-                    "attention_impl": attention_impl or "auto", "admission": engine.config.scheduling_admission}
+                    "attention_impl": attention_impl or "auto", "admission": engine.config.scheduling_admission,
+                    "v_layout": engine.runner.v_layout}
 
 
 def run_requests(engine, prompts, output_lens, tag, capture=None, structured_fraction=0.0):

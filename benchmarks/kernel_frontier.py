@@ -73,6 +73,7 @@ from pallas_kernels.paged_attention import gpu_fused as gpu_kernel  # noqa: E402
 from pallas_kernels.paged_attention import work_tiles as wt  # noqa: E402
 from pallas_kernels.paged_attention.block_sizes import GPU_TABLE_PATH, BlockSizes, gpu_block_sizes  # noqa: E402
 from pallas_kernels.paged_attention.reference import ragged_paged_attention_reference  # noqa: E402
+from pallas_kernels.paged_attention.v_layout import to_dim_major, write_kv_dim_major_v  # noqa: E402
 from tests.attention_cases import make_case  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
@@ -499,8 +500,15 @@ FP8_SHAPES = [(b, c) for c in (1024, 4096) for b in (1, 32, 64, 256)] + [(b, 163
 FP8_SWEEP_SHAPES = [(32, 4096), (256, 4096), (64, 4096), (32, 16384), (128, 16384), (64, 16384), (1, 16384),
                     (1, 4096), (256, 1024), (32, 1024)]
 FP8_WIDEN_QUERY_SHAPES = {(32, 4096), (256, 4096), (32, 16384), (128, 16384)}
+# The columns of a shape: bf16 pages and fp8 pages through the engine's kernel at its sizes, fp8 pages
+# with V stored dim-major (v_layout.py, the candidate that removes V's byte-wise transposition;
+# same sizes), and fp8 tiles widened to bf16 (the kernel before session 8).
+FP8_KINDS = ("bf16", "fp8", "fp8_v_dim_major", "fp8_widen_query")
 # (block_kv, warps, stages): an fp8 tile of 128 KV tokens holds the bytes of a bf16 tile of 64.
 FP8_TILE_VARIANTS = [(128, 2, 3), (128, 4, 3), (256, 4, 2), (64, 4, 3), (256, 8, 2)]
+# Over dim-major V pages a block is read a page at a time: blocks of one page (32 tokens at the engine's
+# page size) with deeper pipelines too.
+DIM_MAJOR_TILE_VARIANTS = [(32, 2, 3), (32, 2, 4), (32, 4, 4)]
 
 
 def fp8_sizes(batch, context, page_size, kv_itemsize):
@@ -519,29 +527,45 @@ def default_full_step(sizes: BlockSizes, fp8_widen_to: str = "float16"):
     return step
 
 
-def fp8_abstract_args(batch, context, page_size, kv_dtype):
+def dim_major_v_full_step(sizes: BlockSizes):
+    """``default_full_step`` over dim-major V pages: the same XLA scatters (V's into the transposed
+    page) and the engine's kernel loading V tiles transposed (``v_layout.py``)."""
+    def step(state, k_new, v_new, page_tables, cu_q_lens, kv_lens):
+        q, k_pages, v_pages = state
+        k_pages, v_pages = write_kv_dim_major_v(k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
+        out = baseline_gpu.attend_gpu(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=SM_SCALE,
+                                      sizes=sizes, interpret=INTERPRET, v_layout="dim_major")
+        return out, k_pages, v_pages
+    return step
+
+
+def fp8_abstract_args(batch, context, page_size, kv_dtype, v_dim_major: bool = False):
     """Shapes of the chain's carry and constants (compiling reads nothing else)."""
     pages = batch * (context // page_size)
     sds = jax.ShapeDtypeStruct
     cache = sds((NUM_KV_HEADS, pages, page_size, HEAD_DIM), kv_dtype)
-    state = (sds((batch, NUM_Q_HEADS, HEAD_DIM), jnp.bfloat16), cache, cache)
+    v_cache = sds((NUM_KV_HEADS, pages, HEAD_DIM, page_size), kv_dtype) if v_dim_major else cache
+    state = (sds((batch, NUM_Q_HEADS, HEAD_DIM), jnp.bfloat16), cache, v_cache)
     new = sds((batch, NUM_KV_HEADS, HEAD_DIM), kv_dtype)
     consts = (new, new, sds((batch, context // page_size), jnp.int32), sds((batch + 1,), jnp.int32),
               sds((batch,), jnp.int32))
     return state, consts
 
 
-def fp8_real_args(batch, context, page_size, kv_dtype):
+def fp8_real_args(batch, context, page_size, kv_dtype, v_dim_major: bool = False):
     q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens = decode_inputs(batch, context, page_size, kv_dtype=kv_dtype)
+    if v_dim_major:
+        v_pages = to_dim_major(v_pages)
     k_new = pseudo_random((batch, NUM_KV_HEADS, HEAD_DIM), 16, kv_dtype)
     v_new = pseudo_random((batch, NUM_KV_HEADS, HEAD_DIM), 17, kv_dtype)
     return (q, k_pages, v_pages), (k_new, v_new, page_tables, cu_q_lens, kv_lens)
 
 
-def fp8_sweep_candidates(default: BlockSizes, context: int) -> list[BlockSizes]:
-    """FP8_TILE_VARIANTS at the default's split count (capped so that each split walks two tiles)."""
+def fp8_sweep_candidates(default: BlockSizes, context: int, variants=None) -> list[BlockSizes]:
+    """``variants`` (default FP8_TILE_VARIANTS) at the default's split count (capped so that each
+    split walks two tiles)."""
     out = []
-    for block_kv, warps, stages in FP8_TILE_VARIANTS:
+    for block_kv, warps, stages in variants or FP8_TILE_VARIANTS:
         splits = max(1, min(default.num_splits, context // (block_kv * 2)))
         out.append(dataclasses.replace(default, block_kv=block_kv, num_warps=warps, num_stages=stages,
                                        num_splits=splits))
@@ -571,6 +595,8 @@ def run_fp8_stage(results, table, budget, page_size, shapes=None, sweep_shapes=N
         fp8_args = fp8_abstract_args(batch, context, page_size, fp8)
         jobs[batch, context, "bf16"] = (default_full_step(bf16_sizes), bf16_args[0], bf16_args[1], True)
         jobs[batch, context, "fp8"] = (default_full_step(fp8_default), fp8_args[0], fp8_args[1], True)
+        jobs[batch, context, "fp8_v_dim_major"] = (dim_major_v_full_step(fp8_default),
+                                                   *fp8_abstract_args(batch, context, page_size, fp8, True), True)
         if (batch, context) in FP8_WIDEN_QUERY_SHAPES or INTERPRET:
             jobs[batch, context, "fp8_widen_query"] = (default_full_step(fp8_default, "query"), *fp8_args, True)
     start = time.time()
@@ -579,7 +605,7 @@ def run_fp8_stage(results, table, budget, page_size, shapes=None, sweep_shapes=N
     tried = {}
     for (batch, context), row in rows.items():
         results.append(row)
-        for kind in ("bf16", "fp8", "fp8_widen_query"):
+        for kind in FP8_KINDS:
             run = compiled.get((batch, context, kind))
             if run is None:
                 continue
@@ -587,7 +613,8 @@ def run_fp8_stage(results, table, budget, page_size, shapes=None, sweep_shapes=N
                 row[f"{kind}_error"] = f"{type(run).__name__}: {str(run)[:200]}"
                 continue
             budget.check(3)
-            state, consts = fp8_real_args(batch, context, page_size, jnp.bfloat16 if kind == "bf16" else fp8)
+            state, consts = fp8_real_args(batch, context, page_size, jnp.bfloat16 if kind == "bf16" else fp8,
+                                          v_dim_major=kind == "fp8_v_dim_major")
             row[f"{kind}_s"], state = time_compiled(run, state, *consts)
             del state, consts
         _fp8_row_summary(row)
@@ -603,27 +630,51 @@ def run_fp8_stage(results, table, budget, page_size, shapes=None, sweep_shapes=N
         candidates = {k: v for k, v in candidates.items() if k not in tried[batch, context]}
         if INTERPRET:
             candidates = dict(list(candidates.items())[:1])
-        state_shape, consts_shape = fp8_abstract_args(batch, context, page_size, fp8)
+        # The same candidates over dim-major V pages, and blocks of one page (their own best sizes; recorded,
+        # never adopted: the engine's pages are token-major).
+        dm_candidates = {sizes_label(c): c
+                         for c in fp8_sweep_candidates(default, context, FP8_TILE_VARIANTS + DIM_MAJOR_TILE_VARIANTS)}
+        dm_candidates = {k: v for k, v in dm_candidates.items() if k != sizes_label(default)}
+        if INTERPRET:
+            dm_candidates = dict(list(dm_candidates.items())[:1])
+        jobs = {}
+        for label, c in candidates.items():
+            jobs[label, "token_major"] = (default_full_step(c), *fp8_abstract_args(batch, context, page_size, fp8),
+                                          True)
+        for label, c in dm_candidates.items():
+            jobs[label, "dim_major"] = (dim_major_v_full_step(c),
+                                        *fp8_abstract_args(batch, context, page_size, fp8, True), True)
         start = time.time()
-        compiled = compile_jobs({k: (default_full_step(v), state_shape, consts_shape, True) for k, v in candidates.items()})
+        compiled = compile_jobs(jobs)
         say(f"  fp8 sweep B={batch} ctx={context}: compiled {len(compiled)} candidates in {time.time() - start:.1f}s")
-        state, consts = fp8_real_args(batch, context, page_size, fp8)
+        dim_major_tried = {sizes_label(default): row["fp8_v_dim_major_s"]} if row.get("fp8_v_dim_major_s") else {}
+        # Both layouts' chains alive at once, so each candidate's two timings are taken back to back.
+        states = {layout: fp8_real_args(batch, context, page_size, fp8, v_dim_major=layout == "dim_major")
+                  for layout in ("token_major", "dim_major")}
         try:
-            for key, run in compiled.items():
+            for (key, layout), run in compiled.items():
                 budget.check(3)
                 if isinstance(run, Exception):
-                    say(f"  fp8 sweep B={batch} ctx={context} {key}: {type(run).__name__} {str(run)[:150]}")
+                    say(f"  fp8 sweep B={batch} ctx={context} {key} V {layout}: {type(run).__name__} {str(run)[:150]}")
                     continue
+                state, consts = states[layout]
                 t, state = time_compiled(run, state, *consts)
-                tried[batch, context][key] = t
-                say(f"  fp8 sweep B={batch} ctx={context} {key}: {t * 1e6:8.1f}us "
+                states[layout] = state, consts
+                (tried[batch, context] if layout == "token_major" else dim_major_tried)[key] = t
+                say(f"  fp8 sweep B={batch} ctx={context} {key} V {layout}: {t * 1e6:8.1f}us "
                     f"{row['fp8_bytes'] / t / 1e12:.2f}TB/s of fp8 bytes")
+                sizes = (candidates if layout == "token_major" else dm_candidates)[key]
                 results.append({"workload": "sweep-decode-fp8", "batch": batch, "context": context,
-                                "sizes": dataclasses.asdict(candidates[key]), "s": t,
+                                "sizes": dataclasses.asdict(sizes), "s": t, "v_layout": layout,
                                 "tbs": row["fp8_bytes"] / t / 1e12})
         except OutOfTime:
             say(f"fp8 sweep B={batch} ctx={context}: stopped by the time budget")
-        del state, consts, compiled
+        del states, compiled
+        if dim_major_tried:
+            best_dm = min(dim_major_tried, key=dim_major_tried.get)
+            row["best_v_dim_major_s"] = dim_major_tried[best_dm]
+            row["best_v_dim_major_sizes"] = dataclasses.asdict(_parse(best_dm))
+            row["best_v_dim_major_tbs"] = row["fp8_bytes"] / dim_major_tried[best_dm] / 1e12
         best_label = min(tried[batch, context], key=tried[batch, context].get)
         best_s = tried[batch, context][best_label]
         row["best_s"], row["best_sizes"] = best_s, dataclasses.asdict(_parse(best_label))
@@ -634,7 +685,9 @@ def run_fp8_stage(results, table, budget, page_size, shapes=None, sweep_shapes=N
                       "default_us": row.get("fp8_s", float("nan")) * 1e6})
         say(f"fp8 B={batch} ctx={context} RESULT: best {best_s * 1e6:.1f}us {row['best_tbs']:.2f}TB/s of fp8 bytes "
             f"[{best_label}] | engine's sizes {row.get('fp8_s', float('nan')) * 1e6:.1f}us | bf16 pages "
-            f"{row.get('bf16_s', float('nan')) * 1e6:.1f}us")
+            f"{row.get('bf16_s', float('nan')) * 1e6:.1f}us | V dim-major best "
+            f"{row.get('best_v_dim_major_s', float('nan')) * 1e6:.1f}us "
+            f"{row.get('best_v_dim_major_tbs', float('nan')):.2f}TB/s")
 
 
 def check_fp8_widening(results):
@@ -653,21 +706,36 @@ def check_fp8_widening(results):
         nan = bool(jnp.isnan(out).any())
         say(f"fp8 check (default kernel, fp8 pages, tiles widened to {widen}): rel err {err:.2e} vs reference, nan={nan}")
         results.append({"workload": "check-fp8", "fp8_widen_to": widen, "rel_err": err, "nan": nan})
+    # Dim-major V pages: this step's K/V written by v_layout's scatters, then the kernel's transposed V loads.
+    q, k_new, v_new, k_pages, v_pages, *rest = [jnp.array(a) for a in args]
+    k_pages, v_pages = write_kv_dim_major_v(k_new, v_new, k_pages, to_dim_major(v_pages), *rest)
+    sizes = fp8_sizes(len(case.kv_lens), int(case.page_tables.shape[1]) * 32, 32, 1)
+    out = baseline_gpu.attend_gpu(q, k_pages, v_pages, *rest, sm_scale=case.sm_scale, sizes=sizes,
+                                  interpret=INTERPRET, v_layout="dim_major").astype(jnp.float32)
+    err = float(jnp.linalg.norm(out - ref_out) / jnp.linalg.norm(ref_out))
+    nan = bool(jnp.isnan(out).any())
+    say(f"fp8 check (default kernel, fp8 pages, V dim-major): rel err {err:.2e} vs reference, nan={nan}")
+    results.append({"workload": "check-fp8", "fp8_widen_to": "float16", "v_layout": "dim_major", "rel_err": err,
+                    "nan": nan})
 
 
 def _fp8_row_summary(row):
     """TB/s (each page dtype's own bytes), tokens/s and the fp8 / bf16 speed-up; printed."""
     fp8_bytes = row["fp8_bytes"]
-    for kind, nbytes in (("bf16", 2 * fp8_bytes), ("fp8", fp8_bytes), ("fp8_widen_query", fp8_bytes)):
+    for kind in FP8_KINDS:
+        nbytes = 2 * fp8_bytes if kind == "bf16" else fp8_bytes
         if row.get(f"{kind}_s"):
             row[f"{kind}_tbs"] = nbytes / row[f"{kind}_s"] / 1e12
             row[f"{kind}_tok_s"] = row["batch"] / row[f"{kind}_s"]
     if row.get("bf16_s") and row.get("fp8_s"):
         row["fp8_speedup"] = row["bf16_s"] / row["fp8_s"]
+    if row.get("fp8_s") and row.get("fp8_v_dim_major_s"):
+        row["v_dim_major_speedup"] = row["fp8_s"] / row["fp8_v_dim_major_s"]
     fmt = lambda k: (f"{row[k + '_s'] * 1e6:.1f}us {row[k + '_tbs']:.2f}TB/s {row[k + '_tok_s'] / 1e3:.0f}k tok/s"  # noqa: E731
                      if row.get(k + "_s") else "-")
     say(f"fp8 B={row['batch']} ctx={row['context']}: bf16 pages {fmt('bf16')} | fp8 pages {fmt('fp8')} "
-        f"(x{row.get('fp8_speedup', float('nan')):.2f} tok/s) | fp8 widened to bf16 (before) {fmt('fp8_widen_query')}")
+        f"(x{row.get('fp8_speedup', float('nan')):.2f} tok/s) | fp8 pages, V dim-major {fmt('fp8_v_dim_major')} "
+        f"(x{row.get('v_dim_major_speedup', float('nan')):.2f}) | fp8 widened to bf16 (before) {fmt('fp8_widen_query')}")
 
 
 # 4. Prefill ----------------------------------------------------------------------------------
@@ -847,11 +915,15 @@ def fp8_markdown(report, read) -> list[str]:
         return []
     lines = ["", "Decode through the engine's default kernel (full call: XLA scatter + attention), bf16 pages vs "
              "float8_e4m3fn pages; TB/s of each page dtype's own bytes (fp8: one a value), against the read "
-             f"ceiling {read:.2f} TB/s; tok/s = B / time of one layer's call. 'fp8 before': tiles widened to "
-             "bf16 (the kernel before this change), same sizes. 'best': the fp8 sweep's best (→ gpu_fp8_decode_table.json).",
+             f"ceiling {read:.2f} TB/s; tok/s = B / time of one layer's call. 'V dim-major': fp8 pages with V "
+             "stored [Hkv, P, D, page] (v_layout.py), same sizes. 'fp8 before': tiles widened to bf16 (the kernel "
+             "before session 8), same sizes. 'best': the fp8 sweep's best (→ gpu_fp8_decode_table.json).",
              "", "| B | ctx | bf16 pages µs | bf16 TB/s | fp8 µs | fp8 TB/s | fp8 / ceiling | fp8 ÷ bf16 tok/s "
-             "| fp8 before TB/s | best fp8 µs | best TB/s | best / ceiling | best ÷ bf16 tok/s | best sizes |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| V dim-major µs | V dim-major TB/s | V dim-major / ceiling "
+             "| fp8 before TB/s | best fp8 µs | best TB/s | best / ceiling | best ÷ bf16 tok/s | best sizes "
+             "| best V dim-major TB/s | its / ceiling | its sizes |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+             "| --- | --- | --- |"]
     us = lambda r, k: f"{r[k] * 1e6:.1f}" if r.get(k) else "–"  # noqa: E731
     tb = lambda r, k: f"{r[k]:.2f}" if r.get(k) else "–"  # noqa: E731
     pct = lambda r, k: f"{r[k] / read:.0%}" if r.get(k) and read == read else "–"  # noqa: E731
@@ -860,10 +932,19 @@ def fp8_markdown(report, read) -> list[str]:
         best_speedup = f"{r['bf16_s'] / r['best_s']:.2f}" if r.get("bf16_s") and r.get("best_s") else "–"
         lines.append(
             f"| {r['batch']} | {r['context']} | {us(r, 'bf16_s')} | {tb(r, 'bf16_tbs')} | {us(r, 'fp8_s')} "
-            f"| {tb(r, 'fp8_tbs')} | {pct(r, 'fp8_tbs')} | {tb(r, 'fp8_speedup')} | {tb(r, 'fp8_widen_query_tbs')} "
+            f"| {tb(r, 'fp8_tbs')} | {pct(r, 'fp8_tbs')} | {tb(r, 'fp8_speedup')} | {us(r, 'fp8_v_dim_major_s')} "
+            f"| {tb(r, 'fp8_v_dim_major_tbs')} | {pct(r, 'fp8_v_dim_major_tbs')} | {tb(r, 'fp8_widen_query_tbs')} "
             f"| {us(r, 'best_s')} | **{tb(r, 'best_tbs')}** | {pct(r, 'best_tbs')} | {best_speedup} "
-            f"| {(str(bs['block_kv']) + '/' + str(bs['num_warps']) + 'w/' + str(bs['num_stages']) + 'st, ' + str(bs['num_splits']) + ' splits') if bs else '–'} |")
+            f"| {_sizes_cell(bs)} | {tb(r, 'best_v_dim_major_tbs')} | {pct(r, 'best_v_dim_major_tbs')} "
+            f"| {_sizes_cell(r.get('best_v_dim_major_sizes'))} |")
     return lines
+
+
+def _sizes_cell(sizes: dict | None) -> str:
+    """block_kv/warps/stages and splits of a sizes dict, for a table cell."""
+    if not sizes:
+        return "–"
+    return f"{sizes['block_kv']}/{sizes['num_warps']}w/{sizes['num_stages']}st, {sizes['num_splits']} splits"
 
 
 def plot(out_dir, report, read_ceiling, matmul_rate):

@@ -60,19 +60,23 @@ def counted_bytes(batch: int, context: int, kv_itemsize: int = 2) -> dict:
 
 
 def launch(batch: int, context: int, page_size: int, launches: int, kv_dtype: str = "bf16",
-           interpret: bool = False):
+           interpret: bool = False, v_layout: str = "token_major"):
     """Run the engine's decode attention kernel (``gpu.attend_gpu`` at its tuned sizes, pages
     already written) ``launches`` times; returns the last output. ``interpret``: Pallas's
-    interpreter (CPU tests)."""
+    interpreter (CPU tests). ``v_layout="dim_major"``: V pages stored transposed (``v_layout.py``)."""
     import jax
 
     from kernel_attention import HEAD_DIM, decode_inputs, ours_sizes
     from pallas_kernels.paged_attention.gpu import attend_gpu
+    from pallas_kernels.paged_attention.v_layout import to_dim_major
 
     dtype = kv_jnp_dtype(kv_dtype)
     args = decode_inputs(batch, context, page_size, kv_dtype=dtype)
     sizes = ours_sizes(batch, batch, context, page_size, kv_itemsize=jax.numpy.dtype(dtype).itemsize)
-    step = jax.jit(lambda *a: attend_gpu(*a, sm_scale=HEAD_DIM**-0.5, sizes=sizes, interpret=interpret))
+    if v_layout == "dim_major":
+        args = (*args[:2], to_dim_major(args[2]), *args[3:])
+    step = jax.jit(lambda *a: attend_gpu(*a, sm_scale=HEAD_DIM**-0.5, sizes=sizes, interpret=interpret,
+                                         v_layout=v_layout))
     for _ in range(launches):
         out = step(*args)
     out.block_until_ready()
@@ -158,6 +162,8 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--launches", type=int, default=3)
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16", help="the pages' dtype (fp8: e4m3)")
+    parser.add_argument("--v-layout", choices=("token_major", "dim_major"), default="token_major",
+                        help="how V pages are stored (dim_major: transposed, v_layout.py)")
     parser.add_argument("--report", type=Path, help="ncu --csv output to summarise (instead of launching)")
     parser.add_argument("--sass", type=Path, help="ncu --page source --csv --print-source sass output to summarise")
     parser.add_argument("--json", type=Path, help="with --report or --sass: also write the summary here")
@@ -171,7 +177,7 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(result, indent=1) + "\n")
     else:
-        launch(args.batch, args.context, args.page_size, args.launches, args.kv_dtype)
+        launch(args.batch, args.context, args.page_size, args.launches, args.kv_dtype, v_layout=args.v_layout)
 
 
 if __name__ == "__main__":

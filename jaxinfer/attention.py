@@ -42,6 +42,7 @@ from jaxinfer.kv_cache_dtype import is_fp8, quantize_to_fp8
 from pallas_kernels.paged_attention.cpu import ragged_paged_attention_cpu
 from pallas_kernels.paged_attention.page_storage import E4M3, E4M3_BITS, holds_e4m3_bits
 from pallas_kernels.paged_attention.reference import ragged_paged_attention_reference
+from pallas_kernels.paged_attention.v_layout import check_v_layout_name
 from sharding.rules import shard_over_heads
 
 IMPLEMENTATIONS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret",
@@ -124,14 +125,17 @@ def _is_hopper_gpu() -> bool:
 
 
 def paged_attention(q, k_new, v_new, k_pages, v_pages, batch, *, sm_scale, sliding_window=None, impl="auto",
-                    k_scale=None, v_scale=None):
+                    k_scale=None, v_scale=None, v_layout="token_major"):
     """Write ``k_new``/``v_new`` into the pages and attend; returns ``(out, k_pages, v_pages)``.
 
     q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; pages: [Hkv, P, S, D]; ``batch`` is a StepBatch.
     ``k_scale``/``v_scale``: this layer's float32 scalars when the pages are FP8 (None: 1.0).
+    ``v_layout="dim_major"``: ``v_pages`` is [Hkv, P, D, S] (``KVCache.v_layout``; the GPU kernels only).
     """
     impl = resolve_impl(impl, head_dim=q.shape[-1])
-    attend = functools.partial(_attend, impl=impl, sm_scale=sm_scale, sliding_window=sliding_window)
+    check_v_layout(v_layout, impl)
+    attend = functools.partial(_attend, impl=impl, sm_scale=sm_scale, sliding_window=sliding_window,
+                               v_layout=v_layout)
     fp8 = is_fp8(k_pages.dtype)
     if fp8:
         k_scale = jnp.float32(1.0) if k_scale is None else k_scale
@@ -154,8 +158,18 @@ def paged_attention(q, k_new, v_new, k_pages, v_pages, batch, *, sm_scale, slidi
     return out, k_pages, v_pages
 
 
-def _attend(*args, impl, sm_scale, sliding_window):
+def check_v_layout(v_layout: str, impl: str) -> None:
+    """Dim-major V pages (``pallas_kernels.paged_attention.v_layout``) are read by the Pallas-Triton
+    kernel and its fresh-prefill paths only; a concrete ``impl`` (``resolve_impl``) that reads
+    none, or an unknown layout, is refused here, before anything is traced."""
+    check_v_layout_name(v_layout)
+    if v_layout == "dim_major" and not (impl in ("pallas_gpu", "pallas_gpu_interpret") or impl in _FRESH_PREFILL):
+        raise ValueError(f"dim-major V pages are read by the pallas_gpu kernels only, not by attention impl {impl!r}")
+
+
+def _attend(*args, impl, sm_scale, sliding_window, v_layout="token_major"):
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
+    gpu_kwargs = dict(kwargs, v_layout=v_layout)  # only the kernels check_v_layout lets through read it
     if impl == "reference":
         return ragged_paged_attention_reference(*args, **kwargs)
     if impl == "cpu":
@@ -171,15 +185,15 @@ def _attend(*args, impl, sm_scale, sliding_window):
 
         if impl.endswith("_cudnn_segments"):  # cuDNN's work follows the prompts: up to 8 a step, shorter ones
             return pa.ragged_paged_attention_gpu_fresh_prefill(
-                *args, **kwargs, cudnn_segments=True, max_fresh_prompts=MAX_FRESH_PROMPTS,
+                *args, **gpu_kwargs, cudnn_segments=True, max_fresh_prompts=MAX_FRESH_PROMPTS,
                 min_fresh_tokens=SEGMENTS_MIN_FRESH_TOKENS)
-        return pa.ragged_paged_attention_gpu_fresh_prefill(*args, **kwargs, branchless=impl.endswith("_branchless"),
+        return pa.ragged_paged_attention_gpu_fresh_prefill(*args, **gpu_kwargs, branchless=impl.endswith("_branchless"),
                                                            cudnn=impl.endswith("_cudnn"),
                                                            max_fresh_prompts=ENGINE_MAX_FRESH_PROMPTS)
     if impl.startswith("pallas_gpu_fused"):
         return pa.ragged_paged_attention_gpu_fused(*args, **kwargs, interpret=impl.endswith("_interpret"))
     if impl.startswith("pallas_gpu"):
-        return pa.ragged_paged_attention_gpu(*args, **kwargs, interpret=impl.endswith("_interpret"))
+        return pa.ragged_paged_attention_gpu(*args, **gpu_kwargs, interpret=impl.endswith("_interpret"))
     if impl == "pallas_tpu_interpret":
         from jax.experimental.pallas import tpu as pltpu
 

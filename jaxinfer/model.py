@@ -101,10 +101,12 @@ def attention_block(
     attention_impl: str,
     kv_scales: tuple[jax.Array | None, jax.Array | None] = (None, None),
     rope: tuple[jax.Array, jax.Array] | None = None,
+    v_layout: str = "token_major",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One layer's attention: norm, q/k/v, RoPE, paged attention (writing this step's K/V), o.
 
     ``rope``: :func:`rope_tables` of the step's positions, made once for all layers (None: made here).
+    ``v_layout``: how ``v_pages`` is stored (``KVCache.v_layout``).
     """
     h = rms_norm(x, layer.attn_norm, config.rms_norm_eps)  # [T, E]
     # q [T, Hq, D], k and v [T, Hkv, D]; one input, quantized once when it runs FP8 W8A8
@@ -119,7 +121,7 @@ def attention_block(
     out, k_pages, v_pages = paged_attention(
         q, k, v, k_pages, v_pages, batch,
         sm_scale=config.head_dim**-0.5, sliding_window=config.sliding_window, impl=attention_impl,
-        k_scale=kv_scales[0], v_scale=kv_scales[1],
+        k_scale=kv_scales[0], v_scale=kv_scales[1], v_layout=v_layout,
     )  # out: [T, Hq, D]
     return output_projection(out, layer.o), k_pages, v_pages
 
@@ -166,7 +168,8 @@ def hidden_states_and_aux(
         with jax.named_scope(f"layer_{i}"):
             with jax.named_scope("attention"):
                 attn, k_pages, v_pages = attention_block(
-                    layer, x, cache.k[i], cache.v[i], batch, config, attention_impl, cache.layer_scales(i), rope
+                    layer, x, cache.k[i], cache.v[i], batch, config, attention_impl, cache.layer_scales(i), rope,
+                    cache.v_layout,
                 )
             x = x + attn
             with jax.named_scope("mlp"):

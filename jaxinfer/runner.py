@@ -42,7 +42,7 @@ from jaxinfer.bad_words import gather_output_tail
 from jaxinfer.compile_counter import BackendCompiles, CompilationCounter
 from jaxinfer.compile_options import PhasedJit, graph_options
 from jaxinfer.input_batch import PackedStep, StepInputs, empty_step_inputs, is_full_path, pack_step
-from jaxinfer.kv_cache import create_kv_cache
+from jaxinfer.kv_cache import create_kv_cache, engine_v_layout
 from jaxinfer.kv_cache_dtype import storage_dtype
 from jaxinfer.loaded_model import LoadedModel
 from jaxinfer.model import forward, forward_with_aux
@@ -241,12 +241,13 @@ class ModelRunner:
         if lagged_ngram is not None and not num_speculative_tokens:
             raise ValueError("lagged_ngram needs num_speculative_tokens > 0")
         self.lagged_ngram = lagged_ngram
-        self.placement = StepPlacement(self.config, mesh)
+        self.v_layout = engine_v_layout(attention_impl, self.config.head_dim)  # the cache's V layout
+        self.placement = StepPlacement(self.config, mesh, self.v_layout)
         self.page_table_rows = PageTableRows()  # decode steps' page tables, kept between steps
         self._input_observer: Callable[[StepInputs], None] | None = None
         self.cache = create_kv_cache(
             self.config, num_pages, page_size, storage_dtype(kv_cache_dtype, model.weights.embed.dtype),
-            sharding=self.placement.cache, scales=model.kv_cache_scales,
+            sharding=self.placement.cache, scales=model.kv_cache_scales, v_layout=self.v_layout,
         )
         # Sampled tokens of the last step, padded to max_num_seqs so their shape never changes.
         # Made by a jitted function, like every later value, so the step's signature never changes.

@@ -73,9 +73,9 @@ class StepPlacement:
     are replicated, so every process of a multi-host mesh can read the sampled tokens.
     """
 
-    def __init__(self, config, mesh: Mesh | None):
+    def __init__(self, config, mesh: Mesh | None, v_layout: str = "token_major"):
         self.mesh = mesh
-        self.cache = None if mesh is None else cache_sharding(config, mesh)
+        self.cache = None if mesh is None else cache_sharding(config, mesh, v_layout)
         self.replicated = None if mesh is None else replicated(mesh)
 
     def jit_kwargs(self, with_cache: bool = False) -> dict:

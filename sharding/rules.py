@@ -63,13 +63,14 @@ def weight_shardings(config: ModelConfig, mesh: Mesh) -> Weights:
     )
 
 
-def cache_sharding(config: ModelConfig, mesh: Mesh) -> KVCache:
+def cache_sharding(config: ModelConfig, mesh: Mesh, v_layout: str = "token_major") -> KVCache:
     """A ``KVCache`` pytree of NamedShardings: every layer's K and V split by KV heads, the
-    per-layer scales replicated (every shard's heads use its layer's scale)."""
+    per-layer scales replicated (every shard's heads use its layer's scale). ``v_layout``: the
+    cache's (its pytree metadata); KV heads lead in both layouts, so V's sharding is K's."""
     shape = (config.num_kv_heads, 1, 1, config.head_dim)
     sharding = NamedSharding(mesh, logical_to_spec(CACHE_LOGICAL_AXES, shape, mesh))
     return KVCache(k=[sharding] * config.num_layers, v=[sharding] * config.num_layers,
-                   k_scale=replicated(mesh), v_scale=replicated(mesh))
+                   k_scale=replicated(mesh), v_scale=replicated(mesh), v_layout=v_layout)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -225,14 +225,14 @@ def test_kernel_ncu_sass_mix_totals_instructions_and_stalls_per_opcode(tmp_path)
         sass_mix(tmp_path / "empty.csv")
 
 
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
-def test_kernel_ncu_launches_the_decode_kernel(kv_dtype):
+@pytest.mark.parametrize("kv_dtype,v_layout", [("bf16", "token_major"), ("fp8", "token_major"), ("fp8", "dim_major")])
+def test_kernel_ncu_launches_the_decode_kernel(kv_dtype, v_layout):
     # What ncu profiles on the GPU, here in interpret mode at a small shape: the launcher must keep
     # up with the kernel's API (session 23's GPU call found it importing a function long gone).
     import numpy as np
     from kernel_ncu import launch
 
-    out = launch(batch=2, context=64, page_size=16, launches=1, kv_dtype=kv_dtype, interpret=True)
+    out = launch(batch=2, context=64, page_size=16, launches=1, kv_dtype=kv_dtype, interpret=True, v_layout=v_layout)
     assert out.shape == (2, 32, 128) and np.isfinite(np.asarray(out, np.float32)).all()
 
 
@@ -303,9 +303,16 @@ def test_kernel_frontier_fp8_stage_writes_an_adoptable_table(tmp_path):
                shared_cache=True)
     report = json.loads((out / "kernel_frontier.json").read_text())
     rows = [r for r in report["results"] if r["workload"] == "decode-fp8"]
-    assert len(rows) == 2 and all(r.get("bf16_s") and r.get("fp8_s") and r.get("best_s") for r in rows)
+    assert len(rows) == 2 and all(r.get("bf16_s") and r.get("fp8_s") and r.get("fp8_v_dim_major_s") and r.get("best_s")
+                                  for r in rows)
     checks = [r for r in report["results"] if r["workload"] == "check-fp8"]
-    assert {c["fp8_widen_to"] for c in checks} == {"float16", "query"} and all(c["rel_err"] < 3e-2 for c in checks)
+    assert {(c["fp8_widen_to"], c.get("v_layout", "token_major")) for c in checks} == {
+        ("float16", "token_major"), ("query", "token_major"), ("float16", "dim_major")}
+    assert all(c["rel_err"] < 3e-2 and not c["nan"] for c in checks)
+    # The sweep times each candidate over both V layouts; only token-major entries reach the table.
+    sweep = [r for r in report["results"] if r["workload"] == "sweep-decode-fp8"]
+    assert {r["v_layout"] for r in sweep} == {"token_major", "dim_major"}
+    assert all(r.get("best_v_dim_major_s") for r in rows)
     entries = json.loads((out / "gpu_fp8_decode_table.json").read_text())["entries"]
     assert {(e["batch"], e["context"], e["kv_itemsize"]) for e in entries} == {(2, 256, 1), (1, 512, 1)}
     assert "fp8 ÷ bf16 tok/s" in (out / "kernel_frontier.md").read_text()

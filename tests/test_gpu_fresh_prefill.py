@@ -16,6 +16,7 @@ import pytest
 
 from pallas_kernels.paged_attention import fresh_prompts as fpr
 from pallas_kernels.paged_attention import gpu_fresh_prefill as fp
+from pallas_kernels.paged_attention.v_layout import to_dim_major
 from pallas_kernels.paged_attention import ragged_paged_attention_reference
 from pallas_kernels.paged_attention import work_tiles as wt
 from tests.attention_cases import make_case
@@ -441,11 +442,14 @@ def test_every_e4m3_value_widens_to_float16_exactly():
                                       np.asarray(values.astype(jnp.float32)))
 
 
-@pytest.mark.parametrize("path", ["bundled", "branchless", "cudnn", "cudnn_segments"])
-def test_fp8_pages_take_the_window_from_the_quantized_new_kv(path):
+@pytest.mark.parametrize("path,v_layout", [("bundled", "token_major"), ("branchless", "token_major"),
+                                           ("cudnn", "token_major"), ("cudnn_segments", "token_major"),
+                                           ("cudnn_segments", "dim_major"), ("bundled", "dim_major")])
+def test_fp8_pages_take_the_window_from_the_quantized_new_kv(path, v_layout):
     # e4m3 pages and new K/V (quantized by the dispatcher), bf16 queries: the fresh prompts' windows
     # read this step's e4m3 K/V, as the pages hold them. Oracle: the reference over the same values
-    # held in float32 (as the Triton kernel's fp8 tests).
+    # held in float32 (as the Triton kernel's fp8 tests). Dim-major V pages (v_layout.py): the
+    # Triton part reads them transposed, the windows never read pages.
     case = make_case(11, MULTI, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
                      pad_tokens=5)
     fp8 = jnp.float8_e4m3fn
@@ -463,17 +467,19 @@ def test_fp8_pages_take_the_window_from_the_quantized_new_kv(path):
         seen.append((q.shape[0], k.dtype))
         return window(q, k, v, *extra, sm_scale=sm_scale)
 
+    dim_major = v_layout == "dim_major"
     out, k_out, v_out = fp.ragged_paged_attention_gpu_fresh_prefill(
-        case.q, k_new, v_new, k_pages, v_pages, *rest, sm_scale=case.sm_scale, min_fresh_tokens=64,
-        fresh_attend=recording, interpret=True, max_window_waste=4.0, branchless=path == "branchless",
-        cudnn=path == "cudnn", cudnn_segments=path == "cudnn_segments")
+        case.q, k_new, v_new, k_pages, to_dim_major(v_pages) if dim_major else v_pages, *rest, sm_scale=case.sm_scale,
+        min_fresh_tokens=64, fresh_attend=recording, interpret=True, max_window_waste=4.0,
+        branchless=path == "branchless", cudnn=path == "cudnn", cudnn_segments=path == "cudnn_segments",
+        v_layout=v_layout)
     # The branches and the segments hand their attention e4m3 (the bundled kernel widens to float16,
     # cuDNN's wrappers to bf16); the packed window kernel gets bf16.
     assert seen and {dtype for _, dtype in seen} == {jnp.dtype(jnp.bfloat16 if path == "branchless" else fp8)}
     assert out.dtype == jnp.bfloat16 and k_out.dtype == fp8 and not np.isnan(np.asarray(out, np.float32)).any()
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32), rtol=3e-2, atol=3e-2)
     np.testing.assert_array_equal(np.asarray(up(k_out)), np.asarray(ref_k))
-    np.testing.assert_array_equal(np.asarray(up(v_out)), np.asarray(ref_v))
+    np.testing.assert_array_equal(np.asarray(up(v_out)), np.asarray(to_dim_major(ref_v) if dim_major else ref_v))
 
 
 @pytest.mark.parametrize("impl", ["pallas_gpu_fresh_prefill", "pallas_gpu_fresh_prefill_branchless",

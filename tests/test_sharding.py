@@ -114,6 +114,15 @@ def test_fp8_kv_cache_under_tensor_parallelism_matches_one_device(multi_device_r
     assert tokens["fp8_tp4"] == tokens["fp8_tp1"]
 
 
+def test_dim_major_v_pages_under_tensor_parallelism_split_by_heads_and_match(multi_device_report):
+    report = multi_device_report
+    tokens = report["tokens"]
+    assert tokens["fp8_tp2_gpu_kernel_dim_major"] == tokens["fp8_tp2_gpu_kernel_token_major"]
+    token_major, dim_major = report["v_pages_token_major"], report["v_pages_dim_major"]
+    assert dim_major["shape"] == token_major["shape"][:2] + token_major["shape"][2:][::-1]
+    assert dim_major["spec"] == token_major["spec"] and "tp" in dim_major["spec"]
+
+
 def test_data_parallel_replicas_match_one_device(multi_device_report):
     report = multi_device_report
     assert report["tokens"]["dp"] == report["tokens"]["reference"]
@@ -187,6 +196,17 @@ def _multi_device_checks() -> dict:
     for tp in (1, 4):
         llm = LLM(loaded=fp8_model, tensor_parallel_size=tp, kv_cache_dtype="fp8", **LLM_OPTIONS)
         report["tokens"][f"fp8_tp{tp}"] = tokens(llm)
+
+    # Dim-major V pages (pallas_kernels.paged_attention.v_layout) under tensor parallelism, through the GPU
+    # kernel in interpret mode: split by heads as token-major ones are, the same tokens.
+    for v_layout in ("token_major", "dim_major"):
+        os.environ["JAXINFER_V_LAYOUT"] = v_layout
+        llm = LLM(loaded=fp8_model, tensor_parallel_size=2, kv_cache_dtype="fp8", attention_impl="pallas_gpu_interpret",
+                  **LLM_OPTIONS)
+        report["tokens"][f"fp8_tp2_gpu_kernel_{v_layout}"] = tokens(llm)
+        v_pages = llm.engine.runner.cache.v[0]
+        report[f"v_pages_{v_layout}"] = dict(shape=list(v_pages.shape), spec=str(v_pages.sharding.spec))
+    del os.environ["JAXINFER_V_LAYOUT"]
 
     dp = LLM(loaded=model, tensor_parallel_size=2, data_parallel_size=4, **LLM_OPTIONS)
     report["tokens"]["dp"] = tokens(dp)

@@ -80,6 +80,7 @@ from pallas_kernels.paged_attention import work_tiles as wt
 from pallas_kernels.paged_attention.block_sizes import BlockSizes, default_kernel_mechanisms, gpu_block_sizes
 from pallas_kernels.paged_attention.gpu_merge import merge_splits_gpu
 from pallas_kernels.paged_attention.gpu_write_kv import write_kv
+from pallas_kernels.paged_attention.v_layout import check_v_layout_name
 from pallas_kernels.paged_attention.validation import check_inputs
 # Re-exported: callers and tests know them from here.
 from pallas_kernels.paged_attention.gpu_tile import F16_MAX, FP8_WIDEN_CHOICES, fp8_tile_dtype  # noqa: F401
@@ -94,7 +95,7 @@ def _attention_kernel(
     *out_refs,  # out [T (+ 1), Hq, D], or out [T + 1, Hq, D] f32 and lse [T + 1, Hq] f32 of this split
     sm_scale: float, soft_cap: float | None, sliding_window: int | None,
     page_size: int, block_kv: int, block_q: int, group: int, group_padded: int, num_splits: int, precision,
-    tile_dtype, prefetch_pages: bool,
+    tile_dtype, prefetch_pages: bool, v_dim_major: bool,
 ):
     # Program ids are read here, outside the condition: the interpreter (CPU tests) lowers them only here.
     tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -109,12 +110,12 @@ def _attention_kernel(
                      sm_scale=sm_scale, soft_cap=soft_cap,
                      sliding_window=sliding_window, page_size=page_size, block_kv=block_kv, block_q=block_q,
                      group=group, group_padded=group_padded, num_splits=num_splits, precision=precision,
-                     tile_dtype=tile_dtype, prefetch_pages=prefetch_pages)
+                     tile_dtype=tile_dtype, prefetch_pages=prefetch_pages, v_dim_major=v_dim_major)
 
 
 def _attend_tile(tile, kv_head, split, meta_ref, page_tables_ref, q_ref, k_ref, v_ref, *out_refs, sm_scale, soft_cap,
                  sliding_window, page_size, block_kv, block_q, group, group_padded, num_splits, precision, tile_dtype,
-                 prefetch_pages):
+                 prefetch_pages, v_dim_major):
     """One non-empty work tile of ``_attention_kernel`` (program ids ``tile``, ``kv_head``, ``split``)."""
     seq = meta_ref[tile, wt.SEQ]
     first_pos = meta_ref[tile, wt.FIRST_POS]
@@ -132,6 +133,8 @@ def _attend_tile(tile, kv_head, split, meta_ref, page_tables_ref, q_ref, k_ref, 
         return tile_lib.block_page_ids(page_tables_ref, seq, i, block_kv=block_kv, page_size=page_size)
 
     def step(i, carry, masked: bool, page=None):
+        if v_dim_major:
+            return dim_major_step(i, carry, masked)
         kv_pos = i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # [BK]
         in_seq = kv_pos < kv_end
         if page is None:
@@ -150,6 +153,48 @@ def _attend_tile(tile, kv_head, split, meta_ref, page_tables_ref, q_ref, k_ref, 
         return tile_lib.softmax_step(
             q, load(k_ref), lambda: load(v_ref), kv_pos, rows.row_pos, lambda: in_seq, carry, masked=masked,
             scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, precision=precision)
+
+    def dim_major_step(i, carry, masked: bool):
+        """``step`` over dim-major V pages (v_layout.py): the block in parts of one page each (or the block,
+        when smaller), each part's page id read as a scalar. With the page the same along a V^T row
+        [D, part], Triton can prove the row's columns contiguous and vectorise its loads (a per-token page
+        vector would hide that; token-major rows are contiguous along D whatever their page)."""
+        part = min(block_kv, page_size)
+        pages_per_seq = page_tables_ref.shape[1]
+        other = 0.0 if masked else None
+
+        def load_v_part(v_rows, v_cols, v_mask):  # after the scores, as the token-major step loads V
+            return plgpu.load(v_ref.at[v_rows, v_cols], mask=v_mask, other=other).astype(tile_dtype)
+
+        k_lanes = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32)[None, :], (part, head_dim))
+        ks, load_vs, kv_pos_parts, in_seq_parts = [], [], [], []
+        for j in range(block_kv // part):
+            first = i * block_kv + j * part
+            kv_pos = first + jnp.arange(part, dtype=jnp.int32)  # [part]
+            in_seq = kv_pos < kv_end
+            # Clamped: a part past the sequence's pages (a masked block's tail) is never read.
+            page = page_tables_ref[seq, jnp.minimum(first // page_size, pages_per_seq - 1)]
+            # The part's slots in its page, built so Triton can prove them contiguous and aligned: a
+            # jnp `%` lowers to a select (Python's sign rule) that hides both, and the V^T tile's
+            # columns were then loaded one byte at a time, unpipelined (session 26, H100).
+            if part == page_size:
+                offset = jnp.arange(part, dtype=jnp.int32)
+            else:  # part divides the page size, so the part starts at a multiple of it in its page
+                offset = pl.multiple_of(lax.rem(first, page_size), part) + jnp.arange(part, dtype=jnp.int32)
+            k_rows = jnp.broadcast_to((page * page_size + offset)[:, None], (part, head_dim))
+            k_mask = jnp.broadcast_to(in_seq[:, None], (part, head_dim)) if masked else None
+            ks.append(plgpu.load(k_ref.at[k_rows, k_lanes], mask=k_mask, other=other).astype(tile_dtype))
+            # V^T [D, part]: dim d of token (page, r) is row page * D + d, column r, of the flattened pages.
+            v_rows = jnp.broadcast_to(page * head_dim + jnp.arange(head_dim, dtype=jnp.int32)[:, None],
+                                      (head_dim, part))
+            v_cols = jnp.broadcast_to(offset[None, :], (head_dim, part))
+            v_mask = jnp.broadcast_to(in_seq[None, :], (head_dim, part)) if masked else None
+            load_vs.append(functools.partial(load_v_part, v_rows, v_cols, v_mask))
+            kv_pos_parts.append(kv_pos)
+            in_seq_parts.append(in_seq)
+        return tile_lib.softmax_step_parts(
+            q, ks, load_vs, kv_pos_parts, rows.row_pos, in_seq_parts, carry, masked=masked, scale=scale,
+            soft_cap=soft_cap, sliding_window=sliding_window, precision=precision, v_transposed=True)
 
     full_lo, full_hi = tile_lib.unmasked_block_range(my_lo, my_hi, first_pos, kv_end, block_kv=block_kv,
                                                      sliding_window=sliding_window)
@@ -174,7 +219,7 @@ def _attend_tile(tile, kv_head, split, meta_ref, page_tables_ref, q_ref, k_ref, 
 def attend_gpu(
     q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sliding_window=None,
     soft_cap=None, sizes: BlockSizes, interpret: bool = False, fp8_widen_to: str = "float16",
-    tiles: wt.WorkTiles | None = None, out_init: jax.Array | None = None,
+    tiles: wt.WorkTiles | None = None, out_init: jax.Array | None = None, v_layout: str = "token_major",
 ):
     """Attention of packed queries over their (already written) pages; returns out [T, Hq, D].
 
@@ -184,7 +229,11 @@ def attend_gpu(
     ``out_init`` [T, Hq, D] in q's dtype (one split only): the output buffer to write the tiles'
     rows into, in place (donate it), instead of zeros; rows of no tile keep its values. So another
     kernel's output for the rows of emptied tiles needs no select and no zero fill.
+    ``v_layout``: ``"token_major"`` (the engine's pages) or ``"dim_major"``: ``v_pages`` is
+    ``[Hkv, P, D, page_size]`` and the kernel loads V tiles transposed, one page a part of a block
+    (``v_layout.py``, a layout under measurement for float8 pages).
     """
+    check_v_layout_name(v_layout)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -195,7 +244,14 @@ def attend_gpu(
     num_tiles = tiles.meta.shape[0]
     # Flattening pages is a bitcast: row page * page_size + r is token r of that page.
     k_flat = k_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
-    v_flat = v_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
+    v_dim_major = v_layout == "dim_major"
+    if v_dim_major and min(sizes.block_kv, page_size) < 16 and not interpret:  # a part: a page at most
+        raise ValueError(f"dim-major V pages need parts of >= 16 tokens on a GPU (Triton's dot), so pages and "
+                         f"blocks of >= 16 tokens; got block_kv {sizes.block_kv}, page_size {page_size}")
+    v_rows, v_cols = (num_pages * head_dim, page_size) if v_dim_major else (num_pages * page_size, head_dim)
+    if v_pages.size != num_kv_heads * v_rows * v_cols:
+        raise ValueError(f"v_pages {v_pages.shape} do not hold k_pages' {k_pages.shape} tokens")
+    v_flat = v_pages.reshape(num_kv_heads, v_rows, v_cols)
     # HIGHEST makes Triton's dot IEEE float32 for float32 inputs; at the default it rounds them to TF32.
     precision = matmul_precision(q.dtype)
     tile_dtype = fp8_tile_dtype(q.dtype, k_pages.dtype, fp8_widen_to)
@@ -204,6 +260,7 @@ def attend_gpu(
         _attention_kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
         page_size=page_size, block_kv=sizes.block_kv, block_q=block_q, group=group, group_padded=group_padded,
         num_splits=splits, precision=precision, tile_dtype=tile_dtype, prefetch_pages=sizes.prefetch_pages,
+        v_dim_major=v_dim_major,
     )
     whole = lambda shape: pl.BlockSpec(shape, lambda w, h, s: (0,) * len(shape))  # noqa: E731
     cache_spec = pl.BlockSpec((None, num_pages * page_size, head_dim), lambda w, h, s: (h, 0, 0))
@@ -224,7 +281,8 @@ def attend_gpu(
                     jnp.full((splits, *out_rows), -jnp.inf, jnp.float32)]
         out_specs = [pl.BlockSpec((None, *out_rows, head_dim), lambda w, h, s: (s, 0, 0, 0)),
                      pl.BlockSpec((None, *out_rows), lambda w, h, s: (s, 0, 0))]
-    in_specs = [whole(tiles.meta.shape), whole(page_tables.shape), whole(q.shape), cache_spec, cache_spec]
+    v_spec = pl.BlockSpec((None, v_rows, v_cols), lambda w, h, s: (h, 0, 0))
+    in_specs = [whole(tiles.meta.shape), whole(page_tables.shape), whole(q.shape), cache_spec, v_spec]
     in_specs += [whole(x.shape) for x in out_init]
     num_inputs = len(in_specs) - len(out_init)
     results = pl.pallas_call(
@@ -256,7 +314,7 @@ def _split_init_refs(kernel, *refs, num_init: int):
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q", "block_kv", "num_splits",
                      "num_warps", "num_stages", "prefetch_pages", "merge_kernel", "interpret", "fp8_widen_to",
-                     "kv_write"),
+                     "kv_write", "v_layout"),
     donate_argnames=("k_pages", "v_pages"),
 )
 def ragged_paged_attention_gpu(
@@ -282,6 +340,7 @@ def ragged_paged_attention_gpu(
     interpret: bool = False,
     fp8_widen_to: str = "float16",
     kv_write: str = "xla",
+    v_layout: str = "token_major",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Same contract as ``ragged_paged_attention_reference``; the cache is donated and updated in place.
 
@@ -290,8 +349,9 @@ def ragged_paged_attention_gpu(
     their own measured sizes (``gpu_block_sizes(kv_itemsize=1)``) and widen tiles as
     ``fp8_widen_to`` says (``fp8_tile_dtype``). ``kv_write``: the new K/V's write, XLA's two
     scatters (``"xla"``) or one Pallas launch (``"pallas"``, opt-in): ``gpu_write_kv.write_kv``.
+    ``v_layout="dim_major"``: V pages stored ``[Hkv, P, D, page_size]`` (``v_layout.py``, opt-in).
     """
-    check_inputs(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
+    check_inputs(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, v_layout)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     if head_dim & (head_dim - 1):
@@ -315,13 +375,14 @@ def ragged_paged_attention_gpu(
     return attend_and_write_gpu(
         q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes, interpret=interpret, fp8_widen_to=fp8_widen_to,
-        kv_write=kv_write,
+        kv_write=kv_write, v_layout=v_layout,
     )
 
 
 def attend_and_write_gpu(
     q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sliding_window=None,
     soft_cap=None, sizes: BlockSizes, interpret: bool = False, fp8_widen_to: str = "float16", kv_write: str = "xla",
+    v_layout: str = "token_major",
 ):
     """This step's K/V written into the cache (``gpu_write_kv.write_kv``: XLA's two scatters, or
     one Pallas launch), then ``attend_gpu``. Returns (out, k_pages, v_pages).
@@ -330,9 +391,10 @@ def attend_and_write_gpu(
     either at given sizes. The write is in place only when the caller's jit donates the cache.
     """
     k_pages, v_pages = write_kv(k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, kv_write=kv_write,
-                                interpret=interpret)
+                                interpret=interpret, v_layout=v_layout)
     out = attend_gpu(
         q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes, interpret=interpret, fp8_widen_to=fp8_widen_to,
+        v_layout=v_layout,
     )
     return out, k_pages, v_pages

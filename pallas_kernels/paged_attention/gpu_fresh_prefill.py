@@ -281,7 +281,7 @@ def attend_with_fresh_prefill(
     q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sizes: BlockSizes,
     min_fresh_tokens: int, fresh_attend=causal_attention_mgpu, interpret: bool = False,
     max_window_waste: float = MAX_WINDOW_WASTE, max_fresh_prompts: int = MAX_FRESH_PROMPTS,
-    float16_window: bool = True,
+    float16_window: bool = True, v_layout: str = "token_major",
 ):
     """Attention of a step whose K/V are already in the pages; up to ``max_fresh_prompts`` fresh prompts
     through ``fresh_attend`` in one batched call, everything else through Triton.
@@ -307,7 +307,7 @@ def attend_with_fresh_prefill(
     branches = step_window_branches(num_tokens, kv_lens.shape[0], min_fresh_tokens=min_fresh_tokens,
                                     max_fresh_prompts=max_fresh_prompts, max_window_waste=max_window_waste)
     attend_rest = functools.partial(attend_gpu, q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens,
-                                    sm_scale=sm_scale, sizes=sizes, interpret=interpret)
+                                    sm_scale=sm_scale, sizes=sizes, interpret=interpret, v_layout=v_layout)
     if not branches:
         return attend_rest(tiles=tiles)
     slots = fpr.choose_slots(cu_q_lens, kv_lens, branches, min_fresh_tokens=min_fresh_tokens,
@@ -341,13 +341,13 @@ def _whole_prompt_slots(num_tokens: int, cu_q_lens, kv_lens, *, min_fresh_tokens
 
 
 def _triton_beside_whole_prompts(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sizes, interpret,
-                                 min_fresh_tokens: int, max_fresh_prompts: int):
+                                 min_fresh_tokens: int, max_fresh_prompts: int, v_layout: str):
     """``(rest, slots)``: the Triton output of a step whose whole-prompt ``slots`` (``_whole_prompt_slots``)
     another kernel serves, their rows left 0; ``slots`` is None where the step can hold none or is
     decode-like, and ``rest`` is then the whole step's output."""
     tiles = wt.plan_work_tiles(cu_q_lens, kv_lens, q.shape[0], sizes.block_q)
     attend_rest = functools.partial(attend_gpu, q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens,
-                                    sm_scale=sm_scale, sizes=sizes, interpret=interpret)
+                                    sm_scale=sm_scale, sizes=sizes, interpret=interpret, v_layout=v_layout)
     slots = _whole_prompt_slots(q.shape[0], cu_q_lens, kv_lens, min_fresh_tokens=min_fresh_tokens,
                                 max_fresh_prompts=max_fresh_prompts)
     if slots is None:
@@ -358,7 +358,7 @@ def _triton_beside_whole_prompts(q, k_pages, v_pages, page_tables, cu_q_lens, kv
 def attend_with_fresh_window(
     q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sizes: BlockSizes,
     min_fresh_tokens: int, window_attend=packed_causal_attention_mosaic_gpu, interpret: bool = False,
-    max_fresh_prompts: int = MAX_FRESH_PROMPTS,
+    max_fresh_prompts: int = MAX_FRESH_PROMPTS, v_layout: str = "token_major",
 ):
     """As ``attend_with_fresh_prefill``, with no device conditional: our window kernel runs on every
     prefill-heavy step over one static window, packed with up to ``max_fresh_prompts`` fresh prompts,
@@ -374,7 +374,7 @@ def attend_with_fresh_window(
     num_tokens = q.shape[0]
     rest, slots = _triton_beside_whole_prompts(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
                                                sizes=sizes, interpret=interpret, min_fresh_tokens=min_fresh_tokens,
-                                               max_fresh_prompts=max_fresh_prompts)
+                                               max_fresh_prompts=max_fresh_prompts, v_layout=v_layout)
     if slots is None:
         return rest
     num_slots = slots.seq.shape[0]
@@ -388,7 +388,7 @@ def attend_with_fresh_window(
 def attend_with_fresh_segments(
     q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *, sm_scale, sizes: BlockSizes,
     min_fresh_tokens: int, segment_attend=causal_attention_cudnn_segments, interpret: bool = False,
-    max_fresh_prompts: int = MAX_FRESH_PROMPTS,
+    max_fresh_prompts: int = MAX_FRESH_PROMPTS, v_layout: str = "token_major",
 ):
     """As ``attend_with_fresh_window``, with cuDNN's flash attention over the step's own rows: the fresh
     prompts (the ``max_fresh_prompts`` longest of ``>= min_fresh_tokens``) are segments of the packed
@@ -408,7 +408,7 @@ def attend_with_fresh_segments(
     if sizes.num_splits != 1:
         rest, slots = _triton_beside_whole_prompts(
             q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale, sizes=sizes, interpret=interpret,
-            min_fresh_tokens=min_fresh_tokens, max_fresh_prompts=max_fresh_prompts)
+            min_fresh_tokens=min_fresh_tokens, max_fresh_prompts=max_fresh_prompts, v_layout=v_layout)
         if slots is None:
             return rest
         out = segment_attend(q, k_new, v_new, slots.token_start, slots.num_tokens, sm_scale=sm_scale)
@@ -417,7 +417,7 @@ def attend_with_fresh_segments(
         return jnp.where(is_served[:, None, None], out.astype(rest.dtype), rest)
     tiles = wt.plan_work_tiles(cu_q_lens, kv_lens, num_tokens, sizes.block_q)
     attend = functools.partial(attend_gpu, q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
-                               sizes=sizes, interpret=interpret)
+                               sizes=sizes, interpret=interpret, v_layout=v_layout)
     slots = _whole_prompt_slots(num_tokens, cu_q_lens, kv_lens, min_fresh_tokens=min_fresh_tokens,
                                 max_fresh_prompts=max_fresh_prompts)
     if slots is None:
@@ -441,7 +441,8 @@ def can_take_fresh_prefill(q_dtype, page_dtype, head_dim: int, sliding_window, s
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "soft_cap", "min_fresh_tokens", "fresh_attend", "interpret",
-                     "max_window_waste", "branchless", "cudnn", "cudnn_segments", "max_fresh_prompts", "kv_write"),
+                     "max_window_waste", "branchless", "cudnn", "cudnn_segments", "max_fresh_prompts", "kv_write",
+                     "v_layout"),
     donate_argnames=("k_pages", "v_pages"),
 )
 def ragged_paged_attention_gpu_fresh_prefill(
@@ -466,6 +467,7 @@ def ragged_paged_attention_gpu_fresh_prefill(
     cudnn_segments: bool = False,
     max_fresh_prompts: int = MAX_FRESH_PROMPTS,
     kv_write: str = "xla",
+    v_layout: str = "token_major",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Same contract as ``ragged_paged_attention_reference``; the cache is donated and updated in place.
 
@@ -481,10 +483,11 @@ def ragged_paged_attention_gpu_fresh_prefill(
     ``SEGMENTS_MIN_FRESH_TOKENS`` to the segments path). ``min_fresh_tokens``,
     ``max_window_waste`` and ``max_fresh_prompts`` are static, for benchmarks to sweep. Steps the
     fresh kernel cannot serve (see ``can_take_fresh_prefill``) run exactly as
-    ``ragged_paged_attention_gpu`` at its tuned sizes (fp8 pages: its fp8 sizes). ``kv_write``: as
-    for ``ragged_paged_attention_gpu``.
+    ``ragged_paged_attention_gpu`` at its tuned sizes (fp8 pages: its fp8 sizes). ``kv_write`` and
+    ``v_layout``: as for ``ragged_paged_attention_gpu`` (the fresh prompts' attention reads this
+    step's K/V, not the pages, so only the Triton part reads the layout).
     """
-    check_inputs(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
+    check_inputs(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, v_layout)
     if branchless + cudnn + cudnn_segments > 1:
         raise ValueError("branchless, cudnn and cudnn_segments name different fresh-prompt paths: pick one")
     num_tokens, num_q_heads, head_dim = q.shape
@@ -497,25 +500,26 @@ def ragged_paged_attention_gpu_fresh_prefill(
         page_size=page_size, itemsize=q.dtype.itemsize, kv_itemsize=k_pages.dtype.itemsize,
     )
     k_pages, v_pages = write_kv(k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, kv_write=kv_write,
-                                interpret=interpret)
+                                interpret=interpret, v_layout=v_layout)
     if can_take_fresh_prefill(q.dtype, k_pages.dtype, head_dim, sliding_window, soft_cap) and cudnn_segments:
         out = attend_with_fresh_segments(
             q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale, sizes=sizes,
             min_fresh_tokens=min_fresh_tokens, segment_attend=fresh_attend or causal_attention_cudnn_segments,
-            interpret=interpret, max_fresh_prompts=max_fresh_prompts)
+            interpret=interpret, max_fresh_prompts=max_fresh_prompts, v_layout=v_layout)
     elif can_take_fresh_prefill(q.dtype, k_pages.dtype, head_dim, sliding_window, soft_cap) and branchless:
         out = attend_with_fresh_window(
             q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale, sizes=sizes,
             min_fresh_tokens=min_fresh_tokens, window_attend=fresh_attend or packed_causal_attention_mosaic_gpu,
-            interpret=interpret, max_fresh_prompts=max_fresh_prompts)
+            interpret=interpret, max_fresh_prompts=max_fresh_prompts, v_layout=v_layout)
     elif can_take_fresh_prefill(q.dtype, k_pages.dtype, head_dim, sliding_window, soft_cap):
         out = attend_with_fresh_prefill(
             q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale, sizes=sizes,
             min_fresh_tokens=min_fresh_tokens,
             fresh_attend=fresh_attend or (causal_attention_cudnn if cudnn else causal_attention_mgpu),
             interpret=interpret, max_window_waste=max_window_waste, max_fresh_prompts=max_fresh_prompts,
-            float16_window=not cudnn)
+            float16_window=not cudnn, v_layout=v_layout)
     else:
         out = attend_gpu(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, sm_scale=sm_scale,
-                         sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes, interpret=interpret)
+                         sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes, interpret=interpret,
+                         v_layout=v_layout)
     return out, k_pages, v_pages

@@ -142,30 +142,59 @@ def score_scale(sm_scale: float, soft_cap: float | None) -> float:
 
 
 def softmax_step(q, k, load_v, kv_pos, row_pos, in_seq, carry, *, masked: bool, scale: float,
-                 soft_cap: float | None, sliding_window: int | None, precision):
+                 soft_cap: float | None, sliding_window: int | None, precision, v_transposed: bool = False):
     """One KV block of the online softmax; returns the new ``(acc [rows, D], row_max [rows], denom [rows])``.
 
     ``k`` [BK, D] is loaded by the caller; ``load_v()`` loads V [BK, D] after the scores (the
-    order both kernels had). ``masked``: apply the causal / sequence-end / window masks;
+    order both kernels had), or V^T [D, BK] with ``v_transposed`` (dim-major V pages, see
+    ``v_layout.py``). ``masked``: apply the causal / sequence-end / window masks;
     ``in_seq()`` [BK] bool says which positions are before the tile's KV end (called only then).
     """
+    return softmax_step_parts(q, [k], [load_v], [kv_pos], row_pos, [in_seq() if masked else None], carry,
+                              masked=masked, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                              precision=precision, v_transposed=v_transposed)
+
+
+def softmax_step_parts(q, ks, load_vs, kv_pos_parts, row_pos, in_seq_parts, carry, *, masked: bool, scale: float,
+                       soft_cap: float | None, sliding_window: int | None, precision, v_transposed: bool = False):
+    """``softmax_step`` over a block given as consecutive parts (lists, one entry a part; ``in_seq_parts``
+    holds arrays, read only when ``masked``): one running max, correction and denominator for the
+    whole block, a dot per part.
+
+    Over dim-major V pages a part is one page, whose tile is addressed by a scalar page id (gpu.py);
+    with one part this is ``softmax_step`` op for op.
+    """
     acc, row_max, denom = carry  # max in log2 units
-    scores = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [rows, BK]
-    if soft_cap is not None:
-        scores = (soft_cap * LOG2E) * jnp.tanh(scores / soft_cap)
-    if masked:
-        visible = (kv_pos[None, :] <= row_pos[:, None]) & in_seq()[None, :]
-        if sliding_window is not None:
-            visible &= kv_pos[None, :] > row_pos[:, None] - sliding_window
-        scores = jnp.where(visible, scores, MASK_VALUE)
-    new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
+    scores, visible = [], []
+    for k, kv_pos, in_seq in zip(ks, kv_pos_parts, in_seq_parts):
+        part = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [rows, part]
+        if soft_cap is not None:
+            part = (soft_cap * LOG2E) * jnp.tanh(part / soft_cap)
+        if masked:
+            seen = (kv_pos[None, :] <= row_pos[:, None]) & in_seq[None, :]
+            if sliding_window is not None:
+                seen &= kv_pos[None, :] > row_pos[:, None] - sliding_window
+            part = jnp.where(seen, part, MASK_VALUE)
+            visible.append(seen)
+        scores.append(part)
+    block_max = jnp.max(scores[0], axis=1)
+    for part in scores[1:]:
+        block_max = jnp.maximum(block_max, jnp.max(part, axis=1))
+    new_max = jnp.maximum(row_max, block_max)
     correction = jnp.exp2(row_max - new_max)
-    weights = jnp.exp2(scores - new_max[:, None])
+    weights = [jnp.exp2(part - new_max[:, None]) for part in scores]
     if masked:
-        weights = jnp.where(visible, weights, 0.0)
-    denom = denom * correction + jnp.sum(weights, axis=1)
-    v = load_v()
-    acc = acc * correction[:, None] + plgpu.dot(weights.astype(v.dtype), v, precision=precision)
+        weights = [jnp.where(seen, w, 0.0) for seen, w in zip(visible, weights)]
+    # The first part's terms in softmax_step's order (so that one part traces to the same program).
+    denom = denom * correction + jnp.sum(weights[0], axis=1)
+    for w in weights[1:]:
+        denom = denom + jnp.sum(w, axis=1)
+    v = load_vs[0]()
+    acc = acc * correction[:, None] + plgpu.dot(weights[0].astype(v.dtype), v, trans_b=v_transposed,
+                                                precision=precision)
+    for w, load_v in zip(weights[1:], load_vs[1:]):
+        v = load_v()
+        acc = acc + plgpu.dot(w.astype(v.dtype), v, trans_b=v_transposed, precision=precision)
     return acc, new_max, denom
 
 

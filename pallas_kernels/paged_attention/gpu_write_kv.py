@@ -28,6 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paged_attention.page_storage import to_page_storage
 from pallas_kernels.paged_attention.reference import write_kv_reference
+from pallas_kernels.paged_attention.v_layout import write_kv_dim_major_v
 from pallas_kernels.paged_attention.work_tiles import next_power_of_2
 
 BLOCK_TOKENS = 32  # 32 tokens x 128 x 2 bytes x (K + V) = 16 KB a program
@@ -38,12 +39,15 @@ KV_WRITES = ("pallas", "xla")  # this write, or write_kv_reference's two XLA sca
 
 def write_kv(k_new: jax.Array, v_new: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tables: jax.Array,
              cu_q_lens: jax.Array, kv_lens: jax.Array, *, kv_write: str = "xla",
-             interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+             interpret: bool = False, v_layout: str = "token_major") -> tuple[jax.Array, jax.Array]:
     """The GPU kernels' K/V write: ``write_kv_reference``'s scatters (``kv_write="xla"``, their
     default: XLA fuses each with its producer) or :func:`write_kv_gpu` (``"pallas"``, one launch);
-    same result, in place."""
+    same result, in place. Dim-major V pages (``v_layout.py``) take XLA's scatters whatever
+    ``kv_write`` says (the Pallas write stores token-major rows)."""
     if kv_write not in KV_WRITES:
         raise ValueError(f"kv_write must be one of {KV_WRITES}, got {kv_write!r}")
+    if v_layout == "dim_major":
+        return write_kv_dim_major_v(k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
     if kv_write == "xla":
         return write_kv_reference(k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
     return write_kv_gpu(k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, interpret=interpret)

@@ -93,14 +93,16 @@ def write_kv_reference(
     """Scatter this step's K/V into their pages; padding tokens are dropped."""
     num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
     slot = kv_slots(page_tables, cu_q_lens, kv_lens, k_new.shape[0], num_pages, page_size)
+    return scatter_rows(k_pages, k_new, slot), scatter_rows(v_pages, v_new, slot)
 
-    def scatter(pages, new):
-        flat = pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
-        new = to_page_storage(new.swapaxes(0, 1), pages.dtype)  # [Hkv, T, D]
-        flat = flat.at[:, slot].set(new, mode="drop", unique_indices=True)
-        return flat.reshape(pages.shape)
 
-    return scatter(k_pages, k_new), scatter(v_pages, v_new)
+def scatter_rows(pages: jax.Array, new: jax.Array, slot: jax.Array) -> jax.Array:
+    """``new`` [T, Hkv, D] stored at rows ``slot`` [T] (``kv_slots``) of ``pages`` [Hkv, P, page, D]."""
+    num_kv_heads, num_pages, page_size, head_dim = pages.shape
+    flat = pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
+    new = to_page_storage(new.swapaxes(0, 1), pages.dtype)  # [Hkv, T, D]
+    flat = flat.at[:, slot].set(new, mode="drop", unique_indices=True)
+    return flat.reshape(pages.shape)
 
 
 def attend_reference(

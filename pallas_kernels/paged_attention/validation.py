@@ -5,14 +5,19 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
-def check_inputs(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens) -> None:
+def check_inputs(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens,
+                 v_layout: str = "token_major") -> None:
+    """Shapes and dtypes of the kernels' arguments; ``v_layout="dim_major"``: ``v_pages`` is
+    ``[num_kv_heads, num_pages, head_dim, page_size]`` (``v_layout.py``)."""
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
     num_tokens, num_q_heads, head_dim = q.shape
     if k_pages.ndim != 4:
         raise ValueError(f"k_pages must be [num_kv_heads, num_pages, page_size, head_dim], got {k_pages.shape}")
-    if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
-        raise ValueError(f"v_pages {v_pages.shape} {v_pages.dtype} must match k_pages {k_pages.shape} {k_pages.dtype}")
+    v_shape = k_pages.shape[:2] + k_pages.shape[2:][::-1] if v_layout == "dim_major" else k_pages.shape
+    if v_pages.shape != v_shape or v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"v_pages {v_pages.shape} {v_pages.dtype} must be {v_shape} {k_pages.dtype} "
+                         f"(k_pages {k_pages.shape}, V {v_layout.replace('_', '-')})")
     num_kv_heads, _, page_size, cache_head_dim = k_pages.shape
     if cache_head_dim != head_dim:
         raise ValueError(f"head_dim of q ({head_dim}) and k_pages ({cache_head_dim}) differ")

@@ -1,0 +1,67 @@
+"""V pages stored dim-major: a cache layout under measurement for float8 pages (opt-in, GPU kernels only).
+
+The decode kernel's second product, P·V, contracts over V's tokens. The engine stores a token's
+``head_dim`` values contiguously (``[Hkv, pages, page_size, D]``, "token_major"), so in a V tile
+the tokens are strided and the MMA's B operand needs the tile transposed. For 16-bit pages
+``ldmatrix.trans`` transposes on the way out of shared memory; sm_90 has no 8-bit form, so over
+float8 pages Triton builds the operand one byte per value (Nsight Compute, ``docs/KERNELS.md``:
+``LDS.U8`` is 13% of the kernel's instructions, which are twice bf16 pages' for half the bytes).
+Stored "dim_major" (``[Hkv, pages, D, page_size]``), each of a page's dims holds its tokens
+contiguously: the V tile is loaded transposed, ``[D, BK]``, and P·V takes it as K is taken in
+Q·K^T, with vectorised operand loads. The kernel reads a block a page at a time, each page
+addressed by a scalar page id, which is what lets Triton vectorise the V^T tile's global loads.
+
+The Pallas-Triton kernel reads this layout (``gpu.attend_gpu`` / ``ragged_paged_attention_gpu`` /
+the fresh-prefill paths, ``v_layout="dim_major"``) and :func:`write_kv_dim_major_v` writes it
+(XLA's scatters). The engine stores it only when asked, ``JAXINFER_V_LAYOUT=dim_major``
+(``jaxinfer.kv_cache.engine_v_layout``), until a GPU run shows it pays. The reference, the CPU
+paths, the TPU kernel and the fused-write kernel read token-major pages only
+(``jaxinfer.attention.check_v_layout`` refuses the rest); prefix sharing and preemption move whole
+pages and are indifferent to the layout.
+
+Measured on an H100 (session 26, ``benchmarks/results/session26_h100.md``): first slower (0.67x
+the token-major kernel at 384 x 1k), because the V^T tile's columns came from jnp's ``%``, whose
+select hid their contiguity from Triton, so the tile was loaded a byte a value, unpipelined. With
+the columns a plain range, Nsight Compute counts 76.7M instructions at 384 x 1k (token-major:
+99.3M) and 86.7% DRAM throughput; the same-run timing against token-major and throughput-1k are
+next (plans s26a, s26b).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.paged_attention.page_storage import to_page_storage
+from pallas_kernels.paged_attention.reference import kv_slots, scatter_rows
+
+V_LAYOUTS = ("token_major", "dim_major")
+
+
+def check_v_layout_name(v_layout: str) -> None:
+    """Refuse a layout that is not one of ``V_LAYOUTS``, naming them."""
+    if v_layout not in V_LAYOUTS:
+        raise ValueError(f"v_layout must be one of {V_LAYOUTS}, got {v_layout!r}")
+
+
+def to_dim_major(v_pages: jax.Array) -> jax.Array:
+    """Token-major V pages ``[Hkv, P, page_size, D]`` as dim-major ``[Hkv, P, D, page_size]`` (a copy)."""
+    return jnp.swapaxes(v_pages, 2, 3)
+
+
+def write_kv_dim_major_v(k_new: jax.Array, v_new: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                         page_tables: jax.Array, cu_q_lens: jax.Array,
+                         kv_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``reference.write_kv_reference`` with V pages dim-major ``[Hkv, P, D, page_size]``.
+
+    The same slots and padding rule: token ``(page, r)`` of V is column ``r`` of its page's ``D``
+    rows; a padding token's slot is past the pool, so its page index is out of range and dropped.
+    """
+    num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
+    if v_pages.shape != (num_kv_heads, num_pages, head_dim, page_size):
+        raise ValueError(f"dim-major v_pages must be [Hkv, P, D, page_size] = "
+                         f"{(num_kv_heads, num_pages, head_dim, page_size)}, got {v_pages.shape}")
+    slot = kv_slots(page_tables, cu_q_lens, kv_lens, k_new.shape[0], num_pages, page_size)
+    new_v = to_page_storage(v_new, v_pages.dtype)  # [T, Hkv, D]: the two index arrays' axis goes first
+    v_pages = v_pages.at[:, slot // page_size, :, slot % page_size].set(new_v, mode="drop", unique_indices=True)
+    return scatter_rows(k_pages, k_new, slot), v_pages
