@@ -991,12 +991,13 @@ s25a)
     [ -f "$R/$name.ncu-rep" ] && ncu -i "$R/$name.ncu-rep" --page details >"$R/details_$name.txt" 2>&1
     [ -f "$R/$name.ncu-rep" ] && ncu -i "$R/$name.ncu-rep" --page source --csv --print-source sass \
         >"$R/sass_$name.csv" 2>&1 ;;
-s26a)
-    on_gpu 0 frontier_fp8.log $(( END - SECONDS - 110 )) python3 benchmarks/kernel_frontier.py --out "$R/fp8k" \
-        --only ceilings,fp8 --budget-s $(( END - SECONDS - 150 )) \
-        --fp8-shapes 384x1024,256x1024,32x4096,64x4096,256x4096,1x16384,32x16384,128x16384
+s26a|s26c)  # s26c: the shorter call that measured the V^T fix (five shapes by default, smaller margins)
+    shapes=384x1024,256x1024,32x4096,64x4096,256x4096,1x16384,32x16384,128x16384 margin=110
+    [ $PLAN = s26c ] && shapes=${SHAPES:-384x1024,32x4096,64x4096,256x4096,1x16384} margin=75
+    on_gpu 0 frontier_fp8.log $(( END - SECONDS - margin )) python3 benchmarks/kernel_frontier.py --out "$R/fp8k" \
+        --only ceilings,fp8 --budget-s $(( END - SECONDS - margin - 40 )) --fp8-shapes $shapes
     name=fp8_dim_major_b384_c1024
-    on_gpu 0 ncu_$name.log $(( END - SECONDS - 10 )) ncu --clock-control none \
+    on_gpu 0 ncu_$name.log $(( END - SECONDS - 5 )) ncu --clock-control none \
         --kernel-name regex:ragged_paged_attention --launch-skip 1 --launch-count 1 --set full -o "$R/$name" \
         python3 benchmarks/kernel_ncu.py --batch 384 --context 1024 --kv-dtype fp8 --v-layout dim_major
     if [ -f "$R/$name.ncu-rep" ]; then
@@ -1010,19 +1011,6 @@ s26b)
             --out "$R/tp1k_fp8_$v_layout" --quantization fp8 --kv-cache-dtype fp8 --workloads throughput-1k \
             --profile-steps 3
     done ;;
-s26c)
-    on_gpu 0 frontier_fp8.log $(( END - SECONDS - 75 )) python3 benchmarks/kernel_frontier.py --out "$R/fp8k" \
-        --only ceilings,fp8 --budget-s $(( END - SECONDS - 110 )) \
-        --fp8-shapes ${SHAPES:-384x1024,32x4096,64x4096,256x4096,1x16384}
-    name=fp8_dim_major_b384_c1024
-    on_gpu 0 ncu_$name.log $(( END - SECONDS - 5 )) ncu --clock-control none \
-        --kernel-name regex:ragged_paged_attention --launch-skip 1 --launch-count 1 --set full -o "$R/$name" \
-        python3 benchmarks/kernel_ncu.py --batch 384 --context 1024 --kv-dtype fp8 --v-layout dim_major
-    if [ -f "$R/$name.ncu-rep" ]; then
-        ncu -i "$R/$name.ncu-rep" --page details >"$R/details_$name.txt" 2>&1
-        ncu -i "$R/$name.ncu-rep" --page source --csv --print-source sass >"$R/sass_$name.csv" 2>&1
-        python3 benchmarks/kernel_ncu.py --sass "$R/sass_$name.csv" --json "$R/sass_$name.json" >"$R/sass_$name.txt" 2>&1
-    fi ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac
