@@ -22,7 +22,7 @@ pages and are indifferent to the layout.
 Measured on an H100 (session 26, ``benchmarks/results/session26_h100.md``): first slower (0.67x
 the token-major kernel at 384 x 1k), because the V^T tile's columns came from jnp's ``%``, whose
 select hid their contiguity from Triton, so the tile was loaded a byte a value, unpipelined. With
-the columns a plain range, Nsight Compute counts 76.7M instructions at 384 x 1k (token-major:
+the columns a plain range, Nsight Compute counts 76.7M instructions at 384 x 1k (token-major, session 24:
 99.3M) and 86.7% DRAM throughput; the same-run timing against token-major and throughput-1k are
 next (plans s26a, s26b).
 """
