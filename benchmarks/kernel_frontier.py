@@ -576,8 +576,8 @@ def run_fp8_stage(results, table, budget, page_size, shapes=None, sweep_shapes=N
     """bf16 vs fp8 pages through the engine's default kernel, then an fp8 tile sweep; fills ``table``.
 
     Pass 1 compiles every shape's fixed columns at once (thread pool, abstract shapes) and times
-    them; pass 2 does the same for the sweep candidates of ``sweep_shapes``, in order, until the
-    budget ends. Bytes are counted at one a value for fp8 pages, two for bf16; tokens/s is one
+    them, whatever the budget; pass 2 does the same for the sweep candidates of ``sweep_shapes``,
+    in order, until the budget ends. Bytes are counted at one a value for fp8 pages, two for bf16; tokens/s is one
     layer's attention call (B tokens a call).
     """
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -612,7 +612,9 @@ def run_fp8_stage(results, table, budget, page_size, shapes=None, sweep_shapes=N
             if isinstance(run, Exception):
                 row[f"{kind}_error"] = f"{type(run).__name__}: {str(run)[:200]}"
                 continue
-            budget.check(3)
+            # No budget check: once compiled, the fixed columns (the A/B the stage is for) are timed, a
+            # few seconds a shape; the budget bounds the sweep, the caller's wall clock the whole run
+            # (session 26 lost its A/B when the compile alone outlasted a short budget).
             state, consts = fp8_real_args(batch, context, page_size, jnp.bfloat16 if kind == "bf16" else fp8,
                                           v_dim_major=kind == "fp8_v_dim_major")
             row[f"{kind}_s"], state = time_compiled(run, state, *consts)
