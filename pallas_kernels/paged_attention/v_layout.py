@@ -24,7 +24,7 @@ the token-major kernel at 384 x 1k), because the V^T tile's columns came from jn
 select hid their contiguity from Triton, so the tile was loaded a byte a value, unpipelined. With
 the columns a plain range, Nsight Compute counts 76.7M instructions at 384 x 1k (token-major, session 24:
 99.3M) and 86.7% DRAM throughput; the same-run timing against token-major and throughput-1k are
-next (plans s26a, s26b).
+next (plan s27a, or s26a and s26b).
 """
 
 from __future__ import annotations
