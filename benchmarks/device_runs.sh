@@ -203,7 +203,8 @@
 #           select from jnp's %, which hid their contiguity: s26a's V^T was loaded one byte at a time),
 #           5 shapes (SHAPES= fewer), the sweep as time allows, then the Nsight Compute report at 384 x 1k.
 #   s27a    one GPU, one call (~9 min, END=590): the dim-major A/B after the V^T fix: kernel_frontier's fp8 stage
-#           (fixed columns only: bf16, fp8 token-major, fp8 V dim-major; 6 shapes), then fp8 throughput-1k with
+#           (fixed columns only: bf16, fp8 token-major, fp8 V dim-major; 6 shapes, two of them ending mid-block
+#           as the engine's contexts do, so their walks end in a masked block), then fp8 throughput-1k with
 #           JAXINFER_V_LAYOUT=dim_major and token_major (untraced). s26a/s26b do the same in two calls, with
 #           the tile sweep, Nsight Compute and traces.
 #   s23d    one GPU: Nsight Compute's full report of the decode attention kernel over fp8 and bf16 pages
@@ -1017,7 +1018,7 @@ s26b)
     done ;;
 s27a)
     on_gpu 0 frontier_fp8.log 210 python3 benchmarks/kernel_frontier.py --out "$R/fp8k" --only ceilings,fp8 \
-        --budget-s 1 --fp8-shapes ${SHAPES:-384x1024,256x1024,32x4096,64x4096,256x4096,1x16384}
+        --budget-s 1 --fp8-shapes ${SHAPES:-384x1024,384x1000,32x4096,32x4000,256x4096,1x16384}
     JAXINFER_V_LAYOUT=dim_major on_gpu 0 tp1k_fp8_dim_major.log $(( (END - SECONDS) / 2 )) \
         python3 benchmarks/engine_throughput.py --out "$R/tp1k_fp8_dim_major" --quantization fp8 \
         --kv-cache-dtype fp8 --workloads throughput-1k

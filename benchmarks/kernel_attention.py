@@ -103,7 +103,9 @@ def measure_ceilings():
 
 
 def decode_inputs(batch, context, page_size, seed=0, kv_dtype=DTYPE):
-    pages_per_seq = context // page_size
+    # A context that ends mid-page (as the engine's mostly do) gets its last page, partly filled,
+    # and its walk ends in a masked block; a multiple of the block size has no masked block.
+    pages_per_seq = -(-context // page_size)
     num_pages = batch * pages_per_seq
     rng = np.random.default_rng(seed)
     # A random permutation: pages of one sequence are scattered, as after long serving.
