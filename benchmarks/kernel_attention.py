@@ -202,7 +202,7 @@ def run_decode(ceil, batches, contexts, page_size, impls, results, save=lambda: 
                 best = None
                 ppcb = max(1, 128 // page_size)
                 for k_splits in (1, 16):
-                    if (context // page_size) % (k_splits * ppcb):
+                    if page_tables.shape[1] % (k_splits * ppcb):
                         continue
                     t = time_loop(bundled_step(k_splits, ppcb), q, k_pages, v_pages, page_tables, kv_lens)
                     if best is None or t < best[0]:

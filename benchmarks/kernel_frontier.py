@@ -541,13 +541,14 @@ def dim_major_v_full_step(sizes: BlockSizes):
 
 def fp8_abstract_args(batch, context, page_size, kv_dtype, v_dim_major: bool = False):
     """Shapes of the chain's carry and constants (compiling reads nothing else)."""
-    pages = batch * (context // page_size)
+    pages_per_seq = -(-context // page_size)  # as kernel_attention.decode_inputs: a partly filled last page
+    pages = batch * pages_per_seq
     sds = jax.ShapeDtypeStruct
     cache = sds((NUM_KV_HEADS, pages, page_size, HEAD_DIM), kv_dtype)
     v_cache = sds((NUM_KV_HEADS, pages, HEAD_DIM, page_size), kv_dtype) if v_dim_major else cache
     state = (sds((batch, NUM_Q_HEADS, HEAD_DIM), jnp.bfloat16), cache, v_cache)
     new = sds((batch, NUM_KV_HEADS, HEAD_DIM), kv_dtype)
-    consts = (new, new, sds((batch, context // page_size), jnp.int32), sds((batch + 1,), jnp.int32),
+    consts = (new, new, sds((batch, pages_per_seq), jnp.int32), sds((batch + 1,), jnp.int32),
               sds((batch,), jnp.int32))
     return state, consts
 
