@@ -87,7 +87,7 @@ def test_gpu_kernel_rejects_an_unknown_v_layout_and_mismatched_v_pages():
 def test_gpu_kernel_over_dim_major_fp8_v_pages_lowers_through_triton_from_cpu(block_kv, monkeypatch):
     # Pallas -> Triton IR for an abstract H200: catches what interpret mode does not (the transposed
     # gather and the dot's trans_b on a widened fp8 tile), and checks that every V^T tile's addresses
-    # are built from ranges and scalars only. An elementwise select in them (jnp's `%` lowers to one)
+    # are built from ranges and scalars only, and its masks from scalars only. An elementwise select in them (jnp's `%` lowers to one)
     # hides their contiguity from Triton, which then loads the tile one byte a value, unpipelined:
     # 0.67x the token-major kernel on an H100 (session 26) until the columns were a plain range.
     from jax._src.lib.mlir import ir
@@ -140,6 +140,12 @@ def test_gpu_kernel_over_dim_major_fp8_v_pages_lowers_through_triton_from_cpu(bl
         elementwise_selects = [op.name for op in producers(load.operands[0], [])
                                if op.name == "arith.select" and str(op.results[0].type).startswith("tensor")]
         assert not elementwise_selects
+    # An edge block's mask is one value for the whole tile (a mask varying along the columns would
+    # limit the loads to a byte a value); its slots past the sequence's end are zeroed after the load.
+    masked_loads = [load for load in v_tile_loads if len(load.operands) > 1]
+    assert masked_loads
+    for load in masked_loads:
+        assert not [op for op in producers(load.operands[1], []) if op.name == "tt.make_range"]
 
 
 # The engine's side: the dispatcher, the cache and the switch ------------------------------------------------

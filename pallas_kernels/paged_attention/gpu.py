@@ -163,8 +163,9 @@ def _attend_tile(tile, kv_head, split, meta_ref, page_tables_ref, q_ref, k_ref, 
         pages_per_seq = page_tables_ref.shape[1]
         other = 0.0 if masked else None
 
-        def load_v_part(v_rows, v_cols, v_mask):  # after the scores, as the token-major step loads V
-            return plgpu.load(v_ref.at[v_rows, v_cols], mask=v_mask, other=other).astype(tile_dtype)
+        def load_v_part(v_rows, v_cols, v_mask, v_keep):  # after the scores, as the token-major step loads V
+            v = plgpu.load(v_ref.at[v_rows, v_cols], mask=v_mask, other=other).astype(tile_dtype)
+            return v if v_keep is None else jnp.where(v_keep, v, jnp.zeros((), tile_dtype))
 
         k_lanes = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32)[None, :], (part, head_dim))
         ks, load_vs, kv_pos_parts, in_seq_parts = [], [], [], []
@@ -188,8 +189,13 @@ def _attend_tile(tile, kv_head, split, meta_ref, page_tables_ref, q_ref, k_ref, 
             v_rows = jnp.broadcast_to(page * head_dim + jnp.arange(head_dim, dtype=jnp.int32)[:, None],
                                       (head_dim, part))
             v_cols = jnp.broadcast_to(offset[None, :], (head_dim, part))
-            v_mask = jnp.broadcast_to(in_seq[None, :], (head_dim, part)) if masked else None
-            load_vs.append(functools.partial(load_v_part, v_rows, v_cols, v_mask))
+            # The load's mask is one value for the whole V^T tile, so its loads stay vectorised and
+            # pipelined (a mask varying along the columns limits Triton to a byte a value): a part
+            # past the sequence is not read; a live part's slots past the end are read (in its own
+            # page) and zeroed after, since a stale NaN there would survive its weight of 0.
+            v_mask = jnp.broadcast_to(first < kv_end, (head_dim, part)) if masked else None
+            v_keep = jnp.broadcast_to(in_seq[None, :], (head_dim, part)) if masked else None
+            load_vs.append(functools.partial(load_v_part, v_rows, v_cols, v_mask, v_keep))
             kv_pos_parts.append(kv_pos)
             in_seq_parts.append(in_seq)
         return tile_lib.softmax_step_parts(
