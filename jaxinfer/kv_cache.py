@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache_dtype import is_fp8, page_array_dtype
-from pallas_kernels.paged_attention.v_layout import check_v_layout_name
+from pallas_kernels.paged_attention.v_layout import v_pages_shape
 
 
 @jax.tree_util.register_dataclass
@@ -72,9 +72,8 @@ def create_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=j
     ``scales``: per-layer (K, V) float32 scales of FP8 pages (default 1.0; ignored otherwise);
     ``v_layout``: how V is stored (``KVCache.v_layout``; ``sharding`` must be built for the same).
     """
-    check_v_layout_name(v_layout)
     shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
-    v_shape = (config.num_kv_heads, num_pages, config.head_dim, page_size) if v_layout == "dim_major" else shape
+    v_shape = v_pages_shape(shape, v_layout)
     dtype = page_array_dtype(dtype)
     k_scale, v_scale = kv_scale_arrays(config.num_layers, scales if is_fp8(dtype) else None)
 

@@ -80,7 +80,7 @@ from pallas_kernels.paged_attention import work_tiles as wt
 from pallas_kernels.paged_attention.block_sizes import BlockSizes, default_kernel_mechanisms, gpu_block_sizes
 from pallas_kernels.paged_attention.gpu_merge import merge_splits_gpu
 from pallas_kernels.paged_attention.gpu_write_kv import write_kv
-from pallas_kernels.paged_attention.v_layout import check_v_layout_name
+from pallas_kernels.paged_attention.v_layout import v_pages_shape
 from pallas_kernels.paged_attention.validation import check_inputs
 # Re-exported: callers and tests know them from here.
 from pallas_kernels.paged_attention.gpu_tile import F16_MAX, FP8_WIDEN_CHOICES, fp8_tile_dtype  # noqa: F401
@@ -239,7 +239,6 @@ def attend_gpu(
     ``[Hkv, P, D, page_size]`` and the kernel loads V tiles transposed, one page a part of a block
     (``v_layout.py``, a layout under measurement for float8 pages).
     """
-    check_v_layout_name(v_layout)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -254,9 +253,10 @@ def attend_gpu(
     if v_dim_major and min(sizes.block_kv, page_size) < 16 and not interpret:  # a part: a page at most
         raise ValueError(f"dim-major V pages need parts of >= 16 tokens on a GPU (Triton's dot), so pages and "
                          f"blocks of >= 16 tokens; got block_kv {sizes.block_kv}, page_size {page_size}")
-    v_rows, v_cols = (num_pages * head_dim, page_size) if v_dim_major else (num_pages * page_size, head_dim)
-    if v_pages.size != num_kv_heads * v_rows * v_cols:
-        raise ValueError(f"v_pages {v_pages.shape} do not hold k_pages' {k_pages.shape} tokens")
+    if v_pages.shape != v_pages_shape(k_pages.shape, v_layout):
+        raise ValueError(f"v_pages {v_pages.shape} do not hold k_pages' {k_pages.shape} tokens as {v_layout} pages")
+    # Flattened the same way: row page * D + d of dim-major pages holds dim d of that page's tokens.
+    v_rows, v_cols = v_pages.shape[1] * v_pages.shape[2], v_pages.shape[3]
     v_flat = v_pages.reshape(num_kv_heads, v_rows, v_cols)
     # HIGHEST makes Triton's dot IEEE float32 for float32 inputs; at the default it rounds them to TF32.
     precision = matmul_precision(q.dtype)

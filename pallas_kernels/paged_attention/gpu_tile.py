@@ -142,17 +142,17 @@ def score_scale(sm_scale: float, soft_cap: float | None) -> float:
 
 
 def softmax_step(q, k, load_v, kv_pos, row_pos, in_seq, carry, *, masked: bool, scale: float,
-                 soft_cap: float | None, sliding_window: int | None, precision, v_transposed: bool = False):
+                 soft_cap: float | None, sliding_window: int | None, precision):
     """One KV block of the online softmax; returns the new ``(acc [rows, D], row_max [rows], denom [rows])``.
 
     ``k`` [BK, D] is loaded by the caller; ``load_v()`` loads V [BK, D] after the scores (the
-    order both kernels had), or V^T [D, BK] with ``v_transposed`` (dim-major V pages, see
-    ``v_layout.py``). ``masked``: apply the causal / sequence-end / window masks;
+    order both kernels had). ``masked``: apply the causal / sequence-end / window masks;
     ``in_seq()`` [BK] bool says which positions are before the tile's KV end (called only then).
+    Dim-major V pages (V^T tiles, ``v_layout.py``) go through ``softmax_step_parts``.
     """
     return softmax_step_parts(q, [k], [load_v], [kv_pos], row_pos, [in_seq() if masked else None], carry,
                               masked=masked, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                              precision=precision, v_transposed=v_transposed)
+                              precision=precision)
 
 
 def softmax_step_parts(q, ks, load_vs, kv_pos_parts, row_pos, in_seq_parts, carry, *, masked: bool, scale: float,

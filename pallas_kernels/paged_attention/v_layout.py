@@ -44,6 +44,13 @@ def check_v_layout_name(v_layout: str) -> None:
         raise ValueError(f"v_layout must be one of {V_LAYOUTS}, got {v_layout!r}")
 
 
+def v_pages_shape(k_pages_shape: tuple[int, ...], v_layout: str) -> tuple[int, ...]:
+    """The V pages' shape beside K pages ``[Hkv, P, page_size, D]``: the same, or ``[Hkv, P, D, page_size]``."""
+    check_v_layout_name(v_layout)
+    num_kv_heads, num_pages, page_size, head_dim = k_pages_shape
+    return (num_kv_heads, num_pages, head_dim, page_size) if v_layout == "dim_major" else tuple(k_pages_shape)
+
+
 def to_dim_major(v_pages: jax.Array) -> jax.Array:
     """Token-major V pages ``[Hkv, P, page_size, D]`` as dim-major ``[Hkv, P, D, page_size]`` (a copy)."""
     return jnp.swapaxes(v_pages, 2, 3)
@@ -57,10 +64,10 @@ def write_kv_dim_major_v(k_new: jax.Array, v_new: jax.Array, k_pages: jax.Array,
     The same slots and padding rule: token ``(page, r)`` of V is column ``r`` of its page's ``D``
     rows; a padding token's slot is past the pool, so its page index is out of range and dropped.
     """
-    num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
-    if v_pages.shape != (num_kv_heads, num_pages, head_dim, page_size):
-        raise ValueError(f"dim-major v_pages must be [Hkv, P, D, page_size] = "
-                         f"{(num_kv_heads, num_pages, head_dim, page_size)}, got {v_pages.shape}")
+    num_pages, page_size = k_pages.shape[1:3]
+    want = v_pages_shape(k_pages.shape, "dim_major")
+    if v_pages.shape != want:
+        raise ValueError(f"dim-major v_pages must be [Hkv, P, D, page_size] = {want}, got {v_pages.shape}")
     slot = kv_slots(page_tables, cu_q_lens, kv_lens, k_new.shape[0], num_pages, page_size)
     new_v = to_page_storage(v_new, v_pages.dtype)  # [T, Hkv, D]: the two index arrays' axis goes first
     v_pages = v_pages.at[:, slot // page_size, :, slot % page_size].set(new_v, mode="drop", unique_indices=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels.paged_attention.v_layout import v_pages_shape
+
 
 def check_inputs(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_lens,
                  v_layout: str = "token_major") -> None:
@@ -14,7 +16,7 @@ def check_inputs(q, k_new, v_new, k_pages, v_pages, page_tables, cu_q_lens, kv_l
     num_tokens, num_q_heads, head_dim = q.shape
     if k_pages.ndim != 4:
         raise ValueError(f"k_pages must be [num_kv_heads, num_pages, page_size, head_dim], got {k_pages.shape}")
-    v_shape = k_pages.shape[:2] + k_pages.shape[2:][::-1] if v_layout == "dim_major" else k_pages.shape
+    v_shape = v_pages_shape(k_pages.shape, v_layout)
     if v_pages.shape != v_shape or v_pages.dtype != k_pages.dtype:
         raise ValueError(f"v_pages {v_pages.shape} {v_pages.dtype} must be {v_shape} {k_pages.dtype} "
                          f"(k_pages {k_pages.shape}, V {v_layout.replace('_', '-')})")
