@@ -578,8 +578,8 @@ def run_fp8_stage(results, table, budget, page_size, shapes=None, sweep_shapes=N
 
     Pass 1 compiles every shape's fixed columns at once (thread pool, abstract shapes) and times
     them, whatever the budget; pass 2 does the same for the sweep candidates of ``sweep_shapes``,
-    in order, until the budget ends. Bytes are counted at one a value for fp8 pages, two for bf16; tokens/s is one
-    layer's attention call (B tokens a call).
+    in order, until the budget ends. Bytes are counted at one a value for fp8 pages, two for bf16;
+    tokens/s is one layer's attention call (B tokens a call).
     """
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     check_fp8_widening(results)

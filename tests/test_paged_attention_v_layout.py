@@ -87,9 +87,10 @@ def test_gpu_kernel_rejects_an_unknown_v_layout_and_mismatched_v_pages():
 def test_gpu_kernel_over_dim_major_fp8_v_pages_lowers_through_triton_from_cpu(block_kv, monkeypatch):
     # Pallas -> Triton IR for an abstract H200: catches what interpret mode does not (the transposed
     # gather and the dot's trans_b on a widened fp8 tile), and checks that every V^T tile's addresses
-    # are built from ranges and scalars only, and its masks from scalars only. An elementwise select in them (jnp's `%` lowers to one)
-    # hides their contiguity from Triton, which then loads the tile one byte a value, unpipelined:
-    # 0.67x the token-major kernel on an H100 (session 26) until the columns were a plain range.
+    # are built from ranges and scalars only, and its masks from scalars only. An elementwise select
+    # in the addresses (jnp's `%` lowers to one) hides their contiguity from Triton, which then loads
+    # the tile one byte a value, unpipelined: 0.67x the token-major kernel on an H100 (session 26)
+    # until the columns were a plain range.
     from jax._src.lib.mlir import ir
     from jax._src.mesh import AbstractDevice, AbstractMesh
     from jax._src.pallas.triton import pallas_call_registration
