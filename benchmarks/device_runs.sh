@@ -206,8 +206,8 @@
 #           (fixed columns only: bf16, fp8 token-major, fp8 V dim-major; 6 shapes, two of them ending mid-block
 #           as the engine's contexts do, so their walks end in a masked block), then fp8 throughput-1k with
 #           JAXINFER_V_LAYOUT=dim_major and token_major (untraced). s26a/s26b do the same in two calls, with
-#           the tile sweep, Nsight Compute and traces. SHAPES= and FRONTIER_S= (the first stage's limit,
-#           default 210 s) trim it for a session with less device time.
+#           the tile sweep, Nsight Compute and traces. SHAPES=, FRONTIER_S= (the first stage's limit,
+#           default 210 s) and TP1K=0 (no engine runs) trim it for a session with less device time.
 #   s23d    one GPU: Nsight Compute's full report of the decode attention kernel over fp8 and bf16 pages
 #           (384 sequences at 1k tokens: throughput-1k's decode steps; 32 at 4k).
 #   s23e    one GPU: bf16 throughput-1k with XLA's dot merger off from 33 to 1023 rows and the basic sampler
@@ -1020,12 +1020,13 @@ s26b)
 s27a)
     on_gpu 0 frontier_fp8.log "${FRONTIER_S:-210}" python3 benchmarks/kernel_frontier.py --out "$R/fp8k" --only ceilings,fp8 \
         --budget-s 1 --fp8-shapes ${SHAPES:-384x1024,384x1000,32x4096,32x4000,256x4096,1x16384}
+    [ "${TP1K:-1}" = 0 ] || {  # TP1K=0: the kernels only, where the device time left can't hold both engine runs
     JAXINFER_V_LAYOUT=dim_major on_gpu 0 tp1k_fp8_dim_major.log $(( (END - SECONDS) / 2 )) \
         python3 benchmarks/engine_throughput.py --out "$R/tp1k_fp8_dim_major" --quantization fp8 \
         --kv-cache-dtype fp8 --workloads throughput-1k
     JAXINFER_V_LAYOUT=token_major on_gpu 0 tp1k_fp8_token_major.log $(( END - SECONDS - 5 )) \
         python3 benchmarks/engine_throughput.py --out "$R/tp1k_fp8_token_major" --quantization fp8 \
-        --kv-cache-dtype fp8 --workloads throughput-1k ;;
+        --kv-cache-dtype fp8 --workloads throughput-1k; } ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac
