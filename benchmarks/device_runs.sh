@@ -1018,15 +1018,16 @@ s26b)
             --profile-steps 3
     done ;;
 s27a)
-    on_gpu 0 frontier_fp8.log "${FRONTIER_S:-210}" python3 benchmarks/kernel_frontier.py --out "$R/fp8k" --only ceilings,fp8 \
-        --budget-s 1 --fp8-shapes ${SHAPES:-384x1024,384x1000,32x4096,32x4000,256x4096,1x16384}
-    [ "${TP1K:-1}" = 0 ] || {  # TP1K=0: the kernels only, where the device time left can't hold both engine runs
-    JAXINFER_V_LAYOUT=dim_major on_gpu 0 tp1k_fp8_dim_major.log $(( (END - SECONDS) / 2 )) \
-        python3 benchmarks/engine_throughput.py --out "$R/tp1k_fp8_dim_major" --quantization fp8 \
-        --kv-cache-dtype fp8 --workloads throughput-1k
-    JAXINFER_V_LAYOUT=token_major on_gpu 0 tp1k_fp8_token_major.log $(( END - SECONDS - 5 )) \
-        python3 benchmarks/engine_throughput.py --out "$R/tp1k_fp8_token_major" --quantization fp8 \
-        --kv-cache-dtype fp8 --workloads throughput-1k; } ;;
+    on_gpu 0 frontier_fp8.log "${FRONTIER_S:-210}" python3 benchmarks/kernel_frontier.py --out "$R/fp8k" \
+        --only ceilings,fp8 --budget-s 1 --fp8-shapes ${SHAPES:-384x1024,384x1000,32x4096,32x4000,256x4096,1x16384}
+    if [ "${TP1K:-1}" != 0 ]; then  # TP1K=0: the kernels only, where the device time left can't hold both engine runs
+        JAXINFER_V_LAYOUT=dim_major on_gpu 0 tp1k_fp8_dim_major.log $(( (END - SECONDS) / 2 )) \
+            python3 benchmarks/engine_throughput.py --out "$R/tp1k_fp8_dim_major" --quantization fp8 \
+            --kv-cache-dtype fp8 --workloads throughput-1k
+        JAXINFER_V_LAYOUT=token_major on_gpu 0 tp1k_fp8_token_major.log $(( END - SECONDS - 5 )) \
+            python3 benchmarks/engine_throughput.py --out "$R/tp1k_fp8_token_major" --quantization fp8 \
+            --kv-cache-dtype fp8 --workloads throughput-1k
+    fi ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac
