@@ -202,6 +202,8 @@
 #   s26c    one GPU (~6 min): s26a again with the dim-major V^T tile's columns built as a plain range (no
 #           select from jnp's %, which hid their contiguity: s26a's V^T was loaded one byte at a time),
 #           5 shapes (SHAPES= fewer), the sweep as time allows, then the Nsight Compute report at 384 x 1k.
+#   s28a    one GPU, one call (~8 min, END=470): s27a's engine A/B again in the other order (fp8 throughput-1k with
+#           token-major V pages first, then dim-major), then fp8 batch-1 latency with each, as time allows.
 #   s27a    one GPU, one call (~9 min, END=590): the dim-major A/B after the V^T fix: kernel_frontier's fp8 stage
 #           (fixed columns only: bf16, fp8 token-major, fp8 V dim-major; 6 shapes, two of them ending mid-block
 #           as the engine's contexts do, so their walks end in a masked block), then fp8 throughput-1k with
@@ -219,7 +221,7 @@
 #           batch-1 latency: fp8 weights + fp8 KV with each and without, bf16 with it and without (the
 #           kernel's runs traced over 8 decode steps); then wgmma_gemv.py's tile sweep at 8 and 16 tokens.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f, s18g, s19a, s19b, s19c, s19d, s19e, s20a, s20b, s20c, s20g, s21a, s21b, s22a, s22b, s22c, s23a, s23b, s23c, s23d, s23e, s24a, s25a, s26a, s26b, s26c or s27a}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f, s18g, s19a, s19b, s19c, s19d, s19e, s20a, s20b, s20c, s20g, s21a, s21b, s22a, s22b, s22c, s23a, s23b, s23c, s23d, s23e, s24a, s25a, s26a, s26b, s26c, s27a or s28a}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -1028,6 +1030,17 @@ s27a)
             python3 benchmarks/engine_throughput.py --out "$R/tp1k_fp8_token_major" --quantization fp8 \
             --kv-cache-dtype fp8 --workloads throughput-1k
     fi ;;
+s28a)
+    for layout in token_major dim_major; do
+        JAXINFER_V_LAYOUT=$layout on_gpu 0 tp1k_fp8_$layout.log 190 python3 benchmarks/engine_throughput.py \
+            --out "$R/tp1k_fp8_$layout" --quantization fp8 --kv-cache-dtype fp8 --workloads throughput-1k
+    done
+    for layout in token_major dim_major; do
+        left=$(( (END - SECONDS) / 2 ))
+        [ "$left" -gt 60 ] || break
+        JAXINFER_V_LAYOUT=$layout on_gpu 0 latency_fp8_$layout.log $left python3 benchmarks/engine_throughput.py \
+            --out "$R/latency_fp8_$layout" --quantization fp8 --kv-cache-dtype fp8 --workloads latency
+    done ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;
 esac
