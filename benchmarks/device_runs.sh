@@ -202,8 +202,9 @@
 #   s26c    one GPU (~6 min): s26a again with the dim-major V^T tile's columns built as a plain range (no
 #           select from jnp's %, which hid their contiguity: s26a's V^T was loaded one byte at a time),
 #           5 shapes (SHAPES= fewer), the sweep as time allows, then the Nsight Compute report at 384 x 1k.
-#   s28a    one GPU, one call (~8 min, END=470): s27a's engine A/B again in the other order (fp8 throughput-1k with
-#           token-major V pages first, then dim-major), then fp8 batch-1 latency with each, as time allows.
+#   s28a    one GPU, one call (~9 min, END=540): s27a's engine A/B again in the other order (fp8 throughput-1k with
+#           token-major V pages first, then dim-major), kv_write_gpu.py (what the dim-major V write costs beside
+#           token-major's, decode- and prefill-like), then fp8 batch-1 latency with each layout, as time allows.
 #   s27a    one GPU, one call (~9 min, END=590): the dim-major A/B after the V^T fix: kernel_frontier's fp8 stage
 #           (fixed columns only: bf16, fp8 token-major, fp8 V dim-major; 6 shapes, two of them ending mid-block
 #           as the engine's contexts do, so their walks end in a masked block), then fp8 throughput-1k with
@@ -1035,6 +1036,7 @@ s28a)
         JAXINFER_V_LAYOUT=$layout on_gpu 0 tp1k_fp8_$layout.log 190 python3 benchmarks/engine_throughput.py \
             --out "$R/tp1k_fp8_$layout" --quantization fp8 --kv-cache-dtype fp8 --workloads throughput-1k
     done
+    on_gpu 0 kv_write.log 100 python3 benchmarks/kv_write_gpu.py --out "$R/kv_write" --tokens 64,384,1024,8192
     for layout in token_major dim_major; do
         left=$(( (END - SECONDS) / 2 ))
         [ "$left" -gt 60 ] || break

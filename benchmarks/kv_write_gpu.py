@@ -8,8 +8,10 @@
 rows: decode-like (that many sequences, one row each, at random contexts) and prefill-like (one
 fresh prompt of that many rows). Each write is chained 32 times in one jit with the pools donated
 (in place, as in the engine; ``kernel_frontier.time_chain``), and checked equal to the reference
-first. Reports µs a call and the bytes moved (rows read + written) per second, beside the HBM read
-ceiling measured in the same run. Writes ``kv_write_gpu.{json,md}`` into ``--out``.
+first. A third column writes V pages stored dim-major (``v_layout.write_kv_dim_major_v``: XLA's scatters,
+K as before; ``JAXINFER_V_LAYOUT=dim_major``), checked against the reference's V transposed: what that
+layout's write costs beside token-major's. Reports µs a call and the bytes moved (rows read + written)
+per second, beside the HBM read ceiling measured in the same run. Writes ``kv_write_gpu.{json,md}`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np  # noqa: E402
 import kernel_frontier as kf  # noqa: E402
 from pallas_kernels.paged_attention.gpu_write_kv import write_kv_gpu  # noqa: E402
 from pallas_kernels.paged_attention.reference import write_kv_reference  # noqa: E402
+from pallas_kernels.paged_attention.v_layout import to_dim_major, write_kv_dim_major_v  # noqa: E402
 
 DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
 
@@ -72,10 +75,14 @@ def main():
     kf.say(f"device: {device.device_kind}; jax {jax.__version__}")
     if not args.smoke:
         report["ceilings"] = kf.guarded("ceilings", kf.measure_ceilings)
-    writers = {"xla_scatters": write_kv_reference,
-               "pallas_one_launch": lambda *a: write_kv_gpu(*a, interpret=interpret)}
+    writers = {"xla_scatters": write_kv_reference,  # name: (write, whether its V pages are dim-major)
+               "pallas_one_launch": lambda *a: write_kv_gpu(*a, interpret=interpret),
+               "xla_v_dim_major": write_kv_dim_major_v}
+    dim_major_writers = {"xla_v_dim_major"}
     for dtype_name, dtype in DTYPES.items():
-        pools = tuple(jnp.zeros((heads, num_pages, page_size, head_dim), dtype) for _ in range(2))
+        shape = (heads, num_pages, page_size, head_dim)
+        pools_by_layout = {False: (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
+                           True: (jnp.zeros(shape, dtype), to_dim_major(jnp.zeros(shape, dtype)))}
         for kind in ("decode", "prefill"):
             for t in tokens:
                 if kind == "decode" and t > 1024:
@@ -85,15 +92,20 @@ def main():
                 k_new, v_new = k_new.astype(dtype), v_new.astype(dtype)
                 row = {"dtype": dtype_name, "kind": kind, "tokens": t, "us": {}, "gbps": {}}
                 moved = 2 * 2 * k_new.size * k_new.dtype.itemsize  # K and V, read and written
-                want = jax.jit(write_kv_reference)(k_new, v_new, *pools, *meta)
+                want = jax.jit(write_kv_reference)(k_new, v_new, *pools_by_layout[False], *meta)
                 for name, write in writers.items():
+                    dim_major = name in dim_major_writers
+                    pools = pools_by_layout[dim_major]
                     got = jax.jit(write)(k_new, v_new, *[jnp.copy(p) for p in pools], *meta)
+                    expected = (want[0], to_dim_major(want[1])) if dim_major else want
                     row.setdefault("equal", {})[name] = all(
-                        bool(jnp.array_equal(g.astype(jnp.float32), w.astype(jnp.float32))) for g, w in zip(got, want))
+                        bool(jnp.array_equal(g.astype(jnp.float32), w.astype(jnp.float32)))
+                        for g, w in zip(got, expected))
 
                     def step(carry, k_new, v_new, *meta):
                         return write(k_new, v_new, *carry, *meta)
-                    seconds, pools = kf.time_chain(step, pools, k_new, v_new, *meta, donate=True)
+                    seconds, pools_by_layout[dim_major] = kf.time_chain(step, pools, k_new, v_new, *meta,
+                                                                        donate=True)
                     row["us"][name] = seconds * 1e6
                     row["gbps"][name] = moved / seconds / 1e9
                     kf.say(f"{dtype_name} {kind} T={t}: {name} {seconds * 1e6:7.1f} us "
@@ -106,13 +118,16 @@ def main():
     lines = [f"# K/V write, one layer ({report['device']}, jax {report['jax']})", "", f"Command: `{report['command']}`",
              "", f"HBM read ceiling in this run: {ceiling} TB/s. µs a call (32 chained, pools donated); GB/s of "
              "rows read and written (K and V).", "",
-             "| pages | step | new rows | XLA scatters | Pallas, one launch | Pallas / XLA | equal |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| pages | step | new rows | XLA scatters | Pallas, one launch | Pallas / XLA | XLA, V dim-major "
+             "| V dim-major / XLA | equal |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in report["results"]:
-        xla, ours = r["us"]["xla_scatters"], r["us"]["pallas_one_launch"]
-        lines.append(f"| {r['dtype']} | {r['kind']} | {r['tokens']} | "
-                     f"{xla:.1f} µs ({r['gbps']['xla_scatters']:.0f} GB/s) | {ours:.1f} µs ({r['gbps']['pallas_one_launch']:.0f} GB/s) | {ours / xla:.2f} | "
-                     f"{all(r['equal'].values())} |")
+        us, gbps = r["us"], r["gbps"]
+        xla = us["xla_scatters"]
+        cell = {n: f"{us[n]:.1f} µs ({gbps[n]:.0f} GB/s)" for n in us}
+        cells = [cell["xla_scatters"], cell["pallas_one_launch"], f"{us['pallas_one_launch'] / xla:.2f}",
+                 cell["xla_v_dim_major"], f"{us['xla_v_dim_major'] / xla:.2f}", str(all(r["equal"].values()))]
+        lines.append(f"| {r['dtype']} | {r['kind']} | {r['tokens']} | {' | '.join(cells)} |")
     with open(os.path.join(args.out, "kv_write_gpu.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -515,3 +515,14 @@ def test_compile_time_compiles_static_activation_scale_programs_one_by_one(tmp_p
     assert results["activation_scales"] == "static"
     assert [program["bucket"][0] for program in results["programs"]] == [16, 64]
     assert all(program["lowering_seconds"] > 0 and program["compile_seconds"] > 0 for program in results["programs"])
+
+
+def test_kv_write_gpu_writers_match_the_reference(tmp_path):
+    # Every writer the GPU run times (XLA's scatters, the one Pallas launch, V pages dim-major) is
+    # checked equal to the reference first; here in the interpreter on tiny shapes, bf16 and fp8.
+    out = tmp_path / "kv_write"
+    run_script([BENCHMARKS / "kv_write_gpu.py", "--smoke", "--out", out], tmp_path, shared_cache=True)
+    rows = json.loads((out / "kv_write_gpu.json").read_text())["results"]
+    assert {(r["dtype"], r["kind"]) for r in rows} == {(d, k) for d in ("bf16", "fp8") for k in ("decode", "prefill")}
+    assert all(r["equal"] == {"xla_scatters": True, "pallas_one_launch": True, "xla_v_dim_major": True} for r in rows)
+    assert "V dim-major / XLA" in (out / "kv_write_gpu.md").read_text()
