@@ -8,8 +8,9 @@ import pytest
 
 from pallas_kernels.paged_attention.block_sizes import BlockSizes
 from pallas_kernels.paged_attention.gpu import attend_gpu
-from pallas_kernels.paged_attention.reference import attend_reference, write_kv_reference
-from pallas_kernels.paged_attention.v_layout import to_dim_major, write_kv_dim_major_v
+from pallas_kernels.paged_attention.page_storage import to_page_storage
+from pallas_kernels.paged_attention.reference import attend_reference, kv_slots, write_kv_reference
+from pallas_kernels.paged_attention.v_layout import _write_whole_pages, to_dim_major, write_kv_dim_major_v
 from tests.attention_cases import make_case
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
@@ -32,6 +33,39 @@ def test_dim_major_write_stores_what_the_reference_stores_transposed(page_dtype)
     assert got_v.shape == to_dim_major(v_pages).shape and got_v.dtype == page_dtype
     np.testing.assert_array_equal(_as_f32(got_k), _as_f32(ref_k))
     np.testing.assert_array_equal(_as_f32(got_v), _as_f32(to_dim_major(ref_v)))
+
+
+@pytest.mark.parametrize("page_dtype", [F32, FP8])
+def test_dim_major_write_stores_whole_pages_where_a_step_fills_them(page_dtype):
+    # Prompt chunks that start mid-page, at a page's start, end at a page's end, span several whole
+    # pages or none; decode rows and padding between. Pages filled whole go through the page write
+    # (the rows it took are dropped from the scatter); what lands equals the reference transposed.
+    seqs = [(37, 40), (1, 17), (16, 16), (8, 24), (5, 13), (0, 0), (30, 30)]
+    case = make_case(5, seqs, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=8, pad_tokens=3)
+    k_new, v_new, k_pages, v_pages = (x.astype(page_dtype) for x in (case.k_new, case.v_new, case.k_pages,
+                                                                        case.v_pages))
+    rest = (case.page_tables, case.cu_q_lens, case.kv_lens)
+    ref_k, ref_v = write_kv_reference(k_new, v_new, k_pages, v_pages, *rest)
+    got_k, got_v = jax.jit(write_kv_dim_major_v)(k_new, v_new, k_pages, to_dim_major(v_pages), *rest)
+    np.testing.assert_array_equal(_as_f32(got_k), _as_f32(ref_k))
+    np.testing.assert_array_equal(_as_f32(got_v), _as_f32(to_dim_major(ref_v)))
+
+    # Which rows the page write took: those of pages the step fills whole, and no other.
+    num_pages, page_size = k_pages.shape[1:3]
+    slot = kv_slots(case.page_tables, case.cu_q_lens, case.kv_lens, k_new.shape[0], num_pages, page_size)
+    new_v = to_page_storage(v_new, page_dtype)
+    _, left = _write_whole_pages(to_dim_major(v_pages), new_v, slot, page_size)
+    taken = np.asarray(left) != np.asarray(slot)
+    want = np.zeros(len(slot), bool)
+    start = 0
+    for q_len, kv_len in seqs:
+        positions = np.arange(kv_len - q_len, kv_len)
+        for page in set(positions // page_size):
+            rows = positions // page_size == page
+            want[start:start + q_len] |= rows if rows.sum() == page_size else False
+        start += q_len
+    assert want.sum() == 10 * 8  # 4 pages of the first prompt, 2 of the third, 1 of the fourth, 3 of the last
+    np.testing.assert_array_equal(taken, want)
 
 
 def test_dim_major_write_rejects_token_major_v_pages():

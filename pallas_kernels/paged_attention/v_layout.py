@@ -63,12 +63,54 @@ def write_kv_dim_major_v(k_new: jax.Array, v_new: jax.Array, k_pages: jax.Array,
 
     The same slots and padding rule: token ``(page, r)`` of V is column ``r`` of its page's ``D``
     rows; a padding token's slot is past the pool, so its page index is out of range and dropped.
+
+    A token's values land ``page_size`` bytes apart, so a scatter writes them one value at a time
+    (on an H100, 8,192 prompt rows took 181 µs a layer against 30 for token-major pages:
+    ``benchmarks/results/kv_write_gpu.session28_s28a_h100.md``). In a step with more rows than
+    sequences (one that can carry a prompt), pages the step fills whole are written whole instead:
+    their rows gathered, transposed and stored a page at a time; the scatter takes only the rest
+    (decode rows, a prompt's first and last partial pages).
     """
     num_pages, page_size = k_pages.shape[1:3]
     want = v_pages_shape(k_pages.shape, "dim_major")
     if v_pages.shape != want:
         raise ValueError(f"dim-major v_pages must be [Hkv, P, D, page_size] = {want}, got {v_pages.shape}")
-    slot = kv_slots(page_tables, cu_q_lens, kv_lens, k_new.shape[0], num_pages, page_size)
+    num_tokens = k_new.shape[0]
+    slot = kv_slots(page_tables, cu_q_lens, kv_lens, num_tokens, num_pages, page_size)
     new_v = to_page_storage(v_new, v_pages.dtype)  # [T, Hkv, D]: the two index arrays' axis goes first
-    v_pages = v_pages.at[:, slot // page_size, :, slot % page_size].set(new_v, mode="drop", unique_indices=True)
+    v_slot = slot
+    # Static: a decode step (as many rows as sequences) fills no page whole; skip the gather there.
+    if num_tokens > page_tables.shape[0] and num_tokens >= page_size:
+        v_pages, v_slot = _write_whole_pages(v_pages, new_v, slot, page_size)
+    v_pages = v_pages.at[:, v_slot // page_size, :, v_slot % page_size].set(new_v, mode="drop", unique_indices=True)
     return scatter_rows(k_pages, k_new, slot), v_pages
+
+
+def _write_whole_pages(v_pages: jax.Array, new_v: jax.Array, slot: jax.Array,
+                       page_size: int) -> tuple[jax.Array, jax.Array]:
+    """Store the pages whose every slot this step writes, whole; return the pages and the slots
+    left for the scatter (a row already stored gets its own slot past the pool, so it is dropped).
+
+    A page is filled whole by rows ``t .. t + page_size - 1`` when row ``t`` is its slot 0 and row
+    ``t + page_size - 1`` its last: a sequence's rows are packed in order and a page belongs to one
+    sequence, so the rows between fill the slots between. At most ``T // page_size`` pages are.
+    """
+    num_pages = v_pages.shape[1]
+    num_tokens = new_v.shape[0]
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    in_pool = slot < num_pages * page_size  # padding rows' slots lie past the pool
+    offset = slot % page_size
+    page_last = slot[jnp.minimum(rows + page_size - 1, num_tokens - 1)]
+    starts_page = in_pool & (offset == 0) & (rows + page_size <= num_tokens) & (page_last == slot + page_size - 1)
+    max_pages = num_tokens // page_size
+    first_rows = jnp.nonzero(starts_page, size=max_pages, fill_value=num_tokens)[0].astype(jnp.int32)
+    found = first_rows < num_tokens
+    safe_first = jnp.minimum(first_rows, num_tokens - 1)
+    # A slot left unfound gets its own page index past the pool: dropped, and the indices stay distinct.
+    page = jnp.where(found, slot[safe_first] // page_size, num_pages + jnp.arange(max_pages, dtype=jnp.int32))
+    block = new_v[jnp.minimum(safe_first[:, None] + jnp.arange(page_size, dtype=jnp.int32), num_tokens - 1)]
+    block = block.transpose(2, 0, 3, 1)  # [pages, page_size, Hkv, D] -> [Hkv, pages, D, page_size]
+    v_pages = v_pages.at[:, page].set(block, mode="drop", unique_indices=True)
+    page_first = rows - offset
+    stored = in_pool & (page_first >= 0) & starts_page[jnp.maximum(page_first, 0)]
+    return v_pages, jnp.where(stored, num_pages * page_size + rows, slot)
