@@ -202,6 +202,8 @@
 #   s26c    one GPU (~6 min): s26a again with the dim-major V^T tile's columns built as a plain range (no
 #           select from jnp's %, which hid their contiguity: s26a's V^T was loaded one byte at a time),
 #           5 shapes (SHAPES= fewer), the sweep as time allows, then the Nsight Compute report at 384 x 1k.
+#   s28b    one GPU, one call (~7 min, END=420): the dim-major V write with whole pages (df275d0) timed beside
+#           token-major's (kv_write_gpu.py), then s28a's fp8 throughput-1k A/B (dim-major first this time).
 #   s28a    one GPU, one call (~9 min, END=540): s27a's engine A/B again in the other order (fp8 throughput-1k with
 #           token-major V pages first, then dim-major), kv_write_gpu.py (what the dim-major V write costs beside
 #           token-major's, decode- and prefill-like), then fp8 batch-1 latency with each layout, as time allows.
@@ -222,7 +224,7 @@
 #           batch-1 latency: fp8 weights + fp8 KV with each and without, bf16 with it and without (the
 #           kernel's runs traced over 8 decode steps); then wgmma_gemv.py's tile sweep at 8 and 16 tokens.
 set -u
-PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f, s18g, s19a, s19b, s19c, s19d, s19e, s20a, s20b, s20c, s20g, s21a, s21b, s22a, s22b, s22c, s23a, s23b, s23c, s23d, s23e, s24a, s25a, s26a, s26b, s26c, s27a or s28a}
+PLAN=${1:?plan: engine, tp, tp1k, tpsame, tpgraphs, next, va, va1, tpcheck, warm, lab, ab1, ab2, ab3, s7a, s7b, s7c, s8fp8, s8spec, s8lat, s8lat2, s8final, s9a, s9b, s9c, s9d, s9eagle, s10a, s10b, s10c, s10d, s11a, s12a, s12b, s12c, s13a, s13b, s13c, s13d, s13e, s14b, s14c, s15a, s15b, s16b, s16c, s16d, s17a, s17b, s17c, s17d, s18a, s18b, s18c, s18d, s18e, s18f, s18g, s19a, s19b, s19c, s19d, s19e, s20a, s20b, s20c, s20g, s21a, s21b, s22a, s22b, s22c, s23a, s23b, s23c, s23d, s23e, s24a, s25a, s26a, s26b, s26c, s27a, s28a or s28b}
 OUT=${OUT:-$PWD/device-out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/$PLAN"
@@ -1042,6 +1044,13 @@ s28a)
         [ "$left" -gt 60 ] || break
         JAXINFER_V_LAYOUT=$layout on_gpu 0 latency_fp8_$layout.log $left python3 benchmarks/engine_throughput.py \
             --out "$R/latency_fp8_$layout" --quantization fp8 --kv-cache-dtype fp8 --workloads latency
+    done ;;
+s28b)
+    on_gpu 0 kv_write.log 100 python3 benchmarks/kv_write_gpu.py --out "$R/kv_write" --tokens 384,1024,8192
+    for layout in dim_major token_major; do
+        JAXINFER_V_LAYOUT=$layout on_gpu 0 tp1k_fp8_$layout.log $(( END - SECONDS > 320 ? 190 : END - SECONDS - 5 )) \
+            python3 benchmarks/engine_throughput.py --out "$R/tp1k_fp8_$layout" --quantization fp8 \
+            --kv-cache-dtype fp8 --workloads throughput-1k
     done ;;
 *)
     echo "unknown plan $PLAN" >&2; exit 2 ;;

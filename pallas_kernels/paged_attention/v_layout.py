@@ -19,12 +19,13 @@ paths, the TPU kernel and the fused-write kernel read token-major pages only
 (``jaxinfer.attention.check_v_layout`` refuses the rest); prefix sharing and preemption move whole
 pages and are indifferent to the layout.
 
-Measured on an H100 (session 26, ``benchmarks/results/session26_h100.md``): first slower (0.67x
-the token-major kernel at 384 x 1k), because the V^T tile's columns came from jnp's ``%``, whose
-select hid their contiguity from Triton, so the tile was loaded a byte a value, unpipelined. With
-the columns a plain range, Nsight Compute counts 76.7M instructions at 384 x 1k (token-major, session 24:
-99.3M) and 86.7% DRAM throughput; the same-run timing against token-major and throughput-1k are
-next (plan s27a, or s26a and s26b).
+Measured on an H100 (sessions 26 and 28, ``benchmarks/results/session2{6,8}_h100.md``): first slower
+(0.67x the token-major kernel at 384 x 1k), because the V^T tile's columns came from jnp's ``%``, whose
+select hid their contiguity from Triton, so the tile was loaded a byte a value, unpipelined. With the
+columns a plain range, level with token-major (full call 0.97-1.03x at B >= 32, 1.21x at 1 x 16k) and
+in fp8 throughput-1k (13,262 against 13,242 tok/s, two runs each): its decode steps 1-3% shorter, its
+prompt-carrying steps ~5 ms longer, which is the byte-a-value write. Pages a step fills whole are now
+written whole (:func:`write_kv_dim_major_v`); the GPU timing of that is next (plan s28b).
 """
 
 from __future__ import annotations
