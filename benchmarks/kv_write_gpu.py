@@ -75,10 +75,10 @@ def main():
     kf.say(f"device: {device.device_kind}; jax {jax.__version__}")
     if not args.smoke:
         report["ceilings"] = kf.guarded("ceilings", kf.measure_ceilings)
-    writers = {"xla_scatters": write_kv_reference,  # name: (write, whether its V pages are dim-major)
+    writers = {"xla_scatters": write_kv_reference,
                "pallas_one_launch": lambda *a: write_kv_gpu(*a, interpret=interpret),
                "xla_v_dim_major": write_kv_dim_major_v}
-    dim_major_writers = {"xla_v_dim_major"}
+    dim_major_writers = {"xla_v_dim_major"}  # the writers whose V pool is dim-major
     for dtype_name, dtype in DTYPES.items():
         shape = (heads, num_pages, page_size, head_dim)
         pools_by_layout = {False: (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
