@@ -30,6 +30,7 @@ from jaxinfer.orbax_checkpoint import MARKER, hf_config, restore, save
 from jaxinfer.params import is_spec, param_specs
 
 from .conftest import FIXTURES, REPO
+from .subprocess_report import read_report
 
 # Compiled on first use (no warm-up): one prompt needs one prefill and one decode program,
 # which the second engine (same shapes) finds in the compilation cache.
@@ -183,8 +184,8 @@ max_device_bytes = max(
     for d in jax.devices()
 )
 hashes = [hashlib.sha1(np.asarray(x).tobytes()).hexdigest() for x in jax.tree.leaves(model.weights)]
-print(json.dumps(dict(peak_delta=peak - before, device_bytes=device_bytes, max_device_bytes=max_device_bytes,
-                      hashes=hashes)))
+report = dict(peak_delta=peak - before, device_bytes=device_bytes, max_device_bytes=max_device_bytes, hashes=hashes)
+print("REPORT " + json.dumps(report))  # tests/subprocess_report.py reads it
 """
 
 
@@ -194,7 +195,7 @@ def _restore_in_subprocess(big: Path, small: Path, layout: str, env: dict[str, s
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return read_report(result.stdout)
 
 
 def test_sharded_restore_takes_one_model_of_host_memory_not_one_per_device(tmp_path):

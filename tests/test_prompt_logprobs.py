@@ -6,7 +6,6 @@ are checked to return what the scorer computes, in their formats, without changi
 All on the tiny Llama-3 fixture in float32, on CPU.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from jaxinfer.prompt_logprobs import PromptScorer, bucket_for, prompt_logprob_su
 from .all_logits import forward_all_logits
 from .conftest import FIXTURES
 from .fake_engine import FakeEngine, RunningServer
+from .subprocess_report import read_report, report_line
 
 VOCAB = 512
 PAGE_SIZE = 16
@@ -246,7 +246,7 @@ def test_tensor_parallel_scores_match_one_device():
     result = subprocess.run([sys.executable, "-m", "tests.test_prompt_logprobs"], env=env, check=False,
                             capture_output=True, text=True, timeout=300, cwd=FIXTURES.parent.parent)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = read_report(result.stdout)
     for tp in ("2", "4"):  # tp=4 pads tiny_9_3's 9 query / 3 KV heads
         assert report[tp]["max_abs_diff"] <= 1e-4 and report[tp]["same_keys"] and report[tp]["same_tokens"]
 
@@ -272,4 +272,4 @@ def _tensor_parallel_report() -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_tensor_parallel_report()))
+    print(report_line(_tensor_parallel_report()))

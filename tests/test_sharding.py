@@ -10,7 +10,6 @@ subprocess (this file run as a script) and report JSON; the head-layout tests ru
 """
 
 import dataclasses
-import json
 import os
 import pathlib
 import subprocess
@@ -87,7 +86,9 @@ def multi_device_report():
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
     result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    from .subprocess_report import read_report
+
+    return read_report(result.stdout)
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
@@ -229,5 +230,7 @@ def test_graph_options_respect_only_the_users_own_graph_kinds(monkeypatch):
 
 
 if __name__ == "__main__":
-    print(json.dumps(_multi_device_checks()))
+    from subprocess_report import report_line  # run as a script: tests/ is sys.path[0]
+
+    print(report_line(_multi_device_checks()))
 

@@ -135,25 +135,26 @@ expected = logits(model, ids)
 mesh = make_mesh(2)
 sharded = shard_model(model, mesh)
 scale = sharded.weights.layers[0].q.input_scale
-print(json.dumps({"diff": float(np.abs(logits(sharded, ids, StepPlacement(sharded.config, mesh)) - expected).max()),
-                  "scale": float(np.abs(expected).max()), "static": sharded.config.activation_scales,
-                  "replicated": scale.sharding.is_fully_replicated and len(scale.sharding.device_set) == 2}))
+report = {"diff": float(np.abs(logits(sharded, ids, StepPlacement(sharded.config, mesh)) - expected).max()),
+          "scale": float(np.abs(expected).max()), "static": sharded.config.activation_scales,
+          "replicated": scale.sharding.is_fully_replicated and len(scale.sharding.device_set) == 2}
+print("REPORT " + json.dumps(report))  # tests/subprocess_report.py reads it
 """
 
 
 def test_tensor_parallelism_keeps_the_static_scales_replicated_and_the_logits(static_checkpoint):
-    import json
     import os
     import subprocess
     import sys
 
     from .conftest import REPO
+    from .subprocess_report import read_report
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     done = subprocess.run([sys.executable, "-c", TENSOR_PARALLEL_CHECK, str(static_checkpoint[0])], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = read_report(done.stdout)
     assert report["static"] == "static" and report["replicated"]
     # Row-parallel sums in another order can tip an activation to the neighbouring e4m3 value.
     assert report["diff"] < 0.02 * report["scale"], report
