@@ -733,7 +733,10 @@ def test_cudnn_segments_call_lowers_per_shard_under_tensor_parallelism():
     import subprocess
     import sys
 
+    from .subprocess_report import read_report
+
     script = """
+import json
 import jax, jax.numpy as jnp
 from jax._src.cudnn import fused_attention_stablehlo as cudnn
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -748,12 +751,12 @@ seg = jax.ShapeDtypeStruct((2,), jnp.int32, sharding=whole)
 attend = jax.shard_map(lambda q, k, v, s, n: fp.causal_attention_cudnn_segments(q, k, v, s, n, sm_scale=0.1),
                        mesh=mesh, in_specs=(P(None, "tp"),) * 3 + (P(), P()), out_specs=P(None, "tp"))
 text = jax.jit(attend).trace(q, kv, kv, seg, seg).lower(lowering_platforms=("cuda",)).as_text()
-print([line.split(" : (")[-1] for line in text.splitlines() if "fmhaSoftmax" in line])
+print("REPORT " + json.dumps([line.split(" : (")[-1] for line in text.splitlines() if "fmhaSoftmax" in line]))
 """
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0, done.stderr[-3000:]
-    (call,) = eval(done.stdout.strip().splitlines()[-1])
+    (call,) = read_report(done.stdout)
     assert call.startswith("tensor<1x2048x16x128xbf16>, tensor<1x2048x4x128xbf16>, tensor<1x2048x4x128xbf16>, "
                            "tensor<1x2xi32>, tensor<1x2xi32>, tensor<1x3xi32>, tensor<1x3xi32>)"), call
