@@ -1,9 +1,9 @@
 """The result of a test's child process (one that needs its own XLA flags, e.g. 8 host devices).
 
-The child prints one line ``REPORT <json>``; the parent takes the last such line. A bare "last line of
-stdout" broke once in a fresh-clone `make test` (session 29): something in the child wrote a stray ``x`` without a newline, so the JSON
-line began ``x{...``. The marker finds the report wherever the line starts, and anything printed
-after the JSON on the same line is ignored.
+The child prints one line ``REPORT <json>``; the parent takes the last such line. A bare "last line
+of stdout" broke once in a fresh-clone ``make test`` (session 29): something in the child wrote a
+stray ``x`` without a newline, so the JSON line began ``x{...``. The marker finds the report
+wherever the line starts, and anything printed after the JSON on the same line is ignored.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The child-process report reader: a fresh-clone test run once saw a stray ``x`` glued to the front of the JSON line."""
+"""The child-process report reader: a fresh-clone test run once saw a stray ``x`` before the JSON."""
 
 import pytest
 
